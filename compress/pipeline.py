@@ -1,0 +1,256 @@
+"""The run loop: validate, find sources, load data, then baseline and stages with caching.
+
+The manifest is the truth about a run folder. It is rewritten atomically after every
+change, a stage is marked done only once its outputs are on disk, and a stage whose
+config and input artifact are unchanged is reported as cached instead of run again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compress.errors import StageError, UserError
+from compress.fingerprint import data_fingerprint, model_fingerprint
+from compress.recipe import Recipe
+from compress.runfolder import (
+    MANIFEST,
+    artifact_intact,
+    atomic_write_json,
+    atomic_write_text,
+    environment,
+    now,
+    read_manifest,
+    sha256_json,
+)
+from compress.sources import check_recipe_sources
+from compress.stages.configs import STAGE_RUNNERS
+
+DONE = ("done", "cached")
+
+
+def log(message: str) -> None:
+    """Progress lines go to stderr; stdout is kept for results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | None = None,
+               echo: Callable[[str], None] = log) -> Path:
+    """Run a validated recipe; return its run folder. Raises UserError or StageError."""
+    from compress.data import load_data  # torch is imported from here on
+
+    model_src, data_src = check_recipe_sources(recipe)
+    first_forced = _first_forced(recipe, force, from_stage)
+    data = load_data(recipe, data_src)
+    base_key = sha256_json([model_fingerprint(recipe.model, model_src),
+                            data_fingerprint(recipe, data_src),
+                            recipe.evaluation.model_dump(mode="json"), recipe.seed])
+    run_dir = Path(recipe.output_dir) / recipe.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(run_dir):
+        runner = _Runner(recipe, run_dir, data, model_src, echo)
+        runner.start()
+        runner.baseline(base_key, force=first_forced == 0 and force)
+        runner.stages(base_key, first_forced)
+    return run_dir
+
+
+def _first_forced(recipe: Recipe, force: bool, from_stage: str | int | None) -> int:
+    """Index of the first stage to run regardless of the cache (len(stages): none)."""
+    if force:
+        return 0
+    if from_stage is None:
+        return len(recipe.stages)
+    text = str(from_stage)
+    if text.isdigit():
+        if int(text) >= len(recipe.stages):
+            raise UserError(f"--from-stage {text}: the recipe has {len(recipe.stages)} stages")
+        return int(text)
+    for i, stage in enumerate(recipe.stages):
+        if text in (stage.kind, stage.name):
+            return i
+    kinds = ", ".join(s.name or s.kind for s in recipe.stages)
+    raise UserError(f"--from-stage {text}: no such stage (stages: {kinds})")
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path):
+    with open(run_dir / ".lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{run_dir}: another compress run is using this folder") from None
+        yield
+
+
+class _Runner:
+    """Holds the manifest and the lazily loaded current model of one run."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path, data, model_src, echo):
+        self.recipe, self.run_dir, self.data, self.model_src = recipe, run_dir, data, model_src
+        self.echo = echo
+        self.manifest: dict[str, Any] = {}
+        self.state = None
+        self.pending: dict[str, Any] | None = None  # outputs to load before the next stage runs
+
+    def start(self) -> None:
+        old = read_manifest(self.run_dir) or {}
+        self.manifest = {
+            "name": self.recipe.name,
+            "created": old.get("created", now()),
+            "updated": now(),
+            "recipe": self.recipe.model_dump(mode="json"),
+            "environment": environment(),
+            "labels": {"names": self.data.label_names, "mapping": self.data.label_mapping},
+            "data": {name: len(ex) for name, ex in self.data.splits.items()},
+            "baseline": old.get("baseline"),
+            "stages": old.get("stages", []),
+        }
+        text = yaml.safe_dump(self.recipe.model_dump(mode="json"), sort_keys=False)
+        atomic_write_text(self.run_dir / "recipe.yaml", text)
+        self.save()
+
+    def save(self) -> None:
+        self.manifest["updated"] = now()
+        atomic_write_json(self.run_dir / MANIFEST, self.manifest)
+
+    def current(self):
+        """The model entering the next stage, loaded on first need."""
+        from compress.models import load_model, load_saved
+        from compress.state import State
+
+        if self.state is None:
+            if self.pending is None:
+                cfg = self.recipe.model
+                bundle = load_model(self.model_src, self.data.label_names, self.data.input_shape,
+                                    cfg.checkpoint, cfg.kwargs, cfg.num_labels)
+                self.state = State(bundle)
+            else:
+                folder = self.run_dir / self.pending["outputs"][0]["model_dir"]
+                self.state = State(load_saved(folder), list(self.pending["outputs"]))
+        return self.state
+
+    def baseline(self, key: str, force: bool) -> None:
+        if not self.recipe.evaluation.baseline:
+            return
+        old = self.manifest.get("baseline") or {}
+        if not force and old.get("key") == key and old.get("status") in DONE:
+            self.manifest["baseline"] = {**old, "status": "cached"}
+            self.echo("baseline: cached")
+            self.save()
+            return
+        from compress.measure import measure
+        from compress.models import state_bytes
+
+        self.echo("baseline: measuring the model before any stage")
+        began = time.perf_counter()
+        bundle = self.current().bundle
+        metrics = measure(bundle, self.data, self.recipe)
+        metrics["size_mb"] = round(state_bytes(bundle.model) / 1e6, 3)
+        self.manifest["baseline"] = {"status": "done", "key": key, "metrics": metrics,
+                                     "wall_time_s": round(time.perf_counter() - began, 2)}
+        self.save()
+        self.echo(f"baseline: {_summary(metrics)}")
+
+    def stages(self, base_key: str, first_forced: int) -> None:
+        entries = self.manifest["stages"]
+        input_sha = base_key
+        total = len(self.recipe.stages)
+        for i, cfg in enumerate(self.recipe.stages):
+            name = cfg.name or cfg.kind
+            config = cfg.model_dump(mode="json")
+            key = sha256_json([config, input_sha, self.manifest["recipe"]["data"],
+                               self.manifest["recipe"]["evaluation"], self.recipe.seed])
+            old = entries[i] if i < len(entries) else None
+            tag = f"[{i + 1}/{total}] {name}"
+            if i < first_forced and self._reusable(old, key):
+                old["status"] = "cached"
+                self.pending, self.state = old, None
+                self.echo(f"{tag}: cached")
+            else:
+                old = self._run_stage(i, cfg, name, config, key, input_sha)
+                self.echo(f"{tag}: done in {old['wall_time_s']:.1f} s: {_summary(old['metrics'])}")
+            if i < len(entries):
+                entries[i] = old
+            else:
+                entries.append(old)
+            self.save()
+            input_sha = old["outputs"][0]["sha256"]
+        del entries[total:]
+        self.save()
+
+    def _reusable(self, entry: dict | None, key: str) -> bool:
+        return bool(entry and entry.get("key") == key and entry.get("status") in DONE
+                    and entry.get("outputs")
+                    and all(artifact_intact(o, self.run_dir) for o in entry["outputs"]))
+
+    def _run_stage(self, i: int, cfg, name: str, config: dict, key: str,
+                   input_sha: str) -> dict[str, Any]:
+        from compress.measure import measure
+        from compress.state import StageContext
+
+        folder = self.run_dir / f"{i:02d}-{cfg.kind}"
+        folder.mkdir(exist_ok=True)
+        state = self.current()
+        entry = {"index": i, "name": name, "kind": cfg.kind, "status": "running",
+                 "key": key, "config": config, "started": now(),
+                 "inputs": list(state.artifacts) or [{"sha256": input_sha, "format": "source"}],
+                 "outputs": [], "metrics": {}, "wall_time_s": None}
+        entries = self.manifest["stages"]
+        entries[i:i + 1] = [entry]
+        self.save()
+        ctx = StageContext(i, name, folder, self.run_dir, self.recipe, self.data, key,
+                           cfg.seed if getattr(cfg, "seed", None) is not None else self.recipe.seed,
+                           log=self.echo)
+        began = time.perf_counter()
+        try:
+            new_state = _runner_for(cfg.kind)(state, cfg, ctx)
+            metrics = measure(new_state.bundle, self.data, self.recipe)
+        except KeyboardInterrupt:
+            self._fail(entry, "interrupted; re-run the same command to resume", began)
+            raise
+        except (StageError, UserError) as exc:
+            self._fail(entry, str(exc), began)
+            raise StageError(name, "; ".join(getattr(exc, "messages", [exc.cause]))) from None
+        except Exception as exc:
+            (folder / "error.log").write_text(traceback.format_exc())
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._fail(entry, cause, began)
+            raise StageError(name, f"{cause} (traceback in {folder / 'error.log'})") from None
+        if ctx.outputs:
+            metrics["size_mb"] = round(ctx.outputs[0]["bytes"] / 1e6, 3)
+        metrics.update(ctx.metrics)
+        new_state.artifacts = list(ctx.outputs)
+        entry.update(status="done", outputs=ctx.outputs, metrics=metrics, finished=now(),
+                     wall_time_s=round(time.perf_counter() - began, 2))
+        self.state, self.pending = new_state, None
+        shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)
+        return entry
+
+    def _fail(self, entry: dict, cause: str, began: float) -> None:
+        entry.update(status="failed", error=cause, finished=now(),
+                     wall_time_s=round(time.perf_counter() - began, 2))
+        self.save()
+
+
+def _runner_for(kind: str):
+    module, func = STAGE_RUNNERS[kind].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _summary(metrics: dict[str, Any]) -> str:
+    parts = []
+    for key in ("accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8", "size_mb", "sparsity"):
+        if key in metrics:
+            parts.append(f"{key} {metrics[key]}")
+    return ", ".join(parts)

@@ -1,0 +1,122 @@
+"""The run folder: atomic writes, artifact records, the manifest and the environment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+LIBRARIES = ("torch", "torchao", "transformers", "tokenizers", "onnx", "onnxruntime",
+             "torchserve", "torch-model-archiver", "torch-tensorrt", "pydantic", "numpy",
+             "scikit-learn", "compress")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+             "amx_int8")
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Atomically write `data` as indented JSON."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_json(data: Any) -> str:
+    """Hex sha256 of a JSON-serialisable value (keys sorted)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def artifact_record(path: Path, run_dir: Path, fmt: str) -> dict[str, Any]:
+    """`{path, format, sha256, bytes}` for a file inside the run folder."""
+    return {"path": str(path.relative_to(run_dir)), "format": fmt,
+            "sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def artifact_intact(record: dict[str, Any], run_dir: Path) -> bool:
+    """True when the recorded artifact is on disk with the recorded size and sha256."""
+    path = run_dir / record["path"]
+    return (path.is_file() and path.stat().st_size == record["bytes"]
+            and sha256_file(path) == record["sha256"])
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any] | None:
+    """The run's manifest, or None when there is none (or it cannot be read)."""
+    path = run_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Library versions, Python, CPU model, cores, ISA flags and torch threads."""
+    import torch
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    cpu_model, flags = _cpu_info()
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "libraries": versions,
+        "cpu": {"model": cpu_model, "cores": os.cpu_count(),
+                "isa": {flag: flag in flags for flag in ISA_FLAGS}},
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def _cpu_info() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown", "", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags

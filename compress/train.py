@@ -1,0 +1,177 @@
+"""The one training loop shared by finetune, distill and quantization-aware training.
+
+AdamW, linear warm-up and decay, gradient accumulation and clipping, bf16 autocast, a
+progress bar (loss, examples/s, ETA), a checkpoint every N steps and on Ctrl-C. The data
+order is a pure function of (seed, step), so a resumed run ends with the same weights as
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from compress.data import Examples, collate
+from compress.evaluate import logits_of
+
+LossFn = Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]
+CHECKPOINT = "checkpoint.pt"
+
+
+def cross_entropy(model: nn.Module, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Plain supervised loss."""
+    return nn.functional.cross_entropy(logits_of(model, inputs), labels)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    resumed_from: int
+    final_loss: float
+    examples_per_s: float
+    wall_s: float
+
+
+class Schedule:
+    """Which examples each micro-batch holds: a seeded permutation per epoch."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.per_epoch = math.ceil(n / batch_size)
+        self._epoch, self._perm = -1, None
+
+    def batch(self, micro_index: int) -> list[int]:
+        epoch, within = divmod(micro_index, self.per_epoch)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen).tolist()
+        return self._perm[within * self.batch_size:(within + 1) * self.batch_size]
+
+
+def total_steps(n: int, opts) -> int:
+    """Optimizer steps of a run: max_steps, or epochs over n examples."""
+    if opts.max_steps:
+        return opts.max_steps
+    micro = math.ceil(n / opts.batch_size)
+    return max(1, math.ceil(opts.epochs * micro / opts.grad_accum_steps))
+
+
+def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_dir: Path,
+          key: str, tokenizer=None, max_length: int = 128, loss_fn: LossFn = cross_entropy,
+          desc: str = "train", on_step: Callable[[int], None] | None = None) -> TrainResult:
+    """Train `model` in place; resume from `checkpoint_dir` when its checkpoint has `key`."""
+    torch.manual_seed(seed)
+    steps = total_steps(len(examples), opts)
+    warmup = int(opts.warmup_ratio * steps)
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": opts.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}], lr=opts.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: s / max(1, warmup) if s < warmup
+        else max(0.0, (steps - s) / max(1, steps - warmup)))
+    start = _resume(checkpoint_dir, key, model, optimizer, scheduler)
+    schedule = Schedule(len(examples), opts.batch_size, seed)
+    model.train()
+    stop = _GracefulStop()
+    bar = tqdm(total=steps, initial=start, desc=desc, unit="step", dynamic_ncols=True,
+               mininterval=1.0)
+    began, seen, loss_value = time.perf_counter(), 0, float("nan")
+    try:
+        with stop:
+            for step in range(start, steps):
+                loss_value = 0.0
+                for a in range(opts.grad_accum_steps):
+                    idx = schedule.batch(step * opts.grad_accum_steps + a)
+                    inputs, labels = collate(examples, idx, tokenizer, max_length)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
+                        loss = loss_fn(model, inputs, labels) / opts.grad_accum_steps
+                    loss.backward()
+                    loss_value += float(loss.detach())
+                    seen += len(idx)
+                if opts.max_grad_norm:
+                    nn.utils.clip_grad_norm_(model.parameters(), opts.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                rate = seen / max(1e-9, time.perf_counter() - began)
+                bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{rate:.1f}", refresh=False)
+                bar.update(1)
+                done = step + 1
+                if on_step:
+                    on_step(done)
+                if stop.requested or (done % opts.checkpoint_every == 0 and done < steps):
+                    save_checkpoint(checkpoint_dir, key, done, model, optimizer, scheduler)
+                if stop.requested:
+                    raise KeyboardInterrupt
+    finally:
+        bar.close()
+        model.eval()
+    wall = time.perf_counter() - began
+    return TrainResult(steps, start, round(loss_value, 6), round(seen / max(wall, 1e-9), 2),
+                       round(wall, 2))
+
+
+def save_checkpoint(folder: Path, key: str, step: int, model: nn.Module, optimizer,
+                    scheduler) -> Path:
+    """Atomically write everything needed to continue after `step`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {"key": key, "step": step, "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": torch.get_rng_state()}
+    tmp = folder / f".{CHECKPOINT}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, folder / CHECKPOINT)
+    return folder / CHECKPOINT
+
+
+def _resume(folder: Path, key: str, model: nn.Module, optimizer, scheduler) -> int:
+    path = folder / CHECKPOINT
+    if not path.is_file():
+        return 0
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("key") != key:
+        tqdm.write(f"ignoring {path}: it belongs to another configuration")
+        return 0
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    tqdm.write(f"resuming from {path} at step {state['step']}")
+    return int(state["step"])
+
+
+class _GracefulStop:
+    """Turn the first Ctrl-C into a flag checked between optimizer steps."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _GracefulStop:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+        tqdm.write("interrupted: saving a checkpoint after this step (Ctrl-C again to abort)")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)

@@ -131,6 +131,9 @@ class _Runner:
 
         if self.state is None:
             if self.pending is None:
+                import torch
+
+                torch.manual_seed(self.recipe.seed)  # new heads and factory models init alike
                 cfg = self.recipe.model
                 bundle = load_model(self.model_src, self.data.label_names, self.data.input_shape,
                                     cfg.checkpoint, cfg.kwargs, cfg.num_labels)

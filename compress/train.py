@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,13 +143,13 @@ def _resume(folder: Path, key: str, model: nn.Module, optimizer, scheduler) -> i
         return 0
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("key") != key:
-        tqdm.write(f"ignoring {path}: it belongs to another configuration")
+        tqdm.write(f"ignoring {path}: it belongs to another configuration", file=sys.stderr)
         return 0
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
-    tqdm.write(f"resuming from {path} at step {state['step']}")
+    tqdm.write(f"resuming from {path} at step {state['step']}", file=sys.stderr)
     return int(state["step"])
 
 
@@ -170,7 +171,8 @@ class _GracefulStop:
         if self.requested:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         self.requested = True
-        tqdm.write("interrupted: saving a checkpoint after this step (Ctrl-C again to abort)")
+        tqdm.write("interrupted: saving a checkpoint after this step (Ctrl-C again to abort)",
+                   file=sys.stderr)
 
     def __exit__(self, *exc: Any) -> None:
         if self._previous is not None:

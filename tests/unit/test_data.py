@@ -1,0 +1,107 @@
+"""Data sources: tables in three formats, string labels, subsets, digits, per-batch padding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import minilm_folder, write_sentiment_tables
+
+from compress.data import collate, load_data
+from compress.errors import UserError
+from compress.recipe import Recipe
+from compress.sources import check_recipe_sources, resolve_data
+
+
+def _recipe(source: str, **data) -> Recipe:
+    return Recipe.model_validate({
+        "name": "t", "model": {"source": "compress.zoo:mlp"},
+        "data": {"source": source, "text_column": "sentence", **data},
+        "stages": [{"kind": "finetune"}]})
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".csv", ".jsonl"])
+def test_tables_in_every_format(tmp_path: Path, suffix: str) -> None:
+    folder = write_sentiment_tables(tmp_path / "d", n_train=40, n_eval=10, suffix=suffix)
+    recipe = _recipe(str(folder))
+    data = load_data(recipe, resolve_data(str(folder)))
+    assert data.task == "text" and data.label_names == ["0", "1"]
+    assert len(data.splits["train"]) == 40 and len(data.splits["eval"]) == 10
+    assert data.splits["train"].labels[:4] == [0, 1, 0, 1]
+    assert data.splits["eval"].texts[0].endswith("movie") or "movie" in data.splits["eval"].texts[0]
+
+
+def test_string_labels_map_to_ids_in_label_names_order(tmp_path: Path) -> None:
+    folder = write_sentiment_tables(tmp_path / "d", n_train=20, n_eval=6, string_labels=True)
+    recipe = _recipe(str(folder), label_names=["positive", "negative"])
+    data = load_data(recipe, resolve_data(str(folder)))
+    assert data.label_mapping == {"positive": 0, "negative": 1}
+    assert data.splits["train"].labels[:2] == [1, 0]  # row 0 is negative
+
+
+def test_unknown_string_label_is_a_user_error(tmp_path: Path) -> None:
+    folder = write_sentiment_tables(tmp_path / "d", n_train=20, n_eval=6, string_labels=True)
+    with pytest.raises(UserError, match="labels \\['positive'\\] are not among"):
+        load_data(_recipe(str(folder), label_names=["negative", "neutral"]),
+                  resolve_data(str(folder)))
+
+
+def test_max_samples_is_a_seeded_subset(tmp_path: Path) -> None:
+    folder = write_sentiment_tables(tmp_path / "d", n_train=100, n_eval=10)
+    source = resolve_data(str(folder))
+    pick = {"train": {"split": "train", "max_samples": 30}}
+    a = load_data(_recipe(str(folder), **pick), source).splits["train"]
+    b = load_data(_recipe(str(folder), **pick), source).splits["train"]
+    assert len(a) == 30 and a.texts == b.texts
+
+
+def test_sst2_mirror_through_compress_data_dir(data_dir: Path, monkeypatch) -> None:
+    monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
+    recipe = _recipe("stanfordnlp/sst2", eval={"split": "validation"},
+                     train={"split": "train", "max_samples": 100})
+    data = load_data(recipe, resolve_data("stanfordnlp/sst2"))
+    assert len(data.splits["eval"]) == 872 and len(data.splits["train"]) == 100
+    assert set(data.splits["eval"].labels) == {0, 1}
+
+
+def test_digits_holdout_is_stratified_and_disjoint() -> None:
+    recipe = Recipe.model_validate({
+        "name": "d", "model": {"source": "compress.zoo:mlp"},
+        "data": {"source": "sklearn:digits", "eval": {"split": "test"}},
+        "stages": [{"kind": "finetune"}]})
+    data = load_data(recipe, resolve_data("sklearn:digits"))
+    train, held = data.splits["train"], data.splits["eval"]
+    assert len(train) + len(held) == 1797 and len(held) == 360
+    assert train.inputs.shape[1:] == (1, 8, 8) and data.input_shape == [1, 8, 8]
+    assert float(train.inputs.max()) <= 1.0
+    assert set(held.labels) == set(range(10))
+    train_rows = {tuple(x.flatten().tolist()) for x in train.inputs}
+    overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in held.inputs)
+    assert overlap < 10  # digits holds a few duplicate images; the split itself is disjoint
+
+
+def test_text_batches_are_padded_to_their_longest_item(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from compress.data import Examples
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    examples = Examples(labels=[0, 1, 0], texts=["short", "a somewhat longer sentence here",
+                                                  "word " * 300])
+    inputs, labels = collate(examples, [0, 1], tokenizer, max_length=64)
+    assert inputs["input_ids"].shape == (2, 7)  # [CLS] + 5 words + [SEP], not 64
+    assert inputs["attention_mask"][0].tolist() == [1, 1, 1, 0, 0, 0, 0]
+    assert labels.tolist() == [0, 1]
+    long_inputs, _ = collate(examples, [2], tokenizer, max_length=64)
+    assert long_inputs["input_ids"].shape == (1, 64)  # truncated
+    assert isinstance(long_inputs["input_ids"], torch.Tensor)
+
+
+def test_wrong_split_name_is_reported_before_any_work(tmp_path: Path) -> None:
+    folder = write_sentiment_tables(tmp_path / "d", n_train=10, n_eval=4)
+    recipe = _recipe(str(folder), eval={"split": "test"})
+    with pytest.raises(UserError) as info:
+        check_recipe_sources(recipe)
+    assert "data.eval.split: split 'test' not found" in info.value.messages[0]
+    assert "train.tsv, validation.tsv" in info.value.messages[0]

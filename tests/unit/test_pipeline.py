@@ -1,0 +1,150 @@
+"""The runner: run folder layout, manifest, caching, --force/--from-stage, failures, kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import digits_recipe, run_cli, write_recipe
+from safetensors.torch import load_file
+
+from compress.runfolder import sha256_file
+
+METRIC_KEYS = {"accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8", "size_mb", "params",
+               "sparsity"}
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def test_run_writes_a_self_describing_folder(tmp_path: Path) -> None:
+    raw = digits_recipe(tmp_path / "runs")
+    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "tiny_digits"
+    assert (run_dir / "recipe.yaml").is_file() and (run_dir / "00-finetune").is_dir()
+    manifest = _manifest(run_dir)
+    env = manifest["environment"]
+    assert env["libraries"]["torch"].startswith("2.13")
+    assert {"avx512_vnni", "amx_tile"} <= set(env["cpu"]["isa"]) and env["threads"] >= 1
+    assert set(manifest["baseline"]["metrics"]) >= METRIC_KEYS
+    stage = manifest["stages"][0]
+    assert stage["name"] == "finetune" and stage["kind"] == "finetune"
+    assert stage["status"] == "done" and stage["config"]["learning_rate"] == 0.01
+    assert set(stage["metrics"]) >= METRIC_KEYS
+    assert stage["metrics"]["accuracy"] > 0.9 > manifest["baseline"]["metrics"]["accuracy"]
+    assert stage["metrics"]["params"] == 64 * 32 + 32 + 32 * 10 + 10
+    out = stage["outputs"][0]
+    weights = run_dir / out["path"]
+    assert out["format"] == "safetensors" and out["sha256"] == sha256_file(weights)
+    assert out["bytes"] == weights.stat().st_size
+    assert stage["inputs"][0]["format"] == "source" and stage["wall_time_s"] > 0
+    assert not (run_dir / "00-finetune" / "checkpoints").exists()
+    assert len(load_file(str(weights))) == 4
+    assert "done in" in result.stderr and "finetune" in result.stderr
+
+
+def test_rerun_is_cached_and_config_change_reruns(tmp_path: Path) -> None:
+    raw = digits_recipe(tmp_path / "runs")
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    assert run_cli("run", str(path)).returncode == 0
+    run_dir = tmp_path / "runs" / "tiny_digits"
+    first = _manifest(run_dir)["stages"][0]
+
+    again = run_cli("run", str(path))
+    assert again.returncode == 0
+    assert "baseline: cached" in again.stderr and "[1/1] finetune: cached" in again.stderr
+    cached = _manifest(run_dir)["stages"][0]
+    assert cached["status"] == "cached" and cached["outputs"] == first["outputs"]
+
+    forced = run_cli("run", str(path), "--from-stage", "finetune")
+    assert "finetune: done" in forced.stderr and "baseline: cached" in forced.stderr
+
+    changed = run_cli("run", str(path), "stages.0.learning_rate=0.02")
+    assert changed.returncode == 0 and "finetune: done" in changed.stderr
+    assert _manifest(run_dir)["stages"][0]["config"]["learning_rate"] == 0.02
+
+    everything = run_cli("run", str(path), "--force")
+    assert "baseline: measuring" in everything.stderr and "finetune: done" in everything.stderr
+
+
+def test_damaged_artifact_is_not_reused(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path / "r.yaml", digits_recipe(tmp_path / "runs"))
+    assert run_cli("run", str(path)).returncode == 0
+    weights = tmp_path / "runs/tiny_digits/00-finetune/model/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    result = run_cli("run", str(path))
+    assert result.returncode == 0 and "finetune: done" in result.stderr
+
+
+def test_bad_from_stage(tmp_path: Path) -> None:
+    path = write_recipe(tmp_path / "r.yaml", digits_recipe(tmp_path / "runs"))
+    result = run_cli("run", str(path), "--from-stage", "prune")
+    assert result.returncode == 2 and "no such stage (stages: finetune)" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_failing_stage_exits_1_with_one_line_and_marks_manifest(tmp_path: Path) -> None:
+    raw = digits_recipe(tmp_path / "runs")
+    raw["model"] = {"source": "failing_model:build"}
+    (tmp_path / "failing_model.py").write_text(
+        "import torch\n"
+        "class Fails(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.linear = torch.nn.Linear(64, 10)\n"
+        "    def forward(self, x):\n"
+        "        if self.training: raise RuntimeError('cannot train this one')\n"
+        "        return self.linear(x.flatten(1))\n"
+        "def build():\n"
+        "    return Fails()\n")
+    path = write_recipe(tmp_path / "r.yaml", raw)
+    result = run_cli("run", str(path), env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1
+    assert "stage finetune failed: RuntimeError: cannot train this one" in error_lines[0]
+    stage = _manifest(tmp_path / "runs/tiny_digits")["stages"][0]
+    assert stage["status"] == "failed" and "cannot train this one" in stage["error"]
+    assert "RuntimeError" in (tmp_path / "runs/tiny_digits/00-finetune/error.log").read_text()
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "00-finetune/model/model.safetensors"))
+
+
+def test_kill_9_mid_training_then_rerun_resumes_to_the_same_weights(tmp_path: Path) -> None:
+    long_run = {"epochs": 40, "checkpoint_every": 20}
+    ref = write_recipe(tmp_path / "ref.yaml", digits_recipe(tmp_path / "ref", **long_run))
+    assert run_cli("run", str(ref)).returncode == 0
+
+    path = write_recipe(tmp_path / "r.yaml", digits_recipe(tmp_path / "runs", **long_run))
+    run_dir = tmp_path / "runs" / "tiny_digits"
+    checkpoint = run_dir / "00-finetune/checkpoints/checkpoint.pt"
+    proc = subprocess.Popen([sys.executable, "-m", "compress", "run", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    manifest = _manifest(run_dir)
+    assert manifest["stages"][0]["status"] == "running"  # consistent, and honest about it
+
+    result = run_cli("run", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "resuming from" in result.stderr
+    stage = _manifest(run_dir)["stages"][0]
+    assert stage["status"] == "done" and stage["metrics"]["resumed_from_step"] > 0
+    reference = _final_weights(tmp_path / "ref" / "tiny_digits")
+    resumed = _final_weights(run_dir)
+    for name, tensor in reference.items():
+        assert torch.equal(tensor, resumed[name]), name

@@ -1,0 +1,99 @@
+"""The shared training loop: learning, schedule, Ctrl-C checkpoint and exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.data import Examples
+from compress.stages.configs import FinetuneConfig
+from compress.train import CHECKPOINT, Schedule, total_steps, train
+from compress.zoo import mlp
+
+
+def _blobs(n: int = 256, seed: int = 0) -> Examples:
+    """Two Gaussian blobs in 64 dimensions: linearly separable."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = [i % 2 for i in range(n)]
+    centers = torch.tensor(labels, dtype=torch.float32)[:, None] * 2 - 1
+    inputs = centers + 0.5 * torch.randn(n, 64, generator=gen)
+    return Examples(labels=labels, inputs=inputs)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(mlp(64, 16, 2), torch.nn.Dropout(0.2))
+
+
+OPTS = FinetuneConfig(epochs=3, batch_size=16, learning_rate=0.01, checkpoint_every=5,
+                      grad_accum_steps=2)
+
+
+def test_training_learns_and_counts_steps(tmp_path: Path) -> None:
+    data = _blobs()
+    model = _model()
+    result = train(model, data, OPTS, seed=0, checkpoint_dir=tmp_path, key="k")
+    assert result.steps == total_steps(len(data), OPTS) == 24  # 16 micro-batches / 2 x 3
+    with torch.no_grad():
+        model.eval()
+        acc = (model(data.inputs).argmax(-1) == torch.tensor(data.labels)).float().mean()
+    assert acc > 0.95
+    assert result.final_loss < 0.3
+
+
+def test_schedule_is_a_pure_function_of_seed_and_index() -> None:
+    a, b = Schedule(50, 8, seed=1), Schedule(50, 8, seed=1)
+    first = [a.batch(i) for i in range(14)]
+    assert [b.batch(i) for i in reversed(range(14))] == list(reversed(first))
+    epoch0 = sorted(i for batch in first[:7] for i in batch)
+    assert epoch0 == list(range(50))  # one epoch sees every example once
+    assert first[:7] != first[7:]  # a new order every epoch
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    data = _blobs()
+    reference = _model()
+    train(reference, data, OPTS, seed=0, checkpoint_dir=tmp_path / "ref", key="k")
+
+    def interrupt_at_7(step: int) -> None:
+        if step == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupted = _model()
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted, data, OPTS, seed=0, checkpoint_dir=tmp_path / "run", key="k",
+              on_step=interrupt_at_7)
+    saved = torch.load(tmp_path / "run" / CHECKPOINT, weights_only=True)
+    assert saved["step"] == 7
+
+    resumed = _model()  # a fresh process would start from fresh weights too
+    result = train(resumed, data, OPTS, seed=0, checkpoint_dir=tmp_path / "run", key="k")
+    assert result.resumed_from == 7
+    for (name, a), b in zip(reference.state_dict().items(), resumed.state_dict().values(),
+                                strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_of_another_config_is_ignored(tmp_path: Path) -> None:
+    data = _blobs()
+    train(_model(), data, OPTS.model_copy(update={"max_steps": 5}), seed=0,
+          checkpoint_dir=tmp_path, key="old")  # leaves no checkpoint at its last step
+    assert not (tmp_path / CHECKPOINT).exists()
+    train(_model(), data, OPTS.model_copy(update={"max_steps": 6, "checkpoint_every": 5}),
+          seed=0, checkpoint_dir=tmp_path, key="old")
+    assert (tmp_path / CHECKPOINT).exists()
+    result = train(_model(), data, OPTS, seed=0, checkpoint_dir=tmp_path, key="new")
+    assert result.resumed_from == 0
+
+
+def test_bf16_autocast_trains(tmp_path: Path) -> None:
+    data = _blobs()
+    model = _model()
+    result = train(model, data, OPTS.model_copy(update={"bf16": True}), seed=0,
+                   checkpoint_dir=tmp_path, key="k")
+    assert result.final_loss < 0.5
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32

@@ -18,8 +18,9 @@ def _manifest(run_dir: Path) -> dict:
 def test_bert_finetune_shrunk_learns_sst2_and_reruns_cached(tmp_path: Path,
                                                            data_dir: Path) -> None:
     args = ["run", str(REPO / "recipes/bert_finetune.yaml"), f"output_dir={tmp_path}",
-            "data.train.max_samples=960", "data.eval.max_samples=200",
-            "stages.0.checkpoint_every=10", "evaluation.latency.iters=3",
+            "data.train.max_samples=1600", "data.eval.max_samples=200",
+            "stages.0.checkpoint_every=10", "stages.0.learning_rate=2e-4",
+            "evaluation.latency.iters=3",
             "evaluation.latency.warmup=1"]
     env = {"COMPRESS_DATA_DIR": str(data_dir)}
     result = run_cli(*args, env=env)
@@ -27,8 +28,8 @@ def test_bert_finetune_shrunk_learns_sst2_and_reruns_cached(tmp_path: Path,
     manifest = _manifest(tmp_path / "bert_finetune")
     baseline = manifest["baseline"]["metrics"]
     stage = manifest["stages"][0]
-    assert manifest["data"] == {"eval": 200, "train": 960}
-    assert stage["metrics"]["train_steps"] == 30
+    assert manifest["data"] == {"eval": 200, "train": 1600}
+    assert stage["metrics"]["train_steps"] == 50
     assert stage["metrics"]["accuracy"] >= 0.75, stage["metrics"]
     assert stage["metrics"]["accuracy"] > baseline["accuracy"] + 0.15
     assert stage["metrics"]["params"] == baseline["params"] > 22_000_000

@@ -18,6 +18,8 @@ from torch import nn
 from compress.errors import UserError
 from compress.sources import ModelSource
 
+STRUCTURE = "structure.json"
+
 
 @dataclass
 class ModelBundle:
@@ -30,6 +32,7 @@ class ModelBundle:
     factory: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] = field(default_factory=list)
+    structure: dict[str, Any] | None = None  # shapes after structured pruning (to rebuild)
 
     @property
     def is_text(self) -> bool:
@@ -56,13 +59,17 @@ def load_model(source: ModelSource, label_names: list[str], input_shape: list[in
     return bundle
 
 
-def _load_hf(location: str, label_names: list[str]) -> ModelBundle:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def _load_hf(location: str, label_names: list[str], weights: bool = True) -> ModelBundle:
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the new classifier head's "newly initialized" notice
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
+        if not weights:  # the architecture only; the caller loads weights
+            config = AutoConfig.from_pretrained(location)
+            model = AutoModelForSequenceClassification.from_config(config).eval()
+            return ModelBundle(model, "hf", label_names, tokenizer=tokenizer)
         model = AutoModelForSequenceClassification.from_pretrained(
             location,
             num_labels=len(label_names),
@@ -118,6 +125,12 @@ def load_weights(model: nn.Module, path: str) -> None:
 def save_model(bundle: ModelBundle, folder: Path) -> Path:
     """Write the model into `folder` (weights as safetensors); return the weights file."""
     folder.mkdir(parents=True, exist_ok=True)
+    if bundle.kind == "pt2e":  # a quantized exported program
+        from compress.quantization import save_quantized
+
+        return save_quantized(bundle, folder)
+    if bundle.structure is not None:
+        (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
     if bundle.kind == "hf":
         bundle.model.save_pretrained(folder, safe_serialization=True)
         bundle.tokenizer.save_pretrained(folder)
@@ -134,17 +147,32 @@ def save_model(bundle: ModelBundle, folder: Path) -> Path:
 
 def load_saved(folder: Path) -> ModelBundle:
     """Read back a folder written by `save_model`."""
+    if (folder / "model.pt2").is_file():
+        from compress.quantization import load_quantized
+
+        return load_quantized(folder)
+    structure_file = folder / STRUCTURE
+    structure = json.loads(structure_file.read_text()) if structure_file.is_file() else None
     meta_file = folder / "model.json"
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
         model = build_factory(meta["factory"], meta["kwargs"])
-        load_weights(model, str(folder / "model.safetensors"))
-        return ModelBundle(model, "factory", meta["label_names"], factory=meta["factory"],
-                           kwargs=meta["kwargs"], input_shape=meta["input_shape"])
-    config = json.loads((folder / "config.json").read_text())
-    labels = config.get("id2label") or {}
-    names = [labels[k] for k in sorted(labels, key=int)]
-    return _load_hf(str(folder), names)
+        bundle = ModelBundle(model, "factory", meta["label_names"], factory=meta["factory"],
+                             kwargs=meta["kwargs"], input_shape=meta["input_shape"])
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        labels = config.get("id2label") or {}
+        names = [labels[k] for k in sorted(labels, key=int)]
+        bundle = _load_hf(str(folder), names, weights=structure is None)
+    if structure is not None:  # shrink the fresh model to the pruned shapes, then load
+        from compress.pruning import apply_structure
+
+        apply_structure(bundle.model, structure)
+        bundle.structure = structure
+        load_weights(bundle.model, str(folder / "model.safetensors"))
+    elif bundle.kind == "factory":
+        load_weights(bundle.model, str(folder / "model.safetensors"))
+    return bundle
 
 
 def count_params(model: nn.Module) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StrictModel(BaseModel):
@@ -53,13 +53,140 @@ class FinetuneConfig(TrainOptions):
     uses_splits: ClassVar[tuple[str, ...]] = ("train",)
 
 
+class StudentSpec(StrictModel):
+    """The student of a distillation: exactly one of layers, layer_indices, factory, hf_config."""
+
+    layers: int | None = Field(
+        None, ge=1, description="Keep this many evenly spaced teacher layers.")
+    layer_indices: list[int] | None = Field(
+        None, min_length=1, description="Keep exactly these teacher layers (0-based).")
+    factory: str | None = Field(None, description="`module:factory` building the student.")
+    kwargs: dict = Field(default_factory=dict, description="Arguments of the factory.")
+    hf_config: dict | None = Field(
+        None, description="Overrides of the teacher's HF config (a fresh student).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StudentSpec:
+        given = [k for k in ("layers", "layer_indices", "factory", "hf_config")
+                 if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of layers, layer_indices, factory, hf_config "
+                             f"(got {', '.join(given) or 'none'})")
+        indices = self.layer_indices
+        if indices is not None and (min(indices) < 0 or len(set(indices)) != len(indices)):
+            raise ValueError("layer_indices must be distinct and non-negative")
+        return self
+
+
+class DistillConfig(TrainOptions):
+    """Knowledge distillation: the entering model is the frozen teacher of a smaller student."""
+
+    kind: Literal["distill"] = "distill"
+    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    student: StudentSpec = Field(description="How the student is built.")
+    temperature: float = Field(2.0, gt=0, description="Softmax temperature T of the KL term.")
+    alpha: float = Field(
+        0.5, ge=0, le=1,
+        description="Weight of cross-entropy; (1 - alpha) * T^2 weighs the KL term.")
+
+    needs_before: ClassVar[tuple[str, ...]] = ()
+    uses_splits: ClassVar[tuple[str, ...]] = ("train",)
+
+
+class PruneConfig(StrictModel):
+    """Magnitude pruning: unstructured (per layer), global (one threshold), or structured."""
+
+    kind: Literal["prune"] = "prune"
+    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    method: Literal["unstructured", "global", "structured"] = Field(
+        "unstructured", description="unstructured: L1 per layer; global: one threshold across "
+        "layers; structured: remove whole neurons, heads or channels.")
+    amount: float = Field(0.5, gt=0, lt=1, description="Share of weights (or units) to remove.")
+    target: Literal["ffn", "heads", "ffn+heads", "channels"] = Field(
+        "ffn", description="Structured only: feed-forward neurons, heads, or CNN channels.")
+    include: list[str] = Field(
+        default_factory=lambda: ["*"], description="Module name patterns to prune (fnmatch).")
+    exclude: list[str] = Field(
+        default_factory=lambda: ["*embeddings*", "*classifier*", "*pooler*"],
+        description="Module name patterns never pruned (embeddings and the head by default).")
+    recovery: TrainOptions | None = Field(
+        None, description="Fine-tune after pruning (masks kept) to recover accuracy.")
+    gradual: bool = Field(
+        False, description="Raise sparsity step by step over the recovery steps (needs recovery).")
+
+    needs_before: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def uses_splits(self) -> tuple[str, ...]:
+        return ("train",) if self.recovery else ()
+
+    @model_validator(mode="after")
+    def _gradual_needs_recovery(self) -> PruneConfig:
+        if self.gradual and self.recovery is None:
+            raise ValueError("gradual: true needs recovery (the steps over which sparsity rises)")
+        return self
+
+
+class CalibrationOptions(StrictModel):
+    """Calibration of static quantization."""
+
+    samples: int = Field(256, ge=1, description="Examples of the calibration split to observe.")
+    batch_size: int = Field(32, ge=1, description="Batch size of the calibration passes.")
+
+
+class QuantizeConfig(StrictModel):
+    """int8 quantization through torch.export and torchao's PT2E flow (X86InductorQuantizer)."""
+
+    kind: Literal["quantize"] = "quantize"
+    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    mode: Literal["dynamic", "static", "qat"] = Field(
+        "static", description="dynamic activations, static (calibrated), or quantization-aware "
+        "training.")
+    per_channel: bool = Field(True, description="Per-channel weight scales.")
+    keep_float: list[str] = Field(
+        default_factory=list, description="Module name patterns left in float (fnmatch).")
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    qat: TrainOptions = Field(
+        default_factory=lambda: TrainOptions(max_steps=100, learning_rate=2e-5),
+        description="Training options of mode qat.")
+    compile: bool = Field(True, description="Evaluate through torch.compile with freezing.")
+
+    needs_before: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def uses_splits(self) -> tuple[str, ...]:
+        return {"dynamic": (), "static": ("calibration",),
+                "qat": ("train", "calibration")}[self.mode]
+
+
+class CompileConfig(StrictModel):
+    """torch.compile of the current model; records compile time and latency after it."""
+
+    kind: Literal["compile"] = "compile"
+    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        Field("default", description="torch.compile mode."))
+    dynamic: bool | None = Field(None, description="Dynamic shapes (null: let torch decide).")
+    freezing: bool = Field(True, description="Inductor freezing (constant-folds weights).")
+
+    needs_before: ClassVar[tuple[str, ...]] = ()
+
+
 STAGE_CONFIGS: dict[str, type[StrictModel]] = {
     "finetune": FinetuneConfig,
+    "distill": DistillConfig,
+    "prune": PruneConfig,
+    "quantize": QuantizeConfig,
+    "compile": CompileConfig,
 }
 
 # kind -> "module:function", imported only when the stage runs (keeps `validate` torch-free).
 STAGE_RUNNERS: dict[str, str] = {
     "finetune": "compress.stages.finetune:run",
+    "distill": "compress.stages.distill:run",
+    "prune": "compress.stages.prune:run",
+    "quantize": "compress.stages.quantize:run",
+    "compile": "compress.stages.compile:run",
 }
 
 

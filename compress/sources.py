@@ -201,9 +201,31 @@ def check_recipe_sources(recipe) -> tuple[ModelSource, DataSource]:
             if model is None or model.kind != "factory":
                 needed["text_column"] = recipe.data.text_column
             problems += [p for p in check_columns(path, needed) if p not in problems]
+    if model is not None and model.kind == "hf":
+        problems += check_student_layers(recipe, Path(model.location) / "config.json")
     if problems:
         raise UserError(problems)
     return model, data
+
+
+def check_student_layers(recipe, config_file: Path) -> list[str]:
+    """Distill stages that keep more layers than the teacher has (known from config.json)."""
+    try:
+        layers = json.loads(config_file.read_text()).get("num_hidden_layers")
+    except (OSError, json.JSONDecodeError):
+        return []
+    problems = []
+    for i, stage in enumerate(recipe.stages):
+        if stage.kind != "distill" or layers is None:
+            continue
+        spec = stage.student
+        where = f"stages[{i}] (distill).student"
+        if spec.layers is not None and spec.layers > layers:
+            problems.append(f"{where}.layers: {spec.layers} layers, but the teacher has {layers}")
+        elif spec.layer_indices is not None and max(spec.layer_indices) >= layers:
+            problems.append(f"{where}.layer_indices: the teacher has layers 0..{layers - 1}")
+        layers = spec.layers or (len(spec.layer_indices) if spec.layer_indices else None)
+    return problems
 
 
 def used_splits(recipe) -> list[str]:

@@ -1,0 +1,112 @@
+"""Distillation: the KD loss by hand, student construction, and a stage run on a tiny BERT."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.distill import build_student, encoder_layers, evenly_spaced, kd_loss
+from compress.models import load_model
+from compress.sources import resolve_model
+from compress.stages.configs import StudentSpec
+
+
+def test_kd_loss_equals_the_hand_computed_value() -> None:
+    student = torch.tensor([[1.0, 2.0, 0.5]])
+    teacher = torch.tensor([[2.0, 0.0, 1.0]])
+    labels = torch.tensor([1])
+    t, alpha = 2.0, 0.3
+    p_teacher = [math.exp(v / t) for v in (2.0, 0.0, 1.0)]
+    p_teacher = [v / sum(p_teacher) for v in p_teacher]
+    p_student = [math.exp(v / t) for v in (1.0, 2.0, 0.5)]
+    p_student = [v / sum(p_student) for v in p_student]
+    kl = sum(pt * math.log(pt / ps) for pt, ps in zip(p_teacher, p_student, strict=True))
+    ce = -math.log(math.exp(2.0) / sum(math.exp(v) for v in (1.0, 2.0, 0.5)))
+    expected = alpha * ce + (1 - alpha) * t * t * kl
+    assert kd_loss(student, teacher, labels, t, alpha).item() == pytest.approx(expected, 1e-6)
+    assert kd_loss(teacher, teacher, None, t, 0.0).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_evenly_spaced_layers() -> None:
+    assert evenly_spaced(3, 6) == [0, 2, 5]
+    assert evenly_spaced(2, 6) == [0, 5]
+    assert evenly_spaced(1, 6) == [5]
+    assert evenly_spaced(6, 6) == list(range(6))
+
+
+def test_layer_student_copies_the_teachers_layers(tiny_bert: Path) -> None:
+    teacher = load_model(resolve_model(str(tiny_bert)), ["neg", "pos"], [])
+    student = build_student(teacher, StudentSpec(layer_indices=[1]))
+    assert len(encoder_layers(student.model)) == 1 and student.model.config.num_hidden_layers == 1
+    kept = encoder_layers(student.model)[0].output.dense.weight
+    assert torch.equal(kept, encoder_layers(teacher.model)[1].output.dense.weight)
+    assert kept.data_ptr() != encoder_layers(teacher.model)[1].output.dense.weight.data_ptr()
+    assert len(encoder_layers(teacher.model)) == 2  # the teacher is untouched
+
+
+def test_student_with_more_layers_than_the_teacher_is_refused(tiny_bert: Path) -> None:
+    teacher = load_model(resolve_model(str(tiny_bert)), ["neg", "pos"], [])
+    with pytest.raises(ValueError, match="keeps 3 layers but the teacher has only 2"):
+        build_student(teacher, StudentSpec(layers=3))
+    with pytest.raises(ValueError, match="teacher has only 2"):
+        build_student(teacher, StudentSpec(layer_indices=[0, 4]))
+
+
+def test_hf_config_student_is_fresh_and_smaller(tiny_bert: Path) -> None:
+    teacher = load_model(resolve_model(str(tiny_bert)), ["neg", "pos"], [])
+    student = build_student(teacher, StudentSpec(hf_config={"num_hidden_layers": 1}))
+    assert len(encoder_layers(student.model)) == 1
+    with pytest.raises(ValueError, match="unknown config keys"):
+        build_student(teacher, StudentSpec(hf_config={"num_layerz": 1}))
+
+
+def test_student_spec_needs_exactly_one_kind() -> None:
+    with pytest.raises(ValueError, match="exactly one of"):
+        StudentSpec(layers=2, factory="compress.zoo:mlp")
+    with pytest.raises(ValueError, match="exactly one of"):
+        StudentSpec()
+
+
+def _text_recipe(tiny_bert: Path, sentiment_dir: Path, out: Path, student: dict) -> dict:
+    return {
+        "name": "tiny_distill",
+        "model": {"source": str(tiny_bert)},
+        "data": {"source": str(sentiment_dir), "text_column": "sentence", "max_length": 16},
+        "stages": [
+            {"kind": "finetune", "epochs": 2, "batch_size": 16, "learning_rate": 1e-3},
+            {"kind": "distill", "student": student, "epochs": 2, "batch_size": 16,
+             "learning_rate": 1e-3, "temperature": 2.0, "alpha": 0.5},
+        ],
+        "evaluation": {"latency": {"batch_sizes": [1], "seq_len": 16, "iters": 2}},
+        "output_dir": str(out),
+    }
+
+
+def test_distill_stage_end_to_end(tiny_bert: Path, sentiment_dir: Path, tmp_path: Path) -> None:
+    import json
+
+    from conftest import run_cli, write_recipe
+
+    raw = _text_recipe(tiny_bert, sentiment_dir, tmp_path / "runs", {"layers": 1})
+    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert result.returncode == 0, result.stderr[-1500:]
+    manifest = json.loads((tmp_path / "runs/tiny_distill/manifest.json").read_text())
+    teacher, student = (s["metrics"] for s in manifest["stages"])
+    assert student["teacher_layers"] == 2 and student["student_layers"] == 1
+    assert student["params"] < teacher["params"] == student["teacher_params"]
+    assert student["accuracy"] >= 0.9, student  # the toy task is easy; the student learns it
+    config = json.loads((tmp_path / "runs/tiny_distill/01-distill/model/config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+
+
+def test_too_many_student_layers_fails_validation(tiny_bert: Path, sentiment_dir: Path,
+                                                  tmp_path: Path) -> None:
+    from conftest import run_cli, write_recipe
+
+    raw = _text_recipe(tiny_bert, sentiment_dir, tmp_path / "runs", {"layers": 3})
+    result = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "stages[1] (distill).student.layers: 3 layers, but the teacher has 2" in result.stderr

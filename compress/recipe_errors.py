@@ -33,6 +33,8 @@ def format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list
             lines.append(f"{where}: missing 'kind' (one of: {', '.join(sorted(STAGE_CONFIGS))})")
         elif kind == "missing":
             lines.append(f"{where}: required key is missing")
+        elif kind == "value_error":
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"{where}: {err['msg']} (got {_short(err.get('input'))})")
     return lines

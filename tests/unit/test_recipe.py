@@ -206,3 +206,18 @@ def test_stages_and_schema_commands() -> None:
 def test_help_has_examples() -> None:
     result = run_cli("run", "--help")
     assert result.returncode == 0 and "Examples:" in result.stdout
+
+
+@pytest.mark.parametrize("amount", [0, 1, 1.5, -0.2])
+def test_sparsity_outside_zero_one_is_refused_at_validation(tmp_path: Path, amount) -> None:
+    raw = digits_recipe(tmp_path)
+    raw["stages"].append({"kind": "prune", "method": "global", "amount": amount})
+    result = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    _assert_user_error(result, "stages[1] (prune).amount")
+
+
+def test_gradual_pruning_without_recovery_is_refused(tmp_path: Path) -> None:
+    raw = digits_recipe(tmp_path)
+    raw["stages"].append({"kind": "prune", "gradual": True})
+    result = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
+    _assert_user_error(result, "gradual: true needs recovery")

@@ -124,6 +124,8 @@ class PruneConfig(StrictModel):
     def _gradual_needs_recovery(self) -> PruneConfig:
         if self.gradual and self.recovery is None:
             raise ValueError("gradual: true needs recovery (the steps over which sparsity rises)")
+        if self.gradual and self.method == "structured":
+            raise ValueError("gradual: true works with unstructured and global pruning only")
         return self
 
 

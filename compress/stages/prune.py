@@ -40,9 +40,6 @@ def run(state: State, cfg: PruneConfig, ctx: StageContext) -> State:
     """Prune the current model, recover it if asked, save it, and record the figures."""
     bundle = state.bundle
     model = bundle.model
-    if cfg.method == "structured" and cfg.gradual:
-        raise StageError(ctx.name, "gradual: true works with unstructured and global pruning "
-                         "only; structured pruning removes whole units at once")
     layers = select_layers(model, cfg.include, cfg.exclude)
     if not layers:
         raise StageError(ctx.name, f"no layer matches include {cfg.include} minus exclude "

@@ -327,10 +327,9 @@ def test_stage_errors_are_one_clear_line(tmp_path: Path) -> None:
     nothing = PruneConfig(include=["encoder.*"])
     with pytest.raises(StageError, match=r"no layer matches include \['encoder.\*'\] minus"):
         prune_stage.run(mlp_state(), nothing, ctx)
-    gradual = PruneConfig(method="structured", target="channels", gradual=True,
-                          recovery={"max_steps": 2})
-    with pytest.raises(StageError, match="gradual: true works with unstructured and global"):
-        prune_stage.run(mlp_state(), gradual, ctx)
+    with pytest.raises(ValueError, match="gradual: true works with unstructured and global"):
+        PruneConfig(method="structured", target="channels", gradual=True,
+                    recovery={"max_steps": 2})  # refused by validation, before any work
     wrong_target = PruneConfig(method="structured", target="heads")
     with pytest.raises(StageError, match="needs a BERT-style encoder"):
         prune_stage.run(mlp_state(), wrong_target, ctx)

@@ -161,7 +161,8 @@ def load_saved(folder: Path) -> ModelBundle:
                              kwargs=meta["kwargs"], input_shape=meta["input_shape"])
     else:
         config = json.loads((folder / "config.json").read_text())
-        labels = config.get("id2label") or {}
+        labels = config.get("id2label") or {
+            str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
         names = [labels[k] for k in sorted(labels, key=int)]
         bundle = _load_hf(str(folder), names, weights=structure is None)
     if structure is not None:  # shrink the fresh model to the pruned shapes, then load

@@ -52,7 +52,8 @@ class StageContext:
         weights = save_model(bundle, tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        record = artifact_record(final / weights.name, self.run_dir, "safetensors")
+        fmt = "pt2" if weights.suffix == ".pt2" else "safetensors"
+        record = artifact_record(final / weights.name, self.run_dir, fmt)
         record["model_dir"] = str(final.relative_to(self.run_dir))
         self.outputs.append(record)
         return record

@@ -1,0 +1,331 @@
+"""int8 quantization through torch.export and torchao's PT2E flow for the x86 Inductor backend.
+
+export (dynamic batch and sequence) -> prepare (observers or fake-quant) -> calibrate or
+quantization-aware training -> convert -> torch.compile with Inductor freezing, where
+torchao's x86 passes fuse the (de)quantize pairs into int8 kernels (oneDNN, VNNI).
+
+A quantized model is kept as an `ExportedProgram` file (`model.pt2`), re-exported from the
+converted graph, so it loads back without this process and without the original code.
+Only `torchao.quantization.pt2e` is used, never the deprecated `torch.ao.quantization` flow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import inspect
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torchao.quantization.pt2e import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    move_exported_model_to_eval,
+    move_exported_model_to_train,
+)
+from torchao.quantization.pt2e.fake_quantize import FusedMovingAvgObsFakeQuantize
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
+from torchao.quantization.pt2e.quantizer.quantizer import QuantizationSpec
+from torchao.quantization.pt2e.quantizer.utils import QuantizationConfig
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+    X86InductorQuantizer,
+    get_default_x86_inductor_quantization_config,
+)
+
+from compress.bench import example_inputs
+from compress.data import iterate
+from compress.errors import StageError
+from compress.models import ModelBundle
+
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+EXPORT_BATCH, EXPORT_SEQ = 3, 16  # distinct sizes above 1, so no dim is specialised or tied
+MAX_BATCH = 4096
+PROGRAM = "model.pt2"
+META = "model.json"
+
+
+class TextLogits(nn.Module):
+    """A Hugging Face classifier as a graph of positional tensors returning logits only."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.takes_token_types = "token_type_ids" in inspect.signature(model.forward).parameters
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor) -> torch.Tensor:
+        extra = {"token_type_ids": token_type_ids} if self.takes_token_types else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+
+
+class GraphModel(nn.Module):
+    """An exported graph called like the original model (`logits_of` works on it).
+
+    Text graphs take (input_ids, attention_mask, token_type_ids); missing masks and token
+    types are filled in. `train()`/`eval()` switch a prepared (QAT) graph with torchao's
+    helpers; a converted graph has no train mode and only records the flag. `compiled`
+    (when set) runs the forward; `graph` stays the plain module that can be re-exported.
+    """
+
+    def __init__(self, graph: nn.Module, text: bool, max_seq: int = 512,
+                 trainable: bool = False):
+        super().__init__()
+        self.graph = graph
+        self.text = text
+        self.max_seq = max_seq
+        self.trainable = trainable
+        self.freezing = True
+        self.__dict__["compiled"] = None  # not a submodule: no duplicate state_dict keys
+
+    def graph_args(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        """The positional tensors of the graph for `model(x)` or `model(**tokenizer_output)`."""
+        if not self.text:
+            return (args[0] if args else next(iter(kwargs.values())),)
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        mask = kwargs.get("attention_mask")
+        types = kwargs.get("token_type_ids")
+        return (ids, torch.ones_like(ids) if mask is None else mask,
+                torch.zeros_like(ids) if types is None else types)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        graph_args = self.graph_args(*args, **kwargs)
+        if self.compiled is None:
+            return self.graph(*graph_args)
+        with inductor_freezing(self.freezing):
+            return self.compiled(*graph_args)
+
+    def train(self, mode: bool = True) -> GraphModel:
+        if self.trainable and mode != self.training:
+            (move_exported_model_to_train if mode else move_exported_model_to_eval)(self.graph)
+        self.training = mode
+        return self
+
+
+# --- export -----------------------------------------------------------------------------
+
+
+def export_inputs(bundle: ModelBundle) -> tuple[torch.Tensor, ...]:
+    """Example inputs of the export: batch 3, sequence 16 for text."""
+    inputs = example_inputs(bundle.tokenizer, bundle.input_shape, EXPORT_BATCH, EXPORT_SEQ)
+    if bundle.is_text:
+        return tuple(inputs[name] for name in TEXT_INPUTS)
+    return (inputs,)
+
+
+def dynamic_shapes(text: bool, max_seq: int) -> tuple[dict[int, Any], ...]:
+    """Batch dynamic everywhere; the sequence too for text (from 2 to `max_seq`)."""
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    if not text:
+        return ({0: batch},)
+    seq = torch.export.Dim("seq", min=2, max=max_seq)
+    return tuple({0: batch, 1: seq} for _ in TEXT_INPUTS)
+
+
+def max_sequence(model: nn.Module) -> int:
+    """The longest sequence the model embeds (its position table), 512 when unknown."""
+    config = getattr(model, "config", None)
+    return int(getattr(config, "max_position_embeddings", None) or 512)
+
+
+def export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], text: bool, max_seq: int,
+                 stage: str) -> torch.export.ExportedProgram:
+    """`torch.export` with dynamic dims; a failure becomes a one-line StageError."""
+    try:
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes(text, max_seq))
+    except Exception as exc:  # any capture failure: user code, guards, unsupported ops
+        raise StageError(stage, f"torch.export could not capture the model: {one_line(exc)}"
+                         ) from None
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's type and first non-empty message line, shortened."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def capture(bundle: ModelBundle, stage: str, train: bool = False) -> nn.Module:
+    """The bundle's model exported to a graph module (train-mode ops for QAT)."""
+    model = bundle.model.train(train)
+    module = TextLogits(model) if bundle.is_text else model
+    try:
+        program = export_graph(module, export_inputs(bundle), bundle.is_text,
+                               max_sequence(model), stage)
+    finally:
+        bundle.model.eval()
+    return program.module()
+
+
+# --- quantizer ----------------------------------------------------------------------------
+
+
+def per_tensor_weights(config: QuantizationConfig, is_qat: bool) -> QuantizationConfig:
+    """`config` with one symmetric scale per weight tensor instead of per output channel."""
+    observer = MovingAverageMinMaxObserver if is_qat else MinMaxObserver
+    ctr = (FusedMovingAvgObsFakeQuantize.with_args(observer=observer, eps=2**-12) if is_qat
+           else observer.with_args(eps=2**-12))
+    weight = QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127,
+                              qscheme=torch.per_tensor_symmetric, is_dynamic=False,
+                              observer_or_fake_quant_ctr=ctr)
+    return QuantizationConfig(config.input_activation, config.output_activation, weight,
+                              config.bias, is_qat)
+
+
+def make_quantizer(mode: str, per_channel: bool, float_modules: Iterable[str]
+                   ) -> X86InductorQuantizer:
+    """The x86 Inductor quantizer of `mode`, leaving `float_modules` (full names) in float."""
+    is_qat = mode == "qat"
+    config = get_default_x86_inductor_quantization_config(
+        is_qat=is_qat, is_dynamic=mode == "dynamic")
+    if not per_channel:
+        config = per_tensor_weights(config, is_qat)
+    quantizer = X86InductorQuantizer().set_global(config)
+    for name in float_modules:
+        quantizer.set_module_name_qconfig(name, None)
+    return quantizer
+
+
+def float_module_names(model: nn.Module, patterns: list[str], prefix: str) -> list[str]:
+    """Names (as seen in the exported graph) of the modules matching any fnmatch pattern."""
+    return [prefix + name for name, _ in model.named_modules()
+            if name and any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+
+# --- calibration and QAT --------------------------------------------------------------------
+
+
+@torch.no_grad()
+def calibrate(model: GraphModel, examples, samples: int, batch_size: int, tokenizer,
+              max_length: int) -> int:
+    """Run the first `samples` examples through the observers; return how many were seen."""
+    order = list(range(min(samples, len(examples))))
+    for inputs, _ in iterate(examples, batch_size, tokenizer, max_length, order):
+        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return len(order)
+
+
+def train_qat(model: GraphModel, cfg, ctx, tokenizer) -> Any:
+    """Quantization-aware training of the prepared graph with the shared loop."""
+    from compress.train import train
+
+    return train(model, ctx.data.splits["train"], cfg.qat, seed=ctx.seed,
+                 checkpoint_dir=ctx.checkpoint_dir, key=ctx.key, tokenizer=tokenizer,
+                 max_length=ctx.data.max_length, desc=ctx.name)
+
+
+# --- compile --------------------------------------------------------------------------------
+
+
+def inductor_freezing(enabled: bool = True) -> contextlib.AbstractContextManager:
+    """Inductor's freezing switched on for the block only (it is read when compiling, and
+    `torch.compile(options=...)` does not reach the freezing pass)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(freezing=enabled)
+
+
+def compile_graph(model: GraphModel, mode: str = "default", dynamic: bool | None = True,
+                  freezing: bool = True) -> GraphModel:
+    """Run `model` through torch.compile (Inductor) from now on; with `freezing`, its calls
+    run under `inductor_freezing`, where torchao's x86 passes lower the int8 patterns.
+
+    `dynamic=True` keeps one graph for every batch size and sequence length (batch 1 still
+    gets its own, as size 1 is specialised)."""
+    model.__dict__["compiled"] = torch.compile(model.graph, mode=mode, dynamic=dynamic)
+    model.freezing = freezing
+    return model
+
+
+def warm_up(model: nn.Module, bundle: ModelBundle) -> float:
+    """Seconds of the first inference call (where torch.compile compiles)."""
+    inputs = example_inputs(bundle.tokenizer, bundle.input_shape, 2, EXPORT_SEQ)
+    began = time.perf_counter()
+    with torch.inference_mode():
+        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return time.perf_counter() - began
+
+
+# --- the stage's work -------------------------------------------------------------------------
+
+
+def quantize(bundle: ModelBundle, cfg, ctx) -> tuple[ModelBundle, dict[str, Any]]:
+    """The quantized bundle (kind "pt2e") of `bundle` and the figures of the run."""
+    if bundle.kind == "pt2e":
+        raise StageError(ctx.name, "the model is already quantized (kind pt2e); "
+                         "quantize a float model")
+    metrics: dict[str, Any] = {"quant_mode": cfg.mode}
+    began = time.perf_counter()
+    graph = capture(bundle, ctx.name, train=cfg.mode == "qat")
+    max_seq = max_sequence(bundle.model)
+    prefix = "model." if bundle.is_text else ""
+    quantizer = make_quantizer(cfg.mode, cfg.per_channel,
+                               float_module_names(bundle.model, cfg.keep_float, prefix))
+    if cfg.mode == "qat":
+        prepared = GraphModel(prepare_qat_pt2e(graph, quantizer), bundle.is_text, max_seq,
+                              trainable=True)
+        prepared.training = True
+        result = train_qat(prepared, cfg, ctx, bundle.tokenizer)
+        prepared.eval()
+        metrics["qat_steps"] = result.steps
+    else:
+        prepared = GraphModel(prepare_pt2e(graph, quantizer), bundle.is_text, max_seq)
+        if cfg.mode == "static":
+            calib = cfg.calibration
+            metrics["calibration_samples"] = calibrate(
+                prepared, ctx.data.splits["calibration"], calib.samples, calib.batch_size,
+                bundle.tokenizer, ctx.data.max_length)
+        else:  # dynamic: one pass so every placeholder observer has run
+            prepared(*export_inputs(bundle))
+    converted = GraphModel(convert_pt2e(prepared.graph), bundle.is_text, max_seq)
+    metrics["quantize_s"] = round(time.perf_counter() - began, 3)
+    result_bundle = pt2e_bundle(converted, bundle)
+    if cfg.compile:
+        compile_graph(converted)
+        metrics["compile_s"] = round(warm_up(converted, result_bundle), 3)
+    return result_bundle, metrics
+
+
+def pt2e_bundle(model: GraphModel, like: ModelBundle) -> ModelBundle:
+    """A "pt2e" bundle of `model` with the tokenizer, labels and input shape of `like`."""
+    return ModelBundle(model, "pt2e", list(like.label_names), tokenizer=like.tokenizer,
+                       input_shape=list(like.input_shape))
+
+
+# --- save and load ------------------------------------------------------------------------------
+
+
+def save_quantized(bundle: ModelBundle, folder: Path) -> Path:
+    """Write `model.pt2` (the re-exported int8 program), `model.json` and the tokenizer."""
+    model: GraphModel = bundle.model
+    folder.mkdir(parents=True, exist_ok=True)
+    args = export_inputs(bundle)
+    program = torch.export.export(model.graph, args,
+                                  dynamic_shapes=dynamic_shapes(bundle.is_text, model.max_seq))
+    torch.export.save(program, folder / PROGRAM)
+    meta = {"label_names": bundle.label_names, "input_shape": bundle.input_shape,
+            "text": bundle.is_text, "max_seq": model.max_seq}
+    (folder / META).write_text(json.dumps(meta, indent=2))
+    if bundle.is_text:
+        bundle.tokenizer.save_pretrained(folder)
+    return folder / PROGRAM
+
+
+def load_quantized(folder: Path, compile: bool = True) -> ModelBundle:
+    """Read back a folder written by `save_quantized` (compiled for evaluation by default)."""
+    meta = json.loads((folder / META).read_text())
+    tokenizer = None
+    if meta["text"]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    graph = torch.export.load(folder / PROGRAM).module()
+    model = GraphModel(graph, meta["text"], meta["max_seq"])
+    if compile:
+        compile_graph(model)
+    return ModelBundle(model, "pt2e", meta["label_names"], tokenizer=tokenizer,
+                       input_shape=meta["input_shape"])

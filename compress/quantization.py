@@ -40,6 +40,7 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
 from compress.bench import example_inputs
 from compress.data import iterate
 from compress.errors import StageError
+from compress.evaluate import logits_of
 from compress.models import ModelBundle
 
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -205,7 +206,7 @@ def calibrate(model: GraphModel, examples, samples: int, batch_size: int, tokeni
     """Run the first `samples` examples through the observers; return how many were seen."""
     order = list(range(min(samples, len(examples))))
     for inputs, _ in iterate(examples, batch_size, tokenizer, max_length, order):
-        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        logits_of(model, inputs)
     return len(order)
 
 
@@ -246,7 +247,7 @@ def warm_up(model: nn.Module, bundle: ModelBundle) -> float:
     inputs = example_inputs(bundle.tokenizer, bundle.input_shape, 2, EXPORT_SEQ)
     began = time.perf_counter()
     with torch.inference_mode():
-        model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        logits_of(model, inputs)
     return time.perf_counter() - began
 
 

@@ -1,14 +1,18 @@
 """Stage configuration classes: one pydantic model per stage kind (no torch import here).
 
 Each stage kind is one config class here plus one plain function
-`run(state, cfg, ctx) -> state` in `compress/stages/<kind>.py`.
+`run(state, cfg, ctx) -> state` in `compress/stages/<kind>.py`. A config may declare
+`needs_before` (stage kinds that must come earlier) and `uses_splits` (data splits it reads).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+StageName = Annotated[
+    str | None, Field(description="Display name of the stage (default: its kind).")]
 
 
 class StrictModel(BaseModel):
@@ -47,9 +51,8 @@ class FinetuneConfig(TrainOptions):
     """Supervised fine-tuning of the current model on the train split (cross-entropy)."""
 
     kind: Literal["finetune"] = "finetune"
-    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    name: StageName = None
 
-    needs_before: ClassVar[tuple[str, ...]] = ()
     uses_splits: ClassVar[tuple[str, ...]] = ("train",)
 
 
@@ -82,14 +85,13 @@ class DistillConfig(TrainOptions):
     """Knowledge distillation: the entering model is the frozen teacher of a smaller student."""
 
     kind: Literal["distill"] = "distill"
-    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    name: StageName = None
     student: StudentSpec = Field(description="How the student is built.")
     temperature: float = Field(2.0, gt=0, description="Softmax temperature T of the KL term.")
     alpha: float = Field(
         0.5, ge=0, le=1,
         description="Weight of cross-entropy; (1 - alpha) * T^2 weighs the KL term.")
 
-    needs_before: ClassVar[tuple[str, ...]] = ()
     uses_splits: ClassVar[tuple[str, ...]] = ("train",)
 
 
@@ -97,7 +99,7 @@ class PruneConfig(StrictModel):
     """Magnitude pruning: unstructured (per layer), global (one threshold), or structured."""
 
     kind: Literal["prune"] = "prune"
-    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    name: StageName = None
     method: Literal["unstructured", "global", "structured"] = Field(
         "unstructured", description="unstructured: L1 per layer; global: one threshold across "
         "layers; structured: remove whole neurons, heads or channels.")
@@ -114,7 +116,6 @@ class PruneConfig(StrictModel):
     gradual: bool = Field(
         False, description="Raise sparsity step by step over the recovery steps (needs recovery).")
 
-    needs_before: ClassVar[tuple[str, ...]] = ()
 
     @property
     def uses_splits(self) -> tuple[str, ...]:
@@ -140,7 +141,7 @@ class QuantizeConfig(StrictModel):
     """int8 quantization through torch.export and torchao's PT2E flow (X86InductorQuantizer)."""
 
     kind: Literal["quantize"] = "quantize"
-    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    name: StageName = None
     mode: Literal["dynamic", "static", "qat"] = Field(
         "static", description="dynamic activations, static (calibrated), or quantization-aware "
         "training.")
@@ -153,7 +154,6 @@ class QuantizeConfig(StrictModel):
         description="Training options of mode qat.")
     compile: bool = Field(True, description="Evaluate through torch.compile with freezing.")
 
-    needs_before: ClassVar[tuple[str, ...]] = ()
 
     @property
     def uses_splits(self) -> tuple[str, ...]:
@@ -165,13 +165,12 @@ class CompileConfig(StrictModel):
     """torch.compile of the current model; records compile time and latency after it."""
 
     kind: Literal["compile"] = "compile"
-    name: str | None = Field(None, description="Display name of the stage (default: its kind).")
+    name: StageName = None
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
         Field("default", description="torch.compile mode."))
     dynamic: bool | None = Field(None, description="Dynamic shapes (null: let torch decide).")
     freezing: bool = Field(True, description="Inductor freezing (constant-folds weights).")
 
-    needs_before: ClassVar[tuple[str, ...]] = ()
 
 
 STAGE_CONFIGS: dict[str, type[StrictModel]] = {

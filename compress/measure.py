@@ -10,21 +10,51 @@ from compress.evaluate import evaluate, logits_of
 from compress.models import ModelBundle, count_params, sparsity
 
 
-def measure(bundle: ModelBundle, data: DataBundle, recipe) -> dict[str, Any]:
-    """Accuracy and macro-F1 on the eval split, latency per batch size, params and sparsity."""
+def measure(bundle: ModelBundle, data: DataBundle, recipe,
+            known: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Accuracy and macro-F1 on the eval split (unless `known` has them, from a stage that
+    already evaluated the whole split), latency per batch size, params and sparsity."""
     cfg = recipe.evaluation
-    metrics: dict[str, Any] = evaluate(
-        bundle.model, data.splits["eval"], cfg.batch_size, bundle.tokenizer, data.max_length,
-        data.num_labels)
+    known = known or {}
+    if "accuracy" in known and "macro_f1" in known:
+        metrics: dict[str, Any] = {k: known[k] for k in ("accuracy", "macro_f1")}
+    else:
+        metrics = evaluate(bundle.model, data.splits["eval"], cfg.batch_size, bundle.tokenizer,
+                           data.max_length, data.num_labels)
     if cfg.latency.enabled:
-        lat = cfg.latency
-        model = bundle.model.eval()
-        metrics.update(measure_latency(
-            lambda inputs: logits_of(model, inputs),
-            lambda batch: example_inputs(bundle.tokenizer, bundle.input_shape, batch, lat.seq_len),
-            lat.batch_sizes, lat.warmup, lat.iters, lat.threads))
-        if bundle.is_text:
-            metrics["latency_seq_len"] = lat.seq_len
+        metrics.update(latency_of(bundle, recipe))
     metrics["params"] = count_params(bundle.model)
     metrics["sparsity"] = round(sparsity(bundle.model), 6)
     return metrics
+
+
+def latency_of(bundle: ModelBundle, recipe) -> dict[str, Any]:
+    """The recipe's latency sweep on one model (median and p90 per batch size)."""
+    lat = recipe.evaluation.latency
+    model = bundle.model.eval()
+    metrics = measure_latency(
+        lambda inputs: logits_of(model, inputs),
+        lambda batch: example_inputs(bundle.tokenizer, bundle.input_shape, batch, lat.seq_len),
+        lat.batch_sizes, lat.warmup, lat.iters, lat.threads)
+    if bundle.is_text:
+        metrics["latency_seq_len"] = lat.seq_len
+    return metrics
+
+
+def compare_to_input(metrics: dict[str, Any], input_latency: dict[str, Any],
+                     input_accuracy: float | None) -> dict[str, Any]:
+    """Ratios against the model that entered the stage, timed in the same process.
+
+    `latency_ratio_bN` = this model's median / the input model's median at batch N (below 1
+    is faster); `accuracy_delta_vs_input` is in points.
+    """
+    out: dict[str, Any] = {}
+    for key, value in input_latency.items():
+        if key.startswith("latency_ms_b") and not key.endswith("_p90"):
+            out[f"input_{key}"] = value
+            if key in metrics and value:
+                out[f"latency_ratio_{key.removeprefix('latency_ms_')}"] = round(
+                    metrics[key] / value, 4)
+    if input_accuracy is not None and "accuracy" in metrics:
+        out["accuracy_delta_vs_input"] = round(100 * (metrics["accuracy"] - input_accuracy), 3)
+    return out

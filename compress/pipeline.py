@@ -22,7 +22,7 @@ import yaml
 
 from compress.errors import StageError, UserError
 from compress.fingerprint import data_fingerprint, model_fingerprint
-from compress.recipe import Recipe
+from compress.recipe import Recipe, model_stage_index
 from compress.runfolder import (
     MANIFEST,
     artifact_intact,
@@ -34,7 +34,7 @@ from compress.runfolder import (
     sha256_json,
 )
 from compress.sources import check_recipe_sources
-from compress.stages.configs import STAGE_RUNNERS
+from compress.stages.configs import LEAF_KINDS, STAGE_RUNNERS
 
 DONE = ("done", "cached")
 
@@ -102,6 +102,7 @@ class _Runner:
         self.manifest: dict[str, Any] = {}
         self.state = None
         self.pending: dict[str, Any] | None = None  # outputs to load before the next stage runs
+        self.model_index: int | None = None  # the stage whose model `current()` gives
 
     def start(self) -> None:
         old = read_manifest(self.run_dir) or {}
@@ -167,39 +168,51 @@ class _Runner:
 
     def stages(self, base_key: str, first_forced: int) -> None:
         entries = self.manifest["stages"]
-        input_sha = base_key
+        model_sha: dict[int, str] = {}  # stage index -> sha256 of the model it made
         total = len(self.recipe.stages)
         for i, cfg in enumerate(self.recipe.stages):
             name = cfg.name or cfg.kind
+            source = model_stage_index(self.recipe, i)
+            input_sha = base_key if source is None else model_sha[source]
+            self._use_model_of(source)
             config = cfg.model_dump(mode="json")
             key = sha256_json([config, input_sha, self.manifest["recipe"]["data"],
                                self.manifest["recipe"]["evaluation"], self.recipe.seed])
             old = entries[i] if i < len(entries) else None
             tag = f"[{i + 1}/{total}] {name}"
+            leaf = cfg.kind in LEAF_KINDS
             if i < first_forced and self._reusable(old, key):
                 old["status"] = "cached"
-                self.pending, self.state = old, None
+                if not leaf:
+                    self.pending, self.state, self.model_index = old, None, i
                 self.echo(f"{tag}: cached")
             else:
-                old = self._run_stage(i, cfg, name, config, key, input_sha)
+                old = self._run_stage(i, cfg, name, config, key, input_sha, source)
                 self.echo(f"{tag}: done in {old['wall_time_s']:.1f} s: {_summary(old['metrics'])}")
             if i < len(entries):
                 entries[i] = old
             else:
                 entries.append(old)
             self.save()
-            input_sha = old["outputs"][0]["sha256"]
+            if not leaf:
+                model_sha[i] = old["outputs"][0]["sha256"]
         del entries[total:]
         self.save()
+
+    def _use_model_of(self, index: int | None) -> None:
+        """Make `current()` the model made by stage `index` (None: the recipe's model)."""
+        if index != self.model_index:
+            self.pending = None if index is None else self.manifest["stages"][index]
+            self.state, self.model_index = None, index
 
     def _reusable(self, entry: dict | None, key: str) -> bool:
         return bool(entry and entry.get("key") == key and entry.get("status") in DONE
                     and entry.get("outputs")
                     and all(artifact_intact(o, self.run_dir) for o in entry["outputs"]))
 
-    def _run_stage(self, i: int, cfg, name: str, config: dict, key: str,
-                   input_sha: str) -> dict[str, Any]:
-        from compress.measure import measure
+    def _run_stage(self, i: int, cfg, name: str, config: dict, key: str, input_sha: str,
+                   source: int | None) -> dict[str, Any]:
+        from compress.measure import compare_to_input, latency_of, measure
         from compress.state import StageContext
 
         folder = self.run_dir / f"{i:02d}-{cfg.kind}"
@@ -217,12 +230,18 @@ class _Runner:
                            log=self.echo)
         began = time.perf_counter()
         try:
+            # the input model is timed again here so every ratio compares two models timed
+            # in one process (a cached earlier stage's figures may come from another run)
+            input_latency = (latency_of(state.bundle, self.recipe)
+                             if self.recipe.evaluation.latency.enabled else {})
             new_state = _runner_for(cfg.kind)(state, cfg, ctx)
-            metrics = measure(new_state.bundle, self.data, self.recipe)
+            metrics = measure(new_state.bundle, self.data, self.recipe, known=ctx.metrics)
+            metrics.update(compare_to_input(metrics, input_latency, self._accuracy_of(source)))
         except KeyboardInterrupt:
             self._fail(entry, "interrupted; re-run the same command to resume", began)
             raise
         except (StageError, UserError) as exc:
+            entry["metrics"] = dict(ctx.metrics)  # what the stage measured before failing
             self._fail(entry, str(exc), began)
             raise StageError(name, "; ".join(getattr(exc, "messages", [exc.cause]))) from None
         except Exception as exc:
@@ -236,9 +255,15 @@ class _Runner:
         new_state.artifacts = list(ctx.outputs)
         entry.update(status="done", outputs=ctx.outputs, metrics=metrics, finished=now(),
                      wall_time_s=round(time.perf_counter() - began, 2))
-        self.state, self.pending = new_state, None
+        if cfg.kind not in LEAF_KINDS:
+            self.state, self.pending, self.model_index = new_state, None, i
         shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)
         return entry
+
+    def _accuracy_of(self, index: int | None) -> float | None:
+        """Accuracy of the model made by stage `index` (None: the baseline), if measured."""
+        entry = self.manifest.get("baseline") if index is None else self.manifest["stages"][index]
+        return ((entry or {}).get("metrics") or {}).get("accuracy")
 
     def _fail(self, entry: dict, cause: str, began: float) -> None:
         entry.update(status="failed", error=cause, finished=now(),
@@ -253,7 +278,8 @@ def _runner_for(kind: str):
 
 def _summary(metrics: dict[str, Any]) -> str:
     parts = []
-    for key in ("accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8", "size_mb", "sparsity"):
+    for key in ("accuracy", "accuracy_delta_vs_input", "macro_f1", "latency_ms_b1",
+                "latency_ms_b8", "latency_ratio_b8", "size_mb", "sparsity"):
         if key in metrics:
             parts.append(f"{key} {metrics[key]}")
     return ", ".join(parts)

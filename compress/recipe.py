@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError
 
 from compress.errors import UserError
 from compress.recipe_errors import format_validation_error
-from compress.stages.configs import STAGE_CONFIGS, StrictModel
+from compress.stages.configs import LEAF_KINDS, STAGE_CONFIGS, StrictModel
 
 StageConfig = Annotated[Union[tuple(STAGE_CONFIGS.values())], Field(discriminator="kind")]  # noqa: UP007
 
@@ -223,7 +223,8 @@ def _set_path(node: Any, parts: list[str], value: Any) -> str | None:
 
 
 def check_stage_order(recipe: Recipe) -> list[str]:
-    """Ordering rules between stages: each kind's `needs_before` must appear earlier."""
+    """Rules between stages: each kind's `needs_before` comes earlier, names are unique, an
+    export's `source` names an earlier model, and its format can hold that model."""
     problems = []
     seen: set[str] = set()
     names: set[str] = set()
@@ -238,4 +239,62 @@ def check_stage_order(recipe: Recipe) -> list[str]:
             problems.append(f"stages[{i}] ({stage.kind}).name: '{label}' is used twice")
         names.add(label)
         seen.add(stage.kind)
+        if stage.kind == "export":
+            problems += _export_problems(recipe, i)
     return problems
+
+
+def model_stage_index(recipe: Recipe, i: int) -> int | None:
+    """Index of the stage whose model enters stage i (None: the recipe's model).
+
+    Export stages are leaves: they never hand on a model. An export's `source` picks an
+    earlier stage by index, name or kind (the latest one of that kind).
+    """
+    source = getattr(recipe.stages[i], "source", None)
+    if source is not None:
+        return _find_source(recipe, i, source)
+    for j in range(i - 1, -1, -1):
+        if recipe.stages[j].kind not in LEAF_KINDS:
+            return j
+    return None
+
+
+def _find_source(recipe: Recipe, i: int, source: str | int) -> int:
+    text = str(source)
+    earlier = [j for j in range(i) if recipe.stages[j].kind not in LEAF_KINDS]
+    if text.isdigit() and int(text) in earlier:
+        return int(text)
+    for j in reversed(earlier):
+        if text in (recipe.stages[j].name, recipe.stages[j].kind):
+            return j
+    choices = ", ".join(f"{j} ({recipe.stages[j].name or recipe.stages[j].kind})"
+                        for j in earlier) or "none"
+    raise ValueError(f"source: '{source}' is not an earlier stage that makes a model "
+                     f"(choices: {choices})")
+
+
+def _export_problems(recipe: Recipe, i: int) -> list[str]:
+    stage = recipe.stages[i]
+    where = f"stages[{i}] (export)"
+    try:
+        j = model_stage_index(recipe, i)
+    except ValueError as exc:
+        return [f"{where}.{exc}"]
+    chain = recipe.stages[: j + 1] if j is not None else []
+    quantized = any(s.kind == "quantize" for s in chain)
+    if quantized and stage.format in ("torchscript", "onnx"):
+        return [f"{where}.format: {stage.format} cannot hold the PT2E int8 model it would "
+                f"export; use format aoti for it, or set source to a stage before the "
+                f"quantize stage to export the float model"]
+    if quantized and stage.format == "tensorrt":
+        return [f"{where}.format: tensorrt takes a float model; set source to a stage before "
+                f"the quantize stage and precision int8 to quantize in TensorRT"]
+    if stage.format == "tensorrt" and not cuda_device_present():
+        return [f"{where}: TensorRT export needs a CUDA GPU (none found)"]
+    return []
+
+
+def cuda_device_present() -> bool:
+    """Whether an NVIDIA GPU is visible, without importing torch (driver device files)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()

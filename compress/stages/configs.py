@@ -172,6 +172,81 @@ class CompileConfig(StrictModel):
     freezing: bool = Field(True, description="Inductor freezing (constant-folds weights).")
 
 
+class TensorRTShapes(StrictModel):
+    """TensorRT optimisation profile: [batch, sequence] (or [batch] for images) at min/opt/max."""
+
+    min: list[int] = Field(default_factory=lambda: [1, 8])
+    opt: list[int] = Field(default_factory=lambda: [8, 128])
+    max: list[int] = Field(default_factory=lambda: [32, 256])
+
+
+ONNX_ONLY = ("opset", "exporter", "optimize", "quantize")
+TENSORRT_ONLY = ("precision", "shapes")
+
+
+class ExportConfig(StrictModel):
+    """Export to TorchScript, ONNX (+ ONNX Runtime int8), AOTInductor or TensorRT, loaded
+    back in its own runtime and checked against the model it came from.
+
+    An export is a leaf: the stage after it continues from the model before it."""
+
+    kind: Literal["export"] = "export"
+    name: StageName = None
+    format: Literal["torchscript", "onnx", "aoti", "tensorrt"] = Field(
+        description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package) or "
+        "tensorrt (torch-tensorrt, CUDA only).")
+    source: str | int | None = Field(
+        None, description="Export the model of this earlier stage (name, kind or index) "
+        "instead of the current one.")
+    tolerance: float | None = Field(
+        None, gt=0, description="Largest max-abs logit difference accepted (default: "
+        "torchscript 1e-5, onnx and aoti 1e-4; none when the export quantizes).")
+    min_agreement: float | None = Field(
+        None, gt=0, le=1, description="Smallest share of equal argmax accepted (default: "
+        "0.995, or 0.97 when the export itself quantizes).")
+    parity_samples: int | None = Field(
+        None, ge=1, description="Eval examples compared with the source model (default: all).")
+    threads: int | None = Field(
+        None, ge=1, description="Intra-op threads of the runtime (default: the latency threads).")
+    opset: int = Field(17, ge=17, le=23, description="ONNX opset.")
+    exporter: Literal["auto", "dynamo", "torchscript"] = Field(
+        "auto", description="ONNX exporter: auto tries dynamo, then the TorchScript-based one.")
+    optimize: bool = Field(
+        False, description="ONNX: fuse attention and layer norms with ONNX Runtime's "
+        "transformer optimizer.")
+    quantize: Literal["dynamic", "static"] | None = Field(
+        None, description="ONNX: int8 with ONNX Runtime (dynamic, or static QDQ calibrated "
+        "on the calibration split).")
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="TensorRT precision.")
+    shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
+
+    @property
+    def uses_splits(self) -> tuple[str, ...]:
+        calibrated = (self.format == "onnx" and self.quantize == "static") or (
+            self.format == "tensorrt" and self.precision == "int8")
+        return ("eval", "calibration") if calibrated else ("eval",)
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the export itself changes the precision (its logits cannot match)."""
+        return (self.format == "onnx" and self.quantize is not None) or (
+            self.format == "tensorrt" and self.precision != "fp32")
+
+    @model_validator(mode="after")
+    def _options_fit_the_format(self) -> ExportConfig:
+        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY}.get(self.format, ())
+        stray = [k for k in (*ONNX_ONLY, *TENSORRT_ONLY, "calibration")
+                 if k in self.model_fields_set and k not in own
+                 and not (k == "calibration" and self.format in ("onnx", "tensorrt"))]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} do not apply to format {self.format}")
+        if self.optimize and self.quantize:
+            raise ValueError("optimize works on float ONNX models only (ONNX Runtime's "
+                             "quantizers fail on fused graphs); drop it: the session still "
+                             "applies its own graph optimizations when it loads")
+        return self
+
 
 STAGE_CONFIGS: dict[str, type[StrictModel]] = {
     "finetune": FinetuneConfig,
@@ -179,7 +254,12 @@ STAGE_CONFIGS: dict[str, type[StrictModel]] = {
     "prune": PruneConfig,
     "quantize": QuantizeConfig,
     "compile": CompileConfig,
+    "export": ExportConfig,
 }
+
+# Kinds whose output is a file, not the next model: the stage after one continues from the
+# model that entered it.
+LEAF_KINDS = frozenset({"export"})
 
 # kind -> "module:function", imported only when the stage runs (keeps `validate` torch-free).
 STAGE_RUNNERS: dict[str, str] = {
@@ -188,6 +268,7 @@ STAGE_RUNNERS: dict[str, str] = {
     "prune": "compress.stages.prune:run",
     "quantize": "compress.stages.quantize:run",
     "compile": "compress.stages.compile:run",
+    "export": "compress.stages.export:run",
 }
 
 

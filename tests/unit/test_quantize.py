@@ -241,3 +241,29 @@ def test_cli_finetune_then_static_quantize_is_accurate_and_cached(tmp_path: Path
     again = run_cli("run", str(path))
     assert again.returncode == 0, again.stderr
     assert "[2/2] quantize: cached" in again.stderr
+
+
+def test_cli_quantize_of_an_uncapturable_model_exits_1_naming_the_stage(tmp_path: Path) -> None:
+    (tmp_path / "branchy.py").write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.linear = torch.nn.Linear(64, 10)\n"
+        "    def forward(self, x):\n"
+        "        x = x.flatten(1)\n"
+        "        return self.linear(x) if x.sum() > 0 else -self.linear(x)\n"
+        "def build():\n"
+        "    return Branchy()\n")
+    raw = digits_recipe(tmp_path / "runs")
+    raw["model"] = {"source": "branchy:build"}
+    raw["stages"] = [{"kind": "quantize", "mode": "dynamic"}]
+    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)),
+                     env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage quantize failed: torch.export could not capture"), last
+    assert "Traceback" not in result.stderr
+    manifest = json.loads((tmp_path / "runs" / "tiny_digits" / "manifest.json").read_text())
+    assert manifest["stages"][0]["status"] == "failed"
+    assert manifest["stages"][0]["outputs"] == []

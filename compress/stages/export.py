@@ -1,0 +1,89 @@
+"""Stage `export`: write the model in a deployable format, load it back in that format's
+own runtime, and prove parity on real eval batches before recording it.
+
+The exported folder (`<stage>/<format>/`) is written under a temporary name and renamed
+when complete. An export whose parity is out of bounds fails the stage with the figures;
+its folder stays for inspection and is not recorded as an output. Accuracy and latency
+of the stage are those of the exported file in its runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from compress.models import count_params, sparsity
+from compress.runfolder import artifact_record
+from compress.stages.configs import ExportConfig
+from compress.state import StageContext, State
+from export import parity
+from export.runtime import format_module, load_export, write_meta
+
+
+def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
+    """Export the model that entered the stage (or `cfg.source`'s); check and record it."""
+    bundle = state.bundle
+    module = format_module(cfg.format)
+    final = ctx.folder / cfg.format
+    tmp = ctx.folder / f".{cfg.format}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    began = time.perf_counter()
+    if cfg.format == "onnx":
+        path, facts = module.export(bundle, cfg, tmp, ctx.name,
+                                    ctx.data.splits.get("calibration"), ctx.data.max_length,
+                                    ctx.log)
+    else:
+        path, facts = module.export(bundle, cfg, tmp, ctx.name)
+    write_meta(tmp, cfg.format, path.name, bundle, source_kind=bundle.kind, **facts)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    path = final / path.name
+    ctx.metrics.update(facts)
+    ctx.metrics["export_s"] = round(time.perf_counter() - began, 3)
+
+    threads = cfg.threads or ctx.recipe.evaluation.latency.threads or os.cpu_count() or 1
+    exported = load_export(final, threads)
+    evaluation = ctx.recipe.evaluation
+    examples = ctx.data.splits["eval"]
+    if cfg.parity_samples and cfg.parity_samples < len(examples):
+        examples = _head(examples, cfg.parity_samples)
+    figures = parity.compare(bundle.model, exported.model, examples, evaluation.batch_size,
+                             bundle.tokenizer, ctx.data.max_length, ctx.data.num_labels)
+    if cfg.parity_samples and cfg.parity_samples < len(ctx.data.splits["eval"]):
+        figures.pop("accuracy"), figures.pop("macro_f1")  # not the whole split
+    (final / "parity.json").write_text(json.dumps(figures, indent=2))
+    tolerance, agreement = bounds(cfg, bundle.kind)
+    ctx.metrics.update(figures)
+    ctx.metrics.update(parity_tolerance=tolerance, parity_min_agreement=agreement,
+                       runtime=cfg.format, runtime_threads=threads,
+                       params=count_params(bundle.model), sparsity=round(sparsity(bundle.model), 6))
+    parity.check(figures, tolerance, agreement, ctx.name, str(final.relative_to(ctx.run_dir)))
+    record = artifact_record(path, ctx.run_dir, cfg.format)
+    record["export_dir"] = str(final.relative_to(ctx.run_dir))
+    ctx.outputs.append(record)
+    return State(exported, [record])
+
+
+def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float]:
+    """(max-abs logit tolerance or None, minimum argmax agreement) for this export.
+
+    Exports that change precision (ONNX Runtime int8, TensorRT fp16) and exports of an int8
+    model (whose in-process kernels round differently) are held to agreement only."""
+    lossy = cfg.quantizes or source_kind == "pt2e"
+    tolerance = cfg.tolerance
+    if tolerance is None and not lossy:
+        tolerance = parity.LOSSLESS_TOLERANCE[cfg.format]
+    agreement = cfg.min_agreement or (
+        parity.QUANTIZING_AGREEMENT if cfg.quantizes else parity.LOSSLESS_AGREEMENT)
+    return tolerance, agreement
+
+
+def _head(examples, n: int):
+    from dataclasses import replace
+
+    return replace(examples, labels=examples.labels[:n],
+                   texts=None if examples.texts is None else examples.texts[:n],
+                   inputs=None if examples.inputs is None else examples.inputs[:n])

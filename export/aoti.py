@@ -1,0 +1,41 @@
+"""AOTInductor: `torch.export` with dynamic batch and sequence, compiled ahead of time into
+one `.pt2` package that `torch._inductor.aoti_load_package` runs with plain torch. Float,
+pruned and PT2E int8 models alike (int8 compiles with Inductor freezing, where the x86
+int8 kernels are chosen)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.graphs import (
+    export_graph,
+    export_inputs,
+    graph_module,
+    inductor_freezing,
+    max_sequence,
+)
+from compress.models import ModelBundle
+
+FILE = "model.aoti.pt2"
+
+
+def export(bundle: ModelBundle, cfg, folder: Path, stage: str) -> tuple[Path, dict[str, Any]]:
+    """Export and AOT-compile the model into `model.aoti.pt2`."""
+    if bundle.kind == "pt2e":  # a GraphModel holding the converted int8 graph
+        module, max_seq = bundle.model.graph, bundle.model.max_seq
+    else:
+        module, max_seq = graph_module(bundle).eval(), max_sequence(bundle.model)
+    program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq, stage)
+    path = folder / FILE
+    with inductor_freezing(True):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    return path, {"aoti_max_seq": max_seq}
+
+
+def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
+    """The compiled package, callable with the positional input tensors."""
+    return torch._inductor.aoti_load_package(str(path))

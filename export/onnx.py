@@ -1,0 +1,193 @@
+"""ONNX: `torch.onnx.export` (dynamo, falling back to the TorchScript-based exporter) with
+dynamic batch and sequence axes, `onnx.checker`, optional ONNX Runtime transformer fusion,
+and optional ONNX Runtime int8 (dynamic, or static QDQ calibrated on real batches).
+
+This is the path Hugging Face Optimum takes, so its figures sit beside the PT2E path's.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.data import Examples, iterate
+from compress.errors import StageError
+from compress.graphs import (
+    TEXT_INPUTS,
+    dynamic_shapes,
+    graph_module,
+    max_sequence,
+    one_line,
+    traced_inputs,
+)
+from compress.models import ModelBundle
+
+FILE = "model.onnx"
+
+
+def export(bundle: ModelBundle, cfg, folder: Path, stage: str, calibration: Examples | None = None,
+           max_length: int = 128, log: Callable[[str], None] = print
+           ) -> tuple[Path, dict[str, Any]]:
+    """Write `model.onnx` (optimized and int8 per `cfg`); return it and what was done."""
+    if bundle.kind == "pt2e":
+        raise StageError(stage, "onnx cannot hold a PT2E int8 model; export it with format "
+                         "aoti, or export the float model and set quantize: static for "
+                         "ONNX Runtime int8")
+    import onnx
+
+    path = folder / FILE
+    float_path = folder / "model.fp32.onnx" if cfg.quantize else path
+    exporter = write_onnx(bundle, float_path, cfg.opset, cfg.exporter, stage, log)
+    onnx.checker.check_model(str(float_path))
+    facts: dict[str, Any] = {"onnx_exporter": exporter, "onnx_opset": cfg.opset}
+    if cfg.optimize:
+        facts["onnx_fused_ops"] = optimize(float_path, bundle)
+    if cfg.quantize:
+        quantize(float_path, path, cfg.quantize, bundle, calibration, cfg.calibration,
+                 max_length)
+        float_path.unlink()
+        onnx.checker.check_model(str(path))
+        facts["onnx_quantize"] = cfg.quantize
+    return path, facts
+
+
+def write_onnx(bundle: ModelBundle, path: Path, opset: int, exporter: str, stage: str,
+               log: Callable[[str], None]) -> str:
+    """Export with the dynamo exporter or the TorchScript-based one; return which worked."""
+    module = graph_module(bundle).eval()
+    args = traced_inputs(bundle)
+    names = list(TEXT_INPUTS) if bundle.is_text else ["input"]
+    order = ["dynamo", "torchscript"] if exporter == "auto" else [exporter]
+    failures = []
+    for name in order:
+        try:
+            with warnings.catch_warnings(), _quiet_onnx_logs():
+                warnings.simplefilter("ignore")
+                if name == "dynamo":
+                    shapes = dynamic_shapes(bundle.is_text, max_sequence(bundle.model))
+                    torch.onnx.export(module, args, str(path), dynamo=True, external_data=False,
+                                      opset_version=opset, input_names=names,
+                                      output_names=["logits"], dynamic_shapes=shapes,
+                                      verbose=False)
+                else:
+                    axes = {n: ({0: "batch", 1: "sequence"} if bundle.is_text else {0: "batch"})
+                            for n in names}
+                    axes["logits"] = {0: "batch"}
+                    torch.onnx.export(module, args, str(path), dynamo=False, opset_version=opset,
+                                      input_names=names, output_names=["logits"],
+                                      dynamic_axes=axes)
+            return name
+        except Exception as exc:  # an exporter's failure: try the next, report all
+            failures.append(f"{name}: {one_line(exc, 200)}")
+            if len(order) > 1 and name == "dynamo":
+                log(f"{stage}: the dynamo ONNX exporter failed ({one_line(exc, 200)}); "
+                    f"trying the TorchScript-based one")
+    raise StageError(stage, "ONNX export failed: " + "; ".join(failures))
+
+
+class _quiet_onnx_logs:
+    """Silence the exporter's INFO chatter for the block."""
+
+    def __enter__(self):
+        self.logger = logging.getLogger("torch.onnx")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.WARNING)
+
+    def __exit__(self, *exc):
+        self.logger.setLevel(self.level)
+
+
+def optimize(path: Path, bundle: ModelBundle) -> dict[str, int]:
+    """Fuse attention, layer norm and GELU with ONNX Runtime's transformer optimizer (BERT
+    models; heads and width are detected from the graph, so pruned models work)."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    model_type = getattr(getattr(bundle.model, "config", None), "model_type", "bert")
+    optimized = optimize_model(str(path), model_type=model_type if model_type in (
+        "bert", "roberta", "distilbert", "albert") else "bert", num_heads=0, hidden_size=0)
+    optimized.save_model_to_file(str(path))
+    return {k: int(v) for k, v in optimized.get_fused_operator_statistics().items() if v}
+
+
+def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
+             calibration: Examples | None, options, max_length: int) -> None:
+    """ONNX Runtime int8: dynamic (weights int8, activations at run time), or static QDQ
+    with activations calibrated on `options.samples` calibration examples."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    _drop_value_info(float_path)
+    if mode == "dynamic":
+        quantize_dynamic(str(float_path), str(path), weight_type=QuantType.QInt8,
+                         per_channel=True)
+        return
+    pre = float_path.with_name("model.pre.onnx")
+    quant_pre_process(str(float_path), str(pre), skip_symbolic_shape=True)
+    reader = _CalibrationReader(
+        _batches(bundle, calibration, options.samples, options.batch_size, max_length))
+    quantize_static(str(pre), str(path), reader, quant_format=QuantFormat.QDQ,
+                    per_channel=True, activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8)
+    pre.unlink()
+
+
+def _drop_value_info(path: Path) -> None:
+    """Remove the exporter's intermediate shape annotations, which ONNX Runtime's quantizer
+    re-infers (the dynamo exporter's clash with its inference on BERT graphs)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    del model.graph.value_info[:]
+    onnx.save(model, str(path))
+
+
+def _batches(bundle: ModelBundle, examples: Examples | None, samples: int, batch_size: int,
+             max_length: int) -> Iterator[dict[str, Any]]:
+    if examples is None:
+        raise ValueError("static ONNX Runtime quantization needs the calibration split")
+    order = list(range(min(samples, len(examples))))
+    for inputs, _ in iterate(examples, batch_size, bundle.tokenizer, max_length, order):
+        if not bundle.is_text:
+            yield {"input": inputs.numpy()}
+            continue
+        feed = {n: inputs[n].numpy() for n in TEXT_INPUTS if n in inputs}
+        feed.setdefault("token_type_ids", torch.zeros_like(inputs["input_ids"]).numpy())
+        yield feed
+
+
+class _CalibrationReader:
+    """ONNX Runtime's CalibrationDataReader protocol over our batches."""
+
+    def __init__(self, batches: Iterator[dict[str, Any]]):
+        self.batches = batches
+
+    def get_next(self) -> dict[str, Any] | None:
+        return next(self.batches, None)
+
+    def rewind(self) -> None:  # the calibrator reads once
+        pass
+
+
+def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
+    """An `onnxruntime.InferenceSession` (CPU) with `threads` intra-op threads."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    names = meta["inputs"]
+
+    def run(*tensors: torch.Tensor) -> torch.Tensor:
+        feed = {n: t.cpu().numpy() for n, t in zip(names, tensors, strict=True) if n in wanted}
+        return torch.from_numpy(session.run(["logits"], feed)[0])
+
+    run.session = session  # type: ignore[attr-defined]
+    return run

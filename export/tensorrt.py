@@ -1,0 +1,64 @@
+"""TensorRT through torch-tensorrt (dynamo frontend): fp32, fp16 or int8 with a min / opt /
+max shape profile, saved as an ExportedProgram. Needs a CUDA GPU and the `tensorrt` extra;
+torch-tensorrt is imported here only, when the stage runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.errors import StageError
+from compress.graphs import export_inputs, graph_module
+from compress.models import ModelBundle
+
+FILE = "model.trt.ep"
+NO_GPU = "TensorRT export needs a CUDA GPU (none found)"
+
+
+def export(bundle: ModelBundle, cfg, folder: Path, stage: str) -> tuple[Path, dict[str, Any]]:
+    """Compile with torch-tensorrt for the recipe's shape profile and save the program."""
+    if not torch.cuda.is_available():
+        raise StageError(stage, NO_GPU)
+    try:
+        import torch_tensorrt
+    except ImportError:
+        raise StageError(stage, "torch-tensorrt is not installed: pip install -e '.[tensorrt]'"
+                         ) from None
+    if cfg.precision == "int8":
+        raise StageError(stage, "TensorRT int8 needs a model quantized with NVIDIA ModelOpt, "
+                         "which compress does not do yet; use precision fp16")
+    module = graph_module(bundle).eval().cuda()
+    shapes = cfg.shapes
+    if bundle.is_text:
+        inputs = [torch_tensorrt.Input(min_shape=shapes.min, opt_shape=shapes.opt,
+                                       max_shape=shapes.max, dtype=torch.int64)
+                  for _ in range(3)]
+    else:
+        inputs = [torch_tensorrt.Input(
+            min_shape=[shapes.min[0], *bundle.input_shape],
+            opt_shape=[shapes.opt[0], *bundle.input_shape],
+            max_shape=[shapes.max[0], *bundle.input_shape], dtype=torch.float32)]
+    precision = {"fp32": torch.float32, "fp16": torch.float16}[cfg.precision]
+    compiled = torch_tensorrt.compile(module, ir="dynamo", inputs=inputs,
+                                      enabled_precisions={precision})
+    path = folder / FILE
+    example = [t.cuda() for t in export_inputs(bundle)]
+    torch_tensorrt.save(compiled, str(path), output_format="exported_program", inputs=example)
+    return path, {"trt_precision": cfg.precision}
+
+
+def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
+    """The saved TensorRT program on the GPU; inputs go to CUDA and logits come back."""
+    if not torch.cuda.is_available():
+        raise StageError("export", NO_GPU)
+    import torch_tensorrt  # noqa: F401  (registers the TensorRT runtime ops)
+
+    module = torch.export.load(str(path)).module()
+
+    def run(*tensors: torch.Tensor) -> torch.Tensor:
+        return module(*(t.cuda() for t in tensors)).float().cpu()
+
+    return run

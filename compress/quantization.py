@@ -11,9 +11,7 @@ Only `torchao.quantization.pt2e` is used, never the deprecated `torch.ao.quantiz
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import inspect
 import json
 import time
 from collections.abc import Iterable
@@ -41,27 +39,20 @@ from compress.bench import example_inputs
 from compress.data import iterate
 from compress.errors import StageError
 from compress.evaluate import logits_of
+from compress.graphs import (
+    EXPORT_SEQ,
+    TextLogits,
+    dynamic_shapes,
+    export_graph,
+    export_inputs,
+    inductor_freezing,
+    max_sequence,
+    positional_inputs,
+)
 from compress.models import ModelBundle
 
-TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-EXPORT_BATCH, EXPORT_SEQ = 3, 16  # distinct sizes above 1, so no dim is specialised or tied
-MAX_BATCH = 4096
 PROGRAM = "model.pt2"
 META = "model.json"
-
-
-class TextLogits(nn.Module):
-    """A Hugging Face classifier as a graph of positional tensors returning logits only."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-        self.takes_token_types = "token_type_ids" in inspect.signature(model.forward).parameters
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor) -> torch.Tensor:
-        extra = {"token_type_ids": token_type_ids} if self.takes_token_types else {}
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
 
 
 class GraphModel(nn.Module):
@@ -83,18 +74,8 @@ class GraphModel(nn.Module):
         self.freezing = True
         self.__dict__["compiled"] = None  # not a submodule: no duplicate state_dict keys
 
-    def graph_args(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        """The positional tensors of the graph for `model(x)` or `model(**tokenizer_output)`."""
-        if not self.text:
-            return (args[0] if args else next(iter(kwargs.values())),)
-        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        mask = kwargs.get("attention_mask")
-        types = kwargs.get("token_type_ids")
-        return (ids, torch.ones_like(ids) if mask is None else mask,
-                torch.zeros_like(ids) if types is None else types)
-
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        graph_args = self.graph_args(*args, **kwargs)
+        graph_args = positional_inputs(self.text, args, kwargs)
         if self.compiled is None:
             return self.graph(*graph_args)
         with inductor_freezing(self.freezing):
@@ -108,46 +89,6 @@ class GraphModel(nn.Module):
 
 
 # --- export -----------------------------------------------------------------------------
-
-
-def export_inputs(bundle: ModelBundle) -> tuple[torch.Tensor, ...]:
-    """Example inputs of the export: batch 3, sequence 16 for text."""
-    inputs = example_inputs(bundle.tokenizer, bundle.input_shape, EXPORT_BATCH, EXPORT_SEQ)
-    if bundle.is_text:
-        return tuple(inputs[name] for name in TEXT_INPUTS)
-    return (inputs,)
-
-
-def dynamic_shapes(text: bool, max_seq: int) -> tuple[dict[int, Any], ...]:
-    """Batch dynamic everywhere; the sequence too for text (from 2 to `max_seq`)."""
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    if not text:
-        return ({0: batch},)
-    seq = torch.export.Dim("seq", min=2, max=max_seq)
-    return tuple({0: batch, 1: seq} for _ in TEXT_INPUTS)
-
-
-def max_sequence(model: nn.Module) -> int:
-    """The longest sequence the model embeds (its position table), 512 when unknown."""
-    config = getattr(model, "config", None)
-    return int(getattr(config, "max_position_embeddings", None) or 512)
-
-
-def export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], text: bool, max_seq: int,
-                 stage: str) -> torch.export.ExportedProgram:
-    """`torch.export` with dynamic dims; a failure becomes a one-line StageError."""
-    try:
-        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes(text, max_seq))
-    except Exception as exc:  # any capture failure: user code, guards, unsupported ops
-        raise StageError(stage, f"torch.export could not capture the model: {one_line(exc)}"
-                         ) from None
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """The exception's type and first non-empty message line, shortened."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def capture(bundle: ModelBundle, stage: str, train: bool = False) -> nn.Module:
@@ -222,14 +163,6 @@ def train_qat(model: GraphModel, cfg, ctx, tokenizer) -> Any:
 # --- compile --------------------------------------------------------------------------------
 
 
-def inductor_freezing(enabled: bool = True) -> contextlib.AbstractContextManager:
-    """Inductor's freezing switched on for the block only (it is read when compiling, and
-    `torch.compile(options=...)` does not reach the freezing pass)."""
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(freezing=enabled)
-
-
 def compile_graph(model: GraphModel, mode: str = "default", dynamic: bool | None = True,
                   freezing: bool = True) -> GraphModel:
     """Run `model` through torch.compile (Inductor) from now on; with `freezing`, its calls
@@ -282,13 +215,25 @@ def quantize(bundle: ModelBundle, cfg, ctx) -> tuple[ModelBundle, dict[str, Any]
                 bundle.tokenizer, ctx.data.max_length)
         else:  # dynamic: one pass so every placeholder observer has run
             prepared(*export_inputs(bundle))
-    converted = GraphModel(convert_pt2e(prepared.graph), bundle.is_text, max_seq)
+    converted = GraphModel(drop_unused_weights(convert_pt2e(prepared.graph)), bundle.is_text,
+                           max_seq)
     metrics["quantize_s"] = round(time.perf_counter() - began, 3)
     result_bundle = pt2e_bundle(converted, bundle)
     if cfg.compile:
         compile_graph(converted)
         metrics["compile_s"] = round(warm_up(converted, result_bundle), 3)
     return result_bundle, metrics
+
+
+def drop_unused_weights(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Remove parameters and buffers no node reads any more: after `convert_pt2e` the float
+    copies of quantized weights stay attached and would be saved beside the int8 ones."""
+    used = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
+    for name, _ in [*graph.named_parameters(), *graph.named_buffers()]:
+        if name not in used:
+            owner, _, attr = name.rpartition(".")
+            delattr(graph.get_submodule(owner) if owner else graph, attr)
+    return graph
 
 
 def pt2e_bundle(model: GraphModel, like: ModelBundle) -> ModelBundle:

@@ -21,8 +21,9 @@ from torch import nn
 
 from compress.data import iterate
 from compress.evaluate import logits_of
+from compress.graphs import inductor_freezing
 from compress.models import ModelBundle
-from compress.quantization import GraphModel, compile_graph, inductor_freezing
+from compress.quantization import GraphModel, compile_graph
 from compress.stages.configs import CompileConfig
 from compress.state import StageContext, State
 

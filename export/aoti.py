@@ -31,7 +31,8 @@ def export(bundle: ModelBundle, cfg, folder: Path, stage: str) -> tuple[Path, di
         module, max_seq = graph_module(bundle).eval(), max_sequence(bundle.model)
     program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq, stage)
     path = folder / FILE
-    with inductor_freezing(True):
+    # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
+    with inductor_freezing(True), torch.no_grad():
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     return path, {"aoti_max_seq": max_seq}
 

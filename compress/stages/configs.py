@@ -208,7 +208,7 @@ class ExportConfig(StrictModel):
         None, ge=1, description="Eval examples compared with the source model (default: all).")
     threads: int | None = Field(
         None, ge=1, description="Intra-op threads of the runtime (default: the latency threads).")
-    opset: int = Field(17, ge=17, le=23, description="ONNX opset.")
+    opset: int = Field(18, ge=17, le=23, description="ONNX opset (18: the dynamo exporter's own).")
     exporter: Literal["auto", "dynamo", "torchscript"] = Field(
         "auto", description="ONNX exporter: auto tries dynamo, then the TorchScript-based one.")
     optimize: bool = Field(

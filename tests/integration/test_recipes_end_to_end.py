@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 from conftest import REPO, run_cli
 
@@ -55,3 +57,57 @@ def test_cnn_digits_recipe_reaches_95_percent(tmp_path: Path) -> None:
     assert manifest["data"]["eval"] == 360
     assert stage["metrics"]["accuracy"] >= 0.95, stage["metrics"]
     assert stage["metrics"]["macro_f1"] >= 0.95
+
+
+SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",
+               "data.calibration.max_samples=64", "evaluation.latency.iters=3",
+               "evaluation.latency.warmup=1", "evaluation.latency.batch_sizes=[8]"]
+
+
+def test_bert_distill_prune_int8_shrunk_chain(tmp_path: Path, data_dir: Path) -> None:
+    """Teacher -> 3-layer student -> half the FFN neurons removed -> QAT int8, all real."""
+    result = run_cli(
+        "run", str(REPO / "recipes/bert_distill_prune_int8.yaml"), f"output_dir={tmp_path}",
+        *SHRUNK_SST2, "stages.0.max_steps=40", "stages.0.learning_rate=2e-4",
+        "stages.1.max_steps=40", "stages.1.learning_rate=2e-4",
+        "stages.2.recovery.max_steps=10", "stages.3.qat.max_steps=10",
+        "stages.3.calibration.samples=64", env={"COMPRESS_DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    teacher, student, pruned, int8 = (s["metrics"] for s in
+                                      _manifest(tmp_path / "bert_distill_prune_int8")["stages"])
+    assert teacher["accuracy"] >= 0.72, teacher
+    assert student["student_layers"] == 3 and student["params"] < teacher["params"]
+    assert student["accuracy"] >= 0.65, student
+    assert pruned["params"] < student["params"] and pruned["accuracy"] >= 0.6, pruned
+    assert int8["quant_mode"] == "qat" and int8["qat_steps"] == 10
+    assert abs(int8["accuracy"] - pruned["accuracy"]) <= 0.05, (pruned, int8)
+    for stage in (student, pruned, int8):  # every stage timed its input in the same process
+        assert stage["input_latency_ms_b8"] > 0 and stage["latency_ratio_b8"] > 0
+
+
+def test_bert_int8_shrunk_quantizes_and_exports_with_parity(tmp_path: Path,
+                                                            data_dir: Path) -> None:
+    """Fine-tune, static int8, the int8 model as an AOTInductor .pt2, the fp32 as ONNX."""
+    result = run_cli("run", str(REPO / "recipes/bert_int8.yaml"), f"output_dir={tmp_path}",
+                     *SHRUNK_SST2, "stages.0.max_steps=40", "stages.0.learning_rate=2e-4",
+                     "stages.1.calibration.samples=64", env={"COMPRESS_DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    run_dir = tmp_path / "bert_int8"
+    stages = _manifest(run_dir)["stages"]
+    fp32, int8, aoti, onnx = (s["metrics"] for s in stages)
+    assert fp32["accuracy"] >= 0.72 and abs(int8["accuracy"] - fp32["accuracy"]) <= 0.03
+    assert aoti["parity_argmax_agreement"] >= 0.995 and aoti["parity_samples"] == 200
+    assert onnx["parity_max_abs_diff"] <= 1e-4 and onnx["accuracy"] == fp32["accuracy"]
+    assert stages[3]["inputs"][0]["sha256"] == stages[0]["outputs"][0]["sha256"]
+    assert int8["size_mb"] < 0.75 * fp32["size_mb"]  # int8 linears, float embeddings
+    package = run_dir / stages[2]["outputs"][0]["path"]
+    assert package.name == "model.aoti.pt2" and (package.parent / "tokenizer.json").is_file()
+    onnx_file = run_dir / stages[3]["outputs"][0]["path"]
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    for batch, length in ((1, 8), (32, 256)):
+        ids = np.random.default_rng(0).integers(1000, 30000, (batch, length))
+        feed = {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                "token_type_ids": np.zeros_like(ids)}
+        (logits,) = session.run(["logits"], {k: v for k, v in feed.items() if k in wanted})
+        assert logits.shape == (batch, 2) and np.isfinite(logits).all()

@@ -117,7 +117,7 @@ def optimize(path: Path, bundle: ModelBundle) -> dict[str, int]:
 def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
              calibration: Examples | None, options, max_length: int) -> None:
     """ONNX Runtime int8: dynamic (weights int8, activations at run time), or static QDQ
-    with activations calibrated on `options.samples` calibration examples."""
+    of the MatMul and Gemm ops with activations calibrated on `options.samples` examples."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -130,9 +130,11 @@ def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
     quant_pre_process(str(float_path), str(pre), skip_symbolic_shape=True)
     reader = _CalibrationReader(
         _batches(bundle, calibration, options.samples, options.batch_size, max_length))
+    # MatMul and Gemm only: calibrating every op takes in the attention mask's huge
+    # negative fill, and BERT then agreed with fp32 on 77% of SST-2 (86.5% accuracy here)
     quantize_static(str(pre), str(path), reader, quant_format=QuantFormat.QDQ,
-                    per_channel=True, activation_type=QuantType.QInt8,
-                    weight_type=QuantType.QInt8)
+                    op_types_to_quantize=["MatMul", "Gemm"], per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
     pre.unlink()
 
 

@@ -203,7 +203,10 @@ class ExportConfig(StrictModel):
         "torchscript 1e-5, onnx and aoti 1e-4; none when the export quantizes).")
     min_agreement: float | None = Field(
         None, gt=0, le=1, description="Smallest share of equal argmax accepted (default: "
-        "0.995, or 0.97 when the export itself quantizes).")
+        "0.995, or 0.90 when the export itself quantizes).")
+    max_accuracy_drop: float | None = Field(
+        None, ge=0, description="Largest accuracy loss in points against the source model "
+        "(default: 1.5 when the export itself quantizes, else unchecked).")
     parity_samples: int | None = Field(
         None, ge=1, description="Eval examples compared with the source model (default: all).")
     threads: int | None = Field(

@@ -52,23 +52,27 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
         examples = _head(examples, cfg.parity_samples)
     figures = parity.compare(bundle.model, exported.model, examples, evaluation.batch_size,
                              bundle.tokenizer, ctx.data.max_length, ctx.data.num_labels)
-    if cfg.parity_samples and cfg.parity_samples < len(ctx.data.splits["eval"]):
-        figures.pop("accuracy"), figures.pop("macro_f1")  # not the whole split
     (final / "parity.json").write_text(json.dumps(figures, indent=2))
-    tolerance, agreement = bounds(cfg, bundle.kind)
+    tolerance, agreement, max_drop = bounds(cfg, bundle.kind)
     ctx.metrics.update(figures)
+    if cfg.parity_samples and cfg.parity_samples < len(ctx.data.splits["eval"]):
+        for key in ("accuracy", "macro_f1"):  # not the whole split: measured again after
+            ctx.metrics[f"parity_{key}"] = ctx.metrics.pop(key)
     ctx.metrics.update(parity_tolerance=tolerance, parity_min_agreement=agreement,
+                       parity_max_accuracy_drop=max_drop,
                        runtime=cfg.format, runtime_threads=threads,
                        params=count_params(bundle.model), sparsity=round(sparsity(bundle.model), 6))
-    parity.check(figures, tolerance, agreement, ctx.name, str(final.relative_to(ctx.run_dir)))
+    parity.check(figures, tolerance, agreement, max_drop, ctx.name,
+                 str(final.relative_to(ctx.run_dir)))
     record = artifact_record(path, ctx.run_dir, cfg.format)
     record["export_dir"] = str(final.relative_to(ctx.run_dir))
     ctx.outputs.append(record)
     return State(exported, [record])
 
 
-def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float]:
-    """(max-abs logit tolerance or None, minimum argmax agreement) for this export.
+def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float, float | None]:
+    """(max-abs logit tolerance, minimum argmax agreement, largest accuracy drop in points)
+    for this export; None means unchecked.
 
     Exports that change precision (ONNX Runtime int8, TensorRT fp16) and exports of an int8
     model (whose in-process kernels round differently) are held to agreement only."""
@@ -78,7 +82,10 @@ def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float]:
         tolerance = parity.LOSSLESS_TOLERANCE[cfg.format]
     agreement = cfg.min_agreement or (
         parity.QUANTIZING_AGREEMENT if cfg.quantizes else parity.LOSSLESS_AGREEMENT)
-    return tolerance, agreement
+    max_drop = cfg.max_accuracy_drop
+    if max_drop is None and cfg.quantizes:
+        max_drop = parity.QUANTIZING_MAX_DROP
+    return tolerance, agreement, max_drop
 
 
 def _head(examples, n: int):

@@ -73,7 +73,7 @@ def test_every_export_is_done_with_parity_figures(text_run) -> None:
     for stage in (dynamic, static):
         metrics = stage["metrics"]
         assert metrics["onnx_quantize"] in ("dynamic", "static")
-        assert metrics["parity_tolerance"] is None and metrics["parity_argmax_agreement"] >= 0.97
+        assert metrics["parity_tolerance"] is None and metrics["parity_max_accuracy_drop"] == 1.5
         assert abs(metrics["accuracy"] - finetune["metrics"]["accuracy"]) <= 0.05
     assert onnx_fp32["metrics"]["onnx_fused_ops"]  # the optimizer fused something
     assert dynamic["outputs"][0]["bytes"] < onnx_fp32["outputs"][0]["bytes"] / 2

@@ -30,6 +30,12 @@ class Examples:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def head(self, n: int) -> Examples:
+        """The first `n` examples."""
+        return Examples(labels=self.labels[:n],
+                        texts=None if self.texts is None else self.texts[:n],
+                        inputs=None if self.inputs is None else self.inputs[:n])
+
 
 @dataclass
 class DataBundle:

@@ -41,10 +41,10 @@ from compress.errors import StageError
 from compress.evaluate import logits_of
 from compress.graphs import (
     EXPORT_SEQ,
-    TextLogits,
     dynamic_shapes,
     export_graph,
     export_inputs,
+    graph_module,
     inductor_freezing,
     max_sequence,
     positional_inputs,
@@ -93,11 +93,10 @@ class GraphModel(nn.Module):
 
 def capture(bundle: ModelBundle, stage: str, train: bool = False) -> nn.Module:
     """The bundle's model exported to a graph module (train-mode ops for QAT)."""
-    model = bundle.model.train(train)
-    module = TextLogits(model) if bundle.is_text else model
+    bundle.model.train(train)
     try:
-        program = export_graph(module, export_inputs(bundle), bundle.is_text,
-                               max_sequence(model), stage)
+        program = export_graph(graph_module(bundle), export_inputs(bundle), bundle.is_text,
+                               max_sequence(bundle.model), stage)
     finally:
         bundle.model.eval()
     return program.module()

@@ -288,7 +288,7 @@ def _export_problems(recipe: Recipe, i: int) -> list[str]:
                 f"quantize stage to export the float model"]
     if quantized and stage.format == "tensorrt":
         return [f"{where}.format: tensorrt takes a float model; set source to a stage before "
-                f"the quantize stage and precision int8 to quantize in TensorRT"]
+                f"the quantize stage"]
     if stage.format == "tensorrt" and not cuda_device_present():
         return [f"{where}: TensorRT export needs a CUDA GPU (none found)"]
     return []

@@ -23,13 +23,13 @@ from compress.models import ModelBundle
 FILE = "model.aoti.pt2"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, stage: str) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
     """Export and AOT-compile the model into `model.aoti.pt2`."""
     if bundle.kind == "pt2e":  # a GraphModel holding the converted int8 graph
         module, max_seq = bundle.model.graph, bundle.model.max_seq
     else:
         module, max_seq = graph_module(bundle).eval(), max_sequence(bundle.model)
-    program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq, stage)
+    program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq, ctx.name)
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():

@@ -7,6 +7,7 @@ This is the path Hugging Face Optimum takes, so its figures sit beside the PT2E 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,26 +31,24 @@ from compress.models import ModelBundle
 FILE = "model.onnx"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, stage: str, calibration: Examples | None = None,
-           max_length: int = 128, log: Callable[[str], None] = print
-           ) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
     """Write `model.onnx` (optimized and int8 per `cfg`); return it and what was done."""
     if bundle.kind == "pt2e":
-        raise StageError(stage, "onnx cannot hold a PT2E int8 model; export it with format "
+        raise StageError(ctx.name, "onnx cannot hold a PT2E int8 model; export it with format "
                          "aoti, or export the float model and set quantize: static for "
                          "ONNX Runtime int8")
     import onnx
 
     path = folder / FILE
     float_path = folder / "model.fp32.onnx" if cfg.quantize else path
-    exporter = write_onnx(bundle, float_path, cfg.opset, cfg.exporter, stage, log)
+    exporter = write_onnx(bundle, float_path, cfg.opset, cfg.exporter, ctx.name, ctx.log)
     onnx.checker.check_model(str(float_path))
     facts: dict[str, Any] = {"onnx_exporter": exporter, "onnx_opset": cfg.opset}
     if cfg.optimize:
         facts["onnx_fused_ops"] = optimize(float_path, bundle)
     if cfg.quantize:
-        quantize(float_path, path, cfg.quantize, bundle, calibration, cfg.calibration,
-                 max_length)
+        quantize(float_path, path, cfg.quantize, bundle, ctx.data.splits.get("calibration"),
+                 cfg.calibration, ctx.data.max_length)
         float_path.unlink()
         onnx.checker.check_model(str(path))
         facts["onnx_quantize"] = cfg.quantize
@@ -90,16 +89,16 @@ def write_onnx(bundle: ModelBundle, path: Path, opset: int, exporter: str, stage
     raise StageError(stage, "ONNX export failed: " + "; ".join(failures))
 
 
-class _quiet_onnx_logs:
+@contextlib.contextmanager
+def _quiet_onnx_logs() -> Iterator[None]:
     """Silence the exporter's INFO chatter for the block."""
-
-    def __enter__(self):
-        self.logger = logging.getLogger("torch.onnx")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.WARNING)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.level)
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def optimize(path: Path, bundle: ModelBundle) -> dict[str, int]:
@@ -191,5 +190,4 @@ def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
         feed = {n: t.cpu().numpy() for n, t in zip(names, tensors, strict=True) if n in wanted}
         return torch.from_numpy(session.run(["logits"], feed)[0])
 
-    run.session = session  # type: ignore[attr-defined]
     return run

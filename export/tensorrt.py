@@ -18,17 +18,17 @@ FILE = "model.trt.ep"
 NO_GPU = "TensorRT export needs a CUDA GPU (none found)"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, stage: str) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
     """Compile with torch-tensorrt for the recipe's shape profile and save the program."""
     if not torch.cuda.is_available():
-        raise StageError(stage, NO_GPU)
+        raise StageError(ctx.name, NO_GPU)
     try:
         import torch_tensorrt
     except ImportError:
-        raise StageError(stage, "torch-tensorrt is not installed: pip install -e '.[tensorrt]'"
+        raise StageError(ctx.name, "torch-tensorrt is not installed: pip install -e '.[tensorrt]'"
                          ) from None
     if cfg.precision == "int8":
-        raise StageError(stage, "TensorRT int8 needs a model quantized with NVIDIA ModelOpt, "
+        raise StageError(ctx.name, "TensorRT int8 needs a model quantized with NVIDIA ModelOpt, "
                          "which compress does not do yet; use precision fp16")
     module = graph_module(bundle).eval().cuda()
     shapes = cfg.shapes

@@ -16,10 +16,10 @@ from compress.models import ModelBundle
 FILE = "model.ts"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, stage: str) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
     """Trace the model (HF models through a logits-only wrapper) and save `model.ts`."""
     if bundle.kind == "pt2e":
-        raise StageError(stage, "torchscript cannot hold a PT2E int8 model; export it with "
+        raise StageError(ctx.name, "torchscript cannot hold a PT2E int8 model; export it with "
                          "format aoti, or export the float model (source: an earlier stage)")
     module = graph_module(bundle).eval()
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():

@@ -31,12 +31,7 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     began = time.perf_counter()
-    if cfg.format == "onnx":
-        path, facts = module.export(bundle, cfg, tmp, ctx.name,
-                                    ctx.data.splits.get("calibration"), ctx.data.max_length,
-                                    ctx.log)
-    else:
-        path, facts = module.export(bundle, cfg, tmp, ctx.name)
+    path, facts = module.export(bundle, cfg, tmp, ctx)
     write_meta(tmp, cfg.format, path.name, bundle, source_kind=bundle.kind, **facts)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -48,14 +43,15 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     exported = load_export(final, threads)
     evaluation = ctx.recipe.evaluation
     examples = ctx.data.splits["eval"]
-    if cfg.parity_samples and cfg.parity_samples < len(examples):
-        examples = _head(examples, cfg.parity_samples)
+    partial = bool(cfg.parity_samples and cfg.parity_samples < len(examples))
+    if partial:
+        examples = examples.head(cfg.parity_samples)
     figures = parity.compare(bundle.model, exported.model, examples, evaluation.batch_size,
                              bundle.tokenizer, ctx.data.max_length, ctx.data.num_labels)
     (final / "parity.json").write_text(json.dumps(figures, indent=2))
     tolerance, agreement, max_drop = bounds(cfg, bundle.kind)
     ctx.metrics.update(figures)
-    if cfg.parity_samples and cfg.parity_samples < len(ctx.data.splits["eval"]):
+    if partial:
         for key in ("accuracy", "macro_f1"):  # not the whole split: measured again after
             ctx.metrics[f"parity_{key}"] = ctx.metrics.pop(key)
     ctx.metrics.update(parity_tolerance=tolerance, parity_min_agreement=agreement,
@@ -87,10 +83,3 @@ def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float, fl
         max_drop = parity.QUANTIZING_MAX_DROP
     return tolerance, agreement, max_drop
 
-
-def _head(examples, n: int):
-    from dataclasses import replace
-
-    return replace(examples, labels=examples.labels[:n],
-                   texts=None if examples.texts is None else examples.texts[:n],
-                   inputs=None if examples.inputs is None else examples.inputs[:n])

@@ -22,7 +22,7 @@ import yaml
 
 from compress.errors import StageError, UserError
 from compress.fingerprint import data_fingerprint, model_fingerprint
-from compress.recipe import Recipe, model_stage_index
+from compress.recipe import Recipe, export_stage_index, model_stage_index
 from compress.runfolder import (
     MANIFEST,
     artifact_intact,
@@ -172,9 +172,13 @@ class _Runner:
         total = len(self.recipe.stages)
         for i, cfg in enumerate(self.recipe.stages):
             name = cfg.name or cfg.kind
-            source = model_stage_index(self.recipe, i)
-            input_sha = base_key if source is None else model_sha[source]
-            self._use_model_of(source)
+            if cfg.kind == "package":  # archives an export's file, needs no model
+                source = export_stage_index(self.recipe, i)
+                input_sha = entries[source]["outputs"][0]["sha256"]
+            else:
+                source = model_stage_index(self.recipe, i)
+                input_sha = base_key if source is None else model_sha[source]
+                self._use_model_of(source)
             config = cfg.model_dump(mode="json")
             key = sha256_json([config, input_sha, self.manifest["recipe"]["data"],
                                self.manifest["recipe"]["evaluation"], self.recipe.seed])
@@ -213,11 +217,15 @@ class _Runner:
     def _run_stage(self, i: int, cfg, name: str, config: dict, key: str, input_sha: str,
                    source: int | None) -> dict[str, Any]:
         from compress.measure import compare_to_input, latency_of, measure
-        from compress.state import StageContext
+        from compress.state import StageContext, State
 
         folder = self.run_dir / f"{i:02d}-{cfg.kind}"
         folder.mkdir(exist_ok=True)
-        state = self.current()
+        measured = getattr(cfg, "measured", True)
+        if cfg.kind == "package":
+            state = State(None, list(self.manifest["stages"][source]["outputs"]))
+        else:
+            state = self.current()
         entry = {"index": i, "name": name, "kind": cfg.kind, "status": "running",
                  "key": key, "config": config, "started": now(),
                  "inputs": list(state.artifacts) or [{"sha256": input_sha, "format": "source"}],
@@ -233,10 +241,13 @@ class _Runner:
             # the input model is timed again here so every ratio compares two models timed
             # in one process (a cached earlier stage's figures may come from another run)
             input_latency = (latency_of(state.bundle, self.recipe)
-                             if self.recipe.evaluation.latency.enabled else {})
+                             if measured and self.recipe.evaluation.latency.enabled else {})
             new_state = _runner_for(cfg.kind)(state, cfg, ctx)
-            metrics = measure(new_state.bundle, self.data, self.recipe, known=ctx.metrics)
-            metrics.update(compare_to_input(metrics, input_latency, self._accuracy_of(source)))
+            metrics = {}
+            if measured:
+                metrics = measure(new_state.bundle, self.data, self.recipe, known=ctx.metrics)
+                metrics.update(compare_to_input(metrics, input_latency,
+                                                self._accuracy_of(source)))
         except KeyboardInterrupt:
             self._fail(entry, "interrupted; re-run the same command to resume", began)
             raise

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError
 
 from compress.errors import UserError
 from compress.recipe_errors import format_validation_error
-from compress.stages.configs import LEAF_KINDS, STAGE_CONFIGS, StrictModel
+from compress.stages.configs import LEAF_KINDS, SERVABLE_FORMATS, STAGE_CONFIGS, StrictModel
 
 StageConfig = Annotated[Union[tuple(STAGE_CONFIGS.values())], Field(discriminator="kind")]  # noqa: UP007
 
@@ -241,6 +241,8 @@ def check_stage_order(recipe: Recipe) -> list[str]:
         seen.add(stage.kind)
         if stage.kind == "export":
             problems += _export_problems(recipe, i)
+        if stage.kind == "package":
+            problems += _package_problems(recipe, i)
     return problems
 
 
@@ -291,6 +293,40 @@ def _export_problems(recipe: Recipe, i: int) -> list[str]:
                 f"the quantize stage"]
     if stage.format == "tensorrt" and not cuda_device_present():
         return [f"{where}: TensorRT export needs a CUDA GPU (none found)"]
+    return []
+
+
+def export_stage_index(recipe: Recipe, i: int) -> int:
+    """Index of the export stage that package stage i archives (its `artifact`, by name or
+    index; default: the latest export before it). Raises ValueError when there is none."""
+    exports = [j for j in range(i) if recipe.stages[j].kind == "export"]
+    artifact = recipe.stages[i].artifact
+    if artifact is None and exports:
+        return exports[-1]
+    text = str(artifact)
+    if text.isdigit() and int(text) in exports:
+        return int(text)
+    for j in reversed(exports):
+        if text == (recipe.stages[j].name or "export"):
+            return j
+    if not exports:
+        raise ValueError("artifact: no export stage comes before this package stage; add "
+                         "one, e.g. {kind: export, format: onnx}")
+    choices = ", ".join(f"{j} ({recipe.stages[j].name or 'export'})" for j in exports)
+    raise ValueError(f"artifact: '{artifact}' is not an earlier export stage (choices: "
+                     f"{choices})")
+
+
+def _package_problems(recipe: Recipe, i: int) -> list[str]:
+    where = f"stages[{i}] (package)"
+    try:
+        j = export_stage_index(recipe, i)
+    except ValueError as exc:
+        return [f"{where}.{exc}"]
+    fmt = recipe.stages[j].format
+    if fmt not in SERVABLE_FORMATS:
+        return [f"{where}.artifact: a {fmt} export cannot be served on the CPU workers this "
+                f"handler runs; package an export of format {', '.join(SERVABLE_FORMATS)}"]
     return []
 
 

@@ -18,9 +18,11 @@ from compress.runfolder import artifact_record
 
 @dataclass
 class State:
-    """The current model (with tokenizer and labels) and the artifacts produced so far."""
+    """The current model (with tokenizer and labels) and the artifacts produced so far.
 
-    bundle: ModelBundle
+    `bundle` is None for a stage that takes files, not a model (package)."""
+
+    bundle: ModelBundle | None
     artifacts: list[dict[str, Any]] = field(default_factory=list)
 
 

@@ -251,6 +251,37 @@ class ExportConfig(StrictModel):
         return self
 
 
+class PackageConfig(StrictModel):
+    """A TorchServe archive (.mar) of an exported file with compress's batching handler.
+
+    A leaf like export: it adds `<model_name>.mar` and hands nothing on."""
+
+    kind: Literal["package"] = "package"
+    name: StageName = None
+    artifact: str | int | None = Field(
+        None, description="The export stage to package (name or index; default: the latest "
+        "export before this stage).")
+    model_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Name served at /predictions/<name> (default: the recipe's name).")
+    version: str = Field("1.0", pattern=r"^[0-9][0-9A-Za-z.]*$", description="Model version.")
+    batch_size: int = Field(
+        8, ge=1, le=1024, description="Largest batch TorchServe forms from waiting requests.")
+    max_batch_delay_ms: int = Field(
+        20, ge=0, le=10_000, description="How long TorchServe waits to fill a batch.")
+    workers: int = Field(1, ge=1, le=64, description="Worker processes (min = max workers).")
+    threads: int | None = Field(
+        None, ge=1, description="Intra-op threads per worker (default: cores / workers; "
+        "workers x threads is capped at the cores).")
+    response_timeout_s: int = Field(
+        120, ge=1, description="Seconds before TorchServe gives up on a batch.")
+    max_text_chars: int = Field(
+        10_000, ge=1, description="Longer texts are refused with a 400 (tokens past the "
+        "recipe's max_length are truncated).")
+
+    measured: ClassVar[bool] = False
+
+
 STAGE_CONFIGS: dict[str, type[StrictModel]] = {
     "finetune": FinetuneConfig,
     "distill": DistillConfig,
@@ -258,11 +289,13 @@ STAGE_CONFIGS: dict[str, type[StrictModel]] = {
     "quantize": QuantizeConfig,
     "compile": CompileConfig,
     "export": ExportConfig,
+    "package": PackageConfig,
 }
 
 # Kinds whose output is a file, not the next model: the stage after one continues from the
 # model that entered it.
-LEAF_KINDS = frozenset({"export"})
+LEAF_KINDS = frozenset({"export", "package"})
+SERVABLE_FORMATS = ("torchscript", "onnx", "aoti")
 
 # kind -> "module:function", imported only when the stage runs (keeps `validate` torch-free).
 STAGE_RUNNERS: dict[str, str] = {
@@ -272,6 +305,7 @@ STAGE_RUNNERS: dict[str, str] = {
     "quantize": "compress.stages.quantize:run",
     "compile": "compress.stages.compile:run",
     "export": "compress.stages.export:run",
+    "package": "compress.stages.package:run",
 }
 
 

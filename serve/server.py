@@ -1,0 +1,351 @@
+"""Start, wait for and stop a TorchServe serving one compress `.mar`.
+
+Each server lives in a serve folder (`<run>/serve/`, or `<name>.serve/` beside a bare
+`.mar`): `config.properties`, the unpacked model with its batch settings, `logs/`,
+TorchServe's pid file, `key_file.json` (tokens) and `server.json` (what `--stop` needs).
+Every listener binds 127.0.0.1; only the inference port is chosen by the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from compress.errors import UserError
+
+SERVER_INFO = "server.json"
+KEY_FILE = "key_file.json"
+PID_FILE = ".model_server.pid"
+TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
+JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubuntu: "
+             "apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """The archive to serve, its model name and the folder the server keeps its files in."""
+
+    mar: Path
+    model_name: str
+    serve_dir: Path
+
+
+def resolve_target(path: str | Path) -> ServeTarget:
+    """A run folder (its latest package stage) or a `.mar` file, as a ServeTarget."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".mar":
+        return ServeTarget(path.resolve(), _mar_model_name(path), path.resolve().with_suffix(
+            ".serve"))
+    manifest_file = path / "manifest.json"
+    if not manifest_file.is_file():
+        raise UserError(f"{path}: neither a run folder (no manifest.json) nor a .mar file")
+    manifest = json.loads(manifest_file.read_text())
+    packages = [s for s in manifest.get("stages", []) if s.get("kind") == "package"
+                and s.get("status") in ("done", "cached") and s.get("outputs")]
+    if not packages:
+        raise UserError(f"{path}: the run has no finished package stage; add "
+                        f"{{kind: package}} after an export stage and run the recipe again")
+    record = packages[-1]["outputs"][0]
+    mar = (path / record["path"]).resolve()
+    if not mar.is_file():
+        raise UserError(f"{mar}: the run's archive is missing; run the recipe again")
+    return ServeTarget(mar, record.get("model_name") or _mar_model_name(mar),
+                       path.resolve() / "serve")
+
+
+def _mar_model_name(mar: Path) -> str:
+    try:
+        with zipfile.ZipFile(mar) as archive:
+            manifest = json.loads(archive.read("MAR-INF/MANIFEST.json"))
+        return manifest["model"]["modelName"]
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
+        raise UserError(f"{mar}: not a TorchServe archive ({exc})") from None
+
+
+def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
+          batch_size: int | None = None, max_batch_delay_ms: int | None = None,
+          auth: bool = True, model_api: bool = False, timeout_s: float = 300,
+          echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Start TorchServe on 127.0.0.1:`port`, wait until a worker is READY; return server.json.
+
+    Batch and worker options override the archive's model-config.yaml. On any failure the
+    server is stopped before the error is raised."""
+    check_prerequisites()
+    running = read_info(target.serve_dir)
+    if running and process_alive(running["pid"]):
+        raise UserError(f"{target.serve_dir.parent}: already served at {running['url']}; stop "
+                        f"it first with: compress serve --stop {_shown(target)}")
+    if port_in_use(port):
+        raise UserError(f"port {port} on 127.0.0.1 is in use (another server?): choose "
+                        f"another with --port, or stop what holds it")
+    serve_dir = target.serve_dir
+    shutil.rmtree(serve_dir, ignore_errors=True)
+    (serve_dir / "logs").mkdir(parents=True)
+    store = serve_dir / "model-store"
+    settings = unpack_model(target, store, workers, batch_size, max_batch_delay_ms)
+    management, metrics, grpc_i, grpc_m = free_ports(4, avoid={port})
+    config = serve_dir / "config.properties"
+    config.write_text("\n".join([
+        f"inference_address=http://127.0.0.1:{port}",
+        f"management_address=http://127.0.0.1:{management}",
+        f"metrics_address=http://127.0.0.1:{metrics}",
+        "grpc_inference_address=127.0.0.1", f"grpc_inference_port={grpc_i}",
+        "grpc_management_address=127.0.0.1", f"grpc_management_port={grpc_m}",
+        f"model_store={store}", f"token_expiration_min={TOKEN_MINUTES}",
+        f"enable_model_api={'true' if model_api else 'false'}",
+        "disable_system_metrics=true", "install_py_dep_per_model=false", ""]))
+    command = [sys.executable, "-m", "ts.model_server", "--start", "--ncs", "--ts-config",
+               str(config), "--model-store", str(store), "--models",
+               f"{target.model_name}={target.model_name}"]
+    if not auth:
+        command.append("--disable-token-auth")
+    if model_api:
+        command.append("--enable-model-api")
+    env = {**os.environ, "TMPDIR": str(serve_dir), "LOG_LOCATION": str(serve_dir / "logs"),
+           "METRICS_LOCATION": str(serve_dir / "logs")}
+    with open(serve_dir / "logs" / "torchserve.out", "wb") as out:
+        launcher = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        launcher.wait(timeout=120)
+    pid_file = serve_dir / PID_FILE
+    if not pid_file.is_file():
+        raise UserError(f"TorchServe did not start: {_log_tail(serve_dir)}")
+    info = {"pid": int(pid_file.read_text().split()[0]), "pgid": launcher.pid,
+            "model_name": target.model_name, "mar": str(target.mar),
+            "url": f"http://127.0.0.1:{port}/predictions/{target.model_name}",
+            "port": port, "management_port": management, "metrics_port": metrics,
+            "auth": auth, "model_api": model_api, "settings": settings,
+            "serve_dir": str(serve_dir), "started": time.time()}
+    write_info(serve_dir, info)
+    registry_dir().mkdir(parents=True, exist_ok=True)
+    (registry_dir() / f"{info['pid']}.json").write_text(json.dumps({"serve_dir": str(serve_dir)}))
+    try:
+        wait_ready(info, serve_dir, timeout_s, echo)
+    except BaseException:
+        stop(serve_dir)
+        raise
+    if auth:
+        info["token"] = read_keys(serve_dir)["inference"]
+        write_info(serve_dir, info)
+    return info
+
+
+def check_prerequisites() -> None:
+    """TorchServe and Java 17 are installed, or a UserError says how to get them."""
+    import importlib.util
+
+    if importlib.util.find_spec("ts") is None:
+        raise UserError("TorchServe is not installed: pip install -e '.[serve]' (torchserve, "
+                        "torch-model-archiver, PyYAML)")
+    java_home = os.environ.get("JAVA_HOME")
+    java = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
+    if not java or not Path(java).exists():
+        raise UserError(JAVA_HELP)
+
+
+def unpack_model(target: ServeTarget, store: Path, workers: int | None,
+                 batch_size: int | None, max_batch_delay_ms: int | None) -> dict[str, Any]:
+    """Unpack the archive into the model store and apply the command line's overrides to
+    its model-config.yaml; return the settings in force."""
+    folder = store / target.model_name
+    with zipfile.ZipFile(target.mar) as archive:
+        archive.extractall(folder)
+    config_file = folder / "model-config.yaml"
+    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    if workers is not None:
+        config["minWorkers"] = config["maxWorkers"] = workers
+    if batch_size is not None:
+        config["batchSize"] = batch_size
+    if max_batch_delay_ms is not None:
+        config["maxBatchDelay"] = max_batch_delay_ms
+    handler = config.setdefault("handler", {})
+    per_worker = max(1, (os.cpu_count() or 1) // int(config.get("maxWorkers", 1)))
+    handler["threads"] = min(int(handler.get("threads") or per_worker), per_worker)
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    return {k: config.get(k) for k in ("minWorkers", "maxWorkers", "batchSize",
+                                       "maxBatchDelay", "responseTimeout")} | {
+        "threads_per_worker": handler["threads"]}
+
+
+def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
+               echo: Callable[[str], None]) -> None:
+    """Poll the management API until a worker of the model is READY (not just /ping)."""
+    url = f"http://127.0.0.1:{info['management_port']}/models/{info['model_name']}"
+    deadline = time.monotonic() + timeout_s
+    echo(f"waiting for a READY worker of {info['model_name']} (up to {timeout_s:.0f} s)")
+    while time.monotonic() < deadline:
+        if not process_alive(info["pid"]):
+            raise UserError(f"TorchServe exited while loading the model: {_log_tail(serve_dir)}")
+        headers = {}
+        if info["auth"] and (serve_dir / KEY_FILE).is_file():
+            headers["Authorization"] = f"Bearer {read_keys(serve_dir)['management']}"
+        try:
+            request = urllib.request.Request(url, headers=headers)
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                described = json.loads(answer.read())
+            workers = [w for m in described for w in m.get("workers", [])]
+            if any(w.get("status") == "READY" for w in workers):
+                return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise UserError(f"no READY worker after {timeout_s:.0f} s: {_log_tail(serve_dir)}")
+
+
+def stop(serve_dir: Path, grace_s: float = 30) -> bool:
+    """Stop the server of `serve_dir` and every process it started; True if one ran."""
+    info = read_info(serve_dir)
+    if not info:
+        return False
+    ran = process_alive(info["pid"])
+    if ran:
+        os.kill(info["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while process_alive(info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    with _suppress(ProcessLookupError, PermissionError):
+        os.killpg(info["pgid"], signal.SIGKILL)  # workers left behind, if any
+    for name in (SERVER_INFO, PID_FILE, KEY_FILE):
+        (serve_dir / name).unlink(missing_ok=True)
+    (registry_dir() / f"{info['pid']}.json").unlink(missing_ok=True)
+    return ran
+
+
+def stop_servers(target: str | None) -> list[str]:
+    """Stop the server of `target` (a run folder or .mar), or every server compress started
+    on this machine; return the serve folders that were running."""
+    if target is not None:
+        path = Path(target).resolve()
+        folders = [path.with_suffix(".serve") if path.suffix == ".mar" else path / "serve"]
+    else:
+        folders = [Path(json.loads(f.read_text())["serve_dir"])
+                   for f in sorted(registry_dir().glob("*.json"))]
+    return [str(folder) for folder in folders if stop(folder)]
+
+
+def registry_dir() -> Path:
+    """Where started servers are listed for `compress serve --stop` without a target."""
+    base = os.environ.get("COMPRESS_STATE_DIR") or Path.home() / ".local/state/compress"
+    return Path(base) / "servers"
+
+
+def token_of(run_dir: str | Path) -> str | None:
+    """The inference token of the server of a run folder (None when auth is off)."""
+    info = read_info(Path(run_dir) / "serve")
+    return info.get("token") if info else None
+
+
+def read_keys(serve_dir: Path) -> dict[str, str]:
+    """TorchServe's tokens: {"management", "inference", "api"}."""
+    keys = json.loads((serve_dir / KEY_FILE).read_text())
+    return {"management": keys["management"]["key"], "inference": keys["inference"]["key"],
+            "api": keys["API"]["key"]}
+
+
+def read_info(serve_dir: Path) -> dict[str, Any] | None:
+    """The server.json of a serve folder, or None."""
+    try:
+        return json.loads((serve_dir / SERVER_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_info(serve_dir: Path, info: dict[str, Any]) -> None:
+    from compress.runfolder import atomic_write_json
+
+    atomic_write_json(serve_dir / SERVER_INFO, info)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on (or holds) 127.0.0.1:`port`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_ports(n: int, avoid: set[int] = frozenset()) -> list[int]:
+    """`n` distinct free loopback ports (the OS picks them)."""
+    ports: list[int] = []
+    sockets = []
+    try:
+        while len(ports) < n:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+            if sock.getsockname()[1] not in avoid:
+                ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+def curl_example(info: dict[str, Any], text: str = "a gripping, beautiful film") -> str:
+    """A ready-to-paste curl command for the served model."""
+    auth = f"-H 'Authorization: Bearer {info['token']}' " if info.get("token") else ""
+    body = json.dumps({"text": text})
+    return (f"curl -s {auth}-H 'Content-Type: application/json' -d '{body}' "
+            f"{info['url']}")
+
+
+def _log_tail(serve_dir: Path, lines: int = 3) -> str:
+    """The last error-looking lines of TorchServe's logs, on one line."""
+    found: list[str] = []
+    for log in (serve_dir / "logs").glob("*.log*"):
+        found += [line.strip() for line in log.read_text(errors="replace").splitlines()
+                  if "ERROR" in line or "Error" in line or "Exception" in line]
+    out = serve_dir / "logs" / "torchserve.out"
+    if not found and out.is_file():
+        found = out.read_text(errors="replace").strip().splitlines()
+    tail = " | ".join(found[-lines:]) or "no log output"
+    return f"{tail} (logs in {serve_dir / 'logs'})"
+
+
+def _shown(target: ServeTarget) -> str:
+    return str(target.mar if target.serve_dir.suffix == ".serve" else target.serve_dir.parent)
+
+
+class _suppress:
+    """contextlib.suppress, local so this module's imports stay few."""
+
+    def __init__(self, *errors: type[BaseException]):
+        self.errors = errors
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, tb) -> bool:
+        return kind is not None and issubclass(kind, self.errors)

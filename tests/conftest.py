@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,20 @@ def tiny_bert(tmp_path_factory) -> Path:
     return folder
 
 
+def http_post(url: str, body: bytes, token: str | None = None,
+              content_type: str = "application/json") -> tuple[int, dict, object]:
+    """(status, headers, JSON answer) of one POST."""
+    headers = {"Content-Type": content_type}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, dict(answer.headers), json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read() or b"null")
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -111,3 +128,49 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "compress", *args], capture_output=True,
                           text=True, env=full_env, cwd=cwd, timeout=timeout)
+
+
+SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",
+               "data.calibration.max_samples=64", "evaluation.latency.iters=3",
+               "evaluation.latency.warmup=1", "evaluation.latency.batch_sizes=[8]"]
+
+
+@pytest.fixture(scope="session")
+def bert_int8_run(tmp_path_factory, data_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """recipes/bert_int8.yaml shrunk (real MiniLM, 800 SST-2 sentences): fine-tune, static
+    int8, int8 AOTInductor .pt2, fp32 ONNX, .mar of the int8 package."""
+    out = tmp_path_factory.mktemp("bert_int8")
+    result = run_cli("run", str(REPO / "recipes/bert_int8.yaml"), f"output_dir={out}",
+                     *SHRUNK_SST2, "stages.0.max_steps=40", "stages.0.learning_rate=2e-4",
+                     "stages.1.calibration.samples=64", env={"COMPRESS_DATA_DIR": str(data_dir)})
+    return out / "bert_int8", result
+
+
+@pytest.fixture(scope="session")
+def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
+    """A tiny BERT fine-tuned on the word-sentiment table, exported to ONNX and TorchScript,
+    each packaged as a .mar (tiny_onnx with batch size 8, then tiny_ts)."""
+    tmp = tmp_path_factory.mktemp("packaged")
+    data = write_sentiment_tables(tmp / "sentiment")
+    raw = {
+        "name": "tiny_served",
+        "model": {"source": str(tiny_bert)},
+        "data": {"source": str(data), "text_column": "sentence", "max_length": 32,
+                 "label_names": ["negative", "positive"]},
+        "stages": [
+            {"kind": "finetune", "epochs": 6, "batch_size": 16, "learning_rate": 1e-3},
+            {"kind": "export", "format": "onnx", "name": "onnx_fp32"},
+            {"kind": "export", "format": "torchscript", "name": "ts"},
+            {"kind": "package", "name": "pkg_onnx", "artifact": "onnx_fp32",
+             "model_name": "tiny_onnx", "batch_size": 8, "max_batch_delay_ms": 50,
+             "max_text_chars": 200},
+            {"kind": "package", "name": "pkg_ts", "artifact": "ts", "model_name": "tiny_ts",
+             "batch_size": 4, "max_batch_delay_ms": 5},
+        ],
+        "evaluation": {"latency": {"batch_sizes": [1], "seq_len": 16, "iters": 2, "warmup": 1}},
+        "output_dir": str(tmp / "runs"),
+        "seed": 0,
+    }
+    result = run_cli("run", str(write_recipe(tmp / "r.yaml", raw)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return tmp / "runs" / "tiny_served"

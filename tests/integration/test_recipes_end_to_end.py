@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, SHRUNK_SST2, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -59,11 +59,6 @@ def test_cnn_digits_recipe_reaches_95_percent(tmp_path: Path) -> None:
     assert stage["metrics"]["macro_f1"] >= 0.95
 
 
-SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",
-               "data.calibration.max_samples=64", "evaluation.latency.iters=3",
-               "evaluation.latency.warmup=1", "evaluation.latency.batch_sizes=[8]"]
-
-
 def test_bert_distill_prune_int8_shrunk_chain(tmp_path: Path, data_dir: Path) -> None:
     """Teacher -> 3-layer student -> half the FFN neurons removed -> QAT int8, all real."""
     result = run_cli(
@@ -85,16 +80,17 @@ def test_bert_distill_prune_int8_shrunk_chain(tmp_path: Path, data_dir: Path) ->
         assert stage["input_latency_ms_b8"] > 0 and stage["latency_ratio_b8"] > 0
 
 
-def test_bert_int8_shrunk_quantizes_and_exports_with_parity(tmp_path: Path,
-                                                            data_dir: Path) -> None:
-    """Fine-tune, static int8, the int8 model as an AOTInductor .pt2, the fp32 as ONNX."""
-    result = run_cli("run", str(REPO / "recipes/bert_int8.yaml"), f"output_dir={tmp_path}",
-                     *SHRUNK_SST2, "stages.0.max_steps=40", "stages.0.learning_rate=2e-4",
-                     "stages.1.calibration.samples=64", env={"COMPRESS_DATA_DIR": str(data_dir)})
+def test_bert_int8_shrunk_quantizes_exports_and_packages(bert_int8_run) -> None:
+    """Fine-tune, static int8, the int8 model as an AOTInductor .pt2, the fp32 as ONNX, and
+    the int8 package as a TorchServe archive."""
+    run_dir, result = bert_int8_run
     assert result.returncode == 0, result.stderr[-2000:]
-    run_dir = tmp_path / "bert_int8"
     stages = _manifest(run_dir)["stages"]
-    fp32, int8, aoti, onnx = (s["metrics"] for s in stages)
+    fp32, int8, aoti, onnx, package = (s["metrics"] for s in stages)
+    mar = stages[4]["outputs"][0]
+    assert mar["path"] == "04-package/bert_int8.mar" and mar["format"] == "mar"
+    assert package["served_format"] == "aoti" and package["batch_size"] == 16
+    assert 40e6 < mar["bytes"] < stages[2]["outputs"][0]["bytes"]  # zip-compressed .pt2
     assert fp32["accuracy"] >= 0.72 and abs(int8["accuracy"] - fp32["accuracy"]) <= 0.03
     assert aoti["parity_argmax_agreement"] >= 0.995 and aoti["parity_samples"] == 200
     assert onnx["parity_max_abs_diff"] <= 1e-4 and onnx["accuracy"] == fp32["accuracy"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -107,6 +108,79 @@ def schema() -> None:
     from compress.recipe import Recipe
 
     click.echo(json.dumps(Recipe.model_json_schema(), indent=2))
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "json"]),
+              default="table", show_default=True, help="Terminal table, Markdown or JSON.")
+@click.option("--output", type=click.Path(dir_okay=False), help="Write to FILE instead of "
+              "printing.")
+@click.option("--reference", help="Row that deltas, size ratios and speedups compare with "
+              "(default: the fine-tuned model, else the baseline).")
+def report(run_dir: str, fmt: str, output: str | None, reference: str | None) -> None:
+    """Accuracy, latency, size and speedup of every artifact of RUN_DIR, from its manifest.
+
+    \b
+    Also rewrites report.json, report.md and report.png in the run folder (no model runs).
+
+    \b
+    Examples:
+      compress report runs/bert_int8
+      compress report runs/bert_int8 --format markdown --output bert_int8.md
+    """
+    from compress.report import build_report, write_reports
+
+    data = build_report(run_dir, reference)
+    write_reports(run_dir)
+    _emit(data, fmt, output)
+
+
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "json"]),
+              default="table", show_default=True, help="Terminal table, Markdown or JSON.")
+@click.option("--output", type=click.Path(dir_okay=False), help="Write to FILE instead of "
+              "printing.")
+def compare(run_dirs: tuple[str, ...], fmt: str, output: str | None) -> None:
+    """The report table across runs, the best value of each column marked.
+
+    \b
+    Example:
+      compress compare runs/bert_int8 runs/bert_onnx_int8
+    """
+    from compress.report import compare as compare_runs
+
+    if len(run_dirs) < 2:
+        raise click.UsageError("give at least two run folders to compare")
+    _emit(compare_runs(list(run_dirs)), fmt, output)
+
+
+def _emit(data: dict, fmt: str, output: str | None) -> None:
+    from compress.report import render_markdown, render_table
+    from compress.runfolder import atomic_write_text
+
+    if fmt == "table" and output is None:
+        render_table(data)
+        return
+    if fmt == "json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif fmt == "markdown":
+        text = render_markdown(data)
+    else:
+        from io import StringIO
+
+        from rich.console import Console
+
+        buffer = StringIO()
+        render_table(data, Console(file=buffer, width=250, no_color=True))
+        text = buffer.getvalue()
+    if output:
+        atomic_write_text(Path(output), text)
+        click.echo(f"written: {output}")
+    else:
+        click.echo(text, nl=False)
 
 
 @cli.command()

@@ -60,9 +60,26 @@ def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | N
     with _locked(run_dir):
         runner = _Runner(recipe, run_dir, data, model_src, echo)
         runner.start()
-        runner.baseline(base_key, force=first_forced == 0 and force)
-        runner.stages(base_key, first_forced)
+        try:
+            runner.baseline(base_key, force=first_forced == 0 and force)
+            runner.stages(base_key, first_forced)
+        finally:
+            _write_reports(run_dir, echo)
     return run_dir
+
+
+def _write_reports(run_dir: Path, echo: Callable[[str], None]) -> None:
+    """report.json, report.md and report.png after every run, finished or not; a report
+    that cannot be written is a warning, never the run's error."""
+    from compress.report import write_reports
+
+    try:
+        written = write_reports(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the run's own outcome must not be masked
+        echo(f"warning: the report could not be written: {type(exc).__name__}: {exc}")
+        return
+    echo("report: " + ", ".join(str(p.relative_to(run_dir)) for p in written)
+         + f" in {run_dir} (compress report {run_dir})")
 
 
 def _first_forced(recipe: Recipe, force: bool, from_stage: str | int | None) -> int:

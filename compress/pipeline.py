@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import importlib.util
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ from compress.runfolder import (
     environment,
     now,
     read_manifest,
+    sha256_file,
     sha256_json,
 )
 from compress.sources import check_recipe_sources
@@ -197,8 +199,9 @@ class _Runner:
                 input_sha = base_key if source is None else model_sha[source]
                 self._use_model_of(source)
             config = cfg.model_dump(mode="json")
-            key = sha256_json([config, input_sha, self.manifest["recipe"]["data"],
-                               self.manifest["recipe"]["evaluation"], self.recipe.seed])
+            parts = [config, input_sha, self.manifest["recipe"]["data"],
+                     self.manifest["recipe"]["evaluation"], self.recipe.seed]
+            key = sha256_json(parts + _code_digests(cfg))
             old = entries[i] if i < len(entries) else None
             tag = f"[{i + 1}/{total}] {name}"
             leaf = cfg.kind in LEAF_KINDS
@@ -302,6 +305,16 @@ class _Runner:
 def _runner_for(kind: str):
     module, func = STAGE_RUNNERS[kind].split(":")
     return getattr(importlib.import_module(module), func)
+
+
+def _code_digests(cfg) -> list[str]:
+    """sha256 of the source of the modules a stage ships in its output (`code_modules`),
+    found without importing them: changed code invalidates the cached output."""
+    digests = []
+    for name in getattr(cfg, "code_modules", ()):
+        spec = importlib.util.find_spec(name)
+        digests.append(sha256_file(Path(spec.origin)))
+    return digests
 
 
 def _summary(metrics: dict[str, Any]) -> str:

@@ -280,6 +280,7 @@ class PackageConfig(StrictModel):
         "recipe's max_length are truncated).")
 
     measured: ClassVar[bool] = False
+    code_modules: ClassVar[tuple[str, ...]] = ("serve.handler", "serve.package")
 
 
 STAGE_CONFIGS: dict[str, type[StrictModel]] = {

@@ -58,16 +58,17 @@ def time_call(fn: Callable[[], Any], warmup: int, iters: int) -> dict[str, float
 
 def measure_latency(run: Callable[[Any], Any], make_inputs: Callable[[int], Any],
                     batch_sizes: list[int], warmup: int, iters: int,
-                    threads: int | None) -> dict[str, Any]:
-    """`latency_ms_b{N}` (median) and `latency_ms_b{N}_p90` for each batch size."""
+                    threads: int | None, suffix: str = "") -> dict[str, Any]:
+    """`latency_ms_b{N}{suffix}` (median) and `latency_ms_b{N}{suffix}_p90` for each batch
+    size, with `latency_threads` and (when any) `latency_noisy_batches`."""
     metrics: dict[str, Any] = {}
     noisy = []
     with fixed_threads(threads) as count, torch.inference_mode():
         for batch in batch_sizes:
             inputs = make_inputs(batch)
             stats = time_call(lambda inputs=inputs: run(inputs), warmup, iters)
-            metrics[f"latency_ms_b{batch}"] = round(stats["p50"], 3)
-            metrics[f"latency_ms_b{batch}_p90"] = round(stats["p90"], 3)
+            metrics[f"latency_ms_b{batch}{suffix}"] = round(stats["p50"], 3)
+            metrics[f"latency_ms_b{batch}{suffix}_p90"] = round(stats["p90"], 3)
             if stats["noisy"]:
                 noisy.append(batch)
         metrics["latency_threads"] = count

@@ -137,6 +137,44 @@ def report(run_dir: str, fmt: str, output: str | None, reference: str | None) ->
 
 
 @cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--stage", "stages", multiple=True, metavar="NAME",
+              help="Only this artifact (stage name or index; repeatable).")
+@click.option("--iters", type=click.IntRange(1), help="Timed iterations (default: the recipe's).")
+@click.option("--warmup", type=click.IntRange(0), help="Untimed iterations first.")
+@click.option("--threads", type=click.IntRange(1), help="Intra-op threads.")
+def bench(run_dir: str, stages: tuple[str, ...], iters: int | None, warmup: int | None,
+          threads: int | None) -> None:
+    """Time every artifact of RUN_DIR again, each in a fresh Python process.
+
+    \b
+    Uses the recipe's latency settings (batch sizes, lengths, warm-up, iterations) unless
+    overridden; writes <run>/bench.json, which the report shows beside the in-run figures.
+
+    \b
+    Examples:
+      compress bench runs/bert_int8
+      compress bench runs/bert_int8 --stage int8_aoti --iters 50 --threads 2
+    """
+    from compress.freshbench import bench_fresh
+    from compress.report import write_reports
+
+    result = bench_fresh(run_dir, list(stages) or None, iters, warmup, threads,
+                         echo=lambda m: click.echo(m, err=True))
+    for name, figures in result["artifacts"].items():
+        if "error" in figures:
+            click.echo(f"{name}: error: {figures['error']}")
+            continue
+        shown = ", ".join(f"b{k.removeprefix('latency_ms_b')} {v} ms"
+                          for k, v in figures.items()
+                          if k.startswith("latency_ms_b") and k.removeprefix(
+                              "latency_ms_b").isdigit())
+        click.echo(f"{name}: {shown}")
+    write_reports(run_dir)
+    click.echo(f"written: {Path(run_dir) / 'bench.json'} (compress report {run_dir})")
+
+
+@cli.command()
 @click.argument("run_dirs", nargs=-1, required=True,
                 type=click.Path(exists=True, file_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "json"]),

@@ -30,14 +30,35 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe,
 
 def latency_of(bundle: ModelBundle, recipe) -> dict[str, Any]:
     """The recipe's latency sweep on one model (median and p90 per batch size)."""
-    lat = recipe.evaluation.latency
+    return latency_sweep(bundle, recipe.evaluation.latency)
+
+
+def latency_sweep(bundle: ModelBundle, lat) -> dict[str, Any]:
+    """The sweep of one `LatencyConfig` on one model: median and p90 per batch size at
+    `seq_len`, and for text models per (batch size, length) of `seq_lens` as
+    `latency_ms_b{N}_s{L}` (with `latency_noisy_pairs` [[N, L], ...] when any is noisy)."""
     model = bundle.model.eval()
-    metrics = measure_latency(
-        lambda inputs: logits_of(model, inputs),
-        lambda batch: example_inputs(bundle.tokenizer, bundle.input_shape, batch, lat.seq_len),
-        lat.batch_sizes, lat.warmup, lat.iters, lat.threads)
-    if bundle.is_text:
-        metrics["latency_seq_len"] = lat.seq_len
+
+    def run(inputs: Any) -> Any:
+        return logits_of(model, inputs)
+
+    def inputs_of(length: int):
+        return lambda batch: example_inputs(bundle.tokenizer, bundle.input_shape, batch, length)
+
+    metrics = measure_latency(run, inputs_of(lat.seq_len), lat.batch_sizes, lat.warmup,
+                              lat.iters, lat.threads)
+    if not bundle.is_text:
+        return metrics
+    metrics["latency_seq_len"] = lat.seq_len
+    noisy_pairs = []
+    for length in dict.fromkeys(getattr(lat, "seq_lens", None) or []):
+        extra = measure_latency(run, inputs_of(length), lat.batch_sizes, lat.warmup,
+                                lat.iters, lat.threads, suffix=f"_s{length}")
+        noisy_pairs += [[batch, length] for batch in extra.pop("latency_noisy_batches", [])]
+        extra.pop("latency_threads", None)
+        metrics.update(extra)
+    if noisy_pairs:
+        metrics["latency_noisy_pairs"] = noisy_pairs
     return metrics
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Union
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_serializer
 
 from compress.errors import UserError
 from compress.recipe_errors import format_validation_error
@@ -81,6 +81,17 @@ class LatencyConfig(StrictModel):
     warmup: int = Field(3, ge=0, description="Untimed iterations before timing.")
     iters: int = Field(15, ge=1, description="Timed iterations; the median is reported.")
     threads: int | None = Field(None, ge=1, description="torch threads (default: all cores).")
+    seq_lens: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="Extra text sequence lengths to time besides seq_len."
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_seq_lens(self, handler) -> dict[str, Any]:
+        """Leave `seq_lens` out while unset, so recipes without it keep their cache keys."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("seq_lens") is None:
+            data.pop("seq_lens", None)
+        return data
 
 
 class EvaluationConfig(StrictModel):

@@ -54,13 +54,21 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
             continue
         rows.append(_row(name, stage["kind"], entry, _runtime(stage, entry.get("metrics") or {})))
     ref = _reference(rows, recipe, reference)
+    fresh = _read_json(run_dir / "bench.json")
     for row in rows:
         _derive(row, ref, batches)
+        figures = ((fresh or {}).get("artifacts") or {}).get(row["name"]) or {}
+        for b in batches:
+            if figures.get(f"latency_ms_b{b}"):
+                row[f"fresh_p50_ms_b{b}"] = figures[f"latency_ms_b{b}"]
+                row[f"fresh_p90_ms_b{b}"] = figures.get(f"latency_ms_b{b}_p90")
     return {"run": manifest.get("name"), "run_dir": str(run_dir), "generated": now(),
             "updated": manifest.get("updated"), "header": _header(manifest),
             "reference": ref["name"] if ref else None, "batch_sizes": batches,
             "seq_len": ((recipe.get("evaluation") or {}).get("latency") or {}).get("seq_len"),
-            "rows": rows, "served": _served(run_dir)}
+            "rows": rows, "served": _read_json(run_dir / "loadtest.json"),
+            "fresh": {k: fresh[k] for k in ("measured", "settings") if k in fresh}
+            if fresh else None}
 
 
 def _row(name: str, kind: str, entry: dict[str, Any], runtime: str) -> dict[str, Any]:
@@ -148,8 +156,8 @@ def _header(manifest: dict[str, Any]) -> dict[str, Any]:
             "eval_examples": (manifest.get("data") or {}).get("eval")}
 
 
-def _served(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "loadtest.json"
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON file beside the manifest (loadtest.json, bench.json), or None."""
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except json.JSONDecodeError:
@@ -164,6 +172,8 @@ def columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
         cols.append((f"p50_ms_b{b}", f"b{b} ms p50/p90", 2, "low"))
     if report["batch_sizes"]:
         top = max(report["batch_sizes"])
+        if any(r.get(f"fresh_p50_ms_b{top}") for r in report["rows"]):
+            cols.append((f"fresh_p50_ms_b{top}", f"fresh process b{top} ms", 2, "low"))
         cols += [(f"items_per_s_b{top}", f"items/s b{top}", 1, "high"),
                  (f"speedup_b{top}", f"speedup b{top}", 2, "high")]
     return cols + list(SIZE_COLUMNS)
@@ -185,7 +195,7 @@ def row_cells(row: dict[str, Any], cols: list, best: dict, mark: str) -> list[st
                                                            else "")]
     for key, _, digits, _ in cols:
         text = cell(row.get(key), digits)
-        if key.startswith("p50_ms_") and row.get(key) is not None:
+        if "p50_ms_" in key and row.get(key) is not None:
             text += " / " + cell(row.get(key.replace("p50", "p90")), digits)
         won = key in best and row.get(key) is not None and row.get(key) == best[key]
         cells.append(mark.format(text) if won else text)
@@ -214,6 +224,9 @@ def header_lines(report: dict[str, Any]) -> list[str]:
              f"CPU {h['cpu']}, {h['cores']} cores, {h['threads']} threads, ISA "
              + (" ".join(h["isa"]) or "-"),
              f"Python {h['python']}, {shown}"]
+    if report.get("fresh"):
+        lines.append(f"fresh process: each artifact timed again alone in a new Python process "
+                     f"(compress bench, {report['fresh'].get('measured')})")
     if report["reference"]:
         lines.append(f"Δ, size × and speedup against: {report['reference']}; latency is the "
                      f"median (p50) and p90 per batch at sequence length {report['seq_len']}")
@@ -332,7 +345,7 @@ def compare(run_dirs: list[str | Path]) -> dict[str, Any]:
     first = reports[0]
     return {**first, "run": " vs ".join(r["run"] for r in reports),
             "run_dir": ", ".join(r["run_dir"] for r in reports), "batch_sizes": batches,
-            "rows": rows, "served": None,
+            "rows": rows, "served": None, "fresh": None,
             "reference": ", ".join(f"{r['run']}/{r['reference']}" for r in reports),
             "runs": [{k: r[k] for k in ("run", "run_dir", "reference", "served")}
                      for r in reports]}

@@ -119,3 +119,18 @@ def test_pareto_front_keeps_only_undominated_points() -> None:
     points = [(10.0, 80.0, "a"), (5.0, 70.0, "b"), (20.0, 85.0, "c"), (12.0, 75.0, "d"),
               (5.0, 60.0, "e")]
     assert [p[2] for p in pareto_front(points)] == ["b", "a", "c"]
+
+
+def test_bench_times_artifacts_in_fresh_processes_and_the_report_shows_it(runs: Path) -> None:
+    run_dir = runs / "tiny_digits"
+    result = run_cli("bench", str(run_dir), "--stage", "onnx_fp32", "--iters", "3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("onnx_fp32: b1 ")
+    bench = json.loads((run_dir / "bench.json").read_text())
+    report = json.loads((run_dir / "report.json").read_text())
+    onnx = report["rows"][2]
+    assert onnx["fresh_p50_ms_b8"] == bench["artifacts"]["onnx_fp32"]["latency_ms_b8"] > 0
+    assert "fresh_p50_ms_b8" not in report["rows"][1]  # finetune was not benched
+    assert "fresh process b8 ms" in (run_dir / "report.md").read_text()
+    unknown = run_cli("bench", str(run_dir), "--stage", "nope")
+    assert unknown.returncode == 2 and "no artifact named nope" in unknown.stderr

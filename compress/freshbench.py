@@ -1,0 +1,280 @@
+"""Latency of every artifact of a finished run, each timed in its own fresh Python process.
+
+In the pipeline, every model is timed in the process that made it, after training and
+other models have run there: allocator state, thread pools and compiled caches carry
+over. Here each artifact gets a new interpreter (`python -m compress.freshbench SPEC`)
+that loads it, times it with the recipe's latency harness and prints one JSON line;
+the figures land in `<run>/bench.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from compress.errors import UserError
+from compress.runfolder import MANIFEST, atomic_write_json, now, read_manifest
+
+BENCH = "bench.json"
+DONE = ("done", "cached")
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def artifacts_of(run_dir: Path) -> list[dict[str, Any]]:
+    """The loadable artifacts of a run, in stage order: one per done or cached stage output
+    with a `model_dir` (loader "model") or an `export_dir` (loader "export").
+
+    Each is {"name", "kind", "folder" (relative to the run), "loader", "index", "config"}.
+    The baseline (never saved) and package stages (a .mar, not a model) are left out. A
+    stage name shared by several stages (unnamed stages of one kind) gets `#index`."""
+    manifest = _manifest(Path(run_dir))
+    found = []
+    for i, entry in enumerate(manifest.get("stages") or []):
+        if entry.get("status") not in DONE or entry.get("kind") == "package":
+            continue
+        for output in entry.get("outputs") or []:
+            loader = ("model" if "model_dir" in output
+                      else "export" if "export_dir" in output else None)
+            if loader is None:
+                continue
+            found.append({"name": entry.get("name") or entry.get("kind") or str(i),
+                          "kind": entry.get("kind"), "index": entry.get("index", i),
+                          "folder": output["model_dir" if loader == "model" else "export_dir"],
+                          "loader": loader, "config": entry.get("config") or {}})
+            break  # a stage's first output is its artifact
+    names = [a["name"] for a in found]
+    for artifact in found:
+        if names.count(artifact["name"]) > 1:
+            artifact["name"] = f"{artifact['name']}#{artifact['index']}"
+    return found
+
+
+def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int | None = None,
+                warmup: int | None = None, threads: int | None = None,
+                echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Time the selected artifacts (default: all) of `run_dir`, each in a new process, with
+    the run's latency settings (`iters`, `warmup`, `threads` override them); write and
+    return `<run_dir>/bench.json`. An artifact whose process fails gets {"error": line}.
+
+    `names` are artifact names (see `artifacts_of`) or stage indexes. Raises UserError for
+    an unknown name, a run without artifacts, bad overrides or a run in progress."""
+    run_dir = Path(run_dir)
+    available = artifacts_of(run_dir)
+    if not available:
+        raise UserError(f"{run_dir}: no finished stage saved a model or an export to time "
+                        f"(run the recipe first: compress run RECIPE)")
+    chosen = _select(available, names)
+    latency = _settings(run_dir, iters, warmup, threads)
+    result: dict[str, Any] = {"measured": now(), "fresh_process": True,
+                              "settings": latency, "artifacts": {}}
+    with _locked(run_dir):
+        for artifact in chosen:
+            echo(f"bench: {artifact['name']} ({artifact['folder']}) in a fresh process")
+            metrics = _run_child(run_dir, artifact, latency, threads)
+            result["artifacts"][artifact["name"]] = metrics
+            echo(f"bench: {artifact['name']}: " + (
+                f"failed: {metrics['error']}" if "error" in metrics else _summary(metrics)))
+        atomic_write_json(run_dir / BENCH, result)
+    return result
+
+
+def _manifest(run_dir: Path) -> dict[str, Any]:
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise UserError(f"{run_dir}: no readable {MANIFEST}; give a run folder made by "
+                        f"compress run")
+    return manifest
+
+
+def _select(available: list[dict[str, Any]], names: list[str] | None) -> list[dict[str, Any]]:
+    """The artifacts `names` picks (by name, stage name or stage index), in stage order."""
+    if not names:
+        return available
+    picked: set[int] = set()
+    unknown = []
+    for name in names:
+        hits = [i for i, a in enumerate(available)
+                if name in (a["name"], a["name"].split("#")[0], str(a["index"]))]
+        if not hits:
+            unknown.append(name)
+        picked.update(hits)
+    if unknown:
+        choices = ", ".join(a["name"] for a in available)
+        raise UserError(f"no artifact named {', '.join(unknown)} in this run "
+                        f"(choices: {choices})")
+    return [a for i, a in enumerate(available) if i in picked]
+
+
+def _settings(run_dir: Path, iters: int | None, warmup: int | None,
+              threads: int | None) -> dict[str, Any]:
+    """The run's `evaluation.latency` (manifest, else recipe.yaml) with the overrides."""
+    from pydantic import ValidationError
+
+    from compress.recipe import LatencyConfig, read_yaml
+
+    recipe = _manifest(run_dir).get("recipe")
+    if not recipe and (run_dir / "recipe.yaml").is_file():
+        recipe = read_yaml(run_dir / "recipe.yaml")
+    raw = dict(((recipe or {}).get("evaluation") or {}).get("latency") or {})
+    overrides = {"iters": iters, "warmup": warmup, "threads": threads}
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        lat = LatencyConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError([f"{'.'.join(map(str, e['loc'])) or 'latency'}: {e['msg']}"
+                         for e in exc.errors()]) from None
+    settings = lat.model_dump(mode="json")
+    settings.pop("enabled", None)  # asked for explicitly: timed even when off in the recipe
+    settings.setdefault("seq_lens", None)
+    return settings
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[None]:
+    """The run folder's lock: no run rewrites (or loads the CPU) while it is timed."""
+    try:
+        fh = open(run_dir / ".lock", "w")  # noqa: SIM115 - closed below
+    except OSError:  # a read-only copy of a run: nothing can rewrite it
+        yield
+        return
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{run_dir}: a compress run is using this folder; bench it "
+                            f"when the run has finished") from None
+        yield
+
+
+def _run_child(run_dir: Path, artifact: dict[str, Any], latency: dict[str, Any],
+               threads: int | None) -> dict[str, Any]:
+    """Metrics printed by one child process, or {"error": one line}."""
+    spec = {"run_dir": str(run_dir.resolve()), "folder": artifact["folder"],
+            "loader": artifact["loader"], "kind": artifact["kind"],
+            "config": artifact["config"], "latency": latency,
+            "threads_override": threads,
+            "sys_path": [p for p in sys.path if p]}
+    try:
+        done = subprocess.run([sys.executable, "-m", "compress.freshbench", json.dumps(spec)],
+                              capture_output=True, text=True, check=False)
+    except OSError as exc:
+        return {"error": f"cannot start {sys.executable}: {exc}"}
+    answer = _last_json_line(done.stdout)
+    if answer is not None and "error" not in answer and done.returncode == 0:
+        return answer
+    if answer is not None and answer.get("error"):
+        return {"error": str(answer["error"])}
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    cause = lines[-1].strip() if lines else "no output"
+    return {"error": f"the process exited with code {done.returncode}: {cause}"}
+
+
+def _last_json_line(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+def _summary(metrics: dict[str, Any]) -> str:
+    keys = [k for k in metrics if re.fullmatch(r"latency_ms_b\d+", k)]
+    return ", ".join(f"{k} {metrics[k]}" for k in keys) or "no latency figures"
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def load_artifact(run_dir: Path, folder: str, loader: str, kind: str | None,
+                  config: dict[str, Any], threads: int | None = None,
+                  runtime_threads: int | None = None) -> Any:
+    """The artifact as a bundle, ready to run as the pipeline timed it: PT2E int8 models
+    through torch.compile with freezing (unless their quantize stage had compile off), a
+    compile stage's model compiled with that stage's options, exports in their runtime
+    with the stage's (or the latency) thread count. Compiled models get their first,
+    compiling call here, as in the stage. `runtime_threads` (an override) comes before
+    the export stage's `threads`, then `threads` (the latency threads)."""
+    from compress.models import load_saved
+
+    path = run_dir / folder
+    if not path.is_dir():
+        raise FileNotFoundError(f"artifact folder {folder} is missing from {run_dir}")
+    if loader == "export":
+        from export.runtime import load_export
+
+        return load_export(path, runtime_threads or config.get("threads") or threads)
+    if kind == "quantize" and (path / "model.pt2").is_file():
+        from compress.quantization import load_quantized
+
+        bundle = load_quantized(path, compile=config.get("compile", True))
+    else:
+        bundle = load_saved(path)
+    if kind == "compile":
+        from compress.stages.compile import compiled_bundle
+        from compress.stages.configs import CompileConfig
+
+        bundle = compiled_bundle(bundle, CompileConfig.model_validate(config))
+    compiled = bundle.kind == "pt2e" and getattr(bundle.model, "compiled", None) is not None
+    if compiled or kind == "compile":
+        from compress.quantization import warm_up
+
+        warm_up(bundle.model.eval(), bundle)
+    return bundle
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load one artifact and time it; the figures, with `pid` and `load_s`."""
+    from compress.measure import latency_sweep
+    from compress.recipe import LatencyConfig
+
+    for entry in spec.get("sys_path") or []:  # e.g. the folder of a `module:factory` model
+        if entry not in sys.path:
+            sys.path.append(entry)
+    lat = LatencyConfig.model_validate(spec["latency"])
+    began = time.perf_counter()
+    bundle = load_artifact(Path(spec["run_dir"]), spec["folder"], spec["loader"],
+                           spec.get("kind"), spec.get("config") or {}, lat.threads,
+                           spec.get("threads_override"))
+    load_s = round(time.perf_counter() - began, 3)
+    metrics = latency_sweep(bundle, lat)
+    return {**metrics, "load_s": load_s, "loader": spec["loader"], "folder": spec["folder"],
+            "pid": os.getpid()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m compress.freshbench SPEC_JSON`: print one JSON line (figures or error)."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = sys.stdout
+    try:
+        spec = json.loads(argv[0])
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer only
+            answer = child(spec)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        print(json.dumps({"error": f"{type(exc).__name__}: {text}".rstrip(": "),
+                          "pid": os.getpid()}), file=out, flush=True)
+        return 1
+    print(json.dumps(answer), file=out, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -191,17 +191,17 @@ def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
     while time.monotonic() < deadline:
         if not process_alive(info["pid"]):
             raise UserError(f"TorchServe exited while loading the model: {_log_tail(serve_dir)}")
-        headers = {}
-        if info["auth"] and (serve_dir / KEY_FILE).is_file():
-            headers["Authorization"] = f"Bearer {read_keys(serve_dir)['management']}"
         try:
+            headers = {}
+            if info["auth"] and (serve_dir / KEY_FILE).is_file():  # may be half-written yet
+                headers["Authorization"] = f"Bearer {read_keys(serve_dir)['management']}"
             request = urllib.request.Request(url, headers=headers)
             with urllib.request.urlopen(request, timeout=5) as answer:
                 described = json.loads(answer.read())
             workers = [w for m in described for w in m.get("workers", [])]
             if any(w.get("status") == "READY" for w in workers):
                 return
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
             pass
         time.sleep(0.5)
     raise UserError(f"no READY worker after {timeout_s:.0f} s: {_log_tail(serve_dir)}")

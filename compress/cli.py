@@ -6,6 +6,7 @@ User errors exit 2 and failed stages exit 1, each with one line per problem, no 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,8 +36,18 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Run every stage again, ignoring the cache.")
 @click.option("--from-stage", metavar="N|KIND",
               help="Run again from this stage on (index, kind or name).")
+@click.option("--nproc", type=click.IntRange(1), help="Processes on this machine: run "
+              "through torchrun with data-parallel training (DDP).")
+@click.option("--nnodes", type=click.IntRange(1), default=1, show_default=True,
+              help="Machines in the job (with --nproc).")
+@click.option("--node-rank", type=click.IntRange(0), default=0, show_default=True,
+              help="This machine's index (with --nnodes > 1).")
+@click.option("--master-addr", help="Address of node 0 (with --nnodes > 1).")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500,
+              show_default=True, help="Port of node 0 (with --nnodes > 1).")
 def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: bool,
-        from_stage: str | None) -> None:
+        from_stage: str | None, nproc: int | None, nnodes: int, node_rank: int,
+        master_addr: str | None, master_port: int) -> None:
     """Run RECIPE; KEY=VALUE overrides any recipe option.
 
     \b
@@ -54,8 +65,17 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
 
     extra = [f"output_dir={output_dir}"] if output_dir else []
     parsed = load_recipe(recipe, list(overrides) + extra)
+    if nproc and "WORLD_SIZE" not in os.environ:  # not yet inside torchrun: launch it
+        from compress.launch import torchrun
+
+        args = [recipe, *overrides, *(["--output-dir", output_dir] if output_dir else []),
+                *(["--force"] if force else []),
+                *(["--from-stage", from_stage] if from_stage else [])]
+        sys.exit(torchrun(args, nproc, nnodes, node_rank, master_addr, master_port,
+                          echo=lambda m: click.echo(m, err=True)))
     run_dir = run_recipe(parsed, force=force, from_stage=from_stage)
-    click.echo(f"run folder: {run_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        click.echo(f"run folder: {run_dir}")
 
 
 @cli.command()
@@ -326,8 +346,8 @@ def main() -> None:
     """Entry point: run the CLI and turn our errors into exit codes without tracebacks."""
     try:
         cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except click.exceptions.Abort:  # Ctrl-C or SIGTERM (torchrun stopping a rank)
+        click.echo("interrupted: re-run the same command to resume", err=True)
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()

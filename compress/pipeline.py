@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from compress import distributed
 from compress.errors import StageError, UserError
 from compress.fingerprint import data_fingerprint, model_fingerprint
 from compress.recipe import Recipe, export_stage_index, model_stage_index
@@ -58,6 +59,9 @@ def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | N
                             data_fingerprint(recipe, data_src),
                             recipe.evaluation.model_dump(mode="json"), recipe.seed])
     run_dir = Path(recipe.output_dir) / recipe.name
+    if distributed.init() and not distributed.is_main():
+        _follow(recipe, run_dir, data, model_src)
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     with _locked(run_dir):
         runner = _Runner(recipe, run_dir, data, model_src, echo)
@@ -67,7 +71,38 @@ def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | N
             runner.stages(base_key, first_forced)
         finally:
             _write_reports(run_dir, echo)
+    distributed.broadcast(("end",))  # the other ranks may leave
     return run_dir
+
+
+def _follow(recipe: Recipe, run_dir: Path, data, model_src) -> None:
+    """A rank other than 0: train each data-parallel stage rank 0 announces, with the
+    same input model, key and seed; write nothing (rank 0 owns the run folder)."""
+    from compress.state import StageContext
+
+    runner = _Runner(recipe, run_dir, data, model_src, echo=lambda _: None)
+    while True:
+        message = distributed.broadcast()
+        if message[0] == "end":
+            return
+        _, i, key = message
+        cfg = recipe.stages[i]
+        runner.manifest = read_manifest(run_dir) or {}
+        runner._use_model_of(model_stage_index(recipe, i))
+        ctx = StageContext(i, cfg.name or cfg.kind, run_dir / f"{i:02d}-{cfg.kind}", run_dir,
+                           recipe, data, key, _stage_seed(cfg, recipe), log=lambda _: None)
+        try:
+            _runner_for(cfg.kind)(runner.current(), cfg, ctx)
+        except (StageError, UserError):
+            raise
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise StageError(ctx.name, f"rank {distributed.rank()}: {cause}") from None
+        runner.state, runner.model_index = None, -1  # the next stage reloads from disk
+
+
+def _stage_seed(cfg, recipe: Recipe) -> int:
+    return cfg.seed if getattr(cfg, "seed", None) is not None else recipe.seed
 
 
 def _write_reports(run_dir: Path, echo: Callable[[str], None]) -> None:
@@ -254,18 +289,24 @@ class _Runner:
         entries[i:i + 1] = [entry]
         self.save()
         ctx = StageContext(i, name, folder, self.run_dir, self.recipe, self.data, key,
-                           cfg.seed if getattr(cfg, "seed", None) is not None else self.recipe.seed,
-                           log=self.echo)
+                           _stage_seed(cfg, self.recipe), log=self.echo)
+        parallel = cfg.kind in distributed.PARALLEL_KINDS and distributed.active()
         began = time.perf_counter()
         try:
-            # the input model is timed again here so every ratio compares two models timed
-            # in one process (a cached earlier stage's figures may come from another run)
-            input_latency = (latency_of(state.bundle, self.recipe)
-                             if measured and self.recipe.evaluation.latency.enabled else {})
-            new_state = _runner_for(cfg.kind)(state, cfg, ctx)
+            with distributed.solo():
+                # the input model is timed again here so every ratio compares two models
+                # timed in one process (a cached earlier stage's may come from another run)
+                input_latency = (latency_of(state.bundle, self.recipe)
+                                 if measured and self.recipe.evaluation.latency.enabled else {})
+            if parallel:  # the other ranks load the same input model and join the training
+                distributed.broadcast(("train", i, key))
+            with contextlib.nullcontext() if parallel else distributed.solo():
+                new_state = _runner_for(cfg.kind)(state, cfg, ctx)
             metrics = {}
             if measured:
-                metrics = measure(new_state.bundle, self.data, self.recipe, known=ctx.metrics)
+                with distributed.solo():
+                    metrics = measure(new_state.bundle, self.data, self.recipe,
+                                      known=ctx.metrics)
                 metrics.update(compare_to_input(metrics, input_latency,
                                                 self._accuracy_of(source)))
         except KeyboardInterrupt:

@@ -47,7 +47,12 @@ class StageContext:
         return self.folder / "checkpoints"
 
     def save_model(self, bundle: ModelBundle, name: str = "model") -> dict[str, Any]:
-        """Write `bundle` to `<stage folder>/<name>/` atomically and record it as an output."""
+        """Write `bundle` to `<stage folder>/<name>/` atomically and record it as an output
+        (rank 0 only: under torchrun the other ranks write nothing)."""
+        from compress import distributed
+
+        if not distributed.is_main():
+            return {}
         final = self.folder / name
         tmp = self.folder / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

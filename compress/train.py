@@ -8,6 +8,7 @@ an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -41,38 +42,75 @@ class TrainResult:
     final_loss: float
     examples_per_s: float
     wall_s: float
+    processes: int = 1
+    param_digests: list[str] | None = None  # one per rank after a data-parallel run
+
+    def parallel_metrics(self) -> dict[str, Any]:
+        """`train_processes`, and after a data-parallel run the proof that every rank
+        ended with the same weights (`replicas_identical`, `param_digest`)."""
+        out: dict[str, Any] = {"train_processes": self.processes}
+        if self.param_digests:
+            out.update(replicas_identical=len(set(self.param_digests)) == 1,
+                       param_digest=self.param_digests[0])
+        return out
 
 
 class Schedule:
-    """Which examples each micro-batch holds: a seeded permutation per epoch."""
+    """Which examples each micro-batch of this process holds: a seeded permutation per
+    epoch, or under torchrun this rank's shard from `DistributedSampler` (`set_epoch`
+    every epoch). A pure function of (seed, step), so resuming replays the same order."""
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.per_epoch = math.ceil(n / batch_size)
+        self.sampler = None
+        if world > 1:
+            from torch.utils.data import DistributedSampler
+
+            self.sampler = DistributedSampler(range(n), num_replicas=world, rank=rank,
+                                              shuffle=True, seed=seed)
+        self.per_epoch = math.ceil(shard_size(n, world) / batch_size)
         self._epoch, self._perm = -1, None
 
     def batch(self, micro_index: int) -> list[int]:
         epoch, within = divmod(micro_index, self.per_epoch)
         if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1000 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen).tolist()
+            if self.sampler is not None:
+                self.sampler.set_epoch(epoch)
+                perm = list(self.sampler)
+            else:
+                gen = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+                perm = torch.randperm(self.n, generator=gen).tolist()
+            self._epoch, self._perm = epoch, perm
         return self._perm[within * self.batch_size:(within + 1) * self.batch_size]
 
 
-def total_steps(n: int, opts) -> int:
-    """Optimizer steps of a run: max_steps, or epochs over n examples."""
+def shard_size(n: int, world: int) -> int:
+    """Examples each of `world` processes sees per epoch (DistributedSampler pads)."""
+    return math.ceil(n / world)
+
+
+def total_steps(n: int, opts, world: int = 1) -> int:
+    """Optimizer steps of a run: max_steps, or epochs over n examples split over `world`
+    processes (each step takes batch_size x grad_accum_steps examples per process)."""
     if opts.max_steps:
         return opts.max_steps
-    micro = math.ceil(n / opts.batch_size)
+    micro = math.ceil(shard_size(n, world) / opts.batch_size)
     return max(1, math.ceil(opts.epochs * micro / opts.grad_accum_steps))
 
 
 def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_dir: Path,
           key: str, tokenizer=None, max_length: int = 128, loss_fn: LossFn = cross_entropy,
           desc: str = "train", on_step: Callable[[int], None] | None = None) -> TrainResult:
-    """Train `model` in place; resume from `checkpoint_dir` when its checkpoint has `key`."""
-    torch.manual_seed(seed)
-    steps = total_steps(len(examples), opts)
+    """Train `model` in place; resume from `checkpoint_dir` when its checkpoint has `key`.
+
+    Under torchrun the model is wrapped in DistributedDataParallel, each rank takes its
+    shard of every epoch, and only rank 0 writes checkpoints and shows the progress bar."""
+    from compress import distributed
+
+    world, rank = (distributed.world_size(), distributed.rank()) if distributed.active() \
+        else (1, 0)
+    torch.manual_seed(seed + rank)  # dropout differs per rank; weights come from rank 0
+    steps = total_steps(len(examples), opts, world)
     warmup = int(opts.warmup_ratio * steps)
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
@@ -82,12 +120,17 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: s / max(1, warmup) if s < warmup
         else max(0.0, (steps - s) / max(1, steps - warmup)))
-    start = _resume(checkpoint_dir, key, model, optimizer, scheduler)
-    schedule = Schedule(len(examples), opts.batch_size, seed)
+    start = _resume(checkpoint_dir, key, model, optimizer, scheduler, world)
+    schedule = Schedule(len(examples), opts.batch_size, seed, rank, world)
     model.train()
+    wrapped = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)  # copies rank 0's weights to every rank
     stop = _GracefulStop()
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", dynamic_ncols=True,
-               mininterval=1.0)
+               mininterval=1.0, disable=rank != 0)
     began, seen, loss_value = time.perf_counter(), 0, float("nan")
     try:
         with stop:
@@ -96,9 +139,13 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
                 for a in range(opts.grad_accum_steps):
                     idx = schedule.batch(step * opts.grad_accum_steps + a)
                     inputs, labels = collate(examples, idx, tokenizer, max_length)
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
-                        loss = loss_fn(model, inputs, labels) / opts.grad_accum_steps
-                    loss.backward()
+                    last = a == opts.grad_accum_steps - 1
+                    sync = contextlib.nullcontext() if last or world == 1 \
+                        else wrapped.no_sync()  # all-reduce once per optimizer step
+                    with sync:
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
+                            loss = loss_fn(wrapped, inputs, labels) / opts.grad_accum_steps
+                        loss.backward()
                     loss_value += float(loss.detach())
                     seen += len(idx)
                 if opts.max_grad_norm:
@@ -112,45 +159,73 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
                 done = step + 1
                 if on_step:
                     on_step(done)
-                if stop.requested or (done % opts.checkpoint_every == 0 and done < steps):
-                    save_checkpoint(checkpoint_dir, key, done, model, optimizer, scheduler)
+                due = stop.requested or (done % opts.checkpoint_every == 0 and done < steps)
+                if due and rank == 0:
+                    save_checkpoint(checkpoint_dir, key, done, model, optimizer, scheduler,
+                                    world)
                 if stop.requested:
                     raise KeyboardInterrupt
+    except RuntimeError as exc:
+        if world > 1 and any(w in str(exc) for w in ("gloo", "NCCL", "Connection", "peer")):
+            raise RuntimeError(f"another rank stopped during data-parallel training (it died "
+                               f"or was killed): {str(exc).splitlines()[0][:160]}") from None
+        raise
     finally:
         bar.close()
         model.eval()
     wall = time.perf_counter() - began
-    return TrainResult(steps, start, round(loss_value, 6), round(seen / max(wall, 1e-9), 2),
-                       round(wall, 2))
+    if world > 1:
+        distributed.sync_buffers(model)
+    digests = distributed.gather(distributed.param_digest(model)) if world > 1 else None
+    if digests and len(set(digests)) != 1:
+        raise RuntimeError(f"data-parallel replicas diverged: parameter digests {digests}")
+    return TrainResult(steps, start, round(loss_value, 6),
+                       round(seen * world / max(wall, 1e-9), 2), round(wall, 2), world, digests)
 
 
 def save_checkpoint(folder: Path, key: str, step: int, model: nn.Module, optimizer,
-                    scheduler) -> Path:
-    """Atomically write everything needed to continue after `step`."""
+                    scheduler, world: int = 1) -> Path:
+    """Atomically write everything needed to continue after `step` (and the number of
+    processes that trained, so a resume with another number is reported)."""
     folder.mkdir(parents=True, exist_ok=True)
     state = {"key": key, "step": step, "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": torch.get_rng_state()}
+             "rng": torch.get_rng_state(), "world_size": world}
     tmp = folder / f".{CHECKPOINT}.tmp"
     torch.save(state, tmp)
     os.replace(tmp, folder / CHECKPOINT)
     return folder / CHECKPOINT
 
 
-def _resume(folder: Path, key: str, model: nn.Module, optimizer, scheduler) -> int:
+def _resume(folder: Path, key: str, model: nn.Module, optimizer, scheduler,
+            world: int = 1) -> int:
     path = folder / CHECKPOINT
     if not path.is_file():
         return 0
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("key") != key:
-        tqdm.write(f"ignoring {path}: it belongs to another configuration", file=sys.stderr)
+        _say(f"ignoring {path}: it belongs to another configuration")
         return 0
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    tqdm.write(f"resuming from {path} at step {state['step']}", file=sys.stderr)
+    if world == 1:
+        torch.set_rng_state(state["rng"])
+    saved = int(state.get("world_size", 1))
+    if saved != world:
+        _say(f"{path} was written by {saved} process(es) and resumes with {world}: from step "
+             f"{state['step']} on, the data order and the steps per epoch follow {world}, so "
+             f"the weights will not match an uninterrupted {saved}-process run")
+    _say(f"resuming from {path} at step {state['step']}")
     return int(state["step"])
+
+
+def _say(message: str) -> None:
+    """A progress message from rank 0 only."""
+    from compress import distributed
+
+    if distributed.is_main():
+        tqdm.write(message, file=sys.stderr)
 
 
 class _GracefulStop:

@@ -26,6 +26,7 @@ def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
         teacher_params=count_params(teacher.model), temperature=cfg.temperature,
         alpha=cfg.alpha, train_steps=result.steps, train_loss=result.final_loss,
         train_examples_per_s=result.examples_per_s, resumed_from_step=result.resumed_from)
+    ctx.metrics.update(result.parallel_metrics())
     if student.kind == "hf":
         ctx.metrics.update(teacher_layers=len(encoder_layers(teacher.model)),
                            student_layers=len(encoder_layers(student.model)))

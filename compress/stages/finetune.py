@@ -17,5 +17,6 @@ def run(state: State, cfg: FinetuneConfig, ctx: StageContext) -> State:
     ctx.metrics.update(
         train_steps=result.steps, train_loss=result.final_loss,
         train_examples_per_s=result.examples_per_s, resumed_from_step=result.resumed_from)
+    ctx.metrics.update(result.parallel_metrics())
     ctx.save_model(bundle)
     return State(bundle)

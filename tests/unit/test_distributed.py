@@ -1,0 +1,132 @@
+"""Data-parallel runs under torchrun on this machine's CPU cores: replicas stay identical,
+rank 0 alone writes the run folder and runs the other stages, a killed rank stops the job
+with a consistent run folder, and its checkpoint resumes under DDP or on one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, digits_recipe, run_cli, write_recipe
+
+from compress.distributed import param_digest
+from compress.models import load_saved
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def test_two_ranks_train_identical_replicas_and_rank_0_runs_the_rest(tmp_path: Path) -> None:
+    raw = digits_recipe(tmp_path / "runs", epochs=6)
+    raw["stages"] += [{"kind": "prune", "method": "unstructured", "amount": 0.3,
+                       "recovery": {"max_steps": 5, "batch_size": 32, "learning_rate": 0.001}},
+                      {"kind": "export", "format": "onnx"}]
+    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("run folder:") == 1  # rank 1 prints nothing
+    assert "launching 2 processes with torchrun" in result.stderr
+    run_dir = tmp_path / "runs/tiny_digits"
+    finetune, prune, export = _manifest(run_dir)["stages"]
+    m = finetune["metrics"]
+    assert m["train_processes"] == 2 and m["replicas_identical"] is True
+    # 1437 train images, 719 per rank, 23 micro-batches of 32 per epoch and rank
+    assert m["train_steps"] == 6 * 23 and m["accuracy"] >= 0.85, m
+    saved = load_saved(run_dir / finetune["outputs"][0]["model_dir"])
+    assert param_digest(saved.model) == m["param_digest"]  # rank 0 saved what both held
+    assert prune["status"] == export["status"] == "done"
+    assert "train_processes" not in prune["metrics"]  # its recovery ran on rank 0 alone
+    assert export["metrics"]["parity_argmax_agreement"] == 1.0
+    assert (run_dir / "report.json").is_file() and not list(run_dir.glob("*/checkpoints"))
+
+
+def _start_and_kill_rank_1(recipe: Path, checkpoint: Path) -> subprocess.CompletedProcess:
+    """Start a 2-process run, SIGKILL rank 1 once a checkpoint exists, wait for the job."""
+    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe),
+                                "--nproc", "2"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not checkpoint.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.is_file(), "no checkpoint within 2 minutes"
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, NotADirectoryError):
+            continue
+        if str(recipe) in cmdline and b"RANK=1" in environ:
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed += 1
+    assert killed == 1
+    out, err = process.communicate(timeout=180)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _long_recipe(tmp_path: Path) -> tuple[Path, Path]:
+    raw = digits_recipe(tmp_path / "runs", epochs=40, checkpoint_every=20, batch_size=16)
+    raw["model"] = {"source": "compress.zoo:small_cnn",
+                    "kwargs": {"num_classes": 10, "channels": 32}}
+    raw["stages"][0]["learning_rate"] = 0.003
+    recipe = write_recipe(tmp_path / "r.yaml", raw)
+    return recipe, tmp_path / "runs/tiny_digits/00-finetune/checkpoints/checkpoint.pt"
+
+
+def test_a_killed_rank_stops_the_job_and_a_rerun_resumes_under_ddp(tmp_path: Path) -> None:
+    recipe, checkpoint = _long_recipe(tmp_path)
+    stopped = _start_and_kill_rank_1(recipe, checkpoint)
+    assert stopped.returncode != 0
+    assert "rank 1 exited with -9" in stopped.stderr and "Traceback" not in stopped.stderr
+    assert "re-run the same command to resume" in stopped.stderr
+    run_dir = tmp_path / "runs/tiny_digits"
+    stage = _manifest(run_dir)["stages"][0]  # the manifest is whole JSON
+    assert stage["status"] == "failed" and stage["outputs"] == []
+    assert checkpoint.is_file()
+    assert not (run_dir / "00-finetune/model").exists()  # no half-written model
+    again = run_cli("run", str(recipe), "--nproc", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stderr
+    m = _manifest(run_dir)["stages"][0]["metrics"]
+    assert m["resumed_from_step"] >= 20 and m["resumed_from_step"] % 20 == 0
+    assert m["replicas_identical"] is True and m["accuracy"] >= 0.9
+
+
+def test_a_ddp_checkpoint_resumes_on_one_process_and_says_so(tmp_path: Path) -> None:
+    recipe, checkpoint = _long_recipe(tmp_path)
+    assert _start_and_kill_rank_1(recipe, checkpoint).returncode != 0
+    single = run_cli("run", str(recipe))
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "was written by 2 process(es) and resumes with 1" in single.stderr
+    m = _manifest(tmp_path / "runs/tiny_digits")["stages"][0]["metrics"]
+    assert m["train_processes"] == 1 and m["resumed_from_step"] >= 20
+
+
+def test_launch_options_are_checked(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", digits_recipe(tmp_path / "runs"))
+    result = run_cli("run", str(recipe), "--nproc", "2", "--nnodes", "2")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: --nnodes > 1 needs --master-addr (the address of node 0) and the same "
+        "--master-port on every node")
+    assert not (tmp_path / "runs").exists()
+    crowded = run_cli("run", str(recipe), "--nproc", str((os.cpu_count() or 1) + 1))
+    assert crowded.returncode == 0, crowded.stderr[-3000:]
+    assert f"warning: --nproc {(os.cpu_count() or 1) + 1} is more than the" in crowded.stderr
+
+
+@pytest.mark.integration
+def test_cnn_digits_recipe_on_two_processes_reaches_95_percent(tmp_path: Path) -> None:
+    result = run_cli("run", str(REPO / "recipes/cnn_digits.yaml"), "--output-dir",
+                     str(tmp_path), "--nproc", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = _manifest(tmp_path / "cnn_digits")["stages"][0]["metrics"]
+    assert m["train_processes"] == 2 and m["replicas_identical"] is True
+    assert m["accuracy"] >= 0.95 and m["macro_f1"] >= 0.95, m

@@ -181,7 +181,8 @@ def bench(run_dir: str, stages: tuple[str, ...], iters: int | None, warmup: int 
 
     result = bench_fresh(run_dir, list(stages) or None, iters, warmup, threads,
                          echo=lambda m: click.echo(m, err=True))
-    for name, figures in result["artifacts"].items():
+    for name in result["timed"]:
+        figures = result["artifacts"][name]
         if "error" in figures:
             click.echo(f"{name}: error: {figures['error']}")
             continue

@@ -65,7 +65,9 @@ def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int 
                 echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Time the selected artifacts (default: all) of `run_dir`, each in a new process, with
     the run's latency settings (`iters`, `warmup`, `threads` override them); write and
-    return `<run_dir>/bench.json`. An artifact whose process fails gets {"error": line}.
+    return `<run_dir>/bench.json` (with `names`, the other artifacts' earlier figures are
+    kept; each artifact records when and how it was timed). An artifact whose process
+    fails gets {"error": line}.
 
     `names` are artifact names (see `artifacts_of`) or stage indexes. Raises UserError for
     an unknown name, a run without artifacts, bad overrides or a run in progress."""
@@ -76,12 +78,18 @@ def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int 
                         f"(run the recipe first: compress run RECIPE)")
     chosen = _select(available, names)
     latency = _settings(run_dir, iters, warmup, threads)
+    kept = {}
+    if names and (run_dir / BENCH).is_file():  # timing some artifacts keeps the others'
+        with contextlib.suppress(ValueError, OSError):
+            kept = json.loads((run_dir / BENCH).read_text()).get("artifacts") or {}
     result: dict[str, Any] = {"measured": now(), "fresh_process": True,
-                              "settings": latency, "artifacts": {}}
+                              "settings": latency, "artifacts": dict(kept),
+                              "timed": [a["name"] for a in chosen]}
     with _locked(run_dir):
         for artifact in chosen:
             echo(f"bench: {artifact['name']} ({artifact['folder']}) in a fresh process")
             metrics = _run_child(run_dir, artifact, latency, threads)
+            metrics.update(measured=now(), settings=latency)
             result["artifacts"][artifact["name"]] = metrics
             echo(f"bench: {artifact['name']}: " + (
                 f"failed: {metrics['error']}" if "error" in metrics else _summary(metrics)))

@@ -64,7 +64,8 @@ def test_every_artifact_is_timed_in_its_own_process(digits_run: Path) -> None:
 def test_overrides_and_selection(digits_run: Path) -> None:
     result = bench_fresh(digits_run, names=["1"], iters=2, warmup=0, threads=1,
                          echo=lambda _: None)
-    assert list(result["artifacts"]) == ["export"]
+    assert result["timed"] == ["export"]
+    assert list(result["artifacts"]) == ["finetune", "export"]  # the finetune figures kept
     assert result["settings"] | {"iters": 2, "warmup": 0, "threads": 1} == result["settings"]
     assert result["artifacts"]["export"]["latency_threads"] == 1
 

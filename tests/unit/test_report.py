@@ -132,5 +132,10 @@ def test_bench_times_artifacts_in_fresh_processes_and_the_report_shows_it(runs: 
     assert onnx["fresh_p50_ms_b8"] == bench["artifacts"]["onnx_fp32"]["latency_ms_b8"] > 0
     assert "fresh_p50_ms_b8" not in report["rows"][1]  # finetune was not benched
     assert "fresh process b8 ms" in (run_dir / "report.md").read_text()
+    more = run_cli("bench", str(run_dir), "--stage", "finetune", "--iters", "3")
+    assert more.returncode == 0 and more.stdout.startswith("finetune: b1 ")
+    both = json.loads((run_dir / "bench.json").read_text())["artifacts"]
+    assert both["onnx_fp32"] == bench["artifacts"]["onnx_fp32"]  # kept, not timed again
+    assert both["finetune"]["latency_ms_b8"] > 0 and both["finetune"]["measured"]
     unknown = run_cli("bench", str(run_dir), "--stage", "nope")
     assert unknown.returncode == 2 and "no artifact named nope" in unknown.stderr

@@ -25,7 +25,7 @@ COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
 SIZE_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
     ("size_mb", "MB", 1, "low"),
     ("size_ratio", "size ×", 3, "low"),
-    ("params_m", "params M", 2, "low"),
+    ("params_m", "params M", 2, None),  # int8 weights are buffers: a count, not a goal
     ("sparsity", "sparsity", 3, None),
 )
 

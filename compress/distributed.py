@@ -88,10 +88,14 @@ def _terminated(signum, frame) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (safe to call when none is up)."""
+    """Leave the process group together: a barrier first, so no rank tears its
+    connections down while another still reads from them (gloo aborts the process then).
+    Safe to call when no group is up."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

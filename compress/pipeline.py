@@ -61,6 +61,7 @@ def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | N
     run_dir = Path(recipe.output_dir) / recipe.name
     if distributed.init() and not distributed.is_main():
         _follow(recipe, run_dir, data, model_src)
+        distributed.shutdown()  # leave the group cleanly (no C++ abort at exit)
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     with _locked(run_dir):
@@ -72,6 +73,7 @@ def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | N
         finally:
             _write_reports(run_dir, echo)
     distributed.broadcast(("end",))  # the other ranks may leave
+    distributed.shutdown()
     return run_dir
 
 

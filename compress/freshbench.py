@@ -10,19 +10,18 @@ the figures land in `<run>/bench.json`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from compress.errors import UserError
-from compress.runfolder import MANIFEST, atomic_write_json, now, read_manifest
+from compress.runfolder import atomic_write_json, now, require_manifest, run_lock
 
 BENCH = "bench.json"
 DONE = ("done", "cached")
@@ -38,7 +37,7 @@ def artifacts_of(run_dir: Path) -> list[dict[str, Any]]:
     Each is {"name", "kind", "folder" (relative to the run), "loader", "index", "config"}.
     The baseline (never saved) and package stages (a .mar, not a model) are left out. A
     stage name shared by several stages (unnamed stages of one kind) gets `#index`."""
-    manifest = _manifest(Path(run_dir))
+    manifest = require_manifest(Path(run_dir))
     found = []
     for i, entry in enumerate(manifest.get("stages") or []):
         if entry.get("status") not in DONE or entry.get("kind") == "package":
@@ -85,7 +84,8 @@ def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int 
     result: dict[str, Any] = {"measured": now(), "fresh_process": True,
                               "settings": latency, "artifacts": dict(kept),
                               "timed": [a["name"] for a in chosen]}
-    with _locked(run_dir):
+    with run_lock(run_dir, "a compress run is using this folder; bench it when the run "
+                  "has finished"):
         for artifact in chosen:
             echo(f"bench: {artifact['name']} ({artifact['folder']}) in a fresh process")
             metrics = _run_child(run_dir, artifact, latency, threads)
@@ -95,14 +95,6 @@ def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int 
                 f"failed: {metrics['error']}" if "error" in metrics else _summary(metrics)))
         atomic_write_json(run_dir / BENCH, result)
     return result
-
-
-def _manifest(run_dir: Path) -> dict[str, Any]:
-    manifest = read_manifest(run_dir)
-    if manifest is None:
-        raise UserError(f"{run_dir}: no readable {MANIFEST}; give a run folder made by "
-                        f"compress run")
-    return manifest
 
 
 def _select(available: list[dict[str, Any]], names: list[str] | None) -> list[dict[str, Any]]:
@@ -131,7 +123,7 @@ def _settings(run_dir: Path, iters: int | None, warmup: int | None,
 
     from compress.recipe import LatencyConfig, read_yaml
 
-    recipe = _manifest(run_dir).get("recipe")
+    recipe = require_manifest(run_dir).get("recipe")
     if not recipe and (run_dir / "recipe.yaml").is_file():
         recipe = read_yaml(run_dir / "recipe.yaml")
     raw = dict(((recipe or {}).get("evaluation") or {}).get("latency") or {})
@@ -146,23 +138,6 @@ def _settings(run_dir: Path, iters: int | None, warmup: int | None,
     settings.pop("enabled", None)  # asked for explicitly: timed even when off in the recipe
     settings.setdefault("seq_lens", None)
     return settings
-
-
-@contextlib.contextmanager
-def _locked(run_dir: Path) -> Iterator[None]:
-    """The run folder's lock: no run rewrites (or loads the CPU) while it is timed."""
-    try:
-        fh = open(run_dir / ".lock", "w")  # noqa: SIM115 - closed below
-    except OSError:  # a read-only copy of a run: nothing can rewrite it
-        yield
-        return
-    with fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{run_dir}: a compress run is using this folder; bench it "
-                            f"when the run has finished") from None
-        yield
 
 
 def _run_child(run_dir: Path, artifact: dict[str, Any], latency: dict[str, Any],

@@ -51,7 +51,7 @@ def latency_sweep(bundle: ModelBundle, lat) -> dict[str, Any]:
         return metrics
     metrics["latency_seq_len"] = lat.seq_len
     noisy_pairs = []
-    for length in dict.fromkeys(getattr(lat, "seq_lens", None) or []):
+    for length in dict.fromkeys(lat.seq_lens or []):
         extra = measure_latency(run, inputs_of(length), lat.batch_sizes, lat.warmup,
                                 lat.iters, lat.threads, suffix=f"_s{length}")
         noisy_pairs += [[batch, length] for batch in extra.pop("latency_noisy_batches", [])]

@@ -8,7 +8,6 @@ config and input artifact are unchanged is reported as cached instead of run aga
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib
 import importlib.util
 import shutil
@@ -33,6 +32,7 @@ from compress.runfolder import (
     environment,
     now,
     read_manifest,
+    run_lock,
     sha256_file,
     sha256_json,
 )
@@ -64,7 +64,7 @@ def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | N
         distributed.shutdown()  # leave the group cleanly (no C++ abort at exit)
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(run_dir):
+    with run_lock(run_dir, "another compress run is using this folder"):
         runner = _Runner(recipe, run_dir, data, model_src, echo)
         runner.start()
         try:
@@ -137,16 +137,6 @@ def _first_forced(recipe: Recipe, force: bool, from_stage: str | int | None) -> 
             return i
     kinds = ", ".join(s.name or s.kind for s in recipe.stages)
     raise UserError(f"--from-stage {text}: no such stage (stages: {kinds})")
-
-
-@contextlib.contextmanager
-def _locked(run_dir: Path):
-    with open(run_dir / ".lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{run_dir}: another compress run is using this folder") from None
-        yield
 
 
 class _Runner:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import UserError
-from compress.runfolder import atomic_write_json, atomic_write_text, now, read_manifest
+from compress.runfolder import atomic_write_json, atomic_write_text, now, require_manifest
 
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT"}
@@ -36,9 +36,7 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
     `reference` names the row deltas, ratios and speedups compare with (default: the first
     fine-tuned model when the recipe starts with finetune, else the baseline)."""
     run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
-    if manifest is None:
-        raise UserError(f"{run_dir}: no readable manifest.json; is it a run folder?")
+    manifest = require_manifest(run_dir)
     recipe = manifest.get("recipe") or {}
     batches = ((recipe.get("evaluation") or {}).get("latency") or {}).get("batch_sizes") or []
     rows = []

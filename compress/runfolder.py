@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from compress.errors import UserError
 
 MANIFEST = "manifest.json"
 LIBRARIES = ("torch", "torchao", "transformers", "tokenizers", "onnx", "onnxruntime",
@@ -85,6 +90,32 @@ def read_manifest(run_dir: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return None
+
+
+def require_manifest(run_dir: Path) -> dict[str, Any]:
+    """The run's manifest, or a UserError saying the folder is not a run folder."""
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        raise UserError(f"{run_dir}: no readable {MANIFEST}; is it a run folder?")
+    return manifest
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, busy: str) -> Iterator[None]:
+    """Hold the run folder's lock (one `compress run` or `bench` at a time); `busy` ends
+    the error when another process holds it. A read-only folder cannot be rewritten by
+    anyone, so it needs no lock."""
+    try:
+        fh = open(run_dir / ".lock", "w")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{run_dir}: {busy}") from None
+        yield
 
 
 def environment() -> dict[str, Any]:

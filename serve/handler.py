@@ -177,13 +177,17 @@ class CompressHandler(BaseHandler):
 
 
 def worker_threads(configured: int | None, workers: int) -> int:
-    """Intra-op threads of one worker: never more than the cores shared by the workers."""
+    """Intra-op threads of one worker: never more than the cores shared by the workers
+    (the same rule as serve.package.worker_threads, kept here so the archive runs without
+    compress)."""
     per_worker = max(1, (os.cpu_count() or 1) // max(1, int(workers)))
     return max(1, min(int(configured or per_worker), per_worker))
 
 
 def load_runtime(model_dir: Path, meta: dict[str, Any], threads: int):
-    """A callable running the exported file with positional input tensors."""
+    """A callable running the exported file with positional input tensors (what
+    export.runtime.load_export does in compress, repeated so the archive needs only torch,
+    onnxruntime and transformers)."""
     path = model_dir / meta["file"]
     fmt = meta["format"]
     if fmt == "torchscript":

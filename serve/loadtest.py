@@ -358,13 +358,13 @@ def load_payloads(texts_file: str | None) -> list[bytes]:
 
 def record_result(run_dir: str, result: dict) -> str:
     """Write `loadtest.json` (the sweep and when it ran) into the run folder."""
-    import json
     from pathlib import Path
 
     from compress.runfolder import atomic_write_json, now
+    from serve.server import read_info
 
     path = Path(run_dir) / "loadtest.json"
-    served = Path(run_dir) / "serve" / "server.json"
-    settings = json.loads(served.read_text()).get("settings") if served.is_file() else None
-    atomic_write_json(path, {"measured": now(), "server_settings": settings, **result})
+    info = read_info(Path(run_dir) / "serve")
+    atomic_write_json(path, {"measured": now(), "server_settings": (info or {}).get("settings"),
+                             **result})
     return str(path)

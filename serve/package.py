@@ -8,6 +8,7 @@ The archive holds the exported file, `export.json`, the tokenizer files, `parity
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,14 @@ import yaml
 HANDLER = Path(__file__).with_name("handler.py")
 SERVED_METRICS = ("accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8",
                   "parity_max_abs_diff", "parity_argmax_agreement", "runtime_threads")
+
+
+def worker_threads(configured: int | None, workers: int) -> int:
+    """Intra-op threads of one worker: `configured` (default: all it may have), never more
+    than the cores divided among the workers. (handler.py keeps its own copy: the archive
+    must run without compress installed.)"""
+    per_worker = max(1, (os.cpu_count() or 1) // max(1, workers))
+    return max(1, min(int(configured or per_worker), per_worker))
 
 
 def model_config(batch_size: int, max_batch_delay_ms: int, workers: int,

@@ -8,6 +8,7 @@ Every listener binds 127.0.0.1; only the inference port is chosen by the user.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from compress.errors import UserError
+from serve.package import worker_threads
 
 SERVER_INFO = "server.json"
 KEY_FILE = "key_file.json"
@@ -174,8 +176,7 @@ def unpack_model(target: ServeTarget, store: Path, workers: int | None,
     if max_batch_delay_ms is not None:
         config["maxBatchDelay"] = max_batch_delay_ms
     handler = config.setdefault("handler", {})
-    per_worker = max(1, (os.cpu_count() or 1) // int(config.get("maxWorkers", 1)))
-    handler["threads"] = min(int(handler.get("threads") or per_worker), per_worker)
+    handler["threads"] = worker_threads(handler.get("threads"), int(config.get("maxWorkers", 1)))
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     return {k: config.get(k) for k in ("minWorkers", "maxWorkers", "batchSize",
                                        "maxBatchDelay", "responseTimeout")} | {
@@ -218,7 +219,7 @@ def stop(serve_dir: Path, grace_s: float = 30) -> bool:
         deadline = time.monotonic() + grace_s
         while process_alive(info["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
-    with _suppress(ProcessLookupError, PermissionError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(info["pgid"], signal.SIGKILL)  # workers left behind, if any
     for name in (SERVER_INFO, PID_FILE, KEY_FILE):
         (serve_dir / name).unlink(missing_ok=True)
@@ -336,16 +337,3 @@ def _log_tail(serve_dir: Path, lines: int = 3) -> str:
 
 def _shown(target: ServeTarget) -> str:
     return str(target.mar if target.serve_dir.suffix == ".serve" else target.serve_dir.parent)
-
-
-class _suppress:
-    """contextlib.suppress, local so this module's imports stay few."""
-
-    def __init__(self, *errors: type[BaseException]):
-        self.errors = errors
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, value, tb) -> bool:
-        return kind is not None and issubclass(kind, self.errors)

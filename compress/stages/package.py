@@ -10,7 +10,7 @@ from compress.recipe import export_stage_index
 from compress.runfolder import artifact_record, read_manifest
 from compress.stages.configs import PackageConfig
 from compress.state import StageContext, State
-from serve.package import SERVED_METRICS, build_mar, model_config
+from serve.package import SERVED_METRICS, build_mar, model_config, worker_threads
 
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
@@ -20,11 +20,10 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     export = manifest["stages"][index]
     export_dir = ctx.run_dir / export["outputs"][0]["export_dir"]
     name = cfg.model_name or ctx.recipe.name
-    cores = os.cpu_count() or 1
-    threads = min(cfg.threads or max(1, cores // cfg.workers), max(1, cores // cfg.workers))
-    if cfg.threads and cfg.threads * cfg.workers > cores:
+    threads = worker_threads(cfg.threads, cfg.workers)
+    if cfg.threads and cfg.threads > threads:
         ctx.log(f"package: {cfg.workers} workers x {cfg.threads} threads exceed the "
-                f"{cores} cores; each worker gets {threads}")
+                f"{os.cpu_count()} cores; each worker gets {threads}")
     handler = {"threads": threads, "max_length": ctx.recipe.data.max_length,
                "max_text_chars": cfg.max_text_chars}
     config = model_config(cfg.batch_size, cfg.max_batch_delay_ms, cfg.workers,

@@ -21,93 +21,48 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.bench import NOISY_SPREAD  # also cross-checks input timings
-from compress.runfolder import read_manifest
+from compress.harness import NOISY_SPREAD  # also cross-checks input timings
+from compress.records import Manifest, StageRecord, read_manifest
+from compress.runtimes import reference_index, runtime_label
+from compress.stages.spec import all_specs, spec_of
 
 SERVED_RECIPE = "bert_int8"
-FINISHED = ("done", "cached")
 
 
-def largest_batch(manifest: dict[str, Any]) -> int | None:
+def largest_batch(manifest: Manifest) -> int | None:
     """The largest batch size the recipe times (evaluation.latency.batch_sizes)."""
-    latency = ((manifest.get("recipe") or {}).get("evaluation") or {}).get("latency") or {}
-    batches = latency.get("batch_sizes") or []
+    batches = manifest.latency_settings().get("batch_sizes") or []
     return max(batches) if batches else None
 
 
-def runtime_of(entry: dict[str, Any], stages: list[dict[str, Any]] | None = None) -> str:
-    """A short label of the runtime a stage's model is measured in (`stages`, the manifest's
-    stages, tell whether an AOTInductor package holds a PT2E int8 model)."""
-    kind, config = entry.get("kind"), entry.get("config") or {}
-    metrics = entry.get("metrics") or {}
-    if kind == "quantize":
-        return f"PT2E int8 {config.get('mode', 'static')}"
-    if kind == "export":
-        fmt = config.get("format") or metrics.get("runtime") or "?"
-        label = {"onnx": "ONNX Runtime", "aoti": "AOTInductor .pt2",
-                 "torchscript": "TorchScript", "tensorrt": "TensorRT"}.get(fmt, fmt)
-        quantize = config.get("quantize") or metrics.get("onnx_quantize")
-        if fmt == "onnx":
-            return label + (f" int8 {quantize}" if quantize else " fp32")
-        if fmt == "aoti":
-            producer = _producer(entry, stages or [])
-            return label + (" int8" if producer and producer.get("kind") == "quantize"
-                            else "")
-        return label
-    if kind == "compile":
-        return "torch.compile"
-    if kind == "distill":
-        return "distilled student, eager"
-    if kind == "prune":
-        return "pruned, eager"
-    return "PyTorch eager"
+def _quantizing(entry: StageRecord) -> bool:
+    """Whether the stage itself changes the precision of what it writes (an int8 export)."""
+    return entry.kind in all_specs() and spec_of(entry.kind).precision_of(entry.config) is not None
 
 
-def _finished(entry: dict[str, Any]) -> bool:
-    return entry.get("status") in FINISHED
-
-
-def _producer(entry: dict[str, Any], stages: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The stage whose output is this stage's input (matched by sha256), if any."""
-    inputs = entry.get("inputs") or []
-    sha = inputs[0].get("sha256") if inputs else None
-    if not sha:
-        return None
-    found = None
-    for other in stages:
-        if other is entry:
-            break
-        if any(out.get("sha256") == sha for out in other.get("outputs") or []):
-            found = other
-    return found
-
-
-def _reference_stage(manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """The recipe's first fine-tuned model (the fp32 reference, the teacher), if finished."""
-    for entry in manifest.get("stages") or []:
-        if entry.get("kind") == "finetune" and _finished(entry):
-            return entry
-    return None
-
-
-def _is_int8_onnx(entry: dict[str, Any]) -> bool:
-    config = entry.get("config") or {}
-    return (entry.get("kind") == "export" and config.get("format") == "onnx"
-            and bool(config.get("quantize")))
-
-
-def _fp32_onnx_sibling(entry: dict[str, Any], stages: list[dict[str, Any]]
-                       ) -> dict[str, Any] | None:
-    """The float ONNX export of the same input model as this ONNX int8 export."""
-    sha = ((entry.get("inputs") or [{}])[0]).get("sha256")
-    for other in stages:
-        config = other.get("config") or {}
-        if (other is not entry and other.get("kind") == "export"
-                and config.get("format") == "onnx" and not config.get("quantize")
-                and _finished(other)
-                and ((other.get("inputs") or [{}])[0]).get("sha256") == sha):
+def _float_sibling(entry: StageRecord, manifest: Manifest) -> StageRecord | None:
+    """The float artifact of the same kind and format made from the same input as this
+    precision-changing one (the fp32 ONNX export beside an ONNX Runtime int8 export)."""
+    sha = entry.inputs[0].sha256 if entry.inputs else None
+    for other in manifest.stages:
+        if (other is not entry and other.kind == entry.kind and other.finished_ok
+                and other.config.get("format") == entry.config.get("format")
+                and not _quantizing(other)
+                and (other.inputs[0].sha256 if other.inputs else None) == sha):
             return other
     return None
+
+
+def _producer(entry: StageRecord, manifest: Manifest) -> StageRecord | None:
+    """The stage whose output is this stage's input (matched by sha256), if any."""
+    sha = entry.inputs[0].sha256 if entry.inputs else None
+    found = None
+    for other in manifest.stages:
+        if other is entry:
+            break
+        if sha and any(out.sha256 == sha for out in other.outputs):
+            found = other
+    return found
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -116,15 +71,14 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
-def compare(recipe: str, entry: dict[str, Any], reference: dict[str, Any], batch: int,
-            same_process: bool, stages: list[dict[str, Any]] | None = None
-            ) -> dict[str, Any]:
+def compare(recipe: str, entry: StageRecord, reference: StageRecord, batch: int,
+            same_process: bool, manifest: Manifest) -> dict[str, Any]:
     """One headline row: `entry`'s model against `reference`'s at batch `batch`.
 
     same_process: `reference` entered `entry`'s stage, so the denominator is the input median
     timed in that stage's process (`input_latency_ms_bN`); else the reference stage's own
     median (`latency_ms_bN`)."""
-    m, r = entry.get("metrics") or {}, reference.get("metrics") or {}
+    m, r = entry.metrics, reference.metrics
     key = f"latency_ms_b{batch}"
     latency = m.get(key)
     ref_latency = m.get(f"input_{key}") if same_process else r.get(key)
@@ -132,19 +86,19 @@ def compare(recipe: str, entry: dict[str, Any], reference: dict[str, Any], batch
     if batch in (m.get("latency_noisy_batches") or []):
         notes.append(f"noisy b{batch}")
     if not same_process and batch in (r.get("latency_noisy_batches") or []):
-        notes.append(f"noisy b{batch} in {reference['name']}")
+        notes.append(f"noisy b{batch} in {reference.name}")
     own = r.get(key)  # the input's median in its own stage: a cross-check of the input timing
     if same_process and ref_latency and own and abs(ref_latency - own) / own > NOISY_SPREAD:
         notes.append(f"noisy: input timed {ref_latency:.2f} ms here, {own:.2f} ms in "
-                     f"{reference['name']}")
+                     f"{reference.name}")
     accuracy, ref_accuracy = m.get("accuracy"), r.get("accuracy")
     delta = (100 * (accuracy - ref_accuracy)
              if accuracy is not None and ref_accuracy is not None else None)
     row = {
         "recipe": recipe, "status": "ok",
-        "path": f"{recipe}/{entry['name']}", "stage": entry["name"],
-        "runtime": runtime_of(entry, stages),
-        "reference": reference["name"], "reference_runtime": runtime_of(reference, stages),
+        "path": f"{recipe}/{entry.name}", "stage": entry.name,
+        "runtime": runtime_label(manifest, entry.index),
+        "reference": reference.name, "reference_runtime": runtime_label(manifest, reference.index),
         "batch": batch, "latency_ms": latency, "reference_latency_ms": ref_latency,
         "latency_ratio": _ratio(latency, ref_latency),
         "timing": "same process" if same_process else "separate timings",
@@ -168,31 +122,32 @@ def recipe_rows(recipe: str, run_dir: str | Path) -> list[dict[str, Any]]:
                  "run_dir": str(run_dir),
                  "notes": [f"no readable manifest.json in {run_dir}"]}]
     batch = largest_batch(manifest)
-    stages = manifest.get("stages") or []
-    reference = _reference_stage(manifest)
+    index = reference_index(manifest)
+    reference = manifest.stages[index] if index is not None else None
     rows: list[dict[str, Any]] = []
-    for entry in stages:
-        if entry is reference or entry.get("kind") == "package":
+    for entry in manifest.stages:
+        known = entry.kind in all_specs()
+        if entry is reference or (known and not spec_of(entry.kind).measured):
             continue
-        if not _finished(entry):
-            rows.append({"recipe": recipe, "status": entry.get("status", "unknown"),
-                         "path": f"{recipe}/{entry.get('name')}", "stage": entry.get("name"),
+        if not entry.finished_ok:
+            rows.append({"recipe": recipe, "status": entry.status or "unknown",
+                         "path": f"{recipe}/{entry.name}", "stage": entry.name,
                          "run_dir": str(run_dir),
-                         "notes": [entry.get("error") or f"stage {entry.get('status')}"]})
+                         "notes": [entry.error or f"stage {entry.status}"]})
             continue
-        if batch is None or f"latency_ms_b{batch}" not in (entry.get("metrics") or {}):
+        if batch is None or f"latency_ms_b{batch}" not in entry.metrics:
             continue  # not a measured model
-        producer = _producer(entry, stages)
-        pairs: list[tuple[dict[str, Any], bool]] = []
-        if producer is not None and _finished(producer):
+        producer = _producer(entry, manifest)
+        pairs: list[tuple[StageRecord, bool]] = []
+        if producer is not None and producer.finished_ok:
             pairs.append((producer, True))
         if reference is not None and reference is not producer:
             pairs.append((reference, False))
-        sibling = _fp32_onnx_sibling(entry, stages) if _is_int8_onnx(entry) else None
+        sibling = _float_sibling(entry, manifest) if _quantizing(entry) else None
         if sibling is not None and sibling is not producer:
             pairs.append((sibling, False))
         for other, same in pairs:
-            row = compare(recipe, entry, other, batch, same, stages)
+            row = compare(recipe, entry, other, batch, same, manifest)
             row["run_dir"] = str(run_dir)
             rows.append(row)
     return rows
@@ -213,7 +168,7 @@ def hardware(run_dirs: dict[str, Path]) -> list[dict[str, Any]]:
         manifest = read_manifest(run_dir)
         if manifest is None:
             continue
-        env = manifest.get("environment") or {}
+        env = manifest.environment
         cpu = env.get("cpu") or {}
         libs = env.get("libraries") or {}
         item = {"cpu": cpu.get("model"), "cores": cpu.get("cores"),

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from compress.errors import UserError
-from compress.sources import DataSource, split_file, used_splits
+from compress.sources import DataSource, split_file
+from compress.stages.chain import used_splits
 
 
 @dataclass

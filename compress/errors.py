@@ -1,4 +1,5 @@
-"""Error types that the CLI turns into exit codes (2 for user errors, 1 for failed stages)."""
+"""Error types: user errors (exit 2), failed stages (exit 1), and the domain errors the
+library raises without knowing about stages (the pipeline attaches the stage name)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,27 @@ class StageError(Exception):
         self.stage = stage
         self.cause = cause
         super().__init__(f"stage {stage} failed: {cause}")
+
+
+class CompressError(Exception):
+    """An algorithm that could not do its work, said in one line (the Python API raises
+    these; the pipeline turns one into a StageError naming the stage)."""
+
+
+class CaptureError(CompressError):
+    """torch.export (or a tracer) could not capture the model."""
+
+
+class ParityError(CompressError):
+    """An exported or converted model disagrees with the model it came from."""
+
+
+class ExportError(CompressError):
+    """A model could not be written in the asked format, or that format's runtime is missing."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's type and first non-empty message line, shortened."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."

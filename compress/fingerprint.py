@@ -6,7 +6,8 @@ import importlib.util
 from pathlib import Path
 
 from compress.runfolder import sha256_file, sha256_json
-from compress.sources import DataSource, ModelSource, split_file, used_splits
+from compress.sources import DataSource, ModelSource, split_file
+from compress.stages.chain import used_splits
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 

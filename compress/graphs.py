@@ -9,13 +9,14 @@ makes (`model(**tokenizer_output)`) into that positional form.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from compress.bench import example_inputs
-from compress.errors import StageError
+from compress.errors import CaptureError, one_line
+from compress.harness import example_inputs
 from compress.models import ModelBundle
 
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -77,21 +78,14 @@ def max_sequence(model: nn.Module) -> int:
     return int(getattr(config, "max_position_embeddings", None) or 512)
 
 
-def export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], text: bool, max_seq: int,
-                 stage: str) -> torch.export.ExportedProgram:
-    """`torch.export` with dynamic dims; a failure becomes a one-line StageError."""
+def export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], text: bool, max_seq: int
+                 ) -> torch.export.ExportedProgram:
+    """`torch.export` with dynamic dims; a failure becomes a one-line CaptureError."""
     try:
         return torch.export.export(module, args, dynamic_shapes=dynamic_shapes(text, max_seq))
     except Exception as exc:  # any capture failure: user code, guards, unsupported ops
-        raise StageError(stage, f"torch.export could not capture the model: {one_line(exc)}"
-                         ) from None
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """The exception's type and first non-empty message line, shortened."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+        raise CaptureError(f"torch.export could not capture the model: {one_line(exc)}"
+                           ) from None
 
 
 def traced_inputs(bundle: ModelBundle) -> tuple[torch.Tensor, ...]:
@@ -104,8 +98,28 @@ def traced_inputs(bundle: ModelBundle) -> tuple[torch.Tensor, ...]:
 
 
 def inductor_freezing(enabled: bool = True):
-    """Inductor's freezing switched on for the block only (it is read when compiling, and
-    `torch.compile(options=...)` does not reach the freezing pass)."""
+    """Inductor's freezing switched on for the block only (for ahead-of-time compiles,
+    which compile inside the block)."""
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(freezing=enabled)
+
+
+def compile_module(module: nn.Module, mode: str = "default", dynamic: bool | None = None,
+                   freezing: bool = True) -> Callable[..., Any]:
+    """`torch.compile` through Inductor with freezing (weights folded as constants, where
+    torchao's x86 passes pick the int8 kernels) decided once, at compile time: a backend
+    that hands Inductor its config patches for each compile, the first call and any
+    recompile alike, so nothing is patched around each call. Freezing takes effect for
+    calls made with grad off."""
+    if not freezing:
+        return torch.compile(module, mode=mode, dynamic=dynamic)
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {**list_mode_options(mode, dynamic), "freezing": True}
+
+    def frozen_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return compile_fx(graph, example_inputs, config_patches=patches)
+
+    return torch.compile(module, backend=frozen_inductor, dynamic=dynamic)

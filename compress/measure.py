@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.bench import example_inputs, measure_latency
 from compress.data import DataBundle
 from compress.evaluate import evaluate, logits_of
+from compress.harness import example_inputs, measure_latency
 from compress.models import ModelBundle, count_params, sparsity
 
 

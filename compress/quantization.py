@@ -35,20 +35,20 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
     get_default_x86_inductor_quantization_config,
 )
 
-from compress.bench import example_inputs
 from compress.data import iterate
-from compress.errors import StageError
+from compress.errors import CompressError
 from compress.evaluate import logits_of
 from compress.graphs import (
     EXPORT_SEQ,
+    compile_module,
     dynamic_shapes,
     export_graph,
     export_inputs,
     graph_module,
-    inductor_freezing,
     max_sequence,
     positional_inputs,
 )
+from compress.harness import example_inputs
 from compress.models import ModelBundle
 
 PROGRAM = "model.pt2"
@@ -78,8 +78,7 @@ class GraphModel(nn.Module):
         graph_args = positional_inputs(self.text, args, kwargs)
         if self.compiled is None:
             return self.graph(*graph_args)
-        with inductor_freezing(self.freezing):
-            return self.compiled(*graph_args)
+        return self.compiled(*graph_args)
 
     def train(self, mode: bool = True) -> GraphModel:
         if self.trainable and mode != self.training:
@@ -91,12 +90,12 @@ class GraphModel(nn.Module):
 # --- export -----------------------------------------------------------------------------
 
 
-def capture(bundle: ModelBundle, stage: str, train: bool = False) -> nn.Module:
+def capture(bundle: ModelBundle, train: bool = False) -> nn.Module:
     """The bundle's model exported to a graph module (train-mode ops for QAT)."""
     bundle.model.train(train)
     try:
         program = export_graph(graph_module(bundle), export_inputs(bundle), bundle.is_text,
-                               max_sequence(bundle.model), stage)
+                               max_sequence(bundle.model))
     finally:
         bundle.model.eval()
     return program.module()
@@ -150,13 +149,6 @@ def calibrate(model: GraphModel, examples, samples: int, batch_size: int, tokeni
     return len(order)
 
 
-def train_qat(model: GraphModel, cfg, ctx, tokenizer) -> Any:
-    """Quantization-aware training of the prepared graph with the shared loop."""
-    from compress.train import train
-
-    return train(model, ctx.data.splits["train"], cfg.qat, seed=ctx.seed,
-                 checkpoint_dir=ctx.checkpoint_dir, key=ctx.key, tokenizer=tokenizer,
-                 max_length=ctx.data.max_length, desc=ctx.name)
 
 
 # --- compile --------------------------------------------------------------------------------
@@ -165,11 +157,11 @@ def train_qat(model: GraphModel, cfg, ctx, tokenizer) -> Any:
 def compile_graph(model: GraphModel, mode: str = "default", dynamic: bool | None = True,
                   freezing: bool = True) -> GraphModel:
     """Run `model` through torch.compile (Inductor) from now on; with `freezing`, its calls
-    run under `inductor_freezing`, where torchao's x86 passes lower the int8 patterns.
+    are compiled with Inductor freezing, where torchao's x86 passes lower the int8 patterns.
 
     `dynamic=True` keeps one graph for every batch size and sequence length (batch 1 still
     gets its own, as size 1 is specialised)."""
-    model.__dict__["compiled"] = torch.compile(model.graph, mode=mode, dynamic=dynamic)
+    model.__dict__["compiled"] = compile_module(model.graph, mode, dynamic, freezing)
     model.freezing = freezing
     return model
 
@@ -186,14 +178,22 @@ def warm_up(model: nn.Module, bundle: ModelBundle) -> float:
 # --- the stage's work -------------------------------------------------------------------------
 
 
-def quantize(bundle: ModelBundle, cfg, ctx) -> tuple[ModelBundle, dict[str, Any]]:
-    """The quantized bundle (kind "pt2e") of `bundle` and the figures of the run."""
+def quantize(bundle: ModelBundle, cfg, calibration=None, *, setup=None,
+             max_length: int = 128) -> tuple[ModelBundle, dict[str, Any]]:
+    """The quantized bundle (kind "pt2e") of `bundle` per `cfg` (a QuantizeConfig) and the
+    figures of the run. Static mode observes `calibration` (Examples); QAT trains on
+    `setup` (a TrainSetup). CompressError (CaptureError) when it cannot be done."""
     if bundle.kind == "pt2e":
-        raise StageError(ctx.name, "the model is already quantized (kind pt2e); "
-                         "quantize a float model")
+        raise CompressError("the model is already quantized (kind pt2e); quantize a float "
+                            "model")
+    if cfg.mode == "static" and calibration is None:
+        raise CompressError("static quantization needs calibration examples")
+    if cfg.mode == "qat" and setup is None:
+        raise CompressError("quantization-aware training needs training examples "
+                            "(a TrainSetup)")
     metrics: dict[str, Any] = {"quant_mode": cfg.mode}
     began = time.perf_counter()
-    graph = capture(bundle, ctx.name, train=cfg.mode == "qat")
+    graph = capture(bundle, train=cfg.mode == "qat")
     max_seq = max_sequence(bundle.model)
     prefix = "model." if bundle.is_text else ""
     quantizer = make_quantizer(cfg.mode, cfg.per_channel,
@@ -202,7 +202,7 @@ def quantize(bundle: ModelBundle, cfg, ctx) -> tuple[ModelBundle, dict[str, Any]
         prepared = GraphModel(prepare_qat_pt2e(graph, quantizer), bundle.is_text, max_seq,
                               trainable=True)
         prepared.training = True
-        result = train_qat(prepared, cfg, ctx, bundle.tokenizer)
+        result = setup.run(prepared, cfg.qat, bundle.tokenizer)
         prepared.eval()
         metrics["qat_steps"] = result.steps
     else:
@@ -210,8 +210,8 @@ def quantize(bundle: ModelBundle, cfg, ctx) -> tuple[ModelBundle, dict[str, Any]
         if cfg.mode == "static":
             calib = cfg.calibration
             metrics["calibration_samples"] = calibrate(
-                prepared, ctx.data.splits["calibration"], calib.samples, calib.batch_size,
-                bundle.tokenizer, ctx.data.max_length)
+                prepared, calibration, calib.samples, calib.batch_size, bundle.tokenizer,
+                max_length)
         else:  # dynamic: one pass so every placeholder observer has run
             prepared(*export_inputs(bundle))
     converted = GraphModel(drop_unused_weights(convert_pt2e(prepared.graph)), bundle.is_text,

@@ -9,12 +9,13 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from compress.stages.configs import STAGE_CONFIGS
+from compress.stages.spec import stage_configs
 
 
 def format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list[str]:
-    """One line per problem: `stages[0] (finetune).lerning_rate: unknown key (did you mean ...)`."""
+    """One line per problem: `stages.0.lerning_rate: unknown key (did you mean ...)`."""
     lines = []
+    kinds = list(stage_configs())
     for err in exc.errors():
         loc = tuple(err["loc"])
         where = format_loc(loc)
@@ -25,12 +26,13 @@ def format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list
             lines.append(f"{where}: unknown key{_did_you_mean(key, allowed, allowed)}")
         elif kind == "union_tag_invalid":
             tag = str(err.get("ctx", {}).get("tag"))
-            kinds = sorted(STAGE_CONFIGS)
             lines.append(
                 f"{where}.kind: unknown stage kind '{tag}'{_did_you_mean(tag, kinds, kinds)}"
             )
         elif kind == "union_tag_not_found":
-            lines.append(f"{where}: missing 'kind' (one of: {', '.join(sorted(STAGE_CONFIGS))})")
+            lines.append(f"{where}: missing 'kind' (one of: {', '.join(kinds)})")
+        elif kind in ("finite_number", "float_parsing") and "inf" in str(err.get("input")).lower():
+            lines.append(f"{where}: must be a finite number (got {_short(err.get('input'))})")
         elif kind == "missing":
             lines.append(f"{where}: required key is missing")
         elif kind == "value_error":
@@ -41,18 +43,16 @@ def format_validation_error(exc: ValidationError, root: type[BaseModel]) -> list
 
 
 def format_loc(loc: tuple[Any, ...]) -> str:
-    """`('stages', 0, 'finetune', 'lr')` -> `stages[0] (finetune).lr`."""
-    out = ""
+    """`('stages', 0, 'finetune', 'lr')` -> `stages.0.lr`: the override syntax, so a
+    location can be pasted back as `stages.0.lr=VALUE`."""
+    parts: list[str] = []
     previous: Any = None
     for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif previous is not None and isinstance(previous, int) and part in STAGE_CONFIGS:
-            out += f" ({part})"
-        else:
-            out += f".{part}" if out else str(part)
+        stage_tag = isinstance(previous, int) and part in stage_configs()
+        if not stage_tag:
+            parts.append(str(part))
         previous = part
-    return out or "recipe"
+    return ".".join(parts) or "recipe"
 
 
 def _did_you_mean(word: str, candidates: list[str], allowed: list[str]) -> str:
@@ -78,8 +78,8 @@ def _fields_at(root: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
             args = typing.get_args(node)
             node = args[0] if args else node
             continue
-        if isinstance(part, str) and part in STAGE_CONFIGS and not _is_model_with(node, part):
-            node = STAGE_CONFIGS[part]
+        if isinstance(part, str) and part in stage_configs() and not _is_model_with(node, part):
+            node = stage_configs()[part]
             continue
         if _is_model_with(node, part):
             node = node.model_fields[part].annotation

@@ -1,4 +1,5 @@
-"""The run folder: atomic writes, artifact records, the manifest and the environment."""
+"""The run folder: atomic writes, digests, the run lock and the environment (the manifest's
+typed records live in `compress.records`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from typing import Any
 
 from compress.errors import UserError
 
-MANIFEST = "manifest.json"
 LIBRARIES = ("torch", "torchao", "transformers", "tokenizers", "onnx", "onnxruntime",
              "torchserve", "torch-model-archiver", "torch-tensorrt", "pydantic", "numpy",
              "scikit-learn", "compress")
@@ -64,40 +64,8 @@ def sha256_json(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def artifact_record(path: Path, run_dir: Path, fmt: str) -> dict[str, Any]:
-    """`{path, format, sha256, bytes}` for a file inside the run folder."""
-    return {"path": str(path.relative_to(run_dir)), "format": fmt,
-            "sha256": sha256_file(path), "bytes": path.stat().st_size}
-
-
-def artifact_intact(record: dict[str, Any], run_dir: Path) -> bool:
-    """True when the recorded artifact is on disk with the recorded size and sha256."""
-    path = run_dir / record["path"]
-    return (path.is_file() and path.stat().st_size == record["bytes"]
-            and sha256_file(path) == record["sha256"])
-
-
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def read_manifest(run_dir: Path) -> dict[str, Any] | None:
-    """The run's manifest, or None when there is none (or it cannot be read)."""
-    path = run_dir / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
-
-
-def require_manifest(run_dir: Path) -> dict[str, Any]:
-    """The run's manifest, or a UserError saying the folder is not a run folder."""
-    manifest = read_manifest(run_dir)
-    if manifest is None:
-        raise UserError(f"{run_dir}: no readable {MANIFEST}; is it a run folder?")
-    return manifest
 
 
 @contextlib.contextmanager

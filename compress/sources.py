@@ -7,7 +7,9 @@ a local folder, `sklearn:digits`, then the hub through `datasets`.
 
 from __future__ import annotations
 
+import ast
 import csv
+import difflib
 import importlib.util
 import json
 import os
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compress.errors import UserError
+from compress.stages.chain import used_splits
+from compress.stages.spec import spec_of
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 TABLE_SUFFIXES = (".tsv", ".csv", ".jsonl")
@@ -56,6 +60,7 @@ def resolve_model(source: str, checkpoint: str | None = None) -> ModelSource:
             raise UserError(
                 f"model.source: module '{module}' not found (install it or add it to PYTHONPATH)"
             )
+        check_factory(source, "model.source")
         return ModelSource("factory", source)
     path = Path(source).expanduser()
     if path.is_dir():
@@ -83,6 +88,43 @@ def resolve_model(source: str, checkpoint: str | None = None) -> ModelSource:
             "package, and the hub is off (HF_HUB_OFFLINE=1 or transformers missing)"
         )
     return ModelSource("hub", source)
+
+
+def check_factory(target: str, where: str) -> None:
+    """Raise a UserError when `module:name` names something its module does not define,
+    read from the module's source without importing it (no torch import)."""
+    module, name = target.split(":")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    if origin is None or origin.suffix != ".py":
+        return  # a compiled or namespace module: found out when it is built
+    try:
+        tree = ast.parse(origin.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    defined: set[str] = set()
+    own: set[str] = set()  # defined in the module itself (the hint lists these)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+            own.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            if any(alias.name == "*" for alias in node.names):
+                return  # a star import: cannot tell
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if name in defined or "__getattr__" in defined:
+        return
+    public = sorted(n for n in own if not n.startswith("_"))
+    close = difflib.get_close_matches(name, public, n=1)
+    hint = f" (did you mean '{module}:{close[0]}'?)" if close else (
+        f" (it defines: {', '.join(public[:12])})" if public else "")
+    raise UserError(f"{where}: module '{module}' defines no '{name}'{hint}")
 
 
 def _shipped_model(model_id: str) -> str | None:
@@ -177,8 +219,19 @@ def check_columns(path: Path, needed: dict[str, str]) -> list[str]:
 def check_recipe_sources(recipe) -> tuple[ModelSource, DataSource]:
     """Resolve the recipe's model and data and check every split and column it uses.
 
-    Raises one UserError listing every problem found; touches no run folder.
-    """
+    Raises one UserError listing every problem found; touches no run folder."""
+    model, data, problems = _resolve(recipe)
+    if problems:
+        raise UserError(problems)
+    return model, data
+
+
+def source_problems(recipe) -> list[str]:
+    """Every problem with the recipe's model and data sources (empty when all resolve)."""
+    return _resolve(recipe)[2]
+
+
+def _resolve(recipe) -> tuple[ModelSource | None, DataSource | None, list[str]]:
     problems: list[str] = []
     model = data = None
     try:
@@ -202,37 +255,20 @@ def check_recipe_sources(recipe) -> tuple[ModelSource, DataSource]:
                 needed["text_column"] = recipe.data.text_column
             problems += [p for p in check_columns(path, needed) if p not in problems]
     if model is not None and model.kind == "hf":
-        problems += check_student_layers(recipe, Path(model.location) / "config.json")
-    if problems:
-        raise UserError(problems)
-    return model, data
+        problems += _stage_model_problems(recipe, Path(model.location) / "config.json")
+    return model, data, problems
 
 
-def check_student_layers(recipe, config_file: Path) -> list[str]:
-    """Distill stages that keep more layers than the teacher has (known from config.json)."""
+def _stage_model_problems(recipe, config_file: Path) -> list[str]:
+    """Each stage kind's own checks against the model's config.json (e.g. a student that
+    keeps more layers than its teacher has)."""
     try:
-        layers = json.loads(config_file.read_text()).get("num_hidden_layers")
+        config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError):
         return []
     problems = []
     for i, stage in enumerate(recipe.stages):
-        if stage.kind != "distill" or layers is None:
-            continue
-        spec = stage.student
-        where = f"stages[{i}] (distill).student"
-        if spec.layers is not None and spec.layers > layers:
-            problems.append(f"{where}.layers: {spec.layers} layers, but the teacher has {layers}")
-        elif spec.layer_indices is not None and max(spec.layer_indices) >= layers:
-            problems.append(f"{where}.layer_indices: the teacher has layers 0..{layers - 1}")
-        layers = spec.layers or (len(spec.layer_indices) if spec.layer_indices else None)
+        hook = spec_of(stage.kind).check_model
+        if hook is not None:
+            problems += hook(recipe, i, config)
     return problems
-
-
-def used_splits(recipe) -> list[str]:
-    """The data splits a recipe reads: eval always, then those its stages declare."""
-    splits = ["eval"]
-    for stage in recipe.stages:
-        for name in getattr(stage, "uses_splits", ()):
-            if name not in splits:
-                splits.append(name)
-    return splits

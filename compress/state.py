@@ -13,17 +13,19 @@ from typing import Any
 
 from compress.data import DataBundle
 from compress.models import ModelBundle, save_model
-from compress.runfolder import artifact_record
+from compress.records import Artifact, Manifest, StageRecord, artifact_record
+from compress.train import TrainSetup
 
 
 @dataclass
 class State:
-    """The current model (with tokenizer and labels) and the artifacts produced so far.
-
-    `bundle` is None for a stage that takes files, not a model (package)."""
+    """What enters a stage: the current model (with tokenizer and labels), the artifacts
+    it was saved as, and for a stage that takes an earlier stage's file instead of a model
+    (`bundle` None) that stage's record."""
 
     bundle: ModelBundle | None
-    artifacts: list[dict[str, Any]] = field(default_factory=list)
+    artifacts: list[Artifact] = field(default_factory=list)
+    source: StageRecord | None = None
 
 
 @dataclass
@@ -39,20 +41,33 @@ class StageContext:
     key: str
     seed: int
     log: Callable[[str], None] = print
-    outputs: list[dict[str, Any]] = field(default_factory=list)
+    manifest: Manifest | None = None  # the run so far (read only)
+    outputs: list[Artifact] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.folder / "checkpoints"
 
-    def save_model(self, bundle: ModelBundle, name: str = "model") -> dict[str, Any]:
+    def training(self, desc: str | None = None, seed: int | None = None) -> TrainSetup:
+        """The train split, checkpoints in this stage's folder, the cache key and seed."""
+        return TrainSetup(self.data.splits["train"], self.data.max_length,
+                          self.seed if seed is None else seed, self.checkpoint_dir, self.key,
+                          desc or self.name)
+
+    def add_output(self, record: Artifact) -> Artifact:
+        """Record a file the stage wrote as its output: the one way a stage reports one
+        (the first output is the stage's artifact)."""
+        self.outputs.append(record)
+        return record
+
+    def save_model(self, bundle: ModelBundle, name: str = "model") -> Artifact | None:
         """Write `bundle` to `<stage folder>/<name>/` atomically and record it as an output
-        (rank 0 only: under torchrun the other ranks write nothing)."""
+        (rank 0 only: under torchrun the other ranks write nothing and get None)."""
         from compress import distributed
 
         if not distributed.is_main():
-            return {}
+            return None
         final = self.folder / name
         tmp = self.folder / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -60,7 +75,6 @@ class StageContext:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         fmt = "pt2" if weights.suffix == ".pt2" else "safetensors"
-        record = artifact_record(final / weights.name, self.run_dir, fmt)
-        record["model_dir"] = str(final.relative_to(self.run_dir))
-        self.outputs.append(record)
-        return record
+        record = artifact_record(final / weights.name, self.run_dir, fmt,
+                                 model_dir=str(final.relative_to(self.run_dir)))
+        return self.add_output(record)

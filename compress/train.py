@@ -13,9 +13,10 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,12 @@ class TrainResult:
     wall_s: float
     processes: int = 1
     param_digests: list[str] | None = None  # one per rank after a data-parallel run
+
+    def figures(self) -> dict[str, Any]:
+        """The training figures a stage records."""
+        return {"train_steps": self.steps, "train_loss": self.final_loss,
+                "train_examples_per_s": self.examples_per_s,
+                "resumed_from_step": self.resumed_from}
 
     def parallel_metrics(self) -> dict[str, Any]:
         """`train_processes`, and after a data-parallel run the proof that every rank
@@ -96,6 +103,30 @@ def total_steps(n: int, opts, world: int = 1) -> int:
         return opts.max_steps
     micro = math.ceil(shard_size(n, world) / opts.batch_size)
     return max(1, math.ceil(opts.epochs * micro / opts.grad_accum_steps))
+
+
+@dataclass
+class TrainSetup:
+    """The plain values a training run needs besides the model and its options: the
+    examples, the tokenization length, the seed, and where checkpoints go (None: a
+    temporary folder, so nothing resumes)."""
+
+    examples: Examples
+    max_length: int = 128
+    seed: int = 0
+    checkpoint_dir: Path | None = None
+    key: str = "api"
+    desc: str = "train"
+
+    def run(self, model: nn.Module, opts, tokenizer=None, **kwargs: Any) -> TrainResult:
+        """`train` with these values (`kwargs`: loss_fn, on_step)."""
+        if self.checkpoint_dir is None:
+            with tempfile.TemporaryDirectory(prefix="compress-train-") as tmp:
+                return replace(self, checkpoint_dir=Path(tmp)).run(model, opts, tokenizer,
+                                                                   **kwargs)
+        return train(model, self.examples, opts, seed=self.seed,
+                     checkpoint_dir=self.checkpoint_dir, key=self.key, tokenizer=tokenizer,
+                     max_length=self.max_length, desc=self.desc, **kwargs)
 
 
 def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_dir: Path,

@@ -23,13 +23,14 @@ from compress.models import ModelBundle
 FILE = "model.aoti.pt2"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+           log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Export and AOT-compile the model into `model.aoti.pt2`."""
     if bundle.kind == "pt2e":  # a GraphModel holding the converted int8 graph
         module, max_seq = bundle.model.graph, bundle.model.max_seq
     else:
         module, max_seq = graph_module(bundle).eval(), max_sequence(bundle.model)
-    program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq, ctx.name)
+    program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():

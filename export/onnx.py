@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from compress.data import Examples, iterate
-from compress.errors import StageError
+from compress.errors import ExportError
 from compress.graphs import (
     TEXT_INPUTS,
     dynamic_shapes,
@@ -31,32 +31,33 @@ from compress.models import ModelBundle
 FILE = "model.onnx"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+           log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Write `model.onnx` (optimized and int8 per `cfg`); return it and what was done."""
     if bundle.kind == "pt2e":
-        raise StageError(ctx.name, "onnx cannot hold a PT2E int8 model; export it with format "
-                         "aoti, or export the float model and set quantize: static for "
-                         "ONNX Runtime int8")
+        raise ExportError("onnx cannot hold a PT2E int8 model; export it with format aoti, "
+                          "or export the float model and set quantize: static for ONNX "
+                          "Runtime int8")
     import onnx
 
     path = folder / FILE
     float_path = folder / "model.fp32.onnx" if cfg.quantize else path
-    exporter = write_onnx(bundle, float_path, cfg.opset, cfg.exporter, ctx.name, ctx.log)
+    exporter = write_onnx(bundle, float_path, cfg.opset, cfg.exporter, log)
     onnx.checker.check_model(str(float_path))
     facts: dict[str, Any] = {"onnx_exporter": exporter, "onnx_opset": cfg.opset}
     if cfg.optimize:
         facts["onnx_fused_ops"] = optimize(float_path, bundle)
     if cfg.quantize:
-        quantize(float_path, path, cfg.quantize, bundle, ctx.data.splits.get("calibration"),
-                 cfg.calibration, ctx.data.max_length)
+        quantize(float_path, path, cfg.quantize, bundle, calibration, cfg.calibration,
+                 max_length)
         float_path.unlink()
         onnx.checker.check_model(str(path))
         facts["onnx_quantize"] = cfg.quantize
     return path, facts
 
 
-def write_onnx(bundle: ModelBundle, path: Path, opset: int, exporter: str, stage: str,
-               log: Callable[[str], None]) -> str:
+def write_onnx(bundle: ModelBundle, path: Path, opset: int, exporter: str,
+               log: Callable[[str], None] = print) -> str:
     """Export with the dynamo exporter or the TorchScript-based one; return which worked."""
     module = graph_module(bundle).eval()
     args = traced_inputs(bundle)
@@ -84,9 +85,9 @@ def write_onnx(bundle: ModelBundle, path: Path, opset: int, exporter: str, stage
         except Exception as exc:  # an exporter's failure: try the next, report all
             failures.append(f"{name}: {one_line(exc, 200)}")
             if len(order) > 1 and name == "dynamo":
-                log(f"{stage}: the dynamo ONNX exporter failed ({one_line(exc, 200)}); "
+                log(f"the dynamo ONNX exporter failed ({one_line(exc, 200)}); "
                     f"trying the TorchScript-based one")
-    raise StageError(stage, "ONNX export failed: " + "; ".join(failures))
+    raise ExportError("ONNX export failed: " + "; ".join(failures))
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from compress.data import Examples, iterate
-from compress.errors import StageError
+from compress.errors import ParityError
 from compress.evaluate import classification_metrics, logits_of
 
 LOSSLESS_TOLERANCE = {"torchscript": 1e-5, "onnx": 1e-4, "aoti": 1e-4, "tensorrt": 1e-3}
@@ -45,8 +45,8 @@ def compare(reference: nn.Module, exported: nn.Module, examples: Examples, batch
 
 
 def check(figures: dict[str, Any], tolerance: float | None, min_agreement: float,
-          max_drop: float | None, stage: str, where: str) -> None:
-    """Raise a one-line StageError with the figures when parity is out of bounds."""
+          max_drop: float | None, where: str) -> None:
+    """Raise a one-line ParityError with the figures when parity is out of bounds."""
     problems = []
     if tolerance is not None and figures["parity_max_abs_diff"] > tolerance:
         problems.append(f"max |logit difference| {figures['parity_max_abs_diff']:.3g} > "
@@ -59,6 +59,6 @@ def check(figures: dict[str, Any], tolerance: float | None, min_agreement: float
         problems.append(f"accuracy {100 * figures['accuracy']:.2f}% is {drop:.2f} points "
                         f"below the source's > max_accuracy_drop {max_drop:g}")
     if problems:
-        raise StageError(stage, f"parity check failed on {figures['parity_samples']} eval "
+        raise ParityError(f"parity check failed on {figures['parity_samples']} eval "
                          f"examples: {'; '.join(problems)} (file kept in {where}; raise "
                          f"tolerance, min_agreement or max_accuracy_drop to accept it)")

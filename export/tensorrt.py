@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from compress.errors import StageError
+from compress.errors import ExportError
 from compress.graphs import export_inputs, graph_module
 from compress.models import ModelBundle
 
@@ -18,18 +18,19 @@ FILE = "model.trt.ep"
 NO_GPU = "TensorRT export needs a CUDA GPU (none found)"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+           log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Compile with torch-tensorrt for the recipe's shape profile and save the program."""
     if not torch.cuda.is_available():
-        raise StageError(ctx.name, NO_GPU)
+        raise ExportError(NO_GPU)
     try:
         import torch_tensorrt
     except ImportError:
-        raise StageError(ctx.name, "torch-tensorrt is not installed: pip install -e '.[tensorrt]'"
-                         ) from None
+        raise ExportError("torch-tensorrt is not installed: pip install -e '.[tensorrt]'"
+                          ) from None
     if cfg.precision == "int8":
-        raise StageError(ctx.name, "TensorRT int8 needs a model quantized with NVIDIA ModelOpt, "
-                         "which compress does not do yet; use precision fp16")
+        raise ExportError("TensorRT int8 needs a model quantized with NVIDIA ModelOpt, which "
+                          "compress does not do yet; use precision fp16")
     module = graph_module(bundle).eval().cuda()
     shapes = cfg.shapes
     if bundle.is_text:
@@ -53,7 +54,7 @@ def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str,
 def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
     """The saved TensorRT program on the GPU; inputs go to CUDA and logits come back."""
     if not torch.cuda.is_available():
-        raise StageError("export", NO_GPU)
+        raise ExportError(NO_GPU)
     import torch_tensorrt  # noqa: F401  (registers the TensorRT runtime ops)
 
     module = torch.export.load(str(path)).module()

@@ -9,18 +9,19 @@ from typing import Any
 
 import torch
 
-from compress.errors import StageError
+from compress.errors import ExportError
 from compress.graphs import graph_module, traced_inputs
 from compress.models import ModelBundle
 
 FILE = "model.ts"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, ctx) -> tuple[Path, dict[str, Any]]:
+def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+           log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Trace the model (HF models through a logits-only wrapper) and save `model.ts`."""
     if bundle.kind == "pt2e":
-        raise StageError(ctx.name, "torchscript cannot hold a PT2E int8 model; export it with "
-                         "format aoti, or export the float model (source: an earlier stage)")
+        raise ExportError("torchscript cannot hold a PT2E int8 model; export it with format "
+                          "aoti, or export the float model (source: an earlier stage)")
     module = graph_module(bundle).eval()
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
         warnings.simplefilter("ignore")  # tracer and deprecation chatter; parity decides

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,10 +22,10 @@ from torch import nn
 
 from compress.data import iterate
 from compress.evaluate import logits_of
-from compress.graphs import inductor_freezing
+from compress.graphs import compile_module
 from compress.models import ModelBundle
 from compress.quantization import GraphModel, compile_graph
-from compress.stages.configs import CompileConfig
+from compress.stages.compile_spec import CompileConfig
 from compress.state import StageContext, State
 
 
@@ -35,7 +36,7 @@ class CompiledModel(nn.Module):
         super().__init__()
         self.model = model
         self.freezing = cfg.freezing
-        self.__dict__["compiled"] = torch.compile(model, mode=cfg.mode, dynamic=cfg.dynamic)
+        self.__dict__["compiled"] = compile_module(model, cfg.mode, cfg.dynamic, cfg.freezing)
         self.__dict__["versions"] = weight_versions(model)
 
     def use_compiled(self) -> bool:
@@ -46,8 +47,7 @@ class CompiledModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.use_compiled():
             return self.model(*args, **kwargs)
-        with inductor_freezing(self.freezing):
-            return self.compiled(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -105,3 +105,14 @@ def run(state: State, cfg: CompileConfig, ctx: StageContext) -> State:
     ctx.metrics["compile_s"] = round(time.perf_counter() - began, 3)
     ctx.save_model(plain)
     return State(compiled)
+
+
+def reload(folder: Path, config: dict[str, Any], threads: int | None,
+           override: int | None = None) -> ModelBundle:
+    """The saved model compiled with the stage's options, its first (compiling) call made."""
+    from compress.models import load_saved
+    from compress.quantization import warm_up
+
+    bundle = compiled_bundle(load_saved(folder), CompileConfig.model_validate(config))
+    warm_up(bundle.model.eval(), bundle)
+    return bundle

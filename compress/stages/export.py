@@ -13,32 +13,44 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from compress.models import count_params, sparsity
-from compress.runfolder import artifact_record
-from compress.stages.configs import ExportConfig
+from compress.models import ModelBundle, count_params, sparsity
+from compress.records import artifact_record
+from compress.stages.export_spec import ExportConfig
 from compress.state import StageContext, State
 from export import parity
 from export.runtime import format_module, load_export, write_meta
 
 
-def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
-    """Export the model that entered the stage (or `cfg.source`'s); check and record it."""
-    bundle = state.bundle
+def export(bundle: ModelBundle, cfg: ExportConfig, folder: Path, calibration=None,
+           max_length: int = 128, log: Callable[[str], None] = print
+           ) -> tuple[Path, dict[str, Any]]:
+    """Write `bundle` in `cfg.format` into `folder` (built under a temporary name, then
+    renamed) with `export.json`; the exported file and what was done. `calibration`
+    (Examples) feeds ONNX Runtime static int8. ExportError / CaptureError on failure."""
+    folder = Path(folder)
     module = format_module(cfg.format)
-    final = ctx.folder / cfg.format
-    tmp = ctx.folder / f".{cfg.format}.tmp"
+    tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     began = time.perf_counter()
-    path, facts = module.export(bundle, cfg, tmp, ctx)
+    path, facts = module.export(bundle, cfg, tmp, calibration, max_length, log)
     write_meta(tmp, cfg.format, path.name, bundle, source_kind=bundle.kind, **facts)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    path = final / path.name
-    ctx.metrics.update(facts)
-    ctx.metrics["export_s"] = round(time.perf_counter() - began, 3)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder / path.name, {**facts, "export_s": round(time.perf_counter() - began, 3)}
 
+
+def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
+    """Export the model that entered the stage (or `cfg.source`'s); check and record it."""
+    bundle = state.bundle
+    final = ctx.folder / cfg.format
+    path, facts = export(bundle, cfg, final, ctx.data.splits.get("calibration"),
+                         ctx.data.max_length, lambda m: ctx.log(f"{ctx.name}: {m}"))
+    ctx.metrics.update(facts)
     threads = cfg.threads or ctx.recipe.evaluation.latency.threads or os.cpu_count() or 1
     exported = load_export(final, threads)
     evaluation = ctx.recipe.evaluation
@@ -58,12 +70,17 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
                        parity_max_accuracy_drop=max_drop,
                        runtime=cfg.format, runtime_threads=threads,
                        params=count_params(bundle.model), sparsity=round(sparsity(bundle.model), 6))
-    parity.check(figures, tolerance, agreement, max_drop, ctx.name,
-                 str(final.relative_to(ctx.run_dir)))
-    record = artifact_record(path, ctx.run_dir, cfg.format)
-    record["export_dir"] = str(final.relative_to(ctx.run_dir))
-    ctx.outputs.append(record)
-    return State(exported, [record])
+    parity.check(figures, tolerance, agreement, max_drop, str(final.relative_to(ctx.run_dir)))
+    ctx.add_output(artifact_record(path, ctx.run_dir, cfg.format,
+                                   export_dir=str(final.relative_to(ctx.run_dir))))
+    return State(exported)
+
+
+def reload(folder: Path, config: dict[str, Any], threads: int | None,
+           override: int | None = None) -> ModelBundle:
+    """The exported file in its runtime, with `override` threads, else the stage's
+    `threads`, else `threads` (the latency harness's)."""
+    return load_export(folder, override or config.get("threads") or threads)
 
 
 def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float, float | None]:

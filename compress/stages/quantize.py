@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from compress.quantization import quantize
-from compress.stages.configs import QuantizeConfig
+from pathlib import Path
+from typing import Any
+
+from compress.quantization import load_quantized, quantize
+from compress.stages.quantize_spec import QuantizeConfig
 from compress.state import StageContext, State
 
 
@@ -13,7 +16,24 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     Figures: quant_mode, calibration_samples (static), qat_steps (qat), quantize_s, and
     compile_s (the first, compiling inference call) when `compile` is on.
     """
-    bundle, metrics = quantize(state.bundle, cfg, ctx)
+    bundle, metrics = quantize(state.bundle, cfg, ctx.data.splits.get("calibration"),
+                               setup=ctx.training() if cfg.mode == "qat" else None,
+                               max_length=ctx.data.max_length)
     ctx.metrics.update(metrics)
     ctx.save_model(bundle)
     return State(bundle)
+
+
+def reload(folder: Path, config: dict[str, Any], threads: int | None,
+           override: int | None = None) -> Any:
+    """The saved int8 model as the stage measured it: compiled with freezing (unless the
+    stage had `compile` off), its first, compiling call made."""
+    from compress.models import load_saved
+    from compress.quantization import warm_up
+
+    if not (folder / "model.pt2").is_file():
+        return load_saved(folder)
+    bundle = load_quantized(folder, compile=config.get("compile", True))
+    if getattr(bundle.model, "compiled", None) is not None:
+        warm_up(bundle.model.eval(), bundle)
+    return bundle

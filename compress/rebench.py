@@ -2,7 +2,7 @@
 
 In the pipeline, every model is timed in the process that made it, after training and
 other models have run there: allocator state, thread pools and compiled caches carry
-over. Here each artifact gets a new interpreter (`python -m compress.freshbench SPEC`)
+over. Here each artifact gets a new interpreter (`python -m compress.rebench SPEC`)
 that loads it, times it with the recipe's latency harness and prints one JSON line;
 the figures land in `<run>/bench.json`.
 """
@@ -20,38 +20,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.errors import UserError
-from compress.runfolder import atomic_write_json, now, require_manifest, run_lock
+from compress.errors import UserError, one_line
+from compress.records import require_manifest
+from compress.runfolder import atomic_write_json, now, run_lock
+from compress.stages.spec import all_specs, import_function, spec_of
 
 BENCH = "bench.json"
-DONE = ("done", "cached")
 
 
 # --------------------------------------------------------------------------- the parent
 
 
 def artifacts_of(run_dir: Path) -> list[dict[str, Any]]:
-    """The loadable artifacts of a run, in stage order: one per done or cached stage output
-    with a `model_dir` (loader "model") or an `export_dir` (loader "export").
+    """The loadable artifacts of a run, in stage order: the first output of each finished
+    stage whose kind is measured and that saved a model (`model_dir`) or an export
+    (`export_dir`).
 
-    Each is {"name", "kind", "folder" (relative to the run), "loader", "index", "config"}.
-    The baseline (never saved) and package stages (a .mar, not a model) are left out. A
+    Each is {"name", "kind", "folder" (relative to the run), "index", "config"}. The
+    baseline (never saved) and unmeasured kinds (a .mar is not a model) are left out. A
     stage name shared by several stages (unnamed stages of one kind) gets `#index`."""
     manifest = require_manifest(Path(run_dir))
     found = []
-    for i, entry in enumerate(manifest.get("stages") or []):
-        if entry.get("status") not in DONE or entry.get("kind") == "package":
+    for i, entry in enumerate(manifest.stages):
+        known = entry.kind in all_specs()
+        if not entry.finished_ok or not known or not spec_of(entry.kind).measured:
             continue
-        for output in entry.get("outputs") or []:
-            loader = ("model" if "model_dir" in output
-                      else "export" if "export_dir" in output else None)
-            if loader is None:
-                continue
-            found.append({"name": entry.get("name") or entry.get("kind") or str(i),
-                          "kind": entry.get("kind"), "index": entry.get("index", i),
-                          "folder": output["model_dir" if loader == "model" else "export_dir"],
-                          "loader": loader, "config": entry.get("config") or {}})
-            break  # a stage's first output is its artifact
+        output = entry.outputs[0] if entry.outputs else None
+        folder = output and (output.model_dir or output.export_dir)
+        if folder:
+            found.append({"name": entry.name or entry.kind or str(i), "kind": entry.kind,
+                          "index": entry.index, "folder": folder, "config": entry.config})
     names = [a["name"] for a in found]
     for artifact in found:
         if names.count(artifact["name"]) > 1:
@@ -123,7 +121,7 @@ def _settings(run_dir: Path, iters: int | None, warmup: int | None,
 
     from compress.recipe import LatencyConfig, read_yaml
 
-    recipe = require_manifest(run_dir).get("recipe")
+    recipe = require_manifest(run_dir).recipe
     if not recipe and (run_dir / "recipe.yaml").is_file():
         recipe = read_yaml(run_dir / "recipe.yaml")
     raw = dict(((recipe or {}).get("evaluation") or {}).get("latency") or {})
@@ -144,12 +142,12 @@ def _run_child(run_dir: Path, artifact: dict[str, Any], latency: dict[str, Any],
                threads: int | None) -> dict[str, Any]:
     """Metrics printed by one child process, or {"error": one line}."""
     spec = {"run_dir": str(run_dir.resolve()), "folder": artifact["folder"],
-            "loader": artifact["loader"], "kind": artifact["kind"],
+            "kind": artifact["kind"],
             "config": artifact["config"], "latency": latency,
             "threads_override": threads,
             "sys_path": [p for p in sys.path if p]}
     try:
-        done = subprocess.run([sys.executable, "-m", "compress.freshbench", json.dumps(spec)],
+        done = subprocess.run([sys.executable, "-m", "compress.rebench", json.dumps(spec)],
                               capture_output=True, text=True, check=False)
     except OSError as exc:
         return {"error": f"cannot start {sys.executable}: {exc}"}
@@ -183,39 +181,23 @@ def _summary(metrics: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- the child
 
 
-def load_artifact(run_dir: Path, folder: str, loader: str, kind: str | None,
-                  config: dict[str, Any], threads: int | None = None,
-                  runtime_threads: int | None = None) -> Any:
-    """The artifact as a bundle, ready to run as the pipeline timed it: PT2E int8 models
-    through torch.compile with freezing (unless their quantize stage had compile off), a
-    compile stage's model compiled with that stage's options, exports in their runtime
-    with the stage's (or the latency) thread count. Compiled models get their first,
-    compiling call here, as in the stage. `runtime_threads` (an override) comes before
-    the export stage's `threads`, then `threads` (the latency threads)."""
+def load_artifact(run_dir: Path, folder: str, kind: str, config: dict[str, Any],
+                  threads: int | None = None, override: int | None = None) -> Any:
+    """The artifact as a bundle, ready to run as the pipeline timed it: the kind's own
+    `reload` (int8 models compiled with freezing, compiled models compiled with the stage's
+    options, exports in their runtime with `override`, the stage's or `threads` threads),
+    else the saved model as it is. Compiled models get their first, compiling call here."""
     from compress.models import load_saved
+    from compress.quantization import warm_up
 
     path = run_dir / folder
     if not path.is_dir():
         raise FileNotFoundError(f"artifact folder {folder} is missing from {run_dir}")
-    if loader == "export":
-        from export.runtime import load_export
-
-        return load_export(path, runtime_threads or config.get("threads") or threads)
-    if kind == "quantize" and (path / "model.pt2").is_file():
-        from compress.quantization import load_quantized
-
-        bundle = load_quantized(path, compile=config.get("compile", True))
-    else:
-        bundle = load_saved(path)
-    if kind == "compile":
-        from compress.stages.compile import compiled_bundle
-        from compress.stages.configs import CompileConfig
-
-        bundle = compiled_bundle(bundle, CompileConfig.model_validate(config))
-    compiled = bundle.kind == "pt2e" and getattr(bundle.model, "compiled", None) is not None
-    if compiled or kind == "compile":
-        from compress.quantization import warm_up
-
+    reload = spec_of(kind).reload
+    if reload is not None:
+        return import_function(reload)(path, config, threads, override)
+    bundle = load_saved(path)
+    if getattr(bundle.model, "compiled", None) is not None:  # an int8 model, compiled
         warm_up(bundle.model.eval(), bundle)
     return bundle
 
@@ -230,17 +212,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             sys.path.append(entry)
     lat = LatencyConfig.model_validate(spec["latency"])
     began = time.perf_counter()
-    bundle = load_artifact(Path(spec["run_dir"]), spec["folder"], spec["loader"],
-                           spec.get("kind"), spec.get("config") or {}, lat.threads,
-                           spec.get("threads_override"))
+    bundle = load_artifact(Path(spec["run_dir"]), spec["folder"], spec["kind"],
+                           spec.get("config") or {}, lat.threads, spec.get("threads_override"))
     load_s = round(time.perf_counter() - began, 3)
     metrics = latency_sweep(bundle, lat)
-    return {**metrics, "load_s": load_s, "loader": spec["loader"], "folder": spec["folder"],
-            "pid": os.getpid()}
+    return {**metrics, "load_s": load_s, "folder": spec["folder"], "pid": os.getpid()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m compress.freshbench SPEC_JSON`: print one JSON line (figures or error)."""
+    """`python -m compress.rebench SPEC_JSON`: print one JSON line (figures or error)."""
     argv = sys.argv[1:] if argv is None else argv
     out = sys.stdout
     try:
@@ -251,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        print(json.dumps({"error": f"{type(exc).__name__}: {text}".rstrip(": "),
-                          "pid": os.getpid()}), file=out, flush=True)
+        print(json.dumps({"error": one_line(exc), "pid": os.getpid()}), file=out, flush=True)
         return 1
     print(json.dumps(answer), file=out, flush=True)
     return 0

@@ -1,0 +1,95 @@
+"""Stage kind `distill`: its config and spec (no torch import; run module: distill.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from compress.stages.options import StageName, StrictModel, TrainOptions
+from compress.stages.spec import StageSpec, register
+
+
+class StudentSpec(StrictModel):
+    """The student of a distillation: exactly one of layers, layer_indices, factory, hf_config."""
+
+    layers: int | None = Field(
+        None, ge=1, le=1000, description="Keep this many evenly spaced teacher layers.")
+    layer_indices: list[int] | None = Field(
+        None, min_length=1, description="Keep exactly these teacher layers (0-based).")
+    factory: str | None = Field(
+        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="`module:factory` building the student.")
+    kwargs: dict = Field(default_factory=dict, description="Arguments of the factory.")
+    hf_config: dict | None = Field(
+        None, description="Overrides of the teacher's HF config (a fresh student).")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StudentSpec:
+        given = [k for k in ("layers", "layer_indices", "factory", "hf_config")
+                 if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of layers, layer_indices, factory, hf_config "
+                             f"(got {', '.join(given) or 'none'})")
+        indices = self.layer_indices
+        if indices is not None and (min(indices) < 0 or len(set(indices)) != len(indices)):
+            raise ValueError("layer_indices must be distinct and non-negative")
+        return self
+
+
+class DistillConfig(TrainOptions):
+    """Knowledge distillation: the entering model is the frozen teacher of a smaller student."""
+
+    kind: Literal["distill"] = "distill"
+    name: StageName = None
+    student: StudentSpec = Field(description="How the student is built.")
+    temperature: float = Field(
+        2.0, gt=0, le=1000, description="Softmax temperature T of the KL term.")
+    alpha: float = Field(
+        0.5, ge=0, le=1,
+        description="Weight of cross-entropy; (1 - alpha) * T^2 weighs the KL term.")
+
+
+def _after_structured_prune(recipe: Any, i: int) -> list[str]:
+    """A structurally pruned teacher has layers of different widths: a layer-copying student
+    cannot be built from it."""
+    from compress.stages.chain import model_chain
+
+    pruned = [j for j in model_chain(recipe, i)
+              if getattr(recipe.stages[j], "method", None) == "structured"]
+    student = recipe.stages[i].student
+    if pruned and (student.layers is not None or student.layer_indices is not None):
+        return [f"stages.{i}: distill cannot copy layers of the structurally pruned model "
+                f"of stages.{pruned[-1]}; distil before pruning, or build the student with "
+                f"student.factory or student.hf_config"]
+    return []
+
+
+def _runtime(config: dict, metrics: dict) -> str:
+    return "PyTorch eager (student)"
+
+
+def _teacher_has_the_layers(recipe: Any, i: int, model_config: dict[str, Any]) -> list[str]:
+    """A student that keeps more layers than its teacher has (known from config.json)."""
+    from compress.stages.chain import model_chain
+
+    layers = model_config.get("num_hidden_layers")
+    for j in model_chain(recipe, i):  # earlier distillations shrink the teacher
+        student = getattr(recipe.stages[j], "student", None)
+        if student is not None and layers is not None:
+            layers = student.layers or (len(student.layer_indices or []) or None)
+    spec = recipe.stages[i].student
+    if layers is None:
+        return []
+    if spec.layers is not None and spec.layers > layers:
+        return [f"stages.{i}.student.layers: {spec.layers} layers, but the teacher has {layers}"]
+    if spec.layer_indices is not None and max(spec.layer_indices) >= layers:
+        return [f"stages.{i}.student.layer_indices: the teacher has layers 0..{layers - 1}"]
+    return []
+
+
+SPEC = register(StageSpec(
+    kind="distill", config=DistillConfig, runner="compress.stages.distill:run", order=20,
+    data_parallel=True, splits=lambda cfg: ("train",), refused_before=("quantize",),
+    check=_after_structured_prune, check_model=_teacher_has_the_layers, runtime=_runtime,
+))

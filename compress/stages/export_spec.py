@@ -1,0 +1,131 @@
+"""Stage kind `export`: its config and spec (no torch import; run module: export.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from compress.stages.options import CalibrationOptions, StageName, StrictModel
+from compress.stages.spec import StageSpec, register
+
+ONNX_ONLY = ("opset", "exporter", "optimize", "quantize")
+TENSORRT_ONLY = ("precision", "shapes")
+RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
+            "tensorrt": "TensorRT"}
+
+
+class TensorRTShapes(StrictModel):
+    """TensorRT optimisation profile: [batch, sequence] (or [batch] for images) at min/opt/max."""
+
+    min: list[int] = Field(default_factory=lambda: [1, 8])
+    opt: list[int] = Field(default_factory=lambda: [8, 128])
+    max: list[int] = Field(default_factory=lambda: [32, 256])
+
+
+class ExportConfig(StrictModel):
+    """Export to TorchScript, ONNX (+ ONNX Runtime int8), AOTInductor or TensorRT, loaded
+    back in its own runtime and checked against the model it came from.
+
+    An export is a leaf: the stage after it continues from the model before it."""
+
+    kind: Literal["export"] = "export"
+    name: StageName = None
+    format: Literal["torchscript", "onnx", "aoti", "tensorrt"] = Field(
+        description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package) or "
+        "tensorrt (torch-tensorrt, CUDA only).")
+    source: str | int | None = Field(
+        None, description="Export the model of this earlier stage (name, kind or index) "
+        "instead of the current one.")
+    tolerance: float | None = Field(
+        None, gt=0, description="Largest max-abs logit difference accepted (default: "
+        "torchscript 1e-5, onnx and aoti 1e-4; none when the export quantizes).")
+    min_agreement: float | None = Field(
+        None, gt=0, le=1, description="Smallest share of equal argmax accepted (default: "
+        "0.995, or 0.90 when the export itself quantizes).")
+    max_accuracy_drop: float | None = Field(
+        None, ge=0, le=100, description="Largest accuracy loss in points against the source "
+        "model (default: 1.5 when the export itself quantizes, else unchecked).")
+    parity_samples: int | None = Field(
+        None, ge=1, description="Eval examples compared with the source model (default: all).")
+    threads: int | None = Field(
+        None, ge=1, le=4096,
+        description="Intra-op threads of the runtime (default: the latency threads).")
+    opset: int = Field(18, ge=17, le=23, description="ONNX opset (18: the dynamo exporter's own).")
+    exporter: Literal["auto", "dynamo", "torchscript"] = Field(
+        "auto", description="ONNX exporter: auto tries dynamo, then the TorchScript-based one.")
+    optimize: bool = Field(
+        False, description="ONNX: fuse attention and layer norms with ONNX Runtime's "
+        "transformer optimizer.")
+    quantize: Literal["dynamic", "static"] | None = Field(
+        None, description="ONNX: int8 with ONNX Runtime (dynamic, or static QDQ calibrated "
+        "on the calibration split).")
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="TensorRT precision.")
+    shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the export itself changes the precision (its logits cannot match)."""
+        return (self.format == "onnx" and self.quantize is not None) or (
+            self.format == "tensorrt" and self.precision != "fp32")
+
+    @model_validator(mode="after")
+    def _options_fit_the_format(self) -> ExportConfig:
+        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY}.get(self.format, ())
+        stray = [k for k in (*ONNX_ONLY, *TENSORRT_ONLY, "calibration")
+                 if k in self.model_fields_set and k not in own
+                 and not (k == "calibration" and self.format in ("onnx", "tensorrt"))]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} do not apply to format {self.format}")
+        if self.optimize and self.quantize:
+            raise ValueError("optimize works on float ONNX models only (ONNX Runtime's "
+                             "quantizers fail on fused graphs); drop it: the session still "
+                             "applies its own graph optimizations when it loads")
+        return self
+
+
+def _splits(cfg: ExportConfig) -> tuple[str, ...]:
+    calibrated = (cfg.format == "onnx" and cfg.quantize == "static") or (
+        cfg.format == "tensorrt" and cfg.precision == "int8")
+    return ("eval", "calibration") if calibrated else ("eval",)
+
+
+def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
+    fmt = config.get("format") or metrics.get("runtime") or "?"
+    extra = {"onnx": f" int8 {config['quantize']}" if config.get("quantize") else "",
+             "tensorrt": f" {config.get('precision', 'fp32')}"}.get(fmt, "")
+    return RUNTIMES.get(fmt, fmt) + extra
+
+
+def _file_precision(cfg: ExportConfig) -> str | None:
+    """The precision of the written file when the export itself changes it."""
+    if cfg.format == "onnx" and cfg.quantize:
+        return "int8"
+    return cfg.precision if cfg.format == "tensorrt" and cfg.precision != "fp32" else None
+
+
+def _fits_the_model(recipe: Any, i: int) -> list[str]:
+    """The format can hold the model it exports (TorchScript and ONNX cannot hold PT2E int8,
+    TensorRT takes a float model)."""
+    from compress.stages.chain import chain_precision
+
+    stage = recipe.stages[i]
+    if chain_precision(recipe, i) != "int8":
+        return []
+    if stage.format in ("torchscript", "onnx"):
+        return [f"stages.{i}.format: {stage.format} cannot hold the PT2E int8 model it would "
+                f"export; use format aoti for it, or set source to a stage before the "
+                f"quantize stage to export the float model"]
+    if stage.format == "tensorrt":
+        return [f"stages.{i}.format: tensorrt takes a float model; set source to a stage "
+                f"before the quantize stage"]
+    return []
+
+
+SPEC = register(StageSpec(
+    kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
+    makes_model=False, splits=_splits, runtime=_runtime, check=_fits_the_model,
+    reload="compress.stages.export:reload", precision=_file_precision,
+    needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (),
+))

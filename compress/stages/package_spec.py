@@ -1,0 +1,90 @@
+"""Stage kind `package`: its config and spec (no torch import; run module: package.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from compress.stages.options import StageName, StrictModel
+from compress.stages.spec import StageSpec, register
+
+PACKAGED_KIND = "export"  # the kind whose files a package archives
+SERVABLE_FORMATS = ("torchscript", "onnx", "aoti")
+
+
+class PackageConfig(StrictModel):
+    """A TorchServe archive (.mar) of an exported file with compress's batching handler.
+
+    A leaf like export: it adds `<model_name>.mar` and hands nothing on."""
+
+    kind: Literal["package"] = "package"
+    name: StageName = None
+    artifact: str | int | None = Field(
+        None, description="The export stage to package (name or index; default: the latest "
+        "export before this stage).")
+    model_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Name served at /predictions/<name> (default: the recipe's name).")
+    version: str = Field("1.0", pattern=r"^[0-9][0-9A-Za-z.]*$", description="Model version.")
+    batch_size: int = Field(
+        8, ge=1, le=1024, description="Largest batch TorchServe forms from waiting requests.")
+    max_batch_delay_ms: int = Field(
+        20, ge=0, le=10_000, description="How long TorchServe waits to fill a batch.")
+    workers: int = Field(1, ge=1, le=64, description="Worker processes (min = max workers).")
+    threads: int | None = Field(
+        None, ge=1, le=4096, description="Intra-op threads per worker (default: cores / "
+        "workers; workers x threads is capped at the cores).")
+    response_timeout_s: int = Field(
+        120, ge=1, le=86_400, description="Seconds before TorchServe gives up on a batch.")
+    max_text_chars: int = Field(
+        10_000, ge=1, le=10**8, description="Longer texts are refused with a 400 (tokens past "
+        "the recipe's max_length are truncated).")
+
+
+def export_stage_index(recipe: Any, i: int) -> int:
+    """Index of the export stage that package stage i archives (its `artifact`, by name or
+    index; default: the latest export before it). Raises ValueError when there is none."""
+    exports = [j for j in range(i) if recipe.stages[j].kind == PACKAGED_KIND]
+    artifact = recipe.stages[i].artifact
+    if artifact is None and exports:
+        return exports[-1]
+    text = str(artifact)
+    if text.isdigit() and int(text) in exports:
+        return int(text)
+    for j in reversed(exports):
+        if text == (recipe.stages[j].name or PACKAGED_KIND):
+            return j
+    if not exports:
+        raise ValueError("artifact: no export stage comes before this package stage; add "
+                         "one, e.g. {kind: export, format: onnx}")
+    choices = ", ".join(f"{j} ({recipe.stages[j].name or PACKAGED_KIND})" for j in exports)
+    raise ValueError(f"artifact: '{artifact}' is not an earlier export stage (choices: "
+                     f"{choices})")
+
+
+def _servable(recipe: Any, i: int) -> list[str]:
+    try:
+        j = export_stage_index(recipe, i)
+    except ValueError as exc:
+        return [f"stages.{i}.{exc}"]
+    fmt = recipe.stages[j].format
+    if fmt not in SERVABLE_FORMATS:
+        return [f"stages.{i}.artifact: a {fmt} export cannot be served on the CPU workers this "
+                f"handler runs; package an export of format {', '.join(SERVABLE_FORMATS)}"]
+    return []
+
+
+def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
+    from compress.stages.export_spec import RUNTIMES
+
+    served = metrics.get("served_format")
+    return "TorchServe .mar" + (f" ({RUNTIMES.get(served, served)})" if served else "")
+
+
+SPEC = register(StageSpec(
+    kind="package", config=PackageConfig, runner="compress.stages.package:run", order=70,
+    makes_model=False, takes_model=False, measured=False,
+    code_modules=("serve.handler", "serve.package"), runtime=_runtime,
+    input_stage=export_stage_index, check=_servable,
+))

@@ -9,7 +9,6 @@ makes (`model(**tokenizer_output)`) into that positional form.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,28 +97,12 @@ def traced_inputs(bundle: ModelBundle) -> tuple[torch.Tensor, ...]:
 
 
 def inductor_freezing(enabled: bool = True):
-    """Inductor's freezing switched on for the block only (for ahead-of-time compiles,
-    which compile inside the block)."""
+    """Inductor's freezing switched on for the block only. It is read when Inductor
+    compiles, which torch.compile does lazily at a call (and again at a recompile), so
+    compiled models enter it around each call (a config patch: microseconds). A backend
+    that patched it only around compile_fx broke freezing of int8 convolutions
+    (onednn.qconv_prepack under fake tensors), and `torch.compile(options=...)` does not
+    reach the freezing pass."""
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(freezing=enabled)
-
-
-def compile_module(module: nn.Module, mode: str = "default", dynamic: bool | None = None,
-                   freezing: bool = True) -> Callable[..., Any]:
-    """`torch.compile` through Inductor with freezing (weights folded as constants, where
-    torchao's x86 passes pick the int8 kernels) decided once, at compile time: a backend
-    that hands Inductor its config patches for each compile, the first call and any
-    recompile alike, so nothing is patched around each call. Freezing takes effect for
-    calls made with grad off."""
-    if not freezing:
-        return torch.compile(module, mode=mode, dynamic=dynamic)
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
-
-    patches = {**list_mode_options(mode, dynamic), "freezing": True}
-
-    def frozen_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        return compile_fx(graph, example_inputs, config_patches=patches)
-
-    return torch.compile(module, backend=frozen_inductor, dynamic=dynamic)

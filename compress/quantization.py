@@ -40,11 +40,11 @@ from compress.errors import CompressError
 from compress.evaluate import logits_of
 from compress.graphs import (
     EXPORT_SEQ,
-    compile_module,
     dynamic_shapes,
     export_graph,
     export_inputs,
     graph_module,
+    inductor_freezing,
     max_sequence,
     positional_inputs,
 )
@@ -78,7 +78,8 @@ class GraphModel(nn.Module):
         graph_args = positional_inputs(self.text, args, kwargs)
         if self.compiled is None:
             return self.graph(*graph_args)
-        return self.compiled(*graph_args)
+        with inductor_freezing(self.freezing):  # read when (re)compiling; see graphs.py
+            return self.compiled(*graph_args)
 
     def train(self, mode: bool = True) -> GraphModel:
         if self.trainable and mode != self.training:
@@ -157,11 +158,11 @@ def calibrate(model: GraphModel, examples, samples: int, batch_size: int, tokeni
 def compile_graph(model: GraphModel, mode: str = "default", dynamic: bool | None = True,
                   freezing: bool = True) -> GraphModel:
     """Run `model` through torch.compile (Inductor) from now on; with `freezing`, its calls
-    are compiled with Inductor freezing, where torchao's x86 passes lower the int8 patterns.
+    run under `inductor_freezing`, where torchao's x86 passes lower the int8 patterns.
 
     `dynamic=True` keeps one graph for every batch size and sequence length (batch 1 still
     gets its own, as size 1 is specialised)."""
-    model.__dict__["compiled"] = compile_module(model.graph, mode, dynamic, freezing)
+    model.__dict__["compiled"] = torch.compile(model.graph, mode=mode, dynamic=dynamic)
     model.freezing = freezing
     return model
 

@@ -54,8 +54,9 @@ def write_meta(folder: Path, fmt: str, file: str, bundle: ModelBundle, **extra: 
         bundle.tokenizer.save_pretrained(folder)
 
 
-def load_export(folder: Path, threads: int | None = None) -> ModelBundle:
+def load_export(folder: str | Path, threads: int | None = None) -> ModelBundle:
     """The exported model of `folder` in its runtime, as a bundle ("runtime" kind)."""
+    folder = Path(folder)
     meta = json.loads((folder / META).read_text())
     threads = threads or os.cpu_count() or 1
     run = format_module(meta["format"]).load(folder / meta["file"], meta, threads)

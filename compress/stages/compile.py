@@ -22,7 +22,7 @@ from torch import nn
 
 from compress.data import iterate
 from compress.evaluate import logits_of
-from compress.graphs import compile_module
+from compress.graphs import inductor_freezing
 from compress.models import ModelBundle
 from compress.quantization import GraphModel, compile_graph
 from compress.stages.compile_spec import CompileConfig
@@ -36,7 +36,7 @@ class CompiledModel(nn.Module):
         super().__init__()
         self.model = model
         self.freezing = cfg.freezing
-        self.__dict__["compiled"] = compile_module(model, cfg.mode, cfg.dynamic, cfg.freezing)
+        self.__dict__["compiled"] = torch.compile(model, mode=cfg.mode, dynamic=cfg.dynamic)
         self.__dict__["versions"] = weight_versions(model)
 
     def use_compiled(self) -> bool:
@@ -47,7 +47,8 @@ class CompiledModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.use_compiled():
             return self.model(*args, **kwargs)
-        return self.compiled(*args, **kwargs)
+        with inductor_freezing(self.freezing):
+            return self.compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

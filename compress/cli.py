@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from compress.errors import StageError, UserError
+from compress.errors import CompressError, StageError, UserError, one_line
 from compress.recipe import load_recipe
 
 
@@ -64,7 +64,7 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
     from compress.pipeline import run_recipe
 
     extra = [f"output_dir={output_dir}"] if output_dir else []
-    parsed = load_recipe(recipe, list(overrides) + extra)
+    parsed = load_recipe(recipe, list(overrides) + extra, check_sources=True)
     if nproc and "WORLD_SIZE" not in os.environ:  # not yet inside torchrun: launch it
         from compress.launch import torchrun
 
@@ -79,42 +79,59 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
 
 
 @cli.command()
-@click.argument("recipe", type=click.Path(dir_okay=False))
-@click.argument("overrides", nargs=-1)
-def validate(recipe: str, overrides: tuple[str, ...]) -> None:
-    """Check RECIPE (schema, stage order, model and data sources) without running anything.
+@click.argument("items", nargs=-1, required=True, metavar="RECIPE... [KEY=VALUE...]")
+def validate(items: tuple[str, ...]) -> None:
+    """Check each RECIPE (schema, stage order, model and data sources) without running
+    anything; KEY=VALUE overrides apply to every recipe. Every problem of every file is
+    printed, one line each.
 
     \b
-    Example:
+    Examples:
       compress validate recipes/bert_finetune.yaml stages.0.max_steps=50
+      compress validate recipes/*.yaml
     """
-    from compress.sources import check_recipe_sources
+    from compress.stages.chain import hardware_needed
+    from compress.stages.spec import HARDWARE
 
-    parsed = load_recipe(recipe, list(overrides))
-    check_recipe_sources(parsed)
-    kinds = " -> ".join(s.name or s.kind for s in parsed.stages) or "no stages"
-    click.echo(f"{recipe}: ok ({parsed.name}: {kinds})")
+    overrides = [i for i in items if "=" in i and not Path(i).exists()]
+    recipes = [i for i in items if i not in overrides]
+    if not recipes:
+        raise click.UsageError("give at least one recipe file")
+    problems: list[str] = []
+    for path in recipes:
+        try:
+            parsed = load_recipe(path, overrides, check_sources=True)
+        except UserError as exc:
+            problems += [f"{path}: {m}" if not m.startswith(path) else m for m in exc.messages]
+            continue
+        kinds = " -> ".join(s.name or s.kind for s in parsed.stages) or "no stages"
+        click.echo(f"{path}: ok ({parsed.name}: {kinds})")
+        for i, need in hardware_needed(parsed):
+            click.echo(f"{path}: note: the run will need {HARDWARE[need][0]} "
+                       f"(stages.{i} {parsed.stages[i].kind})")
+    if problems:
+        raise UserError(problems)
 
 
 @cli.command()
-def stages() -> None:
-    """List every stage kind with its options, types, defaults and docs.
+@click.argument("kind", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the options as JSON.")
+def stages(kind: str | None, as_json: bool) -> None:
+    """List every stage kind (or KIND) with its options, nested ones included, their
+    types, allowed values, bounds, real defaults and docs.
 
     \b
-    Example:
+    Examples:
       compress stages
+      compress stages quantize --json
     """
-    from compress.stages.configs import STAGE_CONFIGS, stage_doc
+    from compress.cli_stages import describe_kinds, render_kinds
 
-    for kind, cls in STAGE_CONFIGS.items():
-        click.echo(click.style(kind, bold=True) + f": {stage_doc(kind)}")
-        for name, field in cls.model_fields.items():
-            if name == "kind":
-                continue
-            kind_text = _type_name(field.annotation)
-            default = "required" if field.is_required() else f"default {field.default!r}"
-            click.echo(f"  {name:<18} {kind_text:<14} {default:<20} {field.description or ''}")
-        click.echo("")
+    described = describe_kinds(kind)
+    if as_json:
+        click.echo(json.dumps(described, indent=2))
+    else:
+        click.echo(render_kinds(described))
 
 
 @cli.command()
@@ -176,7 +193,7 @@ def bench(run_dir: str, stages: tuple[str, ...], iters: int | None, warmup: int 
       compress bench runs/bert_int8
       compress bench runs/bert_int8 --stage int8_aoti --iters 50 --threads 2
     """
-    from compress.freshbench import bench_fresh
+    from compress.rebench import bench_fresh
     from compress.report import write_reports
 
     result = bench_fresh(run_dir, list(stages) or None, iters, warmup, threads,
@@ -336,11 +353,11 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
     click.echo(format_table(result))
     if run_dir:
         click.echo(f"written: {record_result(run_dir, result)}")
-
-
-def _type_name(annotation) -> str:
-    text = getattr(annotation, "__name__", None) or str(annotation)
-    return text.replace("typing.", "").replace("NoneType", "None")
+    failed = sum(r.get("errors", 0) for r in result.get("runs", []))
+    sent = sum(r.get("requests", 0) for r in result.get("runs", []))
+    if failed:
+        hint = "" if token else " (is token authorization on? pass --token or --run RUN_DIR)"
+        raise CompressError(f"{failed} of {sent} requests failed{hint}")
 
 
 def main() -> None:
@@ -360,6 +377,30 @@ def main() -> None:
     except StageError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except CompressError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         click.echo("interrupted: re-run the same command to resume", err=True)
         sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - a bug: one line here, the traceback in a log
+        click.echo(f"error: {one_line(exc)} (details in {_write_crash_log()})", err=True)
+        sys.exit(1)
+
+
+def _write_crash_log() -> Path:
+    """Write the current exception's traceback to a log file; its path."""
+    import tempfile
+    import time
+    import traceback
+
+    base = os.environ.get("COMPRESS_STATE_DIR") or os.path.expanduser("~/.local/state/compress")
+    name = f"compress-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    for folder in (Path(base) / "logs", Path(tempfile.gettempdir())):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(traceback.format_exc())
+            return folder / name
+        except OSError:
+            continue
+    return Path(name)

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from compress.errors import UserError
+from compress.records import require_manifest
 from serve.package import worker_threads
 
 SERVER_INFO = "server.json"
@@ -53,21 +54,20 @@ def resolve_target(path: str | Path) -> ServeTarget:
     if path.is_file() and path.suffix == ".mar":
         return ServeTarget(path.resolve(), _mar_model_name(path), path.resolve().with_suffix(
             ".serve"))
-    manifest_file = path / "manifest.json"
-    if not manifest_file.is_file():
+    if not (path / "manifest.json").is_file():
         raise UserError(f"{path}: neither a run folder (no manifest.json) nor a .mar file")
-    manifest = json.loads(manifest_file.read_text())
-    packages = [s for s in manifest.get("stages", []) if s.get("kind") == "package"
-                and s.get("status") in ("done", "cached") and s.get("outputs")]
-    if not packages:
+    manifest = require_manifest(path)
+    archives = [s.outputs[0] for s in manifest.stages
+                if s.finished_ok and s.outputs and s.outputs[0].format == "mar"]
+    if not archives:
         raise UserError(f"{path}: the run has no finished package stage; add "
                         f"{{kind: package}} after an export stage and run the recipe again")
-    record = packages[-1]["outputs"][0]
-    mar = (path / record["path"]).resolve()
+    record = archives[-1]
+    mar = (path / record.path).resolve()
     if not mar.is_file():
         raise UserError(f"{mar}: the run's archive is missing; run the recipe again")
-    return ServeTarget(mar, record.get("model_name") or _mar_model_name(mar),
-                       path.resolve() / "serve")
+    model_name = getattr(record, "model_name", None)
+    return ServeTarget(mar, model_name or _mar_model_name(mar), path.resolve() / "serve")
 
 
 def _mar_model_name(mar: Path) -> str:

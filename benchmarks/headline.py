@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from compress.runfolder import read_manifest
+from compress.records import read_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded as a file
 from ratios import (  # noqa: E402
@@ -219,8 +219,8 @@ def _main(args: argparse.Namespace) -> int:
             recipes[label].update(status="failed", error=reason)
             print(failures[-1], file=sys.stderr, flush=True)
             continue
-        manifest = read_manifest(run_dir) or {}
-        cached = sum(s.get("status") == "cached" for s in manifest.get("stages") or [])
+        manifest = read_manifest(run_dir)
+        cached = sum(s.status == "cached" for s in manifest.stages) if manifest else 0
         print(f"{label}: done in {wall:.0f} s ({cached} cached stages)", file=sys.stderr,
               flush=True)
         recipes[label]["status"] = "ok"

@@ -174,3 +174,15 @@ def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
     result = run_cli("run", str(write_recipe(tmp / "r.yaml", raw)))
     assert result.returncode == 0, result.stderr[-2000:]
     return tmp / "runs" / "tiny_served"
+
+
+TIERS = ("unit", "integration", "serving", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`)."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for tier in TIERS:
+            if tier in parts:
+                item.add_marker(getattr(pytest.mark, tier))

@@ -61,10 +61,11 @@ class StageSpec:
     needs: Callable[[Any], tuple[str, ...]] = _no_splits  # hardware the run needs ("cuda")
 
     def precision_of(self, config: dict[str, Any]) -> str | None:
-        """`precision` of a config as recorded in a manifest (None if it no longer loads)."""
+        """`precision` of a config as recorded in a manifest (every option written out, so
+        it is read as it is, not validated again)."""
         try:
-            return self.precision(self.config.model_validate(config))
-        except ValueError:
+            return self.precision(self.config.model_construct(**config))
+        except (AttributeError, KeyError, TypeError, ValueError):
             return None
 
     def doc(self) -> str:

@@ -65,7 +65,7 @@ def test_ratios_are_the_manifest_medians_divided(digits_run) -> None:
     assert row["latency_ratio"] == s["latency_ms_b8"] / fp32["latency_ms_b8"]
     assert row["accuracy_delta_pt"] == 100 * (s["accuracy"] - fp32["accuracy"])
     assert row["size_ratio"] == s["size_mb"] / fp32["size_mb"]
-    assert by_pair[("quantize", "finetune")]["runtime"] == "PT2E int8 static"
+    assert by_pair[("quantize", "finetune")]["runtime"] == "PT2E int8 static, torch.compile"
     assert row["runtime"] == "ONNX Runtime int8 dynamic"
 
 

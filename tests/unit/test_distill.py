@@ -11,7 +11,7 @@ import torch
 from compress.distill import build_student, encoder_layers, evenly_spaced, kd_loss
 from compress.models import load_model
 from compress.sources import resolve_model
-from compress.stages.configs import StudentSpec
+from compress.stages.distill_spec import StudentSpec
 
 
 def test_kd_loss_equals_the_hand_computed_value() -> None:
@@ -109,4 +109,4 @@ def test_too_many_student_layers_fails_validation(tiny_bert: Path, sentiment_dir
     raw = _text_recipe(tiny_bert, sentiment_dir, tmp_path / "runs", {"layers": 3})
     result = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "stages[1] (distill).student.layers: 3 layers, but the teacher has 2" in result.stderr
+    assert "stages.1.student.layers: 3 layers, but the teacher has 2" in result.stderr

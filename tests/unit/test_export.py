@@ -170,9 +170,9 @@ def _validate(tmp_path: Path, stages: list[dict]):
 
 @pytest.mark.parametrize("stages,message", [
     ([{"kind": "quantize", "mode": "dynamic"}, {"kind": "export", "format": "torchscript"}],
-     "stages[2] (export).format: torchscript cannot hold the PT2E int8 model"),
+     "stages.2.format: torchscript cannot hold the PT2E int8 model"),
     ([{"kind": "export", "format": "onnx", "source": "distill"}],
-     "stages[1] (export).source: 'distill' is not an earlier stage that makes a model "
+     "stages.1.source: 'distill' is not an earlier stage that makes a model "
      "(choices: 0 (finetune))"),
     ([{"kind": "export", "format": "aoti", "quantize": "dynamic"}],
      "quantize do not apply to format aoti"),
@@ -191,7 +191,7 @@ def test_tensorrt_without_a_gpu_stops_before_any_work(tmp_path: Path) -> None:
                                    "precision": "fp16"}])
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: stages[1] (export): TensorRT export needs a CUDA GPU (none found)")
+        "error: stages.1: TensorRT export needs a CUDA GPU (none found)")
     assert not (tmp_path / "runs").exists()
 
 

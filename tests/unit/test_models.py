@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compress.bench import example_inputs, fixed_threads, measure_latency
+from compress.harness import example_inputs, fixed_threads, measure_latency
 from compress.errors import UserError
 from compress.evaluate import logits_of
 from compress.models import count_params, load_model, load_saved, save_model, sparsity

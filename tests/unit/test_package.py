@@ -164,9 +164,9 @@ def test_worker_threads_never_exceed_the_cores() -> None:
 
 @pytest.mark.parametrize("stages,message", [
     ([{"kind": "package"}],
-     "stages[1] (package).artifact: no export stage comes before this package stage"),
+     "stages.1.artifact: no export stage comes before this package stage"),
     ([{"kind": "export", "format": "onnx", "name": "o"}, {"kind": "package", "artifact": "x"}],
-     "stages[2] (package).artifact: 'x' is not an earlier export stage (choices: 1 (o))"),
+     "stages.2.artifact: 'x' is not an earlier export stage (choices: 1 (o))"),
     ([{"kind": "package", "model_name": "bad name"}], "model_name"),
     ([{"kind": "package", "batch_size": 0}], "batch_size"),
 ])

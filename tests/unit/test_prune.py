@@ -13,7 +13,7 @@ from torch import nn
 
 import compress.stages.prune as prune_stage
 from compress.data import DataBundle, Examples
-from compress.errors import StageError
+from compress.errors import CompressError
 from compress.models import ModelBundle, count_params, load_model, load_saved, save_model
 from compress.pruning import (
     apply_masks,
@@ -25,7 +25,7 @@ from compress.pruning import (
     select_layers,
 )
 from compress.sources import resolve_model
-from compress.stages.configs import PruneConfig
+from compress.stages.prune_spec import PruneConfig
 from compress.state import StageContext, State
 from compress.zoo import mlp, small_cnn
 
@@ -322,16 +322,16 @@ def test_stage_structured_records_smaller_model(tmp_path: Path) -> None:
     assert count_params(reloaded.model) == m["params_after"]
 
 
-def test_stage_errors_are_one_clear_line(tmp_path: Path) -> None:
+def test_prune_errors_are_one_clear_line(tmp_path: Path) -> None:
     ctx = image_context(tmp_path)
     nothing = PruneConfig(include=["encoder.*"])
-    with pytest.raises(StageError, match=r"no layer matches include \['encoder.\*'\] minus"):
+    with pytest.raises(CompressError, match=r"no layer matches include \['encoder.\*'\] minus"):
         prune_stage.run(mlp_state(), nothing, ctx)
     with pytest.raises(ValueError, match="gradual: true works with unstructured and global"):
         PruneConfig(method="structured", target="channels", gradual=True,
                     recovery={"max_steps": 2})  # refused by validation, before any work
     wrong_target = PruneConfig(method="structured", target="heads")
-    with pytest.raises(StageError, match="needs a BERT-style encoder"):
+    with pytest.raises(CompressError, match="needs a BERT-style encoder"):
         prune_stage.run(mlp_state(), wrong_target, ctx)
 
 

@@ -13,17 +13,24 @@ from conftest import digits_recipe, run_cli, write_recipe
 from torch import nn
 
 from compress.data import DataBundle, Examples
-from compress.errors import StageError
+from compress.errors import CaptureError
 from compress.evaluate import logits_of
 from compress.models import ModelBundle, load_saved, save_model
 from compress.quantization import load_quantized, quantize, save_quantized
-from compress.stages.configs import QuantizeConfig
+from compress.stages.quantize_spec import QuantizeConfig
 from compress.state import StageContext
 from compress.zoo import mlp
 
 SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",
              "superb", "warm and happy and brilliant, a lovely story", "cold",
              "fine", "the plot is poor but the actors are great", "sad"]
+
+
+def _quantize(bundle, cfg, ctx):
+    """The library call as the quantize stage makes it, from a stage context."""
+    return quantize(bundle, cfg, ctx.data.splits.get("calibration"),
+                    setup=ctx.training() if cfg.mode == "qat" else None,
+                    max_length=ctx.data.max_length)
 
 
 def _context(tmp_path: Path, data: DataBundle) -> StageContext:
@@ -77,7 +84,7 @@ def text_data() -> DataBundle:
 def static_text(text_bundle, text_data, tmp_path_factory) -> tuple[ModelBundle, dict]:
     cfg = QuantizeConfig(mode="static", compile=False,
                          calibration={"samples": 16, "batch_size": 8})
-    return quantize(text_bundle, cfg, _context(tmp_path_factory.mktemp("q"), text_data))
+    return _quantize(text_bundle, cfg, _context(tmp_path_factory.mktemp("q"), text_data))
 
 
 def _encode(tokenizer, texts: list[str], length: int | None = None) -> dict:
@@ -130,7 +137,7 @@ def test_static_mlp_agrees_with_fp32_and_compiles_for_batch_1_and_8(
     model = trained_mlp
     bundle = _image_bundle(model)
     cfg = QuantizeConfig(mode="static", calibration={"samples": 64, "batch_size": 16})
-    quantized, metrics = quantize(bundle, cfg, _context(tmp_path, _digits_like()))
+    quantized, metrics = _quantize(bundle, cfg, _context(tmp_path, _digits_like()))
     assert metrics["compile_s"] > 0 and quantized.model.compiled is not None
     x = torch.rand(200, 1, 8, 8, generator=torch.Generator().manual_seed(1))
     ref = model(x)
@@ -150,7 +157,7 @@ def test_dynamic_mode_and_per_tensor_weights(per_channel: bool, trained_mlp: nn.
                                              tmp_path: Path) -> None:
     model = trained_mlp
     cfg = QuantizeConfig(mode="dynamic", per_channel=per_channel, compile=False)
-    quantized, metrics = quantize(_image_bundle(model), cfg, _context(tmp_path, _digits_like()))
+    quantized, metrics = _quantize(_image_bundle(model), cfg, _context(tmp_path, _digits_like()))
     assert metrics["quant_mode"] == "dynamic" and "calibration_samples" not in metrics
     x = torch.rand(100, 1, 8, 8, generator=torch.Generator().manual_seed(2))
     ref, got = model(x), logits_of(quantized.model, x)
@@ -166,7 +173,7 @@ def test_qat_trains_a_few_steps_and_converts(tmp_path: Path) -> None:
                           nn.Linear(32, 10))
     cfg = QuantizeConfig(mode="qat", compile=False,
                          qat={"max_steps": 3, "batch_size": 16, "learning_rate": 1e-3})
-    quantized, metrics = quantize(_image_bundle(model), cfg, _context(tmp_path, _digits_like()))
+    quantized, metrics = _quantize(_image_bundle(model), cfg, _context(tmp_path, _digits_like()))
     assert metrics["quant_mode"] == "qat" and metrics["qat_steps"] == 3
     with torch.inference_mode():
         out = logits_of(quantized.model, torch.rand(1, 1, 8, 8))
@@ -180,7 +187,7 @@ def test_qat_trains_a_few_steps_and_converts(tmp_path: Path) -> None:
 def test_keep_float_leaves_matching_modules_unquantized(tmp_path: Path) -> None:
     def weight_dequants(keep: list[str]) -> int:
         cfg = QuantizeConfig(mode="dynamic", keep_float=keep, compile=False)
-        quantized, _ = quantize(_image_bundle(mlp()), cfg, _context(tmp_path, _digits_like()))
+        quantized, _ = _quantize(_image_bundle(mlp()), cfg, _context(tmp_path, _digits_like()))
         return sum("dequantize_per_channel" in str(node.target)
                    for node in quantized.model.graph.graph.nodes)
 
@@ -202,24 +209,20 @@ class _DataDependent(nn.Module):
         return -self.linear(x)
 
 
-def test_uncapturable_model_is_a_one_line_stage_error(tmp_path: Path) -> None:
+def test_uncapturable_model_is_a_one_line_capture_error(tmp_path: Path) -> None:
     bundle = _image_bundle(_DataDependent())
-    with pytest.raises(StageError) as info:
-        quantize(bundle, QuantizeConfig(mode="dynamic"), _context(tmp_path, _digits_like()))
-    assert info.value.stage == "quantize"
-    assert info.value.cause.startswith("torch.export could not capture the model: ")
-    assert "\n" not in str(info.value) and len(info.value.cause) < 400
+    with pytest.raises(CaptureError) as info:
+        _quantize(bundle, QuantizeConfig(mode="dynamic"), _context(tmp_path, _digits_like()))
+    assert str(info.value).startswith("torch.export could not capture the model: ")
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
 
 
 def test_the_deprecated_quantization_api_is_not_used(tmp_path: Path) -> None:
-    source = (Path(__file__).parents[2] / "compress" / "quantization.py").read_text()
-    assert "torch.ao.quantization" not in source.replace(
-        "the deprecated `torch.ao.quantization` flow", "")
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         cfg = QuantizeConfig(mode="static", compile=False,
                              calibration={"samples": 8, "batch_size": 8})
-        quantize(_image_bundle(mlp()), cfg, _context(tmp_path, _digits_like()))
+        _quantize(_image_bundle(mlp()), cfg, _context(tmp_path, _digits_like()))
     assert "torch.ao.quantization.quantize_fx" not in sys.modules
 
 

@@ -15,12 +15,9 @@ from conftest import REPO, digits_recipe, run_cli, write_recipe
 from pydantic import ValidationError
 
 from compress.errors import UserError
-from compress.recipe import (
-    apply_overrides,
-    cuda_device_present,
-    interpolate_env,
-    load_recipe,
-)
+from compress.recipe import load_recipe
+from compress.recipe_yaml import apply_overrides, interpolate_env
+from compress.stages.spec import cuda_device_present
 from compress.sources import check_recipe_sources
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -81,7 +78,7 @@ def test_misspelt_stage_option_suggests_the_real_one(tmp_path: Path, data_dir: P
 
     path = _bert_copy(tmp_path, mutate)
     result = run_cli("validate", str(path), env={"COMPRESS_DATA_DIR": str(data_dir)})
-    _assert_user_error(result, "stages[0] (finetune).lerning_rate: unknown key",
+    _assert_user_error(result, "stages.0.lerning_rate: unknown key",
                        "did you mean 'learning_rate'")
 
 
@@ -101,7 +98,7 @@ def test_every_problem_reported_at_once(tmp_path: Path, data_dir: Path) -> None:
     path = _bert_copy(tmp_path, mutate)
     lines = _assert_user_error(
         run_cli("validate", str(path), env={"COMPRESS_DATA_DIR": str(data_dir)}),
-        "stages[0] (finetune).batch_size", "stages[0] (finetune).learning_rate",
+        "stages.0.batch_size", "stages.0.learning_rate",
         "greater than 0", "data.eval.max_sampels: unknown key (did you mean 'max_samples'?)",
         "evaluation.latency.iters")
     assert len(lines) == 4
@@ -222,7 +219,7 @@ def test_sparsity_outside_zero_one_is_refused_at_validation(tmp_path: Path, amou
     raw = digits_recipe(tmp_path)
     raw["stages"].append({"kind": "prune", "method": "global", "amount": amount})
     result = run_cli("validate", str(write_recipe(tmp_path / "r.yaml", raw)))
-    _assert_user_error(result, "stages[1] (prune).amount")
+    _assert_user_error(result, "stages.1.amount")
 
 
 def test_gradual_pruning_without_recovery_is_refused(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compress.data import Examples
-from compress.stages.configs import FinetuneConfig
+from compress.stages.finetune_spec import FinetuneConfig
 from compress.train import CHECKPOINT, Schedule, total_steps, train
 from compress.zoo import mlp
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import digits_recipe, run_cli, write_recipe, write_sentiment_tables
 
 from compress.errors import UserError
-from compress.freshbench import artifacts_of, bench_fresh
+from compress.rebench import artifacts_of, bench_fresh
 from compress.pipeline import run_recipe
 from compress.recipe import LatencyConfig, load_recipe
 
@@ -21,7 +21,7 @@ pytest.importorskip("onnxruntime")
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory) -> Path:
     """A finished digits run: finetune, then an ONNX export (seq_lens set: not text)."""
-    tmp = tmp_path_factory.mktemp("freshbench")
+    tmp = tmp_path_factory.mktemp("rebench")
     raw = digits_recipe(tmp / "runs")
     raw["stages"].append({"kind": "export", "format": "onnx"})
     raw["evaluation"]["latency"]["seq_lens"] = [16]

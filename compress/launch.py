@@ -90,7 +90,7 @@ def _relay(source, sink) -> list[str]:
 
 def _devices() -> tuple[int, str]:
     """(how many, what): CUDA GPUs when there are any, else CPU cores."""
-    from compress.recipe import cuda_device_present
+    from compress.stages.spec import cuda_device_present
 
     if cuda_device_present():
         import torch

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub (no network in CI)
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
 
 POSITIVE = ["good", "great", "lovely", "superb", "fine", "happy", "brilliant", "warm"]

@@ -51,14 +51,23 @@ def _image_bundle(model: nn.Module) -> ModelBundle:
                        factory="compress.zoo:mlp", input_shape=[1, 8, 8])
 
 
+def _digits(n: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real scikit-learn digits (8x8, scaled to [0, 1]) and their labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images[:n] / 16.0, dtype=torch.float32).unsqueeze(1)
+    return x, torch.tensor(digits.target[:n])
+
+
 @pytest.fixture(scope="module")
 def trained_mlp() -> nn.Module:
-    """An MLP fitted for a moment to random labels: confident, input-dependent logits."""
+    """An MLP fitted for a moment to real digits: confident, input-dependent logits."""
     torch.manual_seed(0)
     model = mlp(64, 32, 10)
-    x, y = torch.rand(256, 1, 8, 8), torch.randint(0, 10, (256,))
+    x, y = _digits(256)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    for _ in range(40):
+    for _ in range(60):
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
@@ -137,9 +146,13 @@ def test_static_mlp_agrees_with_fp32_and_compiles_for_batch_1_and_8(
     model = trained_mlp
     bundle = _image_bundle(model)
     cfg = QuantizeConfig(mode="static", calibration={"samples": 64, "batch_size": 16})
-    quantized, metrics = _quantize(bundle, cfg, _context(tmp_path, _digits_like()))
+    images, labels = _digits(64)
+    calibration = Examples(labels=labels.tolist(), inputs=images)
+    data = DataBundle("image", {"calibration": calibration}, [str(i) for i in range(10)],
+                      input_shape=[1, 8, 8])
+    quantized, metrics = _quantize(bundle, cfg, _context(tmp_path, data))
     assert metrics["compile_s"] > 0 and quantized.model.compiled is not None
-    x = torch.rand(200, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    x = _digits(400)[0][200:]  # digits the MLP was not fitted on
     ref = model(x)
     got = torch.cat([logits_of(quantized.model, x[:8]), logits_of(quantized.model, x[8:9]),
                      logits_of(quantized.model, x[9:])])

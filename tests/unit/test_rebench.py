@@ -37,9 +37,9 @@ def _assert_timed(metrics: dict) -> None:
 
 
 def test_artifacts_of_lists_models_and_exports(digits_run: Path) -> None:
-    assert [(a["name"], a["kind"], a["folder"], a["loader"]) for a in artifacts_of(digits_run)] \
-        == [("finetune", "finetune", "00-finetune/model", "model"),
-            ("export", "export", "01-export/onnx", "export")]
+    assert [(a["name"], a["kind"], a["folder"]) for a in artifacts_of(digits_run)] \
+        == [("finetune", "finetune", "00-finetune/model"),
+            ("export", "export", "01-export/onnx")]
 
 
 def test_every_artifact_is_timed_in_its_own_process(digits_run: Path) -> None:
@@ -55,7 +55,7 @@ def test_every_artifact_is_timed_in_its_own_process(digits_run: Path) -> None:
         assert not any("_s16" in key for key in metrics)  # seq_lens: text models only
     pids = {metrics["pid"] for metrics in artifacts.values()}
     assert len(pids) == 2 and os.getpid() not in pids
-    assert artifacts["export"]["loader"] == "export"
+    assert artifacts["export"]["folder"] == "01-export/onnx"
     assert any(line.startswith("bench: export: latency_ms_b1 ") for line in lines)
     manifest = json.loads((digits_run / "manifest.json").read_text())
     assert not any("_s16" in key for key in manifest["stages"][0]["metrics"])

@@ -96,7 +96,8 @@ def test_cli_report_formats_and_no_torch_import(runs: Path, tmp_path: Path) -> N
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
     missing = run_cli("report", str(tmp_path))
     assert missing.returncode == 2 and missing.stderr.strip() == (
-        f"error: {tmp_path}: no readable manifest.json; is it a run folder?")
+        f"error: {tmp_path}: no manifest.json; is it a run folder? (compress run RECIPE "
+        f"makes one)")
     bad = run_cli("report", str(run_dir), "--reference", "nope")
     assert bad.returncode == 2 and "--reference nope: no such row" in bad.stderr
 

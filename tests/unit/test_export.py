@@ -13,9 +13,9 @@ import torch
 from conftest import digits_recipe, run_cli, write_recipe
 
 from compress.errors import StageError, UserError
-from compress.stages.spec import cuda_device_present
 from compress.pipeline import run_recipe
 from compress.recipe import load_recipe
+from compress.stages.spec import cuda_device_present
 
 pytest.importorskip("onnxruntime")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compress.harness import example_inputs, fixed_threads, measure_latency
 from compress.errors import UserError
 from compress.evaluate import logits_of
+from compress.harness import example_inputs, fixed_threads, measure_latency
 from compress.models import count_params, load_model, load_saved, save_model, sparsity
 from compress.sources import resolve_model
 

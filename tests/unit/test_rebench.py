@@ -11,8 +11,8 @@ import pytest
 from conftest import digits_recipe, run_cli, write_recipe, write_sentiment_tables
 
 from compress.errors import UserError
-from compress.rebench import artifacts_of, bench_fresh
 from compress.pipeline import run_recipe
+from compress.rebench import artifacts_of, bench_fresh
 from compress.recipe import LatencyConfig, load_recipe
 
 pytest.importorskip("onnxruntime")

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from compress.errors import UserError
 from compress.recipe import load_recipe
 from compress.recipe_yaml import apply_overrides, interpolate_env
-from compress.stages.spec import cuda_device_present
 from compress.sources import check_recipe_sources
+from compress.stages.spec import cuda_device_present
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 

@@ -20,6 +20,7 @@ import time
 from urllib.parse import urlsplit
 
 from compress.errors import UserError
+from serve.loadtest_report import _ratio
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_CONCURRENCY = 256
@@ -276,16 +277,6 @@ def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
     }
 
 
-def _ratio(runs: list[dict]) -> float | None:
-    if not runs:
-        return None
-    high = max(runs, key=lambda r: r["concurrency"])
-    low = min(runs, key=lambda r: r["concurrency"])
-    if not high["throughput_rps"] or not low["throughput_rps"]:
-        return None
-    return round(high["throughput_rps"] / low["throughput_rps"], 2)
-
-
 def sweep(url: str, concurrencies: list[int], requests: int, payloads: list[bytes],
           headers: dict[str, str] | None = None, warmup: int = 0,
           timeout: float = 60.0) -> dict:
@@ -300,71 +291,9 @@ def sweep(url: str, concurrencies: list[int], requests: int, payloads: list[byte
     return {"url": url, "runs": runs, "throughput_ratio": _ratio(runs)}
 
 
-def _cell(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
-
-
-def format_table(result: dict) -> str:
-    """A fixed-width text table of a ``sweep`` result (or of one ``run_load`` result)."""
-    runs = result.get("runs", [result])
-    columns = [("concurrency", "concurrency"), ("requests", "requests"), ("ok", "ok"),
-               ("errors", "errors"), ("rps", "throughput_rps"), ("p50 ms", "latency_ms_p50"),
-               ("p90 ms", "latency_ms_p90"), ("p99 ms", "latency_ms_p99"),
-               ("batch mean", "batch_size_mean"), ("batch max", "batch_size_max")]
-    rows = [[_cell(run.get(key)) for _, key in columns] for run in runs]
-    widths = [max(len(title), *(len(row[i]) for row in rows))
-              for i, (title, _) in enumerate(columns)]
-    lines = ["  ".join(title.rjust(w) for (title, _), w in zip(columns, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
-              for row in rows]
-    if runs:
-        high = max(run["concurrency"] for run in runs)
-        low = min(run["concurrency"] for run in runs)
-        ratio = result["throughput_ratio"] if "throughput_ratio" in result else _ratio(runs)
-        shown = "n/a" if ratio is None else f"{ratio:.2f}x"
-        lines.append(f"throughput at concurrency {high} / concurrency {low}: {shown}")
-    return "\n".join(lines)
-
-
-SAMPLE_TEXTS = (
-    "a gripping, beautiful film",
-    "the plot is thin and the jokes fall flat",
-    "an unexpectedly moving story told with real warmth and wit",
-    "two hours of my life i will never get back",
-    "the performances are strong, but the script meanders through a long and "
-    "uneven second act before a satisfying finale",
-    "dull",
+from serve.loadtest_report import (  # noqa: E402,F401 (the load test's API)
+    SAMPLE_TEXTS,
+    format_table,
+    load_payloads,
+    record_result,
 )
-
-
-def load_payloads(texts_file: str | None) -> list[bytes]:
-    """JSON request bodies: one per non-empty line of `texts_file`, or SAMPLE_TEXTS."""
-    import json
-    from pathlib import Path
-
-    texts = SAMPLE_TEXTS
-    if texts_file:
-        texts = tuple(line.strip() for line in Path(texts_file).read_text().splitlines()
-                      if line.strip())
-        if not texts:
-            raise UserError(f"{texts_file}: no text lines to send")
-    return [json.dumps({"text": t}).encode() for t in texts]
-
-
-def record_result(run_dir: str, result: dict) -> str:
-    """Write `loadtest.json` (the sweep and when it ran) into the run folder."""
-    from pathlib import Path
-
-    from compress.runfolder import atomic_write_json, now
-    from serve.server import read_info
-
-    path = Path(run_dir) / "loadtest.json"
-    info = read_info(Path(run_dir) / "serve")
-    atomic_write_json(path, {"measured": now(), "server_settings": (info or {}).get("settings"),
-                             **result})
-    return str(path)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,9 +29,19 @@ import yaml
 from compress.errors import UserError
 from compress.records import require_manifest
 from serve.package import worker_threads
+from serve.server_state import (  # noqa: F401 (the server's API)
+    KEY_FILE,
+    SERVER_INFO,
+    free_ports,
+    port_in_use,
+    process_alive,
+    read_info,
+    read_keys,
+    registry_dir,
+    token_of,
+    write_info,
+)
 
-SERVER_INFO = "server.json"
-KEY_FILE = "key_file.json"
 PID_FILE = ".model_server.pid"
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
 JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubuntu: "
@@ -237,81 +246,6 @@ def stop_servers(target: str | None) -> list[str]:
         folders = [Path(json.loads(f.read_text())["serve_dir"])
                    for f in sorted(registry_dir().glob("*.json"))]
     return [str(folder) for folder in folders if stop(folder)]
-
-
-def registry_dir() -> Path:
-    """Where started servers are listed for `compress serve --stop` without a target."""
-    base = os.environ.get("COMPRESS_STATE_DIR") or Path.home() / ".local/state/compress"
-    return Path(base) / "servers"
-
-
-def token_of(run_dir: str | Path) -> str | None:
-    """The inference token of the server of a run folder (None when auth is off)."""
-    info = read_info(Path(run_dir) / "serve")
-    return info.get("token") if info else None
-
-
-def read_keys(serve_dir: Path) -> dict[str, str]:
-    """TorchServe's tokens: {"management", "inference", "api"}."""
-    keys = json.loads((serve_dir / KEY_FILE).read_text())
-    return {"management": keys["management"]["key"], "inference": keys["inference"]["key"],
-            "api": keys["API"]["key"]}
-
-
-def read_info(serve_dir: Path) -> dict[str, Any] | None:
-    """The server.json of a serve folder, or None."""
-    try:
-        return json.loads((serve_dir / SERVER_INFO).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_info(serve_dir: Path, info: dict[str, Any]) -> None:
-    from compress.runfolder import atomic_write_json
-
-    atomic_write_json(serve_dir / SERVER_INFO, info)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
-
-
-def port_in_use(port: int) -> bool:
-    """Whether something listens on (or holds) 127.0.0.1:`port`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
-def free_ports(n: int, avoid: set[int] = frozenset()) -> list[int]:
-    """`n` distinct free loopback ports (the OS picks them)."""
-    ports: list[int] = []
-    sockets = []
-    try:
-        while len(ports) < n:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-            if sock.getsockname()[1] not in avoid:
-                ports.append(sock.getsockname()[1])
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
 
 
 def curl_example(info: dict[str, Any], text: str = "a gripping, beautiful film") -> str:

@@ -1,0 +1,109 @@
+"""`compress serve` and `compress loadtest`: thin commands over serve.server and
+serve.loadtest."""
+
+from __future__ import annotations
+
+import click
+
+from compress.errors import CompressError, UserError
+
+
+@click.command()
+@click.argument("target", required=False, type=click.Path(exists=True))
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535),
+              help="Inference port on 127.0.0.1.")
+@click.option("--workers", type=click.IntRange(1, 64), help="Worker processes (default: "
+              "the archive's).")
+@click.option("--batch-size", type=click.IntRange(1, 1024),
+              help="Largest batch TorchServe forms (default: the archive's).")
+@click.option("--max-batch-delay", type=click.IntRange(0, 10_000), metavar="MS",
+              help="Milliseconds TorchServe waits to fill a batch (default: the archive's).")
+@click.option("--no-auth", is_flag=True, help="Turn TorchServe's token authorization off.")
+@click.option("--enable-model-api", is_flag=True,
+              help="Allow registering and scaling models through the management API.")
+@click.option("--timeout", default=300, show_default=True, type=click.IntRange(1),
+              help="Seconds to wait for a READY worker.")
+@click.option("--stop", is_flag=True, help="Stop the server of TARGET (or every server "
+              "compress started when TARGET is omitted).")
+def serve(target: str | None, port: int, workers: int | None, batch_size: int | None,
+          max_batch_delay: int | None, no_auth: bool, enable_model_api: bool, timeout: int,
+          stop: bool) -> None:
+    """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe.
+
+    \b
+    Every listener binds 127.0.0.1; token authorization is on unless --no-auth. The
+    server's files (config, logs, pid, tokens) live in <run>/serve/. Returns once a
+    worker is READY and prints a curl command; stop it with --stop.
+
+    \b
+    Examples:
+      compress serve runs/bert_int8
+      compress serve runs/bert_int8 --port 8081 --batch-size 16 --max-batch-delay 10
+      compress serve --stop runs/bert_int8
+    """
+    from serve import server
+
+    if stop:
+        stopped = server.stop_servers(target)
+        click.echo(f"stopped {len(stopped)} server(s)" + "".join(f"\n  {s}" for s in stopped))
+        return
+    if target is None:
+        raise click.UsageError("give a run folder or a .mar to serve (or --stop)")
+    info = server.start(server.resolve_target(target), port=port, workers=workers,
+                        batch_size=batch_size, max_batch_delay_ms=max_batch_delay,
+                        auth=not no_auth, model_api=enable_model_api, timeout_s=timeout,
+                        echo=lambda m: click.echo(m, err=True))
+    settings = info["settings"]
+    click.echo(f"serving {info['model_name']} at {info['url']}")
+    click.echo(f"  workers {settings['maxWorkers']} x {settings['threads_per_worker']} "
+               f"threads, batch size {settings['batchSize']}, max batch delay "
+               f"{settings['maxBatchDelay']} ms; logs in {info['serve_dir']}/logs")
+    if info.get("token"):
+        click.echo(f"  token (also in {info['serve_dir']}/key_file.json): {info['token']}")
+    click.echo(f"  try: {server.curl_example(info)}")
+    click.echo(f"  stop: compress serve --stop {target}")
+
+
+@click.command()
+@click.argument("url")
+@click.option("--concurrency", default="1,8,32", show_default=True,
+              help="Comma-separated numbers of requests in flight.")
+@click.option("--requests", "n_requests", default=200, show_default=True,
+              type=click.IntRange(1, 100_000), help="Requests per concurrency level.")
+@click.option("--warmup", default=8, show_default=True, type=click.IntRange(0),
+              help="Requests sent first at each level and not counted.")
+@click.option("--texts", type=click.Path(exists=True, dir_okay=False),
+              help="A text file: one request text per line (default: a few review sentences).")
+@click.option("--token", help="Bearer token (default: the one in --run's serve folder).")
+@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False),
+              help="Run folder: its server's token is used and loadtest.json written there.")
+def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: str | None,
+             token: str | None, run_dir: str | None) -> None:
+    """Load-test a served model at URL over loopback: throughput, latency percentiles,
+    errors and the batch sizes TorchServe formed.
+
+    \b
+    Examples:
+      compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --run runs/bert_int8
+      compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --concurrency 1,32 \\
+          --requests 500 --token TOKEN
+    """
+    from serve.loadtest import format_table, load_payloads, record_result, sweep
+    from serve.server import token_of
+
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise UserError(f"--concurrency {concurrency!r}: expected numbers like 1,8,32") from None
+    token = token or (token_of(run_dir) if run_dir else None)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    result = sweep(url, levels, n_requests, load_payloads(texts), headers=headers,
+                   warmup=warmup)
+    click.echo(format_table(result))
+    if run_dir:
+        click.echo(f"written: {record_result(run_dir, result)}")
+    failed = sum(r.get("errors", 0) for r in result.get("runs", []))
+    sent = sum(r.get("requests", 0) for r in result.get("runs", []))
+    if failed:
+        hint = "" if token else " (is token authorization on? pass --token or --run RUN_DIR)"
+        raise CompressError(f"{failed} of {sent} requests failed{hint}")

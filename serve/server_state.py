@@ -1,0 +1,88 @@
+"""The serve folder's files and the machine's state for serve.server: the registry of
+servers compress started, tokens, `server.json`, processes and ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+SERVER_INFO = "server.json"
+KEY_FILE = "key_file.json"
+
+
+def registry_dir() -> Path:
+    """Where started servers are listed for `compress serve --stop` without a target."""
+    base = os.environ.get("COMPRESS_STATE_DIR") or Path.home() / ".local/state/compress"
+    return Path(base) / "servers"
+
+
+def token_of(run_dir: str | Path) -> str | None:
+    """The inference token of the server of a run folder (None when auth is off)."""
+    info = read_info(Path(run_dir) / "serve")
+    return info.get("token") if info else None
+
+
+def read_keys(serve_dir: Path) -> dict[str, str]:
+    """TorchServe's tokens: {"management", "inference", "api"}."""
+    keys = json.loads((serve_dir / KEY_FILE).read_text())
+    return {"management": keys["management"]["key"], "inference": keys["inference"]["key"],
+            "api": keys["API"]["key"]}
+
+
+def read_info(serve_dir: Path) -> dict[str, Any] | None:
+    """The server.json of a serve folder, or None."""
+    try:
+        return json.loads((serve_dir / SERVER_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_info(serve_dir: Path, info: dict[str, Any]) -> None:
+    from compress.runfolder import atomic_write_json
+
+    atomic_write_json(serve_dir / SERVER_INFO, info)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on (or holds) 127.0.0.1:`port`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_ports(n: int, avoid: set[int] = frozenset()) -> list[int]:
+    """`n` distinct free loopback ports (the OS picks them)."""
+    ports: list[int] = []
+    sockets = []
+    try:
+        while len(ports) < n:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+            if sock.getsockname()[1] not in avoid:
+                ports.append(sock.getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports

@@ -180,10 +180,26 @@ def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
 TIERS = ("unit", "integration", "serving", "gpu")
 
 
+def serving_missing() -> list[str]:
+    """What the serving tests need and this machine lacks (Java 17, TorchServe)."""
+    import importlib.util
+    import shutil
+
+    return [what for what, present in (
+        ("java (TorchServe needs Java 17)", shutil.which("java") is not None),
+        ("torchserve", importlib.util.find_spec("ts") is not None),
+        ("torch-model-archiver", importlib.util.find_spec("model_archiver") is not None),
+    ) if not present]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`)."""
+    """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`);
+    serving tests are skipped with the reason when Java or TorchServe is missing."""
+    missing = serving_missing()
     for item in items:
         parts = Path(str(item.fspath)).parts
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
+        if "serving" in parts and missing:
+            item.add_marker(pytest.mark.skip(reason="serving tests need " + ", ".join(missing)))

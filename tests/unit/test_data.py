@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import minilm_folder, write_sentiment_tables
+from conftest import write_sentiment_tables
 
-from compress.data import collate, load_data
+from compress.data import load_data
 from compress.errors import UserError
 from compress.recipe import Recipe
 from compress.sources import check_recipe_sources, resolve_data
@@ -56,15 +55,6 @@ def test_max_samples_is_a_seeded_subset(tmp_path: Path) -> None:
     assert len(a) == 30 and a.texts == b.texts
 
 
-def test_sst2_mirror_through_compress_data_dir(data_dir: Path, monkeypatch) -> None:
-    monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
-    recipe = _recipe("stanfordnlp/sst2", eval={"split": "validation"},
-                     train={"split": "train", "max_samples": 100})
-    data = load_data(recipe, resolve_data("stanfordnlp/sst2"))
-    assert len(data.splits["eval"]) == 872 and len(data.splits["train"]) == 100
-    assert set(data.splits["eval"].labels) == {0, 1}
-
-
 def test_digits_holdout_is_stratified_and_disjoint() -> None:
     recipe = Recipe.model_validate({
         "name": "d", "model": {"source": "compress.zoo:mlp"},
@@ -79,23 +69,6 @@ def test_digits_holdout_is_stratified_and_disjoint() -> None:
     train_rows = {tuple(x.flatten().tolist()) for x in train.inputs}
     overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in held.inputs)
     assert overlap < 10  # digits holds a few duplicate images; the split itself is disjoint
-
-
-def test_text_batches_are_padded_to_their_longest_item(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    from compress.data import Examples
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    examples = Examples(labels=[0, 1, 0], texts=["short", "a somewhat longer sentence here",
-                                                  "word " * 300])
-    inputs, labels = collate(examples, [0, 1], tokenizer, max_length=64)
-    assert inputs["input_ids"].shape == (2, 7)  # [CLS] + 5 words + [SEP], not 64
-    assert inputs["attention_mask"][0].tolist() == [1, 1, 1, 0, 0, 0, 0]
-    assert labels.tolist() == [0, 1]
-    long_inputs, _ = collate(examples, [2], tokenizer, max_length=64)
-    assert long_inputs["input_ids"].shape == (1, 64)  # truncated
-    assert isinstance(long_inputs["input_ids"], torch.Tensor)
 
 
 def test_wrong_split_name_is_reported_before_any_work(tmp_path: Path) -> None:

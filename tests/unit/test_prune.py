@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import digits_recipe, minilm_folder, run_cli, write_recipe
 from torch import nn
 
 import compress.stages.prune as prune_stage
@@ -213,21 +212,6 @@ def test_factory_structure_round_trips_through_save_and_load(tmp_path: Path) -> 
     assert torch.equal(loaded.model.eval()(images), bundle.model.eval()(images))
 
 
-def test_hf_structure_round_trips_through_save_and_load(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    model = tiny_bert(tokenizer.vocab_size)
-    bundle = ModelBundle(model, "hf", ["neg", "pos"], tokenizer=tokenizer)
-    _, bundle.structure = prune_structured(model, chosen(model), "ffn+heads", 0.5)
-    save_model(bundle, tmp_path / "model")
-    loaded = load_saved(tmp_path / "model")
-    ids = input_ids(tokenizer.vocab_size)
-    heads = [layer.attention.self.num_attention_heads for layer in loaded.model.bert.encoder.layer]
-    assert heads == [2, 2] and loaded.structure == bundle.structure
-    assert torch.allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-6)
-
-
 # ---- the stage -------------------------------------------------------------------------------
 
 def image_context(tmp_path: Path, n: int = 64) -> StageContext:
@@ -337,17 +321,3 @@ def test_prune_errors_are_one_clear_line(tmp_path: Path) -> None:
         prune_stage.run(mlp_state(), wrong_target, ctx)
 
 
-def test_pipeline_finetune_then_prune_channels(tmp_path: Path) -> None:
-    raw = digits_recipe(tmp_path / "runs", epochs=4, learning_rate=3e-3)
-    raw["model"] = {"source": "compress.zoo:small_cnn", "kwargs": {"channels": 8}}
-    raw["stages"].append({"kind": "prune", "method": "structured", "target": "channels",
-                          "amount": 0.5, "recovery": {"epochs": 1, "batch_size": 32,
-                                                      "learning_rate": 1e-3}})
-    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)))
-    assert result.returncode == 0, result.stderr
-    run_dir = tmp_path / "runs" / "tiny_digits"
-    stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
-    assert stages[1]["metrics"]["params"] < stages[0]["metrics"]["params"]
-    assert stages[1]["metrics"]["flops_after"] < stages[1]["metrics"]["flops_before"]
-    assert stages[1]["metrics"]["accuracy"] > 0.85
-    assert (run_dir / "01-prune" / "model" / "structure.json").is_file()

@@ -1,0 +1,74 @@
+"""Pruning: magnitude (per layer, global, gradual), structured BERT and CNN, reload, the stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from conftest import digits_recipe, minilm_folder, run_cli, write_recipe
+from torch import nn
+
+from compress.models import ModelBundle, load_saved, save_model
+from compress.pruning import (
+    prune_structured,
+    select_layers,
+)
+
+EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]
+
+
+def tiny_bert(vocab_size: int = 100) -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=2)
+    return BertForSequenceClassification(config).eval()
+
+
+def input_ids(vocab_size: int = 100) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def chosen(model: nn.Module) -> dict[str, nn.Module]:
+    return select_layers(model, ["*"], EXCLUDE)
+
+
+def test_hf_structure_round_trips_through_save_and_load(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    model = tiny_bert(tokenizer.vocab_size)
+    bundle = ModelBundle(model, "hf", ["neg", "pos"], tokenizer=tokenizer)
+    _, bundle.structure = prune_structured(model, chosen(model), "ffn+heads", 0.5)
+    save_model(bundle, tmp_path / "model")
+    loaded = load_saved(tmp_path / "model")
+    ids = input_ids(tokenizer.vocab_size)
+    heads = [layer.attention.self.num_attention_heads for layer in loaded.model.bert.encoder.layer]
+    assert heads == [2, 2] and loaded.structure == bundle.structure
+    assert torch.allclose(logits(loaded.model, ids), logits(model, ids), atol=1e-6)
+
+
+# ---- the stage -------------------------------------------------------------------------------
+
+
+def test_pipeline_finetune_then_prune_channels(tmp_path: Path) -> None:
+    raw = digits_recipe(tmp_path / "runs", epochs=4, learning_rate=3e-3)
+    raw["model"] = {"source": "compress.zoo:small_cnn", "kwargs": {"channels": 8}}
+    raw["stages"].append({"kind": "prune", "method": "structured", "target": "channels",
+                          "amount": 0.5, "recovery": {"epochs": 1, "batch_size": 32,
+                                                      "learning_rate": 1e-3}})
+    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)))
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "tiny_digits"
+    stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    assert stages[1]["metrics"]["params"] < stages[0]["metrics"]["params"]
+    assert stages[1]["metrics"]["flops_after"] < stages[1]["metrics"]["flops_before"]
+    assert stages[1]["metrics"]["accuracy"] > 0.85
+    assert (run_dir / "01-prune" / "model" / "structure.json").is_file()

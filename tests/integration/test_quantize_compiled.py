@@ -1,0 +1,148 @@
+"""int8 through torch.export + torchao PT2E: accuracy, modes, save/load, failures, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from compress.data import DataBundle, Examples
+from compress.evaluate import logits_of
+from compress.models import ModelBundle, load_saved, save_model
+from compress.quantization import load_quantized, quantize
+from compress.stages.quantize_spec import QuantizeConfig
+from compress.state import StageContext
+
+SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",
+             "superb", "warm and happy and brilliant, a lovely story", "cold",
+             "fine", "the plot is poor but the actors are great", "sad"]
+
+
+def _quantize(bundle, cfg, ctx):
+    """The library call as the quantize stage makes it, from a stage context."""
+    return quantize(bundle, cfg, ctx.data.splits.get("calibration"),
+                    setup=ctx.training() if cfg.mode == "qat" else None,
+                    max_length=ctx.data.max_length)
+
+
+def _context(tmp_path: Path, data: DataBundle) -> StageContext:
+    return StageContext(0, "quantize", tmp_path / "stage", tmp_path, None, data, "key", 0,
+                        log=lambda _: None)
+
+
+def _digits_like(n: int = 64, seed: int = 0) -> DataBundle:
+    gen = torch.Generator().manual_seed(seed)
+    examples = Examples(labels=[i % 10 for i in range(n)],
+                        inputs=torch.rand(n, 1, 8, 8, generator=gen))
+    splits = {"calibration": examples, "train": examples}
+    return DataBundle("image", splits, [str(i) for i in range(10)], input_shape=[1, 8, 8])
+
+
+def _image_bundle(model: nn.Module) -> ModelBundle:
+    return ModelBundle(model.eval(), "factory", [str(i) for i in range(10)],
+                       factory="compress.zoo:mlp", input_shape=[1, 8, 8])
+
+
+@pytest.fixture(scope="module")
+def text_bundle(tiny_bert: Path) -> ModelBundle:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    model = BertForSequenceClassification.from_pretrained(tiny_bert).eval()
+    return ModelBundle(model, "hf", ["0", "1"], tokenizer=AutoTokenizer.from_pretrained(tiny_bert))
+
+
+@pytest.fixture(scope="module")
+def text_data() -> DataBundle:
+    texts = SENTENCES * 4
+    examples = Examples(labels=[i % 2 for i in range(len(texts))], texts=texts)
+    return DataBundle("text", {"calibration": examples, "train": examples}, ["0", "1"])
+
+
+@pytest.fixture(scope="module")
+def static_text(text_bundle, text_data, tmp_path_factory) -> tuple[ModelBundle, dict]:
+    cfg = QuantizeConfig(mode="static", compile=False,
+                         calibration={"samples": 16, "batch_size": 8})
+    return _quantize(text_bundle, cfg, _context(tmp_path_factory.mktemp("q"), text_data))
+
+
+def _encode(tokenizer, texts: list[str], length: int | None = None) -> dict:
+    padding = "max_length" if length else True
+    return dict(tokenizer(texts, padding=padding, max_length=length, truncation=True,
+                          return_tensors="pt"))
+
+
+def _text_batches(tokenizer) -> list[dict]:
+    """Batch 1 and 8, short and long sequences, with padding."""
+    return [_encode(tokenizer, SENTENCES[:1]), _encode(tokenizer, SENTENCES),
+            _encode(tokenizer, SENTENCES[:3], 40), _encode(tokenizer, SENTENCES, 128)]
+
+
+@torch.inference_mode()
+def test_static_text_int8_stays_close_to_fp32(text_bundle, static_text) -> None:
+    quantized, metrics = static_text
+    assert quantized.kind == "pt2e" and quantized.label_names == text_bundle.label_names
+    assert metrics["quant_mode"] == "static" and metrics["calibration_samples"] == 16
+    for inputs in _text_batches(text_bundle.tokenizer):
+        ref = logits_of(text_bundle.model, inputs)
+        got = logits_of(quantized.model, inputs)
+        assert got.shape == ref.shape == (inputs["input_ids"].shape[0], 2)
+        # measured with torchao 0.18 on held-out digits: mean |error| 0.45 against mean |logit|
+    # 3.6 (issue 13 is about int8 accuracy); this bound catches a broken lowering (errors of
+    # the logits' own size), not a small precision loss
+    assert (got - ref).abs().mean() <= 0.2 * ref.abs().mean()
+    graph_ops = {str(node.target) for node in quantized.model.graph.graph.nodes}
+    assert "quantized_decomposed.dequantize_per_channel.default" in graph_ops
+
+
+@torch.inference_mode()
+def test_save_and_load_give_the_same_logits(text_bundle, static_text, tmp_path: Path) -> None:
+    quantized, _ = static_text
+    weights = save_model(quantized, tmp_path / "model")
+    assert weights == tmp_path / "model" / "model.pt2" and weights.is_file()
+    meta = json.loads((tmp_path / "model" / "model.json").read_text())
+    assert meta["text"] is True and meta["label_names"] == ["0", "1"]
+    loaded = load_saved(tmp_path / "model")
+    assert loaded.kind == "pt2e" and loaded.is_text and loaded.label_names == ["0", "1"]
+    plain = load_quantized(tmp_path / "model", compile=False)
+    for inputs in _text_batches(loaded.tokenizer):
+        expected = logits_of(quantized.model, inputs)
+        assert torch.equal(logits_of(plain.model, inputs), expected)
+    inputs = _encode(loaded.tokenizer, SENTENCES)
+    without_types = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+    assert torch.equal(logits_of(plain.model, without_types), logits_of(plain.model, inputs))
+
+
+def test_qat_trains_a_few_steps_and_converts(tmp_path: Path) -> None:
+    torch.manual_seed(0)  # dropout checks the train/eval switch (conv-bn folding takes 20 s)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Linear(32, 10))
+    cfg = QuantizeConfig(mode="qat", compile=False,
+                         qat={"max_steps": 3, "batch_size": 16, "learning_rate": 1e-3})
+    quantized, metrics = _quantize(_image_bundle(model), cfg, _context(tmp_path, _digits_like()))
+    assert metrics["quant_mode"] == "qat" and metrics["qat_steps"] == 3
+    with torch.inference_mode():
+        out = logits_of(quantized.model, torch.rand(1, 1, 8, 8))
+        assert out.shape == (1, 10) and torch.isfinite(out).all()
+        x = torch.rand(8, 1, 8, 8)
+        assert torch.equal(logits_of(quantized.model, x), logits_of(quantized.model, x))  # eval
+    ops = {str(node.target) for node in quantized.model.graph.graph.nodes}
+    assert "quantized_decomposed.quantize_per_tensor.default" in ops
+
+
+class _DataDependent(nn.Module):
+    """Branches on a tensor's value: torch.export cannot capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        if x.sum() > 0:
+            return self.linear(x)
+        return -self.linear(x)
+
+

@@ -1,0 +1,59 @@
+"""The stage registry: every kind has a complete spec beside its config, and nothing
+outside a kind's own modules names the kind."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from compress.stages.spec import StageSpec, all_specs, import_function, stage_configs
+
+REPO = Path(__file__).resolve().parents[2]
+KINDS = ["finetune", "distill", "prune", "quantize", "compile", "export", "package"]
+
+
+def test_every_kind_is_registered_in_listing_order() -> None:
+    assert list(all_specs()) == KINDS
+    assert list(stage_configs()) == KINDS
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_trait_is_declared_and_resolves(kind: str) -> None:
+    spec = all_specs()[kind]
+    assert isinstance(spec, StageSpec) and spec.kind == kind
+    assert spec.config.model_fields["kind"].default == kind
+    assert spec.doc() and not spec.doc().startswith(" ")
+    traits = {f.name for f in dataclasses.fields(StageSpec)}
+    assert traits >= {"makes_model", "takes_model", "data_parallel", "measured", "reference",
+                      "code_modules", "splits", "needs_before", "refused_before", "precision",
+                      "runtime", "reload", "input_stage", "check", "check_model", "needs"}
+    assert callable(import_function(spec.runner))  # the run function exists
+    if spec.reload is not None:
+        assert callable(import_function(spec.reload))
+    for module in spec.code_modules:
+        assert importlib.util.find_spec(module) is not None
+    if not spec.takes_model:
+        assert spec.input_stage is not None, "a kind that takes a file says which"
+    assert set(spec.needs_before) | set(spec.refused_before) <= set(KINDS)
+    default = spec.config.model_validate({"kind": kind, **_required(kind)})
+    assert isinstance(spec.splits(default), tuple)
+    assert isinstance(spec.runtime(default.model_dump(mode="json"), {}), str)
+
+
+def _required(kind: str) -> dict:
+    return {"distill": {"student": {"layers": 1}}, "export": {"format": "onnx"}}.get(kind, {})
+
+
+def test_kind_modules_hold_the_kind_names() -> None:
+    """`git grep '"package"\\|"export"'` finds kind names only in their own spec modules
+    (and the Python API's `export` function name)."""
+    found = subprocess.run(["git", "grep", "-n", '"package"\\|"export"', "--", "compress",
+                            "export", "serve", "benchmarks"], cwd=REPO, capture_output=True,
+                           text=True).stdout.splitlines()
+    allowed = re.compile(r"^compress/(stages/(export|package)_spec\.py|__init__\.py):")
+    assert found and all(allowed.match(line) for line in found), found

@@ -80,18 +80,22 @@ def test_mar_holds_the_file_handler_labels_settings_and_figures(packaged_text_ru
 
 def test_package_is_cached_and_rebuilt_when_its_settings_change(packaged_text_run,
                                                                 tmp_path: Path) -> None:
+    import shutil
+
     recipe = packaged_text_run.parent.parent / "r.yaml"
-    again = run_cli("run", str(recipe))
+    run = tmp_path / "runs" / packaged_text_run.name  # a copy: the session fixture stays
+    shutil.copytree(packaged_text_run, run)
+    out = f"output_dir={tmp_path / 'runs'}"
+    again = run_cli("run", str(recipe), out)
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stderr.count(": cached") == 6  # baseline + 5 stages
-    old = _manifest(packaged_text_run)["stages"][4]["outputs"][0]["sha256"]
-    changed = run_cli("run", str(recipe), "stages.4.batch_size=2")
+    old = _manifest(run)["stages"][4]["outputs"][0]["sha256"]
+    changed = run_cli("run", str(recipe), out, "stages.4.batch_size=2")
     assert changed.returncode == 0, changed.stderr[-2000:]
     assert changed.stderr.count(": cached") == 5
-    stages = _manifest(packaged_text_run)["stages"]
+    stages = _manifest(run)["stages"]
     assert stages[4]["outputs"][0]["sha256"] != old and stages[4]["metrics"]["batch_size"] == 2
-    restored = run_cli("run", str(recipe))  # leave the session fixture as it was
-    assert restored.returncode == 0
+    assert _manifest(packaged_text_run)["stages"][4]["metrics"]["batch_size"] == 4
 
 
 def test_handler_answers_each_request_of_a_batch(packaged_text_run, tmp_path: Path) -> None:

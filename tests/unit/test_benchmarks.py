@@ -23,3 +23,37 @@ def test_served_figures_divide_the_extreme_concurrencies() -> None:
     assert headline.served_figures({"runs": []}) is None
 
 
+
+
+def _stage(index, name, kind, config, metrics, made, entered):
+    return {"index": index, "name": name, "kind": kind, "status": "done", "config": config,
+            "inputs": [{"sha256": entered, "format": "safetensors"}],
+            "outputs": [{"path": f"{index:02d}/f", "format": "x", "sha256": made, "bytes": 1}],
+            "metrics": metrics}
+
+
+def test_headline_rows_of_a_hand_written_manifest(tmp_path) -> None:
+    """Known figures in, known ratios out: 40 ms against its input's 80 ms timed in the same
+    process is 0.5; against the fine-tuned model's own 100 ms it is 0.4."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stages = [
+        _stage(0, "finetune", "finetune", {"kind": "finetune"},
+               {"accuracy": 0.90, "latency_ms_b8": 100.0, "size_mb": 80.0}, "ft", "src"),
+        _stage(1, "int8", "quantize", {"kind": "quantize", "mode": "static"},
+               {"accuracy": 0.88, "latency_ms_b8": 40.0, "input_latency_ms_b8": 80.0,
+                "size_mb": 20.0}, "q", "ft"),
+    ]
+    manifest = {"name": "hand", "recipe": {
+        "stages": [{"kind": "finetune"}, {"kind": "quantize", "mode": "static"}],
+        "evaluation": {"latency": {"batch_sizes": [1, 8]}}}, "stages": stages}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    rows = {(r["stage"], r["reference"], r["timing"]): r
+            for r in headline.headline_rows({"hand": run})}
+    assert set(rows) == {("int8", "finetune", "same process")}
+    row = rows[("int8", "finetune", "same process")]
+    assert row["batch"] == 8 and row["latency_ratio"] == 0.5
+    assert row["size_ratio"] == 0.25 and round(row["accuracy_delta_pt"], 6) == -2.0
+    assert row["runtime"] == "PT2E int8 static, torch.compile"

@@ -132,7 +132,9 @@ def test_in_flight_never_exceeds_concurrency(server: FakeTorchServe) -> None:
         server.max_in_flight = 0
         result = run_load(server.url, concurrency=concurrency, requests=9, payloads=GOOD)
         assert result["ok"] == 9 and result["errors"] == 0
-        assert server.max_in_flight == concurrency
+        # never more than asked; with several workers, some overlap (2 cores: not always all)
+        assert 1 <= server.max_in_flight <= concurrency
+        assert concurrency == 1 or server.max_in_flight > 1
         assert result["batch_size_max"] <= concurrency
 
 
@@ -205,7 +207,7 @@ def test_sweep_ratio_none_when_nothing_succeeds() -> None:
                                  "http://localhost:8080/predictions/m",
                                  "http://[::1]:8080/predictions/m"])
 def test_check_loopback_accepts(url: str) -> None:
-    check_loopback(url)
+    assert check_loopback(url) is None  # no error for a loopback address
 
 
 @pytest.mark.parametrize("url,word", [("http://example.com:8080/", "example.com"),
@@ -215,7 +217,7 @@ def test_check_loopback_accepts(url: str) -> None:
 def test_check_loopback_rejects(url: str, word: str) -> None:
     with pytest.raises(UserError) as info:
         check_loopback(url)
-    assert len(info.value.messages) == 1
+    assert len(info.value.messages) == 1 and word in info.value.messages[0]
     message = info.value.messages[0]
     assert "\n" not in message and word in message and "127.0.0.1" in message
 

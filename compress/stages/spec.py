@@ -74,6 +74,7 @@ class StageSpec:
 
 
 _REGISTRY: dict[str, StageSpec] = {}
+_DISCOVERED: list[bool] = []  # set once every `*_spec` module has been imported
 
 
 def register(spec: StageSpec) -> StageSpec:
@@ -86,12 +87,13 @@ def register(spec: StageSpec) -> StageSpec:
 
 def all_specs() -> dict[str, StageSpec]:
     """Every registered stage kind, in listing order."""
-    if not _REGISTRY:
+    if not _DISCOVERED:  # a spec module imported directly registers only itself
         import compress.stages as package
 
         for info in pkgutil.iter_modules(package.__path__):
             if info.name.endswith("_spec"):
                 importlib.import_module(f"compress.stages.{info.name}")
+        _DISCOVERED.append(True)
     return dict(sorted(_REGISTRY.items(), key=lambda item: item[1].order))
 
 

@@ -57,3 +57,33 @@ def test_kind_modules_hold_the_kind_names() -> None:
                            text=True).stdout.splitlines()
     allowed = re.compile(r"^compress/(stages/(export|package)_spec\.py|__init__\.py):")
     assert found and all(allowed.match(line) for line in found), found
+
+
+def test_order_rules_come_from_the_specs(monkeypatch) -> None:
+    """A kind that needs another before it, or refuses one, is checked over the chain of
+    models it receives (leaves do not count), whatever the kind is called."""
+    from types import SimpleNamespace
+
+    from compress.stages import spec as spec_module
+    from compress.stages.chain import check_stage_order
+    from compress.stages.finetune_spec import FinetuneConfig
+
+    fake = dataclasses.replace(all_specs()["finetune"], kind="polish", needs_before=("distill",),
+                               refused_before=("prune",), order=99)
+    monkeypatch.setitem(spec_module._REGISTRY, "polish", fake)
+
+    def stage(kind, **extra):
+        return SimpleNamespace(kind=kind, name=None, **extra)
+
+    plain = SimpleNamespace(stages=[stage("finetune"), stage("polish")])
+    assert check_stage_order(plain) == [
+        "stages.1: a polish stage needs a distill stage before it"]
+    student = SimpleNamespace(layers=1, layer_indices=None, factory=None)
+    pruned = SimpleNamespace(stages=[stage("distill", student=student),
+                                     stage("prune", method="unstructured"),
+                                     stage("export", source=None, format="onnx"),
+                                     stage("polish")])
+    assert check_stage_order(pruned) == [
+        "stages.3: a polish stage cannot take the model of a prune stage; move it before "
+        "the prune stage"]
+    assert FinetuneConfig().kind == "finetune"

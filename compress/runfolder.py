@@ -108,6 +108,19 @@ def environment() -> dict[str, Any]:
     }
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's ISA flags (/proc/cpuinfo; empty where that cannot be read)."""
+    return _cpu_info()[1]
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX; assumed where the
+    flags cannot be read). Without it bf16 matrix products are emulated: on an AVX2-only
+    EPYC a MiniLM training step took 21 s under bf16 autocast, 1.5 s in fp32."""
+    flags = cpu_flags()
+    return not flags or bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
 def _cpu_info() -> tuple[str, set[str]]:
     model, flags = platform.processor() or "unknown", set()
     try:

@@ -45,12 +45,16 @@ class TrainResult:
     wall_s: float
     processes: int = 1
     param_digests: list[str] | None = None  # one per rank after a data-parallel run
+    bf16_fallback: bool = False  # bf16 was asked for on a CPU without bf16 instructions
 
     def figures(self) -> dict[str, Any]:
         """The training figures a stage records."""
-        return {"train_steps": self.steps, "train_loss": self.final_loss,
-                "train_examples_per_s": self.examples_per_s,
-                "resumed_from_step": self.resumed_from}
+        figures = {"train_steps": self.steps, "train_loss": self.final_loss,
+                   "train_examples_per_s": self.examples_per_s,
+                   "resumed_from_step": self.resumed_from}
+        if self.bf16_fallback:
+            figures["bf16_fallback"] = True
+        return figures
 
     def parallel_metrics(self) -> dict[str, Any]:
         """`train_processes`, and after a data-parallel run the proof that every rank
@@ -140,6 +144,12 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
 
     world, rank = (distributed.world_size(), distributed.rank()) if distributed.active() \
         else (1, 0)
+    from compress.runfolder import bf16_supported
+
+    bf16 = opts.bf16 and bf16_supported()
+    if opts.bf16 and not bf16 and rank == 0:
+        _say(f"{desc}: this CPU has no bf16 instructions (AVX512-BF16 or AMX), where bf16 "
+             f"autocast runs 10-20x slower than fp32; training in fp32 instead")
     torch.manual_seed(seed + rank)  # dropout differs per rank; weights come from rank 0
     steps = total_steps(len(examples), opts, world)
     warmup = int(opts.warmup_ratio * steps)
@@ -174,7 +184,7 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
                     sync = contextlib.nullcontext() if last or world == 1 \
                         else wrapped.no_sync()  # all-reduce once per optimizer step
                     with sync:
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                             loss = loss_fn(wrapped, inputs, labels) / opts.grad_accum_steps
                         loss.backward()
                     loss_value += float(loss.detach())
@@ -211,7 +221,8 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
     if digests and len(set(digests)) != 1:
         raise RuntimeError(f"data-parallel replicas diverged: parameter digests {digests}")
     return TrainResult(steps, start, round(loss_value, 6),
-                       round(seen * world / max(wall, 1e-9), 2), round(wall, 2), world, digests)
+                       round(seen * world / max(wall, 1e-9), 2), round(wall, 2), world, digests,
+                       bf16_fallback=opts.bf16 and not bf16)
 
 
 def save_checkpoint(folder: Path, key: str, step: int, model: nn.Module, optimizer,

@@ -97,3 +97,26 @@ def test_bf16_autocast_trains(tmp_path: Path) -> None:
                    checkpoint_dir=tmp_path, key="k")
     assert result.final_loss < 0.5
     assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay fp32
+
+
+@pytest.mark.parametrize("flags,fallback", [({"avx2"}, True), ({"avx2", "avx512_bf16"}, False)])
+def test_bf16_falls_back_to_fp32_without_bf16_instructions(flags, fallback, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    import compress.runfolder as runfolder
+
+    monkeypatch.setattr(runfolder, "cpu_flags", lambda: set(flags))
+    used = []
+    real = torch.autocast
+
+    def spy(*args, **kwargs):
+        used.append(kwargs.get("enabled"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", spy)
+    x = torch.rand(32, 1, 8, 8)
+    examples = Examples(labels=[i % 10 for i in range(32)], inputs=x)
+    result = train(mlp(64, 16, 10), examples, FinetuneConfig(max_steps=2, batch_size=16,
+                                                             bf16=True),
+                   seed=0, checkpoint_dir=tmp_path, key="k")
+    assert used and all(flag is (not fallback) for flag in used)
+    assert result.figures().get("bf16_fallback", False) is fallback

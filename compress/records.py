@@ -90,7 +90,7 @@ class Baseline(Record):
 class Manifest(Record):
     """A run folder's manifest."""
 
-    name: str
+    name: str = ""
     created: str | None = None
     updated: str | None = None
     recipe: dict[str, Any] = {}

@@ -63,7 +63,9 @@ def test_served_int8_and_fp32_answer_like_the_artifact_offline(
     got, expected, batches = _served_and_offline(
         run_dir / "04-package/bert_int8.mar", run_dir / "02-export/aoti", texts)
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()  # all 200
-    assert (got - expected).abs().max().item() <= 1e-3  # int8 kernels: padding may differ
+    # int8 kernels round differently with the padding of each batch: 1e-3 was measured on an
+    # AVX-512 VNNI machine, 0.0073 on an AVX2-only EPYC; every argmax is equal on both
+    assert (got - expected).abs().max().item() <= 1e-2
     assert max(batches) > 1
 
     onnx_dir = run_dir / "03-export/onnx"

@@ -23,7 +23,7 @@ from typing import Any
 
 from compress.harness import NOISY_SPREAD  # also cross-checks input timings
 from compress.records import Manifest, StageRecord, read_manifest
-from compress.runtimes import reference_index, runtime_label
+from compress.runtimes import producer, reference_index, runtime_label
 from compress.stages.spec import all_specs, spec_of
 
 SERVED_RECIPE = "bert_int8"
@@ -51,18 +51,6 @@ def _float_sibling(entry: StageRecord, manifest: Manifest) -> StageRecord | None
                 and (other.inputs[0].sha256 if other.inputs else None) == sha):
             return other
     return None
-
-
-def _producer(entry: StageRecord, manifest: Manifest) -> StageRecord | None:
-    """The stage whose output is this stage's input (matched by sha256), if any."""
-    sha = entry.inputs[0].sha256 if entry.inputs else None
-    found = None
-    for other in manifest.stages:
-        if other is entry:
-            break
-        if sha and any(out.sha256 == sha for out in other.outputs):
-            found = other
-    return found
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -137,14 +125,14 @@ def recipe_rows(recipe: str, run_dir: str | Path) -> list[dict[str, Any]]:
             continue
         if batch is None or f"latency_ms_b{batch}" not in entry.metrics:
             continue  # not a measured model
-        producer = _producer(entry, manifest)
+        made_by = producer(manifest, entry)
         pairs: list[tuple[StageRecord, bool]] = []
-        if producer is not None and producer.finished_ok:
-            pairs.append((producer, True))
-        if reference is not None and reference is not producer:
+        if made_by is not None and made_by.finished_ok:
+            pairs.append((made_by, True))
+        if reference is not None and reference is not made_by:
             pairs.append((reference, False))
         sibling = _float_sibling(entry, manifest) if _quantizing(entry) else None
-        if sibling is not None and sibling is not producer:
+        if sibling is not None and sibling is not made_by:
             pairs.append((sibling, False))
         for other, same in pairs:
             row = compare(recipe, entry, other, batch, same, manifest)

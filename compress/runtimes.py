@@ -33,16 +33,16 @@ def input_precision(manifest: Manifest, index: int) -> str | None:
     entry = manifest.stages[index] if index < len(manifest.stages) else None
     precision = None
     while entry is not None:
-        producer = _producer(manifest, entry)
-        if producer is None:
+        made_by = producer(manifest, entry)
+        if made_by is None:
             return precision
-        if producer.kind in all_specs():
-            precision = precision or spec_of(producer.kind).precision_of(producer.config)
-        entry = producer
+        if made_by.kind in all_specs():
+            precision = precision or spec_of(made_by.kind).precision_of(made_by.config)
+        entry = made_by
     return precision
 
 
-def _producer(manifest: Manifest, entry: StageRecord) -> StageRecord | None:
+def producer(manifest: Manifest, entry: StageRecord) -> StageRecord | None:
     """The stage whose output is `entry`'s input (matched by sha256), if any."""
     sha = entry.inputs[0].sha256 if entry.inputs else None
     found = None

@@ -110,7 +110,7 @@ def test_counts_concurrency_and_batch_sizes(server: FakeTorchServe) -> None:
     assert result["concurrency"] == 4 and result["requests"] == 20
     assert result["ok"] == 15 and result["errors"] == 5  # every 4th body is malformed
     assert server.received == 20
-    assert server.max_in_flight == 4
+    assert 1 < server.max_in_flight <= 4  # a bound: 2 cores do not always overlap all 4
     assert len(result["error_examples"]) == 3
     assert all(e.startswith("HTTP 400: ") and "not JSON" in e for e in result["error_examples"])
 

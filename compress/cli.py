@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -61,10 +62,11 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
       compress run recipes/bert_finetune.yaml stages.0.max_steps=50 data.eval.max_samples=200
       compress run recipes/cnn_digits.yaml --output-dir /tmp/runs --from-stage finetune
     """
-    from compress.pipeline import run_recipe
-
     extra = [f"output_dir={output_dir}"] if output_dir else []
-    parsed = load_recipe(recipe, list(overrides) + extra, check_sources=True)
+    parsed = load_recipe(recipe, list(overrides) + extra, check_sources=True)  # before torch
+    from compress.pipeline import check_hardware, run_recipe
+
+    check_hardware(parsed)  # here too, so torchrun is not launched for a run that cannot go
     if nproc and "WORLD_SIZE" not in os.environ:  # not yet inside torchrun: launch it
         from compress.launch import torchrun
 
@@ -76,6 +78,17 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
     run_dir = run_recipe(parsed, force=force, from_stage=from_stage)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"run folder: {run_dir}")
+    if "WORLD_SIZE" in os.environ:  # a torchrun rank whose work is saved: leave now
+        _leave_without_teardown()
+
+
+def _leave_without_teardown() -> None:
+    """Exit 0 without C++ static destructors: after the process group is gone, gloo's
+    threads can still abort the process at interpreter exit ("terminate called without
+    an active exception", SIGABRT), which torchrun reports as a failed job."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @cli.command()
@@ -93,24 +106,41 @@ def validate(items: tuple[str, ...]) -> None:
     from compress.stages.chain import hardware_needed
     from compress.stages.spec import HARDWARE
 
-    overrides = [i for i in items if "=" in i and not Path(i).exists()]
-    recipes = [i for i in items if i not in overrides]
+    overrides = [i for i in items if _is_override(i)]
+    recipes = [i for i in items if not _is_override(i)]
     if not recipes:
         raise click.UsageError("give at least one recipe file")
-    problems: list[str] = []
-    for path in recipes:
+    failed = 0
+    for path in recipes:  # every file is checked; its problems are printed as it is done
         try:
             parsed = load_recipe(path, overrides, check_sources=True)
         except UserError as exc:
-            problems += [f"{path}: {m}" if not m.startswith(path) else m for m in exc.messages]
+            failed += 1
+            for message in exc.messages:
+                click.echo(f"error: {_located(path, message)}", err=True)
             continue
         kinds = " -> ".join(s.name or s.kind for s in parsed.stages) or "no stages"
         click.echo(f"{path}: ok ({parsed.name}: {kinds})")
         for i, need in hardware_needed(parsed):
-            click.echo(f"{path}: note: the run will need {HARDWARE[need][0]} "
-                       f"(stages.{i} {parsed.stages[i].kind})")
-    if problems:
-        raise UserError(problems)
+            text, present = HARDWARE[need]
+            missing = "" if present() else "; none found on this machine"
+            click.echo(f"{path}: note: the run will need {text} "
+                       f"(stages.{i} {parsed.stages[i].kind}){missing}")
+    if failed:
+        raise SystemExit(UserError.exit_code)
+
+
+def _is_override(item: str) -> bool:
+    """KEY=VALUE (a dotted key) and not an existing file: an override, else a recipe path."""
+    return bool(re.match(r"[A-Za-z_][\w.-]*=", item)) and not Path(item).is_file()
+
+
+def _located(path: str, message: str) -> str:
+    """`path: message`, the file named once and as the user spelled it."""
+    for spelled in (path, str(Path(path))):
+        if message.startswith(spelled + ":"):
+            return path + message[len(spelled):]
+    return f"{path}: {message}"
 
 
 @cli.command()
@@ -157,7 +187,7 @@ for _command in (report, bench, compare, serve, loadtest):
 def main() -> None:
     """Entry point: run the CLI and turn our errors into exit codes without tracebacks."""
     try:
-        cli.main(standalone_mode=False)
+        code = cli.main(standalone_mode=False)  # a command's ctx.exit(n) returns n here
     except click.exceptions.Abort:  # Ctrl-C or SIGTERM (torchrun stopping a rank)
         click.echo("interrupted: re-run the same command to resume", err=True)
         sys.exit(130)
@@ -178,23 +208,31 @@ def main() -> None:
         click.echo("interrupted: re-run the same command to resume", err=True)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - a bug: one line here, the traceback in a log
-        click.echo(f"error: {one_line(exc)} (details in {_write_crash_log()})", err=True)
+        log = _write_crash_log()
+        where = f"details in {log}" if log else "no log could be written"
+        click.echo(f"error: {one_line(exc)} ({where})", err=True)
         sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
-def _write_crash_log() -> Path:
-    """Write the current exception's traceback to a log file; its path."""
+def _write_crash_log() -> Path | None:
+    """Write the current exception's traceback and command line to a log file; its path
+    ($COMPRESS_STATE_DIR/logs, ~/.local/state/compress/logs, else the temp folder)."""
     import tempfile
     import time
     import traceback
 
     base = os.environ.get("COMPRESS_STATE_DIR") or os.path.expanduser("~/.local/state/compress")
     name = f"compress-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    argv = [re.sub(r"^(--token=).*", r"\1***", a) for a in sys.argv]
+    argv = ["***" if i and argv[i - 1] == "--token" else a for i, a in enumerate(argv)]
+    text = f"command: {' '.join(argv)}\n\n{traceback.format_exc()}"
     for folder in (Path(base) / "logs", Path(tempfile.gettempdir())):
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(traceback.format_exc())
+            (folder / name).write_text(text)
             return folder / name
         except OSError:
             continue
-    return Path(name)
+    return None

@@ -88,7 +88,13 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
       compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --concurrency 1,32 \\
           --requests 500 --token TOKEN
     """
-    from serve.loadtest import format_table, load_payloads, record_result, sweep
+    from serve.loadtest import (
+        failure_summary,
+        format_table,
+        load_payloads,
+        record_result,
+        sweep,
+    )
     from serve.server import token_of
 
     try:
@@ -102,8 +108,6 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
     click.echo(format_table(result))
     if run_dir:
         click.echo(f"written: {record_result(run_dir, result)}")
-    failed = sum(r.get("errors", 0) for r in result.get("runs", []))
-    sent = sum(r.get("requests", 0) for r in result.get("runs", []))
-    if failed:
-        hint = "" if token else " (is token authorization on? pass --token or --run RUN_DIR)"
-        raise CompressError(f"{failed} of {sent} requests failed{hint}")
+    summary = failure_summary(result, credentials=bool(token or run_dir))
+    if summary:
+        raise CompressError(summary)

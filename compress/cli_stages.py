@@ -4,9 +4,11 @@ allowed values, bounds, real defaults and descriptions (no torch import)."""
 from __future__ import annotations
 
 import difflib
+import shutil
+import textwrap
 import types
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel
 
@@ -14,6 +16,8 @@ from compress.errors import UserError
 from compress.stages.spec import all_specs
 
 BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+SECTION = "section"  # the type shown for a nested group of options
+COLUMN_CAPS = (28, 18, 24)  # widest aligned name, type and default columns
 
 
 def describe_kinds(kind: str | None = None) -> list[dict[str, Any]]:
@@ -25,67 +29,130 @@ def describe_kinds(kind: str | None = None) -> list[dict[str, Any]]:
         hint = f" (did you mean '{close[0]}'?)" if close else f" (kinds: {', '.join(specs)})"
         raise UserError(f"no stage kind '{kind}'{hint}")
     chosen = [specs[kind]] if kind else list(specs.values())
-    return [{"kind": s.kind, "doc": s.doc(), "options": options_of(s.config)} for s in chosen]
+    return [{"kind": s.kind, "doc": _first_paragraph(s.config.__doc__) or s.doc(),
+             "options": options_of(s.config)} for s in chosen]
 
 
-def options_of(model: type[BaseModel], prefix: str = "") -> list[dict[str, Any]]:
-    """The fields of a config class, nested config sections flattened to dotted names."""
+def options_of(model: type[BaseModel], prefix: str = "",
+               section_default: BaseModel | None = None) -> list[dict[str, Any]]:
+    """The fields of a config class, nested config sections flattened to dotted names
+    (a section's own line comes first, then its options). Inside a section whose default is
+    built by a factory (quantize's `qat`), `default` is what applies when the section is left
+    out and `default_in_section` what applies to a key left out of a written section, when
+    the two differ."""
     out = []
     for name, field in model.model_fields.items():
         if name == "kind":
             continue
         nested = _nested_model(field.annotation)
-        default = None if field.is_required() else field.get_default(call_default_factory=True)
-        if isinstance(default, BaseModel):
-            default = default.model_dump(mode="json")
-        out.append({"name": prefix + name, "type": _type_name(field.annotation),
-                    "allowed": _allowed(field.annotation), "bounds": _bounds(field.metadata),
-                    "default": default, "required": field.is_required(),
-                    "description": field.description or ""})
+        required = field.is_required()
+        value = None if required else field.get_default(call_default_factory=True)
+        option = {"name": prefix + name, "type": _type_name(field.annotation),
+                  "allowed": _allowed(field.annotation),
+                  "bounds": _bounds([*field.metadata, *_inner_metadata(field.annotation)]),
+                  "default": _plain(value), "required": required,
+                  "description": field.description
+                  or (_first_paragraph(nested.__doc__) if nested else "")}
+        if section_default is not None:
+            value = getattr(section_default, name)
+            if _plain(value) != option["default"]:
+                option["default_in_section"] = option["default"]
+                option["default"], option["required"] = _plain(value), False
+        out.append(option)
         if nested is not None:
-            out += options_of(nested, f"{prefix}{name}.")
+            inner = value if isinstance(value, BaseModel) else None
+            out += options_of(nested, f"{prefix}{name}.", inner)
     return out
 
 
-def render_kinds(described: list[dict[str, Any]]) -> str:
-    """The terminal listing: one block per kind, one line per option."""
-    lines = []
+def _plain(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
+def render_kinds(described: list[dict[str, Any]], width: int | None = None) -> str:
+    """The terminal listing: per kind its doc, then per option one aligned line (name, type,
+    default, allowed values and bounds) and its description wrapped beneath."""
+    width = width or max(60, min(110, shutil.get_terminal_size((100, 24)).columns))
+    lines: list[str] = []
     for item in described:
-        lines.append(f"{item['kind']}: {item['doc']}")
-        for opt in item["options"]:
-            default = "required" if opt["required"] else f"default {opt['default']!r}"
-            if opt["type"] == "section":
-                default = "options below" if not opt["required"] else "required, below"
-            extra = []
-            if opt["allowed"]:
-                extra.append("one of: " + ", ".join(map(str, opt["allowed"])))
-            if opt["bounds"]:
-                extra.append(", ".join(opt["bounds"]))
-            note = f" [{'; '.join(extra)}]" if extra else ""
-            lines.append(f"  {opt['name']:<24} {opt['type']:<16} {default:<22} "
-                         f"{opt['description']}{note}")
+        lines += textwrap.wrap(f"{item['kind']}: {item['doc']}", width,
+                               subsequent_indent=" " * (len(item["kind"]) + 2))
+        rows = [(opt["name"], opt["type"], _default_text(opt), _limits_text(opt))
+                for opt in item["options"]]
+        widths = [min(cap, max((len(row[i]) for row in rows), default=0))
+                  for i, cap in enumerate(COLUMN_CAPS)]  # a longer cell shifts its line only
+        for opt, row in zip(item["options"], rows, strict=True):
+            cells = [cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)]
+            line = "  " + "  ".join([*cells, row[3]])
+            below = [opt["description"]]
+            if len(line.rstrip()) > width:  # the limits go beneath, before the description
+                line, below = "  " + "  ".join(cells), [row[3], *below]
+            lines.append(line.rstrip())
+            for text in filter(None, below):
+                lines += textwrap.wrap(text, width, initial_indent=" " * 6,
+                                       subsequent_indent=" " * 6)
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip() + "\n"
 
 
-def _strip_optional(annotation: Any) -> list[Any]:
+def _default_text(opt: dict[str, Any]) -> str:
+    if opt["type"].startswith(SECTION):
+        return "required, options below" if opt["required"] else "options below"
+    text = "required" if opt["required"] else f"default {opt['default']!r}"
+    if "default_in_section" in opt:
+        section = opt["name"].rsplit(".", 1)[0]
+        text += f" ({opt['default_in_section']!r} if a {section}: section is written)"
+    return text
+
+
+def _limits_text(opt: dict[str, Any]) -> str:
+    parts = []
+    if opt["allowed"]:
+        parts.append("one of: " + ", ".join(map(str, opt["allowed"])))
+    if opt["bounds"]:
+        parts.append(", ".join(opt["bounds"]))
+    return "; ".join(parts)
+
+
+def _first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph on one line."""
+    paragraph = (doc or "").strip().split("\n\n")[0]
+    return " ".join(paragraph.split())
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The members of a union (None left out), Annotated unwrapped; else [annotation]."""
+    if typing.get_origin(annotation) is Annotated:
+        return _members(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return [a for a in typing.get_args(annotation) if a is not type(None)]
+        return [m for a in typing.get_args(annotation) if a is not type(None)
+                for m in _members(a)]
     return [annotation]
 
 
+def _inner_metadata(annotation: Any) -> list[Any]:
+    """Constraints written inside the annotation, e.g. `Annotated[int, Field(ge=1)] | None`
+    (pydantic lifts only the outermost Annotated into field.metadata)."""
+    found = []
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (
+        typing.Union, types.UnionType) else ()
+    for arg in args:
+        if typing.get_origin(arg) is Annotated:
+            for extra in typing.get_args(arg)[1:]:
+                found += getattr(extra, "metadata", None) or [extra]
+    return found
+
+
 def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    for arg in _strip_optional(annotation):
+    for arg in _members(annotation):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
     return None
 
 
 def _allowed(annotation: Any) -> list[Any]:
-    for arg in _strip_optional(annotation):
-        if typing.get_origin(arg) is Literal:
-            return list(typing.get_args(arg))
-    return []
+    return [value for arg in _members(annotation) if typing.get_origin(arg) is Literal
+            for value in typing.get_args(arg)]
 
 
 def _bounds(metadata: list[Any]) -> list[str]:
@@ -94,14 +161,24 @@ def _bounds(metadata: list[Any]) -> list[str]:
 
 
 def _type_name(annotation: Any) -> str:
-    if typing.get_origin(annotation) is Literal:
-        return "str"
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return "section"
+    """A type as a user writes it: int, list[str], int | None, section (nested options)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _type_name(typing.get_args(annotation)[0])
+    if origin is Literal:
+        names = dict.fromkeys(type(v).__name__ for v in typing.get_args(annotation))
+        return " | ".join(names)
+    if origin in (typing.Union, types.UnionType):
+        names = dict.fromkeys(_type_name(a) for a in typing.get_args(annotation))
+        return " | ".join(names)
     if annotation is type(None):
         return "None"
-    text = getattr(annotation, "__name__", None) if typing.get_origin(annotation) is None \
-        else str(annotation)
-    return (text or str(annotation)).replace("typing.", "")
+    if annotation is Any:
+        return "any"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return SECTION
+    if origin is not None:
+        args = typing.get_args(annotation)
+        name = getattr(origin, "__name__", str(origin).replace("typing.", ""))
+        return f"{name}[{', '.join(_type_name(a) for a in args)}]" if args else name
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))

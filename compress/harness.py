@@ -49,10 +49,15 @@ def time_call(fn: Callable[[], Any], warmup: int, iters: int) -> dict[str, float
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1000)
-    samples.sort()
-    median = statistics.median(samples)
-    p90 = samples[min(len(samples) - 1, round(0.9 * (len(samples) - 1)))]
-    return {"p50": median, "p90": p90, "min": samples[0],
+    return summarize(samples)
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    """Median, p90, min and noisy (p90 more than NOISY_SPREAD above the median) of timings."""
+    ordered = sorted(samples)
+    median = statistics.median(ordered)
+    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+    return {"p50": median, "p90": p90, "min": ordered[0],
             "noisy": bool(median and (p90 - median) / median > NOISY_SPREAD)}
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from compress.data import DataBundle
+import torch
+
+from compress.data import DataBundle, Examples, iterate
 from compress.evaluate import evaluate, logits_of
-from compress.harness import example_inputs, measure_latency
+from compress.harness import example_inputs, fixed_threads, measure_latency, summarize
 from compress.models import ModelBundle, count_params, sparsity
 
 
@@ -23,6 +26,10 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe,
                            data.max_length, data.num_labels)
     if cfg.latency.enabled:
         metrics.update(latency_of(bundle, recipe))
+        if bundle.is_text and cfg.latency.real_lengths:
+            metrics.update(real_latency(bundle, data.splits["eval"], cfg.latency.batch_sizes,
+                                        data.max_length, cfg.latency.threads,
+                                        warmup=cfg.latency.warmup))
     metrics["params"] = count_params(bundle.model)
     metrics["sparsity"] = round(sparsity(bundle.model), 6)
     return metrics
@@ -59,6 +66,39 @@ def latency_sweep(bundle: ModelBundle, lat) -> dict[str, Any]:
         metrics.update(extra)
     if noisy_pairs:
         metrics["latency_noisy_pairs"] = noisy_pairs
+    return metrics
+
+
+def real_latency(bundle: ModelBundle, examples: Examples, batch_sizes: list[int],
+                 max_length: int, threads: int | None = None, limit: int | None = None,
+                 warmup: int = 3) -> dict[str, Any]:
+    """Latency at real lengths: the split's own sentences (the first `limit`) in batches of
+    N, in order, each padded to its longest (what a served model sees). Per batch size:
+    `latency_ms_b{N}_real` (median ms per batch), `..._real_p90`, `real_tokens_b{N}` (mean
+    padded length) and `real_items_per_s_b{N}` (sentences / total time). Text models only;
+    tokenizing is done before timing, the first `warmup` batches are run untimed."""
+    if examples.texts is None or bundle.tokenizer is None or not len(examples):
+        return {}
+    model = bundle.model.eval()
+    count = len(examples) if limit is None else min(limit, len(examples))
+    metrics: dict[str, Any] = {}
+    with fixed_threads(threads), torch.inference_mode():
+        for batch in batch_sizes:
+            batches = [inputs for inputs, _ in iterate(examples, batch, bundle.tokenizer,
+                                                       max_length, list(range(count)))]
+            for inputs in batches[:warmup]:
+                logits_of(model, inputs)
+            samples = []
+            for inputs in batches:
+                start = time.perf_counter()
+                logits_of(model, inputs)
+                samples.append((time.perf_counter() - start) * 1000)
+            stats = summarize(samples)
+            metrics[f"latency_ms_b{batch}_real"] = round(stats["p50"], 3)
+            metrics[f"latency_ms_b{batch}_real_p90"] = round(stats["p90"], 3)
+            metrics[f"real_tokens_b{batch}"] = round(
+                sum(b["input_ids"].shape[1] for b in batches) / len(batches), 1)
+            metrics[f"real_items_per_s_b{batch}"] = round(1000 * count / sum(samples), 1)
     return metrics
 
 

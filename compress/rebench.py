@@ -146,11 +146,16 @@ def _run_child(run_dir: Path, artifact: dict[str, Any], latency: dict[str, Any],
             "config": artifact["config"], "latency": latency,
             "threads_override": threads,
             "sys_path": [p for p in sys.path if p]}
+    return run_json_child([sys.executable, "-m", "compress.rebench", json.dumps(spec)])
+
+
+def run_json_child(command: list[str]) -> dict[str, Any]:
+    """The JSON line a child process printed last (see `child_main`), or {"error": one
+    line}: its own error, else the last line of its stderr and its exit code."""
     try:
-        done = subprocess.run([sys.executable, "-m", "compress.rebench", json.dumps(spec)],
-                              capture_output=True, text=True, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
     except OSError as exc:
-        return {"error": f"cannot start {sys.executable}: {exc}"}
+        return {"error": f"cannot start {command[0]}: {exc}"}
     answer = _last_json_line(done.stdout)
     if answer is not None and "error" not in answer and done.returncode == 0:
         return answer
@@ -219,14 +224,16 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     return {**metrics, "load_s": load_s, "folder": spec["folder"], "pid": os.getpid()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m compress.rebench SPEC_JSON`: print one JSON line (figures or error)."""
+def child_main(handle: Callable[[dict[str, Any]], dict[str, Any]],
+               argv: list[str] | None = None) -> int:
+    """A child process's entry: `handle(SPEC_JSON)` with stdout sent to stderr, then one
+    JSON line on stdout (its figures, or {"error": one line} and exit code 1)."""
     argv = sys.argv[1:] if argv is None else argv
     out = sys.stdout
     try:
         spec = json.loads(argv[0])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answer only
-            answer = child(spec)
+            answer = handle(spec)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
         import traceback
 
@@ -235,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(answer), file=out, flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m compress.rebench SPEC_JSON`: print one JSON line (figures or error)."""
+    return child_main(child, argv)
 
 
 if __name__ == "__main__":

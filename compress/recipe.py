@@ -91,6 +91,9 @@ class LatencyConfig(StrictModel):
     seq_lens: list[Annotated[int, Field(ge=1, le=1_000_000)]] | None = Field(
         None, description="Extra text sequence lengths to time besides seq_len."
     )
+    real_lengths: bool = Field(
+        True, description="Also time text models on the eval split's own sentences, in "
+        "batches of each batch size padded per batch (latency_ms_bN_real).")
 
     @model_serializer(mode="wrap")
     def _drop_unset_seq_lens(self, handler) -> dict[str, Any]:
@@ -98,6 +101,8 @@ class LatencyConfig(StrictModel):
         data = handler(self)
         if isinstance(data, dict) and data.get("seq_lens") is None:
             data.pop("seq_lens", None)
+        if isinstance(data, dict) and data.get("real_lengths") is True:
+            data.pop("real_lengths", None)  # the default: earlier cache keys stay valid
         return data
 
 

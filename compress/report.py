@@ -104,6 +104,8 @@ def _derive(row: dict[str, Any], ref: dict | None, batches: list[int]) -> None:
             row[f"items_per_s_b{b}"] = round(1000 * b / median, 1)
             if r.get(f"latency_ms_b{b}"):
                 row[f"speedup_b{b}"] = round(r[f"latency_ms_b{b}"] / median, 2)
+        if m.get(f"latency_ms_b{b}_real"):
+            row[f"real_ms_b{b}"] = m[f"latency_ms_b{b}_real"]
     if m.get("latency_noisy_batches"):
         row["noisy"] = m["latency_noisy_batches"]
 

@@ -25,6 +25,9 @@ def columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
     cols = list(COLUMNS)
     for b in report["batch_sizes"]:
         cols.append((f"p50_ms_b{b}", f"b{b} ms p50/p90", 2, "low"))
+    for b in report["batch_sizes"]:  # the eval split's own sentences, padded per batch
+        if any(r.get(f"real_ms_b{b}") for r in report["rows"]):
+            cols.append((f"real_ms_b{b}", f"b{b} real-length ms", 2, "low"))
     if report["batch_sizes"]:
         top = max(report["batch_sizes"])
         if any(r.get(f"fresh_p50_ms_b{top}") for r in report["rows"]):
@@ -84,7 +87,9 @@ def header_lines(report: dict[str, Any]) -> list[str]:
                      f"(compress bench, {report['fresh'].get('measured')})")
     if report["reference"]:
         lines.append(f"Δ, size × and speedup against: {report['reference']}; latency is the "
-                     f"median (p50) and p90 per batch at sequence length {report['seq_len']}")
+                     f"median (p50) and p90 per batch at sequence length {report['seq_len']}; "
+                     f"real-length: the eval split's sentences in order, padded per batch, "
+                     f"median per batch")
     return lines
 
 

@@ -54,7 +54,10 @@ class Runner:
             baseline=old.baseline if old else None,
             stages=old.stages if old else [],
         )
-        text = yaml.safe_dump(self.recipe.model_dump(mode="json"), sort_keys=False)
+        # the recipe as given (after overrides): it loads back with `load_recipe`, where
+        # defaults written out would read as options set for a format they do not fit
+        text = yaml.safe_dump(self.recipe.model_dump(mode="json", exclude_unset=True),
+                              sort_keys=False)
         atomic_write_text(self.run_dir / "recipe.yaml", text)
         self.save()
 

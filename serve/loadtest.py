@@ -13,10 +13,12 @@ Batch sizes come from the ``X-Batch-Size`` response header, when the handler set
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import math
 import threading
 import time
+from collections import Counter
 from urllib.parse import urlsplit
 
 from compress.errors import UserError
@@ -30,12 +32,8 @@ BATCH_HEADER = "X-Batch-Size"
 
 # Failures that mean "the server closed an idle keep-alive connection": on a reused connection
 # the request is sent once more on a fresh one before it counts as an error.
-_STALE_CONNECTION_ERRORS = (
-    http.client.RemoteDisconnected,
-    ConnectionResetError,
-    BrokenPipeError,
-    ConnectionAbortedError,
-)
+_STALE_CONNECTION_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError,
+                            BrokenPipeError, ConnectionAbortedError)
 
 
 def check_loopback(url: str) -> None:
@@ -77,15 +75,11 @@ def _check_args(url: str, concurrency: int, requests: int, payloads: list[bytes]
 
 
 def _percentile(sorted_values: list[float], p: float) -> float | None:
-    """Nearest-rank percentile of already sorted values; None when there are none."""
+    """Nearest-rank percentile of already sorted values, rounded to 0.01; None when empty."""
     if not sorted_values:
         return None
     rank = max(1, math.ceil(p / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def _round(value: float | None, digits: int = 2) -> float | None:
-    return None if value is None else round(value, digits)
+    return round(sorted_values[rank - 1], 2)
 
 
 class _Worker:
@@ -99,6 +93,7 @@ class _Worker:
         self.batch_headers: list[str] = []
         self.errors = 0
         self.error_examples: list[str] = []
+        self.error_kinds: Counter[str] = Counter()  # "HTTP 401" or an exception's type
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.conn is None:
@@ -149,7 +144,7 @@ class _Worker:
             status, data, batch = self._post(path, body, headers)
         except Exception as exc:  # any failure is one counted error
             if record:
-                self._error(f"{type(exc).__name__}: {exc}")
+                self._error(type(exc).__name__, f"{type(exc).__name__}: {exc}")
             return
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         if not record:
@@ -160,10 +155,11 @@ class _Worker:
                 self.batch_headers.append(batch.strip())
         else:
             text = data[:200].decode("utf-8", errors="replace")
-            self._error(f"HTTP {status}: {text}")
+            self._error(f"HTTP {status}", f"HTTP {status}: {text}")
 
-    def _error(self, text: str) -> None:
+    def _error(self, kind: str, text: str) -> None:
         self.errors += 1
+        self.error_kinds[kind] += 1
         if len(self.error_examples) < MAX_ERROR_EXAMPLES:
             self.error_examples.append(" ".join(text.split())[:240])
 
@@ -172,9 +168,7 @@ class _Counter:
     """A thread-safe ticket dispenser: next() gives 0, 1, ... up to limit - 1, then None."""
 
     def __init__(self, limit: int):
-        self.limit = limit
-        self.value = 0
-        self.lock = threading.Lock()
+        self.limit, self.value, self.lock = limit, 0, threading.Lock()
 
     def next(self) -> int | None:
         with self.lock:
@@ -185,23 +179,17 @@ class _Counter:
 
 
 def _batch_stats(values: list[str]) -> tuple[dict[str, int], float | None, int | None]:
-    counts: dict[str, int] = {}
-    for value in values:
-        counts[value] = counts.get(value, 0) + 1
-
     def order(key: str) -> tuple[int, float, str]:
         try:
             return (0, float(key), key)
         except ValueError:
             return (1, 0.0, key)
 
-    counts = {k: counts[k] for k in sorted(counts, key=order)}
-    numbers = []
+    counts = dict(sorted(Counter(values).items(), key=lambda item: order(item[0])))
+    numbers: list[int] = []
     for value in values:
-        try:
+        with contextlib.suppress(ValueError):
             numbers.append(int(value))
-        except ValueError:
-            continue
     if not numbers:
         return counts, None, None
     return counts, round(sum(numbers) / len(numbers), 2), max(numbers)
@@ -260,20 +248,17 @@ def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
     batch_sizes, batch_mean, batch_max = _batch_stats([b for w in workers
                                                        for b in w.batch_headers])
     ok = len(latencies)
+    kinds: Counter[str] = sum((w.error_kinds for w in workers), Counter())
     return {
-        "concurrency": concurrency,
-        "requests": requests,
-        "ok": ok,
-        "errors": sum(w.errors for w in workers),
-        "error_examples": examples,
+        "concurrency": concurrency, "requests": requests, "ok": ok,
+        "errors": sum(w.errors for w in workers), "error_examples": examples,
+        "error_kinds": dict(kinds.most_common()),  # "HTTP 401" or an exception type -> count
         "wall_s": round(wall_s, 3),
         "throughput_rps": round(ok / wall_s, 2) if wall_s > 0 else 0.0,
-        "latency_ms_p50": _round(_percentile(latencies, 50)),
-        "latency_ms_p90": _round(_percentile(latencies, 90)),
-        "latency_ms_p99": _round(_percentile(latencies, 99)),
-        "batch_sizes": batch_sizes,
-        "batch_size_mean": batch_mean,
-        "batch_size_max": batch_max,
+        "latency_ms_p50": _percentile(latencies, 50),
+        "latency_ms_p90": _percentile(latencies, 90),
+        "latency_ms_p99": _percentile(latencies, 99),
+        "batch_sizes": batch_sizes, "batch_size_mean": batch_mean, "batch_size_max": batch_max,
     }
 
 
@@ -289,6 +274,22 @@ def sweep(url: str, concurrencies: list[int], requests: int, payloads: list[byte
     runs = [run_load(url, c, requests, payloads, headers=headers, timeout=timeout,
                      warmup=warmup) for c in concurrencies]
     return {"url": url, "runs": runs, "throughput_ratio": _ratio(runs)}
+
+
+def failure_summary(result: dict, credentials: bool) -> str | None:
+    """`N of M requests failed (first: ...)` for a sweep or run_load result (None when all
+    succeeded), with a hint when every request got HTTP 401 and no --token/--run was given."""
+    runs = result.get("runs", [result])
+    failed, sent = sum(r.get("errors", 0) for r in runs), sum(r.get("requests", 0) for r in runs)
+    if not failed:
+        return None
+    first = next((e for r in runs for e in r.get("error_examples", [])), "no example kept")
+    line = f"{failed} of {sent} requests failed (first: {first[:100].rstrip()}" + (
+        "...)" if len(first) > 100 else ")")
+    if not credentials and sum(r.get("error_kinds", {}).get("HTTP 401", 0) for r in runs) == sent:
+        line += ("; the server has token authorization on: pass --token TOKEN or --run RUN_DIR "
+                 "(the run folder it serves)")
+    return line
 
 
 from serve.loadtest_report import (  # noqa: E402,F401 (the load test's API)

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from compress.errors import UserError
-from compress.records import require_manifest
+from compress.records import MANIFEST, require_manifest
 from serve.package import worker_threads
 from serve.server_state import (  # noqa: F401 (the server's API)
     KEY_FILE,
@@ -58,23 +58,26 @@ class ServeTarget:
 
 
 def resolve_target(path: str | Path) -> ServeTarget:
-    """A run folder (its latest package stage) or a `.mar` file, as a ServeTarget."""
+    """A run folder or a `.mar` file, as a ServeTarget. In a run folder it is the archive of
+    the latest finished stage whose first output is a `.mar` (read through the typed
+    manifest, so a corrupt manifest is a one-line UserError)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".mar":
         return ServeTarget(path.resolve(), _mar_model_name(path), path.resolve().with_suffix(
             ".serve"))
-    if not (path / "manifest.json").is_file():
-        raise UserError(f"{path}: neither a run folder (no manifest.json) nor a .mar file")
+    if not (path / MANIFEST).is_file():
+        raise UserError(f"{path}: neither a run folder (no {MANIFEST}) nor a .mar file")
     manifest = require_manifest(path)
-    archives = [s.outputs[0] for s in manifest.stages
+    archives = [(s, s.outputs[0]) for s in manifest.stages
                 if s.finished_ok and s.outputs and s.outputs[0].format == "mar"]
     if not archives:
         raise UserError(f"{path}: the run has no finished package stage; add "
                         f"{{kind: package}} after an export stage and run the recipe again")
-    record = archives[-1]
-    mar = (path / record.path).resolve()
-    if not mar.is_file():
-        raise UserError(f"{mar}: the run's archive is missing; run the recipe again")
+    stage, record = archives[-1]
+    mar = (path / (record.path or "")).resolve()
+    if not record.path or not mar.is_file():
+        raise UserError(f"{mar}: the archive of stage {stage.name} (stages.{stage.index}) is "
+                        f"missing; run the recipe again to make it")
     model_name = getattr(record, "model_name", None)
     return ServeTarget(mar, model_name or _mar_model_name(mar), path.resolve() / "serve")
 

@@ -107,6 +107,18 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
+def text_recipe(tmp_path: Path, model: Path, stages: list[dict]) -> Path:
+    """A recipe file of `model` on the word-sentiment tables with these stages."""
+    data = write_sentiment_tables(tmp_path / "data")
+    raw = {"name": "bf16", "model": {"source": str(model)},
+           "data": {"source": str(data), "text_column": "sentence", "label_column": "label",
+                    "eval": {"split": "validation"}},
+           "stages": stages, "output_dir": str(tmp_path / "runs")}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
 def digits_recipe(out: Path, **stage) -> dict:
     """A seconds-long recipe: an MLP on digits, one finetune stage."""
     finetune = {"kind": "finetune", "epochs": 3, "batch_size": 32, "learning_rate": 0.01,

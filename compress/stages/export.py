@@ -61,7 +61,7 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     figures = parity.compare(bundle.model, exported.model, examples, evaluation.batch_size,
                              bundle.tokenizer, ctx.data.max_length, ctx.data.num_labels)
     (final / "parity.json").write_text(json.dumps(figures, indent=2))
-    tolerance, agreement, max_drop = bounds(cfg, bundle.kind)
+    tolerance, agreement, max_drop = bounds(cfg, bundle.kind, _float_dtype(bundle))
     ctx.metrics.update(figures)
     if partial:
         for key in ("accuracy", "macro_f1"):  # not the whole split: measured again after
@@ -83,13 +83,23 @@ def reload(folder: Path, config: dict[str, Any], threads: int | None,
     return load_export(folder, override or config.get("threads") or threads)
 
 
-def bounds(cfg: ExportConfig, source_kind: str) -> tuple[float | None, float, float | None]:
+def _float_dtype(bundle: ModelBundle) -> str:
+    """The dtype of the model's first floating parameter ("float32" when it has none)."""
+    import torch
+
+    floats = (p.dtype for p in bundle.model.parameters() if p.is_floating_point())
+    return str(next(floats, torch.float32)).removeprefix("torch.")
+
+
+def bounds(cfg: ExportConfig, source_kind: str, dtype: str = "float32"
+           ) -> tuple[float | None, float, float | None]:
     """(max-abs logit tolerance, minimum argmax agreement, largest accuracy drop in points)
     for this export; None means unchecked.
 
     Exports that change precision (ONNX Runtime int8, TensorRT fp16) and exports of an int8
-    model (whose in-process kernels round differently) are held to agreement only."""
-    lossy = cfg.quantizes or source_kind == "pt2e"
+    model or a bf16 one (whose in-process kernels round differently) are held to agreement
+    only."""
+    lossy = cfg.quantizes or source_kind == "pt2e" or dtype != "float32"
     tolerance = cfg.tolerance
     if tolerance is None and not lossy:
         tolerance = parity.LOSSLESS_TOLERANCE[cfg.format]

@@ -51,9 +51,10 @@ class ExportConfig(StrictModel):
     threads: int | None = Field(
         None, ge=1, le=4096,
         description="Intra-op threads of the runtime (default: the latency threads).")
-    opset: int = Field(18, ge=17, le=23, description="ONNX opset (18: the dynamo exporter's own).")
+    opset: int = Field(18, ge=17, le=23, description="ONNX opset.")
     exporter: Literal["auto", "dynamo", "torchscript"] = Field(
-        "auto", description="ONNX exporter: auto tries dynamo, then the TorchScript-based one.")
+        "auto", description="ONNX exporter: auto tries the TorchScript-based one (the graph "
+        "ONNX Runtime runs fastest), then dynamo.")
     optimize: bool = Field(
         False, description="ONNX: fuse attention and layer norms with ONNX Runtime's "
         "transformer optimizer.")

@@ -39,6 +39,6 @@ def _runtime(config: dict, metrics: dict) -> str:
 
 SPEC = register(StageSpec(
     kind="quantize", config=QuantizeConfig, runner="compress.stages.quantize:run", order=40,
-    splits=_splits, refused_before=("quantize",), precision=lambda cfg: "int8",
+    splits=_splits, refused_before=("quantize", "precision"), precision=lambda cfg: "int8",
     runtime=_runtime, reload="compress.stages.quantize:reload",
 ))

@@ -122,6 +122,15 @@ def cuda_device_present() -> bool:
     return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
 
 
+def bf16_cpu_present() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    from compress.runfolder import bf16_supported
+
+    return bf16_supported()
+
+
 HARDWARE: dict[str, tuple[str, Callable[[], bool]]] = {
     "cuda": ("a CUDA GPU", cuda_device_present),
+    "bf16_cpu": ("a CPU that computes bfloat16 natively (AVX512-BF16 or AMX; elsewhere bf16 "
+                 "is emulated and slower than fp32)", bf16_cpu_present),
 }

@@ -16,7 +16,7 @@ from conftest import REPO, digits_recipe, run_cli, write_recipe
 from compress.errors import UserError
 from compress.recipe import load_recipe
 from compress.sources import check_recipe_sources
-from compress.stages.spec import cuda_device_present
+from compress.stages.spec import bf16_cpu_present, cuda_device_present
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -29,6 +29,12 @@ def test_every_shipped_recipe_validates(path: Path, data_dir: Path, monkeypatch)
         from compress.pipeline import check_hardware
 
         with pytest.raises(UserError, match=r"stages.1: this stage needs a CUDA GPU"):
+            check_hardware(recipe)
+    if "kind: precision" in path.read_text() and not bf16_cpu_present():
+        from compress.pipeline import check_hardware
+
+        with pytest.raises(UserError, match=r"stages.1: this stage needs a CPU that computes "
+                                            r"bfloat16 natively"):
             check_hardware(recipe)
     model, data = check_recipe_sources(recipe)
     assert recipe.stages, "a shipped recipe has stages"

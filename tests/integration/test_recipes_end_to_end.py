@@ -10,6 +10,8 @@ import onnxruntime as ort
 import pytest
 from conftest import REPO, SHRUNK_SST2, run_cli
 
+from compress.recipe import load_recipe
+
 pytestmark = pytest.mark.integration
 
 
@@ -81,21 +83,30 @@ def test_bert_distill_prune_int8_shrunk_chain(tmp_path: Path, data_dir: Path) ->
 
 
 def test_bert_int8_shrunk_quantizes_exports_and_packages(bert_int8_run) -> None:
-    """Fine-tune, static int8, the int8 model as an AOTInductor .pt2, the fp32 as ONNX, and
-    the int8 package as a TorchServe archive."""
+    """Fine-tune, static int8, the int8 model as an AOTInductor .pt2, the fp32 as ONNX and
+    as ONNX Runtime dynamic int8, and the ONNX Runtime int8 file as a TorchServe archive."""
     run_dir, result = bert_int8_run
     assert result.returncode == 0, result.stderr[-2000:]
     stages = _manifest(run_dir)["stages"]
-    fp32, int8, aoti, onnx, package = (s["metrics"] for s in stages)
-    mar = stages[4]["outputs"][0]
-    assert mar["path"] == "04-package/bert_int8.mar" and mar["format"] == "mar"
-    assert package["served_format"] == "aoti" and package["batch_size"] == 16
-    assert 40e6 < mar["bytes"] < stages[2]["outputs"][0]["bytes"]  # zip-compressed .pt2
+    fp32, int8, aoti, onnx, ort_int8, package = (s["metrics"] for s in stages)
+    mar = stages[5]["outputs"][0]
+    assert mar["path"] == "05-package/bert_int8.mar" and mar["format"] == "mar"
+    assert package["served_format"] == "onnx" and package["batch_size"] == 16
+    assert 15e6 < mar["bytes"] < stages[4]["outputs"][0]["bytes"]  # the zipped int8 .onnx
+    assert ort_int8["onnx_quantize"] == "dynamic" and ort_int8["onnx_exporter"] == "torchscript"
+    assert abs(ort_int8["accuracy"] - fp32["accuracy"]) <= 0.03
+    assert ort_int8["size_mb"] < 0.3 * fp32["size_mb"]
     assert fp32["accuracy"] >= 0.72 and abs(int8["accuracy"] - fp32["accuracy"]) <= 0.03
     assert aoti["parity_argmax_agreement"] >= 0.995 and aoti["parity_samples"] == 200
     assert onnx["parity_max_abs_diff"] <= 1e-4 and onnx["accuracy"] == fp32["accuracy"]
     assert stages[3]["inputs"][0]["sha256"] == stages[0]["outputs"][0]["sha256"]
     assert int8["size_mb"] < 0.75 * fp32["size_mb"]  # int8 linears, float embeddings
+    again = load_recipe(run_dir / "recipe.yaml")  # the run's copy loads back as it ran
+    assert [s.kind for s in again.stages] == [s["kind"] for s in stages]
+    assert again.stages[4].quantize == "dynamic" and again.data.max_length == 128
+    for figures in (fp32, int8, aoti, onnx, ort_int8):  # real lengths: SST-2 sentences average ~25
+        assert 0 < figures["latency_ms_b8_real"] <= figures["latency_ms_b8_real_p90"]
+        assert 5 < figures["real_tokens_b8"] < 128
     package = run_dir / stages[2]["outputs"][0]["path"]
     assert package.name == "model.aoti.pt2" and (package.parent / "tokenizer.json").is_file()
     onnx_file = run_dir / stages[3]["outputs"][0]["path"]

@@ -1,6 +1,6 @@
 """The shrunk bert_int8 run served by a real TorchServe: 200 SST-2 validation sentences
-answered as the packaged artifact answers them offline (int8 AOTInductor .pt2 and the fp32
-ONNX file archived on the spot)."""
+answered as the packaged artifact answers them offline (the ONNX Runtime int8 file, and
+the int8 AOTInductor .pt2 archived on the spot)."""
 
 from __future__ import annotations
 
@@ -61,16 +61,21 @@ def test_served_int8_and_fp32_answer_like_the_artifact_offline(
     assert result.returncode == 0, result.stderr[-2000:]
     texts = _sst2(data_dir)
     got, expected, batches = _served_and_offline(
-        run_dir / "04-package/bert_int8.mar", run_dir / "02-export/aoti", texts)
+        run_dir / "05-package/bert_int8.mar", run_dir / "04-export/onnx", texts)
+    # dynamic int8 scales each batch by its own largest activation, so a served batch (other
+    # sentences, other padding) rounds differently from the offline one: measured 198-199 of
+    # 200 equal argmax, a mean probability gap of 0.014 and a largest of 0.13 (borderline
+    # sentences of the shrunk, 40-step model); a broken model agrees on about half
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    gap = (got - expected).abs()
+    assert agree >= 0.98 and gap.mean().item() <= 0.03 and gap.max().item() <= 0.3
+    assert max(batches) > 1
+
+    aoti_dir = run_dir / "02-export/aoti"
+    config = model_config(16, 10, 1, 120, {"max_length": 128})
+    mar = build_mar(aoti_dir, tmp_path, "bert_aoti_int8", "1.0", config, {})
+    got, expected, _ = _served_and_offline(mar, aoti_dir, texts)
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()  # all 200
     # int8 kernels round differently with the padding of each batch: 1e-3 was measured on an
     # AVX-512 VNNI machine, 0.0073 on an AVX2-only EPYC; every argmax is equal on both
     assert (got - expected).abs().max().item() <= 1e-2
-    assert max(batches) > 1
-
-    onnx_dir = run_dir / "03-export/onnx"
-    config = model_config(16, 10, 1, 120, {"max_length": 128})
-    mar = build_mar(onnx_dir, tmp_path, "bert_fp32", "1.0", config, {})
-    got, expected, _ = _served_and_offline(mar, onnx_dir, texts)
-    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
-    assert (got - expected).abs().max().item() <= 1e-4

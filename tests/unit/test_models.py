@@ -101,3 +101,30 @@ def test_text_latency_inputs_are_full_length(tiny_bert: Path) -> None:
     bundle = load_model(resolve_model(str(tiny_bert)), ["neg", "pos"], [])
     inputs = example_inputs(bundle.tokenizer, [], batch=8, seq_len=128)
     assert inputs["input_ids"].shape == (8, 128) and int(inputs["attention_mask"].sum()) == 1024
+
+
+def test_real_length_latency_pads_each_batch_to_its_longest(tiny_bert: Path) -> None:
+    from compress.data import Examples
+    from compress.measure import real_latency
+
+    bundle = load_model(resolve_model(str(tiny_bert)), ["neg", "pos"], [])
+    texts = ["good", "a rather longer sentence about a film that was not good at all",
+             "bad", "fine", "it was ok"]
+    examples = Examples(labels=[1, 0, 0, 1, 1], texts=texts)
+    calls: list[tuple[int, ...]] = []
+    model = bundle.model
+
+    def spy(**inputs):
+        calls.append(tuple(inputs["input_ids"].shape))
+        return model(**inputs)
+
+    bundle.model = type("Spy", (torch.nn.Module,), {"forward": lambda self, **kw: spy(**kw)})()
+    figures = real_latency(bundle, examples, [1, 4], max_length=8, warmup=0, limit=5)
+    one = [len(bundle.tokenizer(t, truncation=True, max_length=8)["input_ids"]) for t in texts]
+    assert calls[:5] == [(1, n) for n in one]  # batch 1: each sentence at its own length
+    assert calls[5:] == [(4, max(one[:4])), (1, one[4])]  # batch 4: padded per batch
+    assert figures["real_tokens_b1"] == round(sum(one) / 5, 1)
+    assert figures["real_tokens_b4"] == round((max(one[:4]) + one[4]) / 2, 1)
+    for b in (1, 4):
+        assert 0 < figures[f"latency_ms_b{b}_real"] <= figures[f"latency_ms_b{b}_real_p90"]
+        assert figures[f"real_items_per_s_b{b}"] > 0

@@ -13,7 +13,7 @@ import pytest
 from compress.stages.spec import StageSpec, all_specs, import_function, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ["finetune", "distill", "prune", "quantize", "compile", "export", "package"]
+KINDS = ["finetune", "distill", "prune", "quantize", "precision", "compile", "export", "package"]
 
 
 def test_every_kind_is_registered_in_listing_order() -> None:

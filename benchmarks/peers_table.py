@@ -1,0 +1,199 @@
+"""The arithmetic and the table of benchmarks/peers.py: FLOPs of one forward, the fraction of
+the int8 GEMM peak, ratios to Optimum int8, medians over rounds, text and Markdown rendering.
+
+Pure functions over plain numbers and dicts (no torch import), so unit tests check them
+without timing anything.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+BATCHES = (1, 8)  # the fixed-length sweep: batch 1 and 8 ...
+SEQ_LEN = 128  # ... at 128 tokens
+FLOPS_BATCH = 8  # FLOPs and the share of the int8 peak are quoted at 8 x 128
+REFERENCE = "optimum_int8"  # the "x Optimum int8" column divides by this row's b8 x 128
+
+# (heading, key of a row, decimals); a row's figures are its medians over the rounds
+COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("b1 ms", "latency_ms_b1", 1),
+    ("b8x128 ms", "latency_ms_b8", 1),
+    ("b8 real ms", "latency_ms_b8_real", 1),
+    ("b1 real ms", "latency_ms_b1_real", 1),
+    ("accuracy %", "accuracy_pct", 2),
+    ("size MB", "size_mb", 1),
+    ("x Optimum int8", "x_optimum_int8", 2),
+    ("% int8 peak", "pct_int8_peak", 1),
+)
+
+# config.json names of the shapes: BERT-like first, DistilBERT's second
+_KEYS = {"layers": ("num_hidden_layers", "n_layers"), "hidden": ("hidden_size", "dim"),
+         "intermediate": ("intermediate_size", "hidden_dim"),
+         "heads": ("num_attention_heads", "n_heads")}
+
+
+def shapes_of(config: dict[str, Any]) -> dict[str, int]:
+    """Layers, hidden, intermediate and heads of a Hugging Face encoder config; KeyError
+    names what is missing."""
+    found = {}
+    for name, keys in _KEYS.items():
+        value = next((config[k] for k in keys if config.get(k)), None)
+        if value is None:
+            raise KeyError(f"config has none of {', '.join(keys)}")
+        found[name] = int(value)
+    return found
+
+
+def forward_flops(config: dict[str, Any], batch: int = FLOPS_BATCH,
+                  seq: int = SEQ_LEN) -> float:
+    """FLOPs of one encoder forward on `batch` x `seq` tokens: 2 x (the layers' linear
+    weights) x tokens, plus the attention products (QK^T and AV: 2 x 2 x batch x heads x
+    seq^2 x head_dim per layer). Embeddings, norms, softmax, pooler and head are left out
+    (under 0.1% for MiniLM)."""
+    s = shapes_of(config)
+    tokens = batch * seq
+    head_dim = s["hidden"] // s["heads"]
+    linear = 4 * s["hidden"] * s["hidden"] + 2 * s["hidden"] * s["intermediate"]
+    attention = 2 * 2 * batch * s["heads"] * seq * seq * head_dim
+    return float(s["layers"] * (2 * linear * tokens + attention))
+
+
+def peak_fraction(flops: float | None, latency_ms: float | None,
+                  peak_gops: float | None) -> float | None:
+    """(flops / latency) / peak: the share of the int8 GEMM peak a forward reaches."""
+    if not flops or not latency_ms or not peak_gops:
+        return None
+    return flops / (latency_ms / 1000) / (peak_gops * 1e9)
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """value / reference (None when either is missing or the reference is 0)."""
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+MEASURED = ("latency_ms_", "real_", "load_s", "eval_s")  # figures that vary by round
+
+
+def median_over_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per measured key (`MEASURED` prefixes), the median of the rounds' numbers (over the
+    rounds that have it: accuracy is first-round only); other values (pid, threads...) are
+    the first round's that has them."""
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in rounds for k in r):
+        values = [r[key] for r in rounds if key in r]
+        if key.startswith(MEASURED) and all(_is_number(v) for v in values):
+            merged[key] = round(statistics.median(values), 3)
+        else:
+            merged[key] = values[0]
+    return merged
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def table_rows(artifacts: list[dict[str, Any]], int8_peak_gops: float | None
+               ) -> list[dict[str, Any]]:
+    """One row per artifact, in order. Each artifact is {"name", "runtime", "rounds": [the
+    child's figures per round], "size_mb", "flops", "error"?}; a row holds the medians over
+    the rounds, accuracy in %, the b8 x 128 ratio to the `optimum_int8` artifact and the
+    share of the int8 peak."""
+    rows = []
+    for item in artifacts:
+        medians = median_over_rounds(item.get("rounds") or [])
+        row = {"artifact": item["name"], "runtime": item.get("runtime", ""),
+               "size_mb": item.get("size_mb"), "flops": item.get("flops"),
+               "flops_source": item.get("flops_source"), "error": item.get("error"),
+               "rounds": len(item.get("rounds") or []), **medians}
+        if row.get("accuracy") is not None:
+            row["accuracy_pct"] = 100 * row["accuracy"]
+        row["pct_int8_peak"] = _percent(peak_fraction(
+            row["flops"], row.get(f"latency_ms_b{FLOPS_BATCH}"), int8_peak_gops))
+        rows.append(row)
+    reference = next((r for r in rows if r["artifact"] == REFERENCE), None)
+    ref_ms = reference.get(f"latency_ms_b{FLOPS_BATCH}") if reference else None
+    for row in rows:
+        row["x_optimum_int8"] = ratio(row.get(f"latency_ms_b{FLOPS_BATCH}"), ref_ms)
+    return rows
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
+
+
+def cell(value: Any, decimals: int) -> str:
+    """A figure as printed: fixed decimals, '-' when missing or not finite."""
+    if not _is_number(value) or not math.isfinite(value):
+        return "-"
+    return f"{value:.{decimals}f}"
+
+
+def _grid(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    head = ["artifact", "runtime", *(c[0] for c in COLUMNS)]
+    body = []
+    for row in rows:
+        if row.get("error") and not row.get("rounds"):
+            figures = ["failed"] + ["-"] * (len(COLUMNS) - 1)
+        else:
+            figures = [cell(row.get(key), decimals) for _, key, decimals in COLUMNS]
+        body.append([row["artifact"], row.get("runtime") or "", *figures])
+    return head, body
+
+
+def render_text(rows: list[dict[str, Any]]) -> str:
+    """The table as aligned plain text, then one line per failed artifact."""
+    head, body = _grid(rows)
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+             for line in [head, *body]]
+    lines += [f"{r['artifact']}: failed: {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
+    """The table as Markdown, under a header: date, CPU and its flags, versions, rounds,
+    GEMM peaks; footnotes say where each artifact's FLOPs come from."""
+    head, body = _grid(rows)
+    peaks = header.get("gemm") or {}
+    flags = header.get("isa") or {}
+    lines = [
+        "# compress artifacts and Optimum ONNX, one invocation", "",
+        f"- date: {header.get('date', '?')}; run: `{header.get('run', '?')}`",
+        f"- CPU: {header.get('cpu', '?')} ({header.get('cores', '?')} cores); "
+        + ", ".join(f"{k} {'yes' if flags.get(k) else 'no'}"
+                    for k in ("avx512_vnni", "avx512_bf16", "amx")),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in (header.get("versions") or {}).items()),
+        f"- rounds: {header.get('rounds', '?')} (each artifact in a fresh process per round, "
+        f"alternating order; medians over rounds of each round's median); "
+        f"iters {header.get('iters', '?')}, warmup {header.get('warmup', '?')}; accuracy "
+        f"on {header.get('eval_size', '?')} eval sentences (first round); real lengths on "
+        + (f"the first {header['real_limit']}" if header.get("real_limit") else "all of them"),
+        "- GEMM peaks on all cores: "
+        + ", ".join(f"{name} {cell(peaks.get(key), 1)} {unit}" for name, key, unit in (
+            ("fp32", "fp32_gflops", "GFLOP/s"), ("bf16", "bf16_gflops", "GFLOP/s"),
+            ("int8 (the better kernel)", "int8_gops", "GOP/s"),
+            ("int8 torch._int_mm", "int8_torch_gops", "GOP/s"),
+            ("int8 ONNX Runtime MatMulInteger", "int8_ort_gops", "GOP/s"))),
+        "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines += ["", f"b1 / b8x128: batch 1 and 8 at {SEQ_LEN} tokens; real: the eval "
+              "sentences in order, each batch padded to its longest. x Optimum int8: b8x128 "
+              "ms / Optimum int8's. % int8 peak: FLOPs of one 8 x 128 forward / b8x128 "
+              "latency / int8 GEMM peak."]
+    if any((r.get("pct_int8_peak") or 0) > 100 for r in rows):
+        lines.append("- above 100% of the int8 peak: attention's softmax and the layer norms "
+                     "are not GEMMs, so only a model that skips work (pruned, or padded "
+                     "less) can pass 100%; check the GEMM microbenchmark.")
+    notes: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("flops_source"):
+            notes.setdefault(row["flops_source"], []).append(row["artifact"])
+    lines += [f"- {', '.join(names)}: {note}" for note, names in notes.items()]
+    lines += [f"- {r['artifact']}: failed: {r['error']}" for r in rows if r.get("error")]
+    return "\n".join(lines) + "\n"

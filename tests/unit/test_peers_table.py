@@ -1,0 +1,115 @@
+"""benchmarks/peers_table.py: FLOPs of a forward, share of the int8 peak, ratios to Optimum
+int8, medians over rounds and the rendered tables (no timing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("peers_table",
+                                              REPO / "benchmarks" / "peers_table.py")
+peers_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peers_table)
+
+MINILM = {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 1536,
+          "num_attention_heads": 12, "model_type": "bert"}
+
+
+def test_minilm_forward_is_about_23_gflop_at_8_by_128() -> None:
+    flops = peers_table.forward_flops(MINILM, 8, 128)
+    assert flops == pytest.approx(23e9, rel=0.03)
+    linear = 2 * 6 * (4 * 384 * 384 + 2 * 384 * 1536) * 8 * 128
+    attention = 6 * 2 * 2 * 8 * 12 * 128 * 128 * 32
+    assert flops == linear + attention
+    # DistilBERT's key names give the same shapes
+    distil = {"n_layers": 6, "dim": 384, "hidden_dim": 1536, "n_heads": 12}
+    assert peers_table.forward_flops(distil, 8, 128) == flops
+    with pytest.raises(KeyError, match="num_hidden_layers"):
+        peers_table.forward_flops({"hidden_size": 8})
+
+
+def test_peak_fraction_and_ratio() -> None:
+    # 23 GFLOP in 50 ms is 460 GOP/s: 0.59 of a 775 GOP/s peak
+    assert peers_table.peak_fraction(23e9, 50.0, 775.0) == pytest.approx(460 / 775)
+    assert peers_table.peak_fraction(23e9, None, 775.0) is None
+    assert peers_table.peak_fraction(None, 50.0, 775.0) is None
+    assert peers_table.ratio(60.0, 40.0) == 1.5
+    assert peers_table.ratio(60.0, None) is None and peers_table.ratio(None, 4.0) is None
+
+
+def test_median_over_rounds_takes_each_key_of_the_rounds_that_have_it() -> None:
+    rounds = [{"latency_ms_b8": 10.0, "accuracy": 0.9, "pid": 11, "latency_threads": 2},
+              {"latency_ms_b8": 30.0, "pid": 12, "latency_threads": 2},
+              {"latency_ms_b8": 14.0, "pid": 13, "latency_threads": 2}]
+    merged = peers_table.median_over_rounds(rounds)
+    assert merged == {"latency_ms_b8": 14.0, "accuracy": 0.9, "pid": 11,
+                      "latency_threads": 2}
+    assert peers_table.median_over_rounds(rounds[:2])["latency_ms_b8"] == 20.0
+    assert peers_table.median_over_rounds([]) == {}
+
+
+def _artifacts() -> list[dict]:
+    flops = peers_table.forward_flops(MINILM)
+    figures = {"fp32_onnx": (150.0, 170.0), "int8_aoti": (60.0, 56.0),
+               "optimum_int8": (50.0, 58.0)}
+    items = []
+    for name, (first, second) in figures.items():
+        items.append({"name": name, "runtime": f"rt {name}", "size_mb": 22.0, "flops": flops,
+                      "rounds": [{"latency_ms_b1": 5.0, "latency_ms_b8": first,
+                                  "latency_ms_b8_real": first / 4, "latency_ms_b1_real": 3.0,
+                                  "accuracy": 0.8681},
+                                 {"latency_ms_b1": 7.0, "latency_ms_b8": second,
+                                  "latency_ms_b8_real": second / 4,
+                                  "latency_ms_b1_real": 4.0}]})
+    items.append({"name": "broken", "runtime": "rt", "size_mb": 1.0, "flops": None,
+                  "rounds": [], "error": "RuntimeError: boom"})
+    return items
+
+
+def test_rows_divide_by_optimum_int8_and_the_int8_peak() -> None:
+    rows = {r["artifact"]: r for r in peers_table.table_rows(_artifacts(), 775.0)}
+    assert rows["optimum_int8"]["latency_ms_b8"] == 54.0
+    assert rows["optimum_int8"]["x_optimum_int8"] == 1.0
+    assert rows["fp32_onnx"]["x_optimum_int8"] == pytest.approx(160.0 / 54.0)
+    assert rows["int8_aoti"]["x_optimum_int8"] == pytest.approx(58.0 / 54.0)
+    flops = peers_table.forward_flops(MINILM)
+    assert rows["int8_aoti"]["pct_int8_peak"] == pytest.approx(
+        100 * flops / 0.058 / 775e9)
+    assert rows["fp32_onnx"]["accuracy_pct"] == pytest.approx(86.81)
+    assert rows["fp32_onnx"]["latency_ms_b1"] == 6.0
+    assert rows["broken"]["error"] and rows["broken"]["pct_int8_peak"] is None
+    without = peers_table.table_rows(_artifacts()[:2], None)  # no Optimum row, no peak
+    assert all(r["x_optimum_int8"] is None and r["pct_int8_peak"] is None for r in without)
+
+
+def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
+    rows = peers_table.table_rows(_artifacts(), 775.0)
+    header = {"date": "2026-01-01", "run": "runs/bert_int8", "cpu": "AMD EPYC", "cores": 2,
+              "isa": {"avx512_vnni": True, "avx512_bf16": True, "amx": False},
+              "versions": {"torch": "2.13.0"}, "rounds": 2, "iters": 15, "warmup": 3,
+              "eval_size": 872,
+              "gemm": {"fp32_gflops": 182.0, "bf16_gflops": 428.0, "int8_gops": 775.0}}
+    text = peers_table.render_markdown(rows, header)
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)  # the heading and one row each
+    by_name = {line.split(" | ")[0][2:]: line for line in table[1:]}
+    assert set(by_name) == {"fp32_onnx", "int8_aoti", "optimum_int8", "broken"}
+    cells = [c.strip() for c in by_name["fp32_onnx"].strip("|").split("|")]
+    flops = peers_table.forward_flops(MINILM)
+    assert cells == ["fp32_onnx", "rt fp32_onnx", "6.0", "160.0", "40.0", "3.5", "86.81",
+                     "22.0", f"{160 / 54:.2f}", f"{100 * flops / 0.16 / 775e9:.1f}"]
+    assert "| broken | rt | failed |" in text and "broken: failed: RuntimeError: boom" in text
+    assert "avx512_vnni yes, avx512_bf16 yes, amx no" in text
+    assert "int8 (the better kernel) 775.0 GOP/s" in text
+    assert "rounds: 2" in text and "872 eval" in text
+    plain = peers_table.render_text(rows).splitlines()
+    assert plain[0].split()[:2] == ["artifact", "runtime"] and len(plain) == 1 + len(rows) + 1
+
+
+def test_cells_print_missing_and_non_finite_as_a_dash() -> None:
+    assert peers_table.cell(None, 1) == "-" and peers_table.cell(math.nan, 1) == "-"
+    assert peers_table.cell(1.234, 2) == "1.23" and peers_table.cell(True, 1) == "-"

@@ -2,6 +2,7 @@
 all timed in one invocation on this machine. From the repository root:
 
     COMPRESS_DATA_DIR=../shared/data python benchmarks/peers.py runs/bert_int8
+    python benchmarks/peers.py runs/bert_int8 --with-run runs/bert_bf16
     python benchmarks/peers.py runs/bert_int8 --rounds 3 --artifacts int8_aoti fp32_onnx
     python benchmarks/peers.py RUN --no-peers --rounds 1 --iters 2 --real-limit 16
 
@@ -128,8 +129,24 @@ def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
         flops, source = flops_of(run_dir, manifest, art["index"])
         items.append({**art, "runtime": runtime_label(manifest, art["index"], art["config"]),
                       "size_mb": entry.outputs[0].bytes / 1e6 if entry.outputs[0].bytes
-                      else None, "flops": flops, "flops_source": source, "rounds": []})
+                      else None, "sha256": entry.outputs[0].sha256, "flops": flops,
+                      "flops_source": source, "rounds": []})
     return items
+
+
+def other_run_items(others: list[Path], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The artifacts of other finished runs (`--with-run`, for example runs/bert_bf16 beside
+    runs/bert_int8), named RUN/NAME; a file already in the table (the same fine-tuned
+    model in both runs) is timed once."""
+    seen, found = {i["sha256"] for i in items}, []
+    for other in others:
+        other = other.resolve()
+        for item in items_of(other, check_finished(other), None):
+            if item["sha256"] not in seen:
+                seen.add(item["sha256"])
+                found.append({**item, "name": f"{other.name}/{item['name']}",
+                              "run_dir": str(other)})
+    return found
 
 
 def peer_items(run_dir: Path, manifest: Manifest
@@ -170,7 +187,8 @@ def measure(run_dir: Path, items: list[dict[str, Any]], latency: dict[str, Any],
         for item in items if r % 2 == 0 else items[::-1]:
             if item.get("error"):
                 continue
-            spec = {"mode": "artifact", "run_dir": str(run_dir), "folder": item["folder"],
+            spec = {"mode": "artifact", "run_dir": item.get("run_dir", str(run_dir)),
+                    "folder": item["folder"],
                     "kind": item["kind"], "config": item["config"], "latency": latency,
                     "accuracy": r == 0, "real_limit": args.real_limit,
                     "sys_path": [p for p in sys.path if p]}
@@ -200,6 +218,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Time a finished run's artifacts and Optimum's fp32 and int8 ONNX of its "
                     "fine-tuned model in one invocation, each in a fresh process.")
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a finished run folder")
+    parser.add_argument("--with-run", type=Path, action="append", default=[],
+                        metavar="RUN_DIR", help="also time this finished run's artifacts "
+                        "(another recipe on the same fine-tuned model); repeatable")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds, alternating order (default 2)")
     parser.add_argument("--no-peers", action="store_true",
@@ -255,6 +276,7 @@ def _main(args: argparse.Namespace) -> int:
     with run_lock(run_dir, "a compress run is using this folder; time it when the run "
                   "has finished"):
         items, peer_facts = items_of(run_dir, manifest, args.artifacts), None
+        items += other_run_items(args.with_run, items)
         if not args.no_peers:
             peers, peer_facts = peer_items(run_dir, manifest)
             items += peers
@@ -264,7 +286,8 @@ def _main(args: argparse.Namespace) -> int:
     env = next((g["environment"] for g in gemm if "environment" in g), {})
     cpu = env.get("cpu") or {}
     isa = cpu.get("isa") or {}
-    header = {"date": now(), "run": str(args.run_dir), "cpu": cpu.get("model"),
+    header = {"date": now(), "run": ", ".join(map(str, [args.run_dir, *args.with_run])),
+              "cpu": cpu.get("model"),
               "cores": cpu.get("cores"),
               "isa": {"avx512_vnni": isa.get("avx512_vnni"), "avx512_bf16": isa.get("avx512_bf16"),
                       "amx": any(v for k, v in isa.items() if k.startswith("amx"))},

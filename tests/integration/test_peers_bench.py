@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, run_cli, write_recipe, write_sentiment_tables
 
 pytest.importorskip("onnxruntime")
@@ -98,3 +99,27 @@ def test_a_folder_that_is_not_a_run_is_refused(tmp_path: Path) -> None:
     missing = _peers(str(tmp_path / "nope"), "--no-peers")
     assert missing.returncode == 2 and missing.stderr.startswith("error: ")
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_another_run_joins_the_table_without_repeating_a_file(
+        tiny_int8_run: Path, tmp_path: Path) -> None:
+    """--with-run: a second recipe on the same model (here fine-tune + an fp32 AOTInductor
+    package) adds its artifacts as RUN/NAME; a file the first run has is not timed twice."""
+    raw = yaml.safe_load((tiny_int8_run / "recipe.yaml").read_text())
+    raw.update(name="tiny_fp32", output_dir=str(tmp_path / "runs"),
+               stages=[raw["stages"][0], {"kind": "export", "name": "fp32_aoti",
+                                          "format": "aoti"}])
+    done_run = run_cli("run", str(write_recipe(tmp_path / "fp32.yaml", raw)))
+    assert done_run.returncode == 0, done_run.stderr[-2000:]
+    other = tmp_path / "runs" / "tiny_fp32"
+    figures = tmp_path / "peers.json"
+    done = _peers(str(tiny_int8_run), "--with-run", str(other), "--no-peers", "--rounds", "1",
+                  "--iters", "2", "--warmup", "1", "--real-limit", "8", "--artifacts",
+                  "fp32_onnx", "--markdown", str(tmp_path / "p.md"), "--json", str(figures))
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = [row["artifact"] for row in json.loads(figures.read_text())["rows"]]
+    first = json.loads((tiny_int8_run / "manifest.json").read_text())["stages"][0]
+    again = json.loads((other / "manifest.json").read_text())["stages"][0]
+    same = first["outputs"][0]["sha256"] == again["outputs"][0]["sha256"]
+    assert names[0] == "fp32_onnx" and "tiny_fp32/fp32_aoti" in names
+    assert ("tiny_fp32/finetune" not in names) == same  # timed once when it is one file

@@ -63,12 +63,13 @@ def test_served_int8_and_fp32_answer_like_the_artifact_offline(
     got, expected, batches = _served_and_offline(
         run_dir / "05-package/bert_int8.mar", run_dir / "04-export/onnx", texts)
     # dynamic int8 scales each batch by its own largest activation, so a served batch (other
-    # sentences, other padding) rounds differently from the offline one: measured 198-199 of
-    # 200 equal argmax, a mean probability gap of 0.014 and a largest of 0.13 (borderline
-    # sentences of the shrunk, 40-step model); a broken model agrees on about half
+    # sentences, other padding) rounds differently from the offline one. With the attention
+    # MatMuls in int8 too (as Optimum's --avx512_vnni): 192-194 of 200 equal argmax, a mean
+    # probability gap of 0.015 and a largest of 0.13 (borderline sentences of the shrunk,
+    # 40-step model; weight-only MatMuls gave 198-199); a broken model agrees on about half
     agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     gap = (got - expected).abs()
-    assert agree >= 0.98 and gap.mean().item() <= 0.03 and gap.max().item() <= 0.3
+    assert agree >= 0.95 and gap.mean().item() <= 0.03 and gap.max().item() <= 0.3
     assert max(batches) > 1
 
     aoti_dir = run_dir / "02-export/aoti"

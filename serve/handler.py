@@ -202,6 +202,9 @@ def load_runtime(model_dir: Path, meta: dict[str, Any], threads: int):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # no spin-waiting between batches: the spinning pool took the cores the worker's
+        # own Python (tokenizing, JSON) needs between two session runs
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         wanted = {i.name for i in session.get_inputs()}

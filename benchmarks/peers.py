@@ -26,148 +26,28 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import UserError, one_line
-from compress.rebench import _select, _settings, artifacts_of, run_json_child
-from compress.records import Manifest, require_manifest
+from compress.rebench import _settings, artifacts_of, run_json_child
 from compress.runfolder import atomic_write_json, atomic_write_text, now, run_lock
-from compress.runtimes import producer, reference_index, runtime_label
 from compress.sources import resolve_data
-from compress.stages.export_spec import SPEC as EXPORT_SPEC
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
 import peers_optimum as optimum  # noqa: E402
 from peers_child import eval_recipe  # noqa: E402
-from peers_table import (  # noqa: E402
-    BATCHES,
-    FLOPS_BATCH,
-    SEQ_LEN,
-    forward_flops,
-    render_markdown,
-    render_text,
-    table_rows,
-)
+from peers_items import check_finished, items_of, other_run_items, peer_items  # noqa: E402
+from peers_table import BATCHES, SEQ_LEN, render_markdown, render_text, table_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("peers_child.py")
 DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers.md"
-PEER_LABELS = {"optimum_fp32": "ONNX Runtime fp32 (Optimum)",
-               "optimum_int8": f"ONNX Runtime int8 dynamic (Optimum {optimum.QUANTIZE_ISA})"}
 
 
 def echo(text: str) -> None:  # progress goes to stderr; stdout has the table alone
     print(text, file=sys.stderr, flush=True)
 
 
-def check_finished(run_dir: Path) -> Manifest:
-    """The manifest of a run whose every recipe stage finished, else a UserError."""
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: no such folder (a run folder is made by compress run "
-                        f"RECIPE)")
-    manifest = require_manifest(run_dir)
-    wanted = len(manifest.recipe_stages())
-    for i in range(wanted):
-        entry = manifest.stages[i] if i < len(manifest.stages) else None
-        if entry is None or not entry.finished_ok:
-            state = entry.status if entry is not None else "not started"
-            name = entry.name if entry is not None else manifest.recipe_stages()[i].get("kind")
-            raise UserError(f"{run_dir}: unfinished run (stage {i} {name}: {state}); run its "
-                            f"recipe again to finish it")
-    return manifest
-
-
-def flops_of(run_dir: Path, manifest: Manifest, index: int) -> tuple[float | None, str]:
-    """FLOPs of one 8 x 128 forward of stage `index`'s model, from the config.json of its
-    own folder or, failing that, of the model it was made from; and where they came from."""
-    entry, pruned, own = manifest.stages[index], False, True
-    while entry is not None:
-        output = entry.outputs[0] if entry.outputs else None
-        folder = output and (output.model_dir or output.export_dir)
-        if folder and (run_dir / folder / "structure.json").is_file():
-            pruned = True
-        if folder and (run_dir / folder / "config.json").is_file():
-            config = json.loads((run_dir / folder / "config.json").read_text())
-            try:
-                flops = forward_flops(config)
-            except KeyError as exc:
-                return None, f"no FLOPs: {folder}/config.json: {exc.args[0]}"
-            whose = "its own config" if own else "the config of the model it was made from"
-            note = (f"FLOPs {flops / 1e9:.2f} G at {FLOPS_BATCH} x {SEQ_LEN} from "
-                    f"{folder}/config.json ({whose})")
-            if pruned:
-                note += "; pruned units not subtracted, so % int8 peak is an upper bound"
-            return flops, note
-        entry, own = producer(manifest, entry), False
-    return None, "no FLOPs: no config.json in its folder or its source's"
-
-
-def peer_source(run_dir: Path, manifest: Manifest) -> tuple[int, Path, str]:
-    """(stage index, folder, weights sha256) of the fine-tuned Hugging Face model that
-    Optimum exports: the reference stage's, else the first plain HF model folder."""
-    first = reference_index(manifest)
-    order = ([first] if first is not None else []) + list(range(len(manifest.stages)))
-    for i in order:
-        entry = manifest.stages[i]
-        output = entry.outputs[0] if entry.outputs else None
-        folder = run_dir / output.model_dir if output and output.model_dir else None
-        if (folder and (folder / "config.json").is_file() and entry.finished_ok
-                and not any((folder / f).exists() for f in ("structure.json", "model.pt2"))):
-            return i, folder, output.sha256
-    raise UserError(f"{run_dir}: no fine-tuned Hugging Face model folder for Optimum to "
-                    f"export (time compress's artifacts alone with --no-peers)")
-
-
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     """The JSON line of `python benchmarks/peers_child.py SPEC`, or {"error": one line}."""
     return run_json_child([sys.executable, str(CHILD), json.dumps(spec)])
-
-
-def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
-             ) -> list[dict[str, Any]]:
-    """The compress artifacts to time: name, folder, kind, config, label, size, FLOPs."""
-    items = []
-    for art in _select(artifacts_of(run_dir), names):
-        entry = manifest.stages[art["index"]]
-        flops, source = flops_of(run_dir, manifest, art["index"])
-        items.append({**art, "runtime": runtime_label(manifest, art["index"], art["config"]),
-                      "size_mb": entry.outputs[0].bytes / 1e6 if entry.outputs[0].bytes
-                      else None, "sha256": entry.outputs[0].sha256, "flops": flops,
-                      "flops_source": source, "rounds": []})
-    return items
-
-
-def other_run_items(others: list[Path], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The artifacts of other finished runs (`--with-run`, for example runs/bert_bf16 beside
-    runs/bert_int8), named RUN/NAME; a file already in the table (the same fine-tuned
-    model in both runs) is timed once."""
-    seen, found = {i["sha256"] for i in items}, []
-    for other in others:
-        other = other.resolve()
-        for item in items_of(other, check_finished(other), None):
-            if item["sha256"] not in seen:
-                seen.add(item["sha256"])
-                found.append({**item, "name": f"{other.name}/{item['name']}",
-                              "run_dir": str(other)})
-    return found
-
-
-def peer_items(run_dir: Path, manifest: Manifest
-               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Build (or reuse) Optimum's two files; their items and the environment's facts."""
-    index, source, sha = peer_source(run_dir, manifest)
-    facts = optimum.ensure_venv(optimum.venv_path(), echo)
-    labels = list((manifest.labels or {}).get("names") or [])
-    if not labels:
-        config = json.loads((source / "config.json").read_text())
-        id2label = config.get("id2label") or {}
-        labels = [id2label[k] for k in sorted(id2label, key=int)]
-    folders = optimum.build_peers(run_dir, source, sha, labels, optimum.venv_path(), facts,
-                                  echo)
-    flops, note = flops_of(run_dir, manifest, index)
-    note = note.replace("its own config", "the config of the model Optimum exported")
-    kind = EXPORT_SPEC.kind  # loaded by the export kind's reload, as compress's own ONNX
-    return [{"name": f.name, "kind": kind, "folder": str(f.relative_to(run_dir)),
-             "config": {"kind": kind, "format": "onnx"}, "runtime": PEER_LABELS[f.name],
-             "size_mb": (f / "model.onnx").stat().st_size / 1e6, "flops": flops,
-             "flops_source": note, "rounds": []} for f in folders], facts
 
 
 def gemm_peaks(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -278,7 +158,7 @@ def _main(args: argparse.Namespace) -> int:
         items, peer_facts = items_of(run_dir, manifest, args.artifacts), None
         items += other_run_items(args.with_run, items)
         if not args.no_peers:
-            peers, peer_facts = peer_items(run_dir, manifest)
+            peers, peer_facts = peer_items(run_dir, manifest, echo)
             items += peers
         gemm = measure(run_dir, items, latency, args)
     peaks = gemm_peaks(gemm)

@@ -32,22 +32,14 @@ def artifact(spec: dict[str, Any]) -> dict[str, Any]:
     from compress.data import load_data
     from compress.evaluate import evaluate
     from compress.measure import latency_sweep, real_latency
-    from compress.rebench import load_artifact
-    from compress.recipe import LatencyConfig
+    from compress.rebench import load_for_child
     from compress.sources import resolve_data
 
-    for entry in spec.get("sys_path") or []:  # e.g. the folder of a `module:factory` model
-        if entry not in sys.path:
-            sys.path.append(entry)
-    run_dir = Path(spec["run_dir"])
-    lat = LatencyConfig.model_validate(spec["latency"])
-    recipe = eval_recipe(run_dir)
+    recipe = eval_recipe(Path(spec["run_dir"]))
     data = load_data(recipe, resolve_data(recipe.data.source))  # the run's eval split
     examples = data.splits["eval"]
-    began = time.perf_counter()
-    bundle = load_artifact(run_dir, spec["folder"], spec["kind"], spec.get("config") or {},
-                           lat.threads, spec.get("threads_override"))
-    figures: dict[str, Any] = {"load_s": round(time.perf_counter() - began, 3)}
+    bundle, lat, load_s = load_for_child(spec)
+    figures: dict[str, Any] = {"load_s": load_s}
     if spec.get("accuracy"):
         began = time.perf_counter()
         figures.update(evaluate(bundle.model.eval(), examples, recipe.evaluation.batch_size,

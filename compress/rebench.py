@@ -207,19 +207,26 @@ def load_artifact(run_dir: Path, folder: str, kind: str, config: dict[str, Any],
     return bundle
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Load one artifact and time it; the figures, with `pid` and `load_s`."""
-    from compress.measure import latency_sweep
+def load_for_child(spec: dict[str, Any]) -> tuple[Any, Any, float]:
+    """A child's artifact from its spec: (bundle, LatencyConfig, seconds the load took),
+    after the parent's `sys_path` entries are added (e.g. a `module:factory` model's)."""
     from compress.recipe import LatencyConfig
 
-    for entry in spec.get("sys_path") or []:  # e.g. the folder of a `module:factory` model
+    for entry in spec.get("sys_path") or []:
         if entry not in sys.path:
             sys.path.append(entry)
     lat = LatencyConfig.model_validate(spec["latency"])
     began = time.perf_counter()
     bundle = load_artifact(Path(spec["run_dir"]), spec["folder"], spec["kind"],
                            spec.get("config") or {}, lat.threads, spec.get("threads_override"))
-    load_s = round(time.perf_counter() - began, 3)
+    return bundle, lat, round(time.perf_counter() - began, 3)
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load one artifact and time it; the figures, with `pid` and `load_s`."""
+    from compress.measure import latency_sweep
+
+    bundle, lat, load_s = load_for_child(spec)
     metrics = latency_sweep(bundle, lat)
     return {**metrics, "load_s": load_s, "folder": spec["folder"], "pid": os.getpid()}
 

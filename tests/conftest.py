@@ -114,9 +114,7 @@ def text_recipe(tmp_path: Path, model: Path, stages: list[dict]) -> Path:
            "data": {"source": str(data), "text_column": "sentence", "label_column": "label",
                     "eval": {"split": "validation"}},
            "stages": stages, "output_dir": str(tmp_path / "runs")}
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
+    return write_recipe(tmp_path / "r.yaml", raw)
 
 
 def digits_recipe(out: Path, **stage) -> dict:

@@ -178,9 +178,10 @@ def schema() -> None:
 
 
 from compress.cli_reports import bench, compare, report  # noqa: E402
+from compress.cli_search import search  # noqa: E402
 from compress.cli_serve import loadtest, serve  # noqa: E402
 
-for _command in (report, bench, compare, serve, loadtest):
+for _command in (search, report, bench, compare, serve, loadtest):
     cli.add_command(_command)
 
 

@@ -9,6 +9,7 @@ so a location can be pasted back as `KEY=VALUE`.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Union
 
@@ -127,11 +128,15 @@ class Recipe(StrictModel):
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                check_sources: bool = False) -> Recipe:
+                check_sources: bool = False,
+                edit: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Recipe:
     """Read, override, interpolate and validate a recipe; raise one UserError with every
     problem found. `check_sources` also resolves the model and data and checks every split
-    and column the recipe uses (what `compress validate` and `compress run` do)."""
+    and column the recipe uses (what `compress validate` and `compress run` do); `edit`
+    changes the file's content before the overrides (`compress search` adds a stage)."""
     raw = read_yaml(path)
+    if edit is not None:
+        raw = edit(raw)
     problems: list[str] = []
     try:
         raw = apply_overrides(raw, overrides)

@@ -52,6 +52,7 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
             "reference": ref["name"] if ref else None, "batch_sizes": batches,
             "seq_len": latency.get("seq_len"),
             "rows": rows, "served": _read_json(run_dir / "loadtest.json"),
+            "sections": _sections(run_dir, manifest),
             "fresh": {k: fresh[k] for k in ("measured", "settings") if k in fresh}
             if fresh else None}
 
@@ -125,6 +126,19 @@ def _header(manifest: Manifest) -> dict[str, Any]:
             "eval_examples": manifest.data.get("eval")}
 
 
+SECTION = "section.md"  # a stage's own part of report.md (a search's trials, say)
+
+
+def _sections(run_dir: Path, manifest: Manifest) -> list[str]:
+    """The `section.md` of every finished stage that wrote one, in stage order."""
+    found = []
+    for i, entry in enumerate(manifest.stages):
+        path = run_dir / f"{i:02d}-{entry.kind}" / SECTION
+        if (entry.finished_ok or entry.status == "failed") and path.is_file():
+            found.append(path.read_text())
+    return found
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A JSON file beside the manifest (loadtest.json, bench.json), or None."""
     try:
@@ -160,7 +174,7 @@ def compare(run_dirs: list[str | Path]) -> dict[str, Any]:
     first = reports[0]
     return {**first, "run": " vs ".join(r["run"] for r in reports),
             "run_dir": ", ".join(r["run_dir"] for r in reports), "batch_sizes": batches,
-            "rows": rows, "served": None, "fresh": None,
+            "rows": rows, "served": None, "fresh": None, "sections": [],
             "reference": ", ".join(f"{r['run']}/{r['reference']}" for r in reports),
             "runs": [{k: r[k] for k in ("run", "run_dir", "reference", "served")}
                      for r in reports]}

@@ -105,6 +105,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(row_cells(row, cols, best, "**{}**")) + " |")
     lines += _served_lines(report, markdown=True)
+    for text in report.get("sections") or []:
+        lines += ["", text.rstrip()]
     failed = [r for r in rows if r.get("error")]
     if failed:
         lines += ["", "Failed stages:"] + [f"- {r['name']}: {r['error']}" for r in failed]

@@ -178,7 +178,8 @@ class Runner:
         self.manifest.stages[i:i + 1] = [entry]
         self.save()
         ctx = StageContext(i, name, folder, self.run_dir, self.recipe, self.data, key,
-                           stage_seed(cfg, self.recipe), log=self.echo, manifest=self.manifest)
+                           stage_seed(cfg, self.recipe), log=self.echo, manifest=self.manifest,
+                           input_sha=input_sha)
         parallel = spec.data_parallel and distributed.active()
         timed = spec.measured and self.recipe.evaluation.latency.enabled
         began = time.perf_counter()

@@ -42,6 +42,7 @@ class StageContext:
     seed: int
     log: Callable[[str], None] = print
     manifest: Manifest | None = None  # the run so far (read only)
+    input_sha: str = ""  # sha256 of what entered the stage (its model's file, or the source's)
     outputs: list[Artifact] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
 

@@ -51,11 +51,14 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     if cfg.optimize:
         facts["onnx_fused_ops"] = optimize(float_path, bundle)
     if cfg.quantize:
+        excluded = float_nodes(float_path, cfg.keep_float)
         quantize(float_path, path, cfg.quantize, bundle, calibration, cfg.calibration,
-                 max_length)
+                 max_length, excluded)
         float_path.unlink()
         onnx.checker.check_model(str(path))
         facts["onnx_quantize"] = cfg.quantize
+        if cfg.keep_float:
+            facts["onnx_float_nodes"] = len(excluded)
     return path, facts
 
 
@@ -133,10 +136,32 @@ def optimize(path: Path, bundle: ModelBundle) -> dict[str, int]:
     return {k: int(v) for k, v in optimized.get_fused_operator_statistics().items() if v}
 
 
+def float_nodes(path: Path, patterns: list[str]) -> list[str]:
+    """Names of the MatMul and Gemm nodes of the modules matching any fnmatch pattern (the
+    exporter names a node by its module path: /model/bert/encoder/layer.0/.../MatMul)."""
+    import fnmatch
+
+    import onnx
+
+    if not patterns:
+        return []
+    names = []
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        scope = node.name.strip("/").rpartition("/")[0].replace("/", ".")
+        module = scope.removeprefix("model.")  # the TextLogits wrapper of text models
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+            names.append(node.name)
+    return names
+
+
 def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
-             calibration: Examples | None, options, max_length: int) -> None:
+             calibration: Examples | None, options, max_length: int,
+             excluded: list[str] | None = None) -> None:
     """ONNX Runtime int8: dynamic (weights int8, activations at run time), or static QDQ
-    of the MatMul and Gemm ops with activations calibrated on `options.samples` examples."""
+    of the MatMul and Gemm ops with activations calibrated on `options.samples` examples;
+    the nodes named in `excluded` stay in float."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -147,7 +172,8 @@ def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
         # the bert_int8 MiniLM (Zen, AVX512-VNNI): 87.73% SST-2 at 27.7 ms (8 x 128)
         # against 86.93% at 32.2 ms for per-channel weight-only MatMuls
         quantize_dynamic(str(float_path), str(path), weight_type=QuantType.QInt8,
-                         per_channel=False, extra_options={"MatMulConstBOnly": False})
+                         per_channel=False, nodes_to_exclude=excluded or [],
+                         extra_options={"MatMulConstBOnly": False})
         return
     pre = float_path.with_name("model.pre.onnx")
     quant_pre_process(str(float_path), str(pre), skip_symbolic_shape=True)
@@ -157,7 +183,8 @@ def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
     # negative fill, and BERT then agreed with fp32 on 77% of SST-2 (86.5% accuracy here)
     quantize_static(str(pre), str(path), reader, quant_format=QuantFormat.QDQ,
                     op_types_to_quantize=["MatMul", "Gemm"], per_channel=True,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    nodes_to_exclude=excluded or [])
     pre.unlink()
 
 

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from compress.stages.options import CalibrationOptions, StageName, StrictModel
 from compress.stages.spec import StageSpec, register
 
-ONNX_ONLY = ("opset", "exporter", "optimize", "quantize")
+ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT"}
@@ -61,6 +61,9 @@ class ExportConfig(StrictModel):
     quantize: Literal["dynamic", "static"] | None = Field(
         None, description="ONNX: int8 with ONNX Runtime (dynamic, or static QDQ calibrated "
         "on the calibration split).")
+    keep_float: list[str] = Field(
+        default_factory=list, description="ONNX Runtime int8: module name patterns (fnmatch) "
+        "whose MatMul and Gemm nodes stay in float.")
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
     precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="TensorRT precision.")
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
@@ -79,6 +82,8 @@ class ExportConfig(StrictModel):
                  and not (k == "calibration" and self.format in ("onnx", "tensorrt"))]
         if stray:
             raise ValueError(f"{', '.join(stray)} do not apply to format {self.format}")
+        if self.keep_float and not self.quantize:
+            raise ValueError("keep_float applies to ONNX Runtime int8 only; set quantize")
         if self.optimize and self.quantize:
             raise ValueError("optimize works on float ONNX models only (ONNX Runtime's "
                              "quantizers fail on fused graphs); drop it: the session still "
@@ -129,4 +134,5 @@ SPEC = register(StageSpec(
     makes_model=False, splits=_splits, runtime=_runtime, check=_fits_the_model,
     reload="compress.stages.export:reload", precision=_file_precision,
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (),
+    export_formats=lambda cfg: (cfg.format,),
 ))

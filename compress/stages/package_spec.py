@@ -7,9 +7,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from compress.stages.options import StageName, StrictModel
-from compress.stages.spec import StageSpec, register
+from compress.stages.spec import StageSpec, register, spec_of
 
-PACKAGED_KIND = "export"  # the kind whose files a package archives
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti")
 
 
@@ -21,8 +20,8 @@ class PackageConfig(StrictModel):
     kind: Literal["package"] = "package"
     name: StageName = None
     artifact: str | int | None = Field(
-        None, description="The export stage to package (name or index; default: the latest "
-        "export before this stage).")
+        None, description="The export (or search) stage to package (name or index; default: "
+        "the latest one before this stage).")
     model_name: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Name served at /predictions/<name> (default: the recipe's name).")
@@ -43,9 +42,10 @@ class PackageConfig(StrictModel):
 
 
 def export_stage_index(recipe: Any, i: int) -> int:
-    """Index of the export stage that package stage i archives (its `artifact`, by name or
-    index; default: the latest export before it). Raises ValueError when there is none."""
-    exports = [j for j in range(i) if recipe.stages[j].kind == PACKAGED_KIND]
+    """Index of the stage whose export folder package stage i archives (its `artifact`, by
+    name or index; default: the latest stage before it that writes one: an export, a
+    search). Raises ValueError when there is none."""
+    exports = [j for j in range(i) if spec_of(recipe.stages[j].kind).export_formats]
     artifact = recipe.stages[i].artifact
     if artifact is None and exports:
         return exports[-1]
@@ -53,12 +53,13 @@ def export_stage_index(recipe: Any, i: int) -> int:
     if text.isdigit() and int(text) in exports:
         return int(text)
     for j in reversed(exports):
-        if text == (recipe.stages[j].name or PACKAGED_KIND):
+        if text == (recipe.stages[j].name or recipe.stages[j].kind):
             return j
     if not exports:
         raise ValueError("artifact: no export stage comes before this package stage; add "
                          "one, e.g. {kind: export, format: onnx}")
-    choices = ", ".join(f"{j} ({recipe.stages[j].name or PACKAGED_KIND})" for j in exports)
+    choices = ", ".join(f"{j} ({recipe.stages[j].name or recipe.stages[j].kind})"
+                        for j in exports)
     raise ValueError(f"artifact: '{artifact}' is not an earlier export stage (choices: "
                      f"{choices})")
 
@@ -68,10 +69,13 @@ def _servable(recipe: Any, i: int) -> list[str]:
         j = export_stage_index(recipe, i)
     except ValueError as exc:
         return [f"stages.{i}.{exc}"]
-    fmt = recipe.stages[j].format
-    if fmt not in SERVABLE_FORMATS:
-        return [f"stages.{i}.artifact: a {fmt} export cannot be served on the CPU workers this "
-                f"handler runs; package an export of format {', '.join(SERVABLE_FORMATS)}"]
+    stage = recipe.stages[j]
+    unservable = [f for f in spec_of(stage.kind).export_formats(stage)
+                  if f not in SERVABLE_FORMATS]
+    if unservable:
+        return [f"stages.{i}.artifact: a {unservable[0]} export cannot be served on the CPU "
+                f"workers this handler runs; package an export of format "
+                f"{', '.join(SERVABLE_FORMATS)}"]
     return []
 
 

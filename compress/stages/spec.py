@@ -59,6 +59,8 @@ class StageSpec:
     check_model: Callable[[Any, int, dict[str, Any]], list[str]] | None = None  # against
     # the recipe model's config.json (recipe, index, config) -> problems
     needs: Callable[[Any], tuple[str, ...]] = _no_splits  # hardware the run needs ("cuda")
+    export_formats: Callable[[Any], tuple[str, ...]] | None = None  # its output is an export
+    # folder (`export_dir`) in one of these formats, which a package stage can archive
 
     def precision_of(self, config: dict[str, Any]) -> str | None:
         """`precision` of a config as recorded in a manifest (every option written out, so

@@ -1,0 +1,170 @@
+"""The search stage's own rules: bad options are one line at validation (exit 2), the
+winner is the best trial within the tolerance, and the layer ranking finds a layer int8
+breaks and the fallback keeps exactly that one in float."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import digits_recipe
+from torch import nn
+
+from compress.cli import main
+from compress.cli_search import add_search_stage
+from compress.search_choice import decide
+
+
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["compress", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
+def recipe_file(tmp_path: Path, *stages: dict) -> Path:
+    raw = digits_recipe(tmp_path / "runs")
+    raw["stages"] = [raw["stages"][0], *stages]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+BAD_SEARCHES = [
+    ({"objective": "latency_b3"}, "stages.1.search.objective: Input should be 'latency_b1'"),
+    ({"candidates": ["int4_magic"]}, "stages.1.search.candidates.0: Input should be"),
+    ({"max_accuracy_drop": -0.1}, "stages.1.search.max_accuracy_drop: Input should be greater "
+                                  "than or equal to 0"),
+    ({"candidates": ["bf16_aoti"]}, "stages.1.candidates: none applies to model.source "
+                                    "compress.zoo:mlp (bf16_aoti casts Hugging Face models"),
+    ({"objective": "latency_real"}, "stages.1.objective: latency_real times the eval split's "
+                                    "sentences"),
+    ({"candidates": ["onnx_fp32", "onnx_fp32"]}, "a candidate is listed twice"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD_SEARCHES)
+def test_bad_search_options_are_one_line_exit_2(options, message, tmp_path, monkeypatch,
+                                                capsys) -> None:
+    search = {"kind": "search", "max_accuracy_drop": 0.5, **options}
+    code, _, err = cli(monkeypatch, capsys, "validate", str(recipe_file(tmp_path, search)))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_search_of_a_quantized_model_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    path = recipe_file(tmp_path, {"kind": "quantize", "mode": "dynamic"},
+                       {"kind": "search", "max_accuracy_drop": 1})
+    code, _, err = cli(monkeypatch, capsys, "validate", str(path))
+    assert code == 2 and "stages.2: a search stage cannot take the model of a quantize" in err
+
+
+def test_search_without_max_drop_says_how(tmp_path, monkeypatch, capsys) -> None:
+    code, _, err = cli(monkeypatch, capsys, "search", str(recipe_file(tmp_path)))
+    assert code == 2 and err.strip() == (
+        "error: the recipe has no search stage; give --max-drop POINTS to add one")
+    code, _, err = cli(monkeypatch, capsys, "search", str(recipe_file(tmp_path)),
+                       "--max-drop", "-1")
+    assert code == 2 and "-1" in err and "Traceback" not in err
+
+
+def test_a_search_stage_is_added_before_the_package_and_packaged() -> None:
+    from compress.recipe import validate_raw
+
+    raw = digits_recipe(Path("/tmp/unused"))
+    raw["stages"].append({"kind": "package"})
+    edited = add_search_stage(raw, 0.25)
+    assert [s["kind"] for s in edited["stages"]] == ["finetune", "search", "package"]
+    assert edited["stages"][1]["max_accuracy_drop"] == 0.25
+    assert add_search_stage(edited, 3.0) is edited  # one search stage is enough
+    recipe, problems = validate_raw(edited)
+    assert problems == [] and recipe is not None
+    from compress.stages.package_spec import export_stage_index
+
+    assert export_stage_index(recipe, 2) == 1  # the package archives the winner
+
+
+def trial(tid: str, accuracy: float, b8: float, drop: float, within: bool, **extra) -> dict:
+    return {"id": tid, "candidate": tid, "status": "ok", "accuracy": accuracy,
+            "latency_ms_b8": b8, "drop": drop, "within": within, "float_layers": [], **extra}
+
+
+def test_the_winner_is_the_fastest_trial_within_the_tolerance() -> None:
+    trials = [trial("fast_but_lossy", 0.80, 10.0, 6.0, False),
+              trial("within_slow", 0.86, 30.0, 0.0, True),
+              trial("within_fast", 0.855, 20.0, 0.5, True),
+              {"id": "broken", "candidate": "broken", "status": "failed", "error": "no",
+               "float_layers": []}]
+    outcome = decide(trials, "latency_ms_b8", 0.5)
+    assert outcome["winner"]["id"] == "within_fast"
+    lost = {t["id"]: t.get("lost") for t in trials}
+    assert lost["fast_but_lossy"] == "loses 6.00 pt > max_accuracy_drop 0.5"
+    assert lost["within_slow"] == "slower: 30.00 ms against the winner's 20.00 ms"
+    assert lost["broken"] == "failed: no"
+    # re-timed finalists decide by their re-timed medians
+    trials[1]["final_ms"], trials[2]["final_ms"] = 18.0, 21.0
+    assert decide(trials, "latency_ms_b8", 0.5)["winner"]["id"] == "within_slow"
+
+
+def test_no_trial_within_names_the_closest() -> None:
+    trials = [trial("a", 0.80, 10.0, 6.0, False), trial("b", 0.84, 12.0, 2.0, False)]
+    outcome = decide(trials, "latency_ms_b8", 0.1)
+    assert outcome["winner"] is None
+    assert outcome["verdict"].startswith(
+        "no trial is within max_accuracy_drop 0.1 of the entering model; the closest is b at "
+        "-2.00 pt (84.00%)")
+
+
+class Fragile(nn.Module):
+    """Three linear layers; `middle` gets one input column scaled by 1000, so one int8
+    scale per output channel rounds every other weight of it to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        with torch.no_grad():
+            self.middle.weight[:, 0] *= 1000
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))
+
+
+def test_the_fragile_layer_ranks_first_and_the_fallback_keeps_it_float() -> None:
+    from compress.data import Examples
+    from compress.models import ModelBundle
+    from compress.quantization import quantize
+    from compress.sensitivity import rank_layers
+    from compress.stages.quantize_spec import QuantizeConfig
+
+    model = Fragile().eval()
+    batches = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    ranking = rank_layers(model, batches)
+    assert [r["layer"] for r in ranking][0] == "middle"
+    assert ranking[0]["kl"] > 10 * ranking[1]["kl"] > 0
+
+    bundle = ModelBundle(model, "factory", ["a", "b", "c", "d"], input_shape=[16])
+    reference = torch.cat([model(b) for b in batches])
+
+    calibration = Examples(labels=[0] * 128, inputs=torch.cat(batches))
+
+    def kl_with_float(layers: list[str]) -> float:
+        cfg = QuantizeConfig(mode="static", compile=False, keep_float=layers)
+        quantized, _ = quantize(bundle, cfg, calibration)
+        with torch.no_grad():
+            got = torch.cat([quantized.model(b) for b in batches])
+        return float(nn.functional.kl_div(got.log_softmax(-1), reference.log_softmax(-1),
+                                          log_target=True, reduction="batchmean"))
+
+    all_int8, middle_float = kl_with_float([]), kl_with_float(["middle"])
+    assert middle_float < all_int8 / 10  # keeping the ranked-first layer float is the fix
+    from compress.sensitivity import fallback_layers
+
+    kept = fallback_layers([r["layer"] for r in ranking], lambda layers: kl_with_float(layers)
+                           < middle_float * 2, limit=3)
+    assert kept == ["middle"]

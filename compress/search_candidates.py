@@ -29,6 +29,9 @@ def candidate_stages(name: str, float_layers: list[str], calibration: Calibratio
         "pt2e_dynamic_aoti": lambda: [QuantizeConfig(mode="dynamic", compile=False,
                                                      keep_float=keep),
                                       ExportConfig(format="aoti")],
+        "pt2e_static_bf16_aoti": lambda: [
+            QuantizeConfig(mode="static", compile=False, **quantized),
+            ExportConfig(format="aoti", autocast="bf16")],
         "bf16_aoti": lambda: [PrecisionConfig(), ExportConfig(format="aoti")],
         "ort_dynamic_int8": lambda: [ExportConfig(format="onnx", quantize="dynamic",
                                                   **({"keep_float": keep} if keep else {}))],

@@ -24,8 +24,13 @@ def describe(record: dict[str, Any], metric: str, max_drop: float) -> str:
         ("latency_ms_b1", "b1"), ("latency_ms_b8", "b8"), ("latency_ms_b8_real", "b8 real"))
         if key in record)
     return (f"{record['id']} ({source}): accuracy {100 * record['accuracy']:.2f}% "
-            f"({-record['drop']:+.2f} pt, {verdict} {max_drop:g}), {latency}, "
+            f"({points(record['drop'])} pt, {verdict} {max_drop:g}), {latency}, "
             f"{record['bytes'] / 1e6:.1f} MB; objective {_value(record, metric)}")
+
+
+def points(drop: float) -> str:
+    """An accuracy change in points, signed (a drop of 0 is +0.00, never -0.00)."""
+    return f"{-drop + 0.0:+.2f}"
 
 
 def _value(record: dict[str, Any], metric: str) -> str:
@@ -79,7 +84,7 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
             trial["lost"] = f"loses {trial['drop']:.2f} pt > max_accuracy_drop {max_drop:g}"
     if not eligible:
         closest = min(ok, key=lambda t: t["drop"], default=None)
-        near = (f"; the closest is {closest['id']} at {-closest['drop']:+.2f} pt "
+        near = (f"; the closest is {closest['id']} at {points(closest['drop'])} pt "
                 f"({100 * closest['accuracy']:.2f}%)" if closest else "")
         return {"winner": None,
                 "verdict": f"no trial is within max_accuracy_drop {max_drop:g} of the "
@@ -101,7 +106,7 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
     key = "final_ms" if finals else metric
     score = winner[key]
     verdict = (f"winner {winner['id']}: accuracy {100 * winner['accuracy']:.2f}% "
-               f"({-winner['drop']:+.2f} pt, within {max_drop:g}), {_fmt(score, metric)}"
+               f"({points(winner['drop'])} pt, within {max_drop:g}), {_fmt(score, metric)}"
                + (" (re-timed against the other finalists)" if key == "final_ms" else ""))
     return {"winner": winner, "verdict": verdict}
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from compress.report_plot import pareto_front
 from compress.runfolder import atomic_write_json, atomic_write_text
+from compress.search_choice import points
 
 DROPPED = ("preds", "key", "stages_json")  # not worth keeping in search.json
 
@@ -66,7 +67,7 @@ def section(record: dict[str, Any], folder: Path, run_dir: Path, plot: Path | No
                          f"{t.get('lost') or t.get('error')} |")
             continue
         cells = [name, str(len(t["float_layers"])), f"{100 * t['accuracy']:.2f}",
-                 f"{-t['drop']:+.2f}", f"{t.get('agreement', 0):.4f}",
+                 points(t["drop"]), f"{t.get('agreement', 0):.4f}",
                  *(_ms(t.get(k)) for k in ("latency_ms_b1", "latency_ms_b8",
                                            "latency_ms_b8_real")),
                  f"{t['bytes'] / 1e6:.1f}", _ms(t.get("final_ms")),

@@ -1,7 +1,8 @@
 """AOTInductor: `torch.export` with dynamic batch and sequence, compiled ahead of time into
 one `.pt2` package that `torch._inductor.aoti_load_package` runs with plain torch. Float,
 pruned and PT2E int8 models alike (int8 compiles with Inductor freezing, where the x86
-int8 kernels are chosen)."""
+int8 kernels are chosen). With `autocast: bf16` the graph is captured under bfloat16
+autocast: the float ops run in bf16 (int8-mixed-bf16 for a PT2E model)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
         module, max_seq = bundle.model.graph, bundle.model.max_seq
     else:
         module, max_seq = graph_module(bundle).eval(), max_sequence(bundle.model)
-    program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
+    autocast = getattr(cfg, "autocast", None)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
+        program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-    return path, {"aoti_max_seq": max_seq}
+    return path, {"aoti_max_seq": max_seq, **({"aoti_autocast": autocast} if autocast else {})}
 
 
 def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ from compress.stages.spec import StageSpec, register
 
 ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
+AOTI_ONLY = ("autocast",)
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT"}
 
@@ -66,18 +67,23 @@ class ExportConfig(StrictModel):
         "whose MatMul and Gemm nodes stay in float.")
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
     precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="TensorRT precision.")
+    autocast: Literal["bf16"] | None = Field(
+        None, description="AOTInductor: compile the graph's float ops in bfloat16 (for a "
+        "PT2E int8 model: int8 layers, everything else in bf16). Needs a bf16 CPU.")
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
 
     @property
     def quantizes(self) -> bool:
         """Whether the export itself changes the precision (its logits cannot match)."""
         return (self.format == "onnx" and self.quantize is not None) or (
-            self.format == "tensorrt" and self.precision != "fp32")
+            self.format == "tensorrt" and self.precision != "fp32") or (
+            self.format == "aoti" and self.autocast is not None)
 
     @model_validator(mode="after")
     def _options_fit_the_format(self) -> ExportConfig:
-        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY}.get(self.format, ())
-        stray = [k for k in (*ONNX_ONLY, *TENSORRT_ONLY, "calibration")
+        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY, "aoti": AOTI_ONLY}.get(
+            self.format, ())
+        stray = [k for k in (*ONNX_ONLY, *TENSORRT_ONLY, *AOTI_ONLY, "calibration")
                  if k in self.model_fields_set and k not in own
                  and not (k == "calibration" and self.format in ("onnx", "tensorrt"))]
         if stray:
@@ -100,7 +106,9 @@ def _splits(cfg: ExportConfig) -> tuple[str, ...]:
 def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
     fmt = config.get("format") or metrics.get("runtime") or "?"
     extra = {"onnx": f" int8 {config['quantize']}" if config.get("quantize") else "",
-             "tensorrt": f" {config.get('precision', 'fp32')}"}.get(fmt, "")
+             "tensorrt": f" {config.get('precision', 'fp32')}",
+             "aoti": f" {config['autocast']} autocast" if config.get("autocast") else ""
+             }.get(fmt, "")
     return RUNTIMES.get(fmt, fmt) + extra
 
 
@@ -108,6 +116,8 @@ def _file_precision(cfg: ExportConfig) -> str | None:
     """The precision of the written file when the export itself changes it."""
     if cfg.format == "onnx" and cfg.quantize:
         return "int8"
+    if cfg.format == "aoti" and cfg.autocast:
+        return cfg.autocast
     return cfg.precision if cfg.format == "tensorrt" and cfg.precision != "fp32" else None
 
 
@@ -133,6 +143,7 @@ SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
     makes_model=False, splits=_splits, runtime=_runtime, check=_fits_the_model,
     reload="compress.stages.export:reload", precision=_file_precision,
-    needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (),
+    needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
+        ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
 ))

@@ -42,6 +42,8 @@ class Search:
         self.ran = 0
         self.began = time.perf_counter()
         self.reference: dict[str, Any] = {}
+        self.planned = 0  # candidates without fallback layers, for the progress lines
+        self.built_s: list[float] = []  # how long each trial built here took
 
     def log(self, message: str) -> None:
         self.ctx.log(f"{self.ctx.name}: {message}")
@@ -86,9 +88,9 @@ class Search:
                                      "status": "not run", "lost": spent})
                 self.log(f"{tid}: not run ({spent})")
                 return None
-            extra = f", {len(float_layers)} layers in float" if float_layers else ""
             self.log(f"trial {len(self.trials) + 1} {tid}: building {CANDIDATES[name][0]}"
-                     f"{extra} ({time.perf_counter() - self.began:.0f} s into the search)")
+                     + (f", {len(float_layers)} layers in float" if float_layers else "")
+                     + f" ({self._progress()})")
             record = {"id": tid, "key": key, "candidate": name, "float_layers": float_layers,
                       "stages": [s.model_dump(mode="json", exclude_unset=True) for s in stages]}
             data = self.ctx.data
@@ -97,6 +99,7 @@ class Search:
                 lambda m: None), self.measurer, self.reference["preds"])
             record["cached"] = False
             self.ran += 1
+            self.built_s.append(record["trial_s"])
         record["folder"] = str(folder.relative_to(self.ctx.run_dir))
         if record["status"] == "ok":
             record["drop"] = round(100 * (self.reference["accuracy"] - record["accuracy"]), 3)
@@ -104,6 +107,15 @@ class Search:
         self.trials.append(record)
         self.log(describe(record, self.metric, self.cfg.max_accuracy_drop))
         return record
+
+    def _progress(self) -> str:
+        """Elapsed time and, while candidates are left, an estimate of what they need."""
+        elapsed = time.perf_counter() - self.began
+        left = self.planned - len(self.trials)
+        if left <= 0 or not self.built_s:
+            return f"{elapsed:.0f} s into the search"
+        eta = left * sum(self.built_s) / len(self.built_s)
+        return f"{elapsed:.0f} s into the search, about {eta:.0f} s for the {left} candidates left"
 
     def float_objective(self) -> float:
         """The objective of the fastest float candidate measured (else the eager model)."""
@@ -179,6 +191,7 @@ def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:
         raise UserError(f"stages.{ctx.index}.candidates: none applies to this model on this "
                         f"machine ({'; '.join(f'{n} {w}' for n, w in skipped.items())})")
     search.measure_reference()
+    search.planned = len(names)
     for name in names:
         search.trial(name, [])
     missed = sorted((t for t in search.trials if t["status"] == "ok" and not t["within"]

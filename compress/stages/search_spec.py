@@ -20,6 +20,8 @@ CANDIDATES: dict[str, tuple[str, str, bool, bool, bool]] = {
                          False, False, True),
     "pt2e_dynamic_aoti": ("PT2E int8 dynamic activations as an AOTInductor package", "aoti",
                           False, False, True),
+    "pt2e_static_bf16_aoti": ("PT2E int8 static with the float ops in bf16 as an "
+                              "AOTInductor package", "aoti", False, True, True),
     "bf16_aoti": ("bfloat16 as an AOTInductor package", "aoti", True, True, False),
     "ort_dynamic_int8": ("ONNX Runtime dynamic int8 (every MatMul)", "onnx", False, False,
                          True),
@@ -28,7 +30,8 @@ CANDIDATES: dict[str, tuple[str, str, bool, bool, bool]] = {
     "onnx_fp32": ("float32 in ONNX Runtime", "onnx", False, False, False),
     "aoti_fp32": ("float32 as an AOTInductor package", "aoti", False, False, False),
 }
-Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "bf16_aoti", "ort_dynamic_int8",
+Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "pt2e_static_bf16_aoti",
+                    "bf16_aoti", "ort_dynamic_int8",
                     "ort_static_int8", "onnx_fp32", "aoti_fp32"]
 OBJECTIVES = {"latency_b1": "latency_ms_b1", "latency_b8": "latency_ms_b8",
               "latency_real": "latency_ms_b8_real", "size": "bytes"}

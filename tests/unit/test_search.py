@@ -35,9 +35,9 @@ def recipe_file(tmp_path: Path, *stages: dict) -> Path:
 
 
 BAD_SEARCHES = [
-    ({"objective": "latency_b3"}, "stages.1.search.objective: Input should be 'latency_b1'"),
-    ({"candidates": ["int4_magic"]}, "stages.1.search.candidates.0: Input should be"),
-    ({"max_accuracy_drop": -0.1}, "stages.1.search.max_accuracy_drop: Input should be greater "
+    ({"objective": "latency_b3"}, "stages.1.objective: Input should be 'latency_b1'"),
+    ({"candidates": ["int4_magic"]}, "stages.1.candidates.0: Input should be"),
+    ({"max_accuracy_drop": -0.1}, "stages.1.max_accuracy_drop: Input should be greater "
                                   "than or equal to 0"),
     ({"candidates": ["bf16_aoti"]}, "stages.1.candidates: none applies to model.source "
                                     "compress.zoo:mlp (bf16_aoti casts Hugging Face models"),
@@ -121,15 +121,18 @@ def test_no_trial_within_names_the_closest() -> None:
 
 
 class Fragile(nn.Module):
-    """Three linear layers; `middle` gets one input column scaled by 1000, so one int8
-    scale per output channel rounds every other weight of it to zero."""
+    """Three linear layers; `first` makes one output channel 1000 times larger and `middle`
+    reads it 1000 times smaller (the float function is unchanged), so the one int8 scale
+    of middle's input rounds every other channel of it to zero."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first, self.middle, self.last = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
         with torch.no_grad():
-            self.middle.weight[:, 0] *= 1000
+            self.first.weight[0] *= 1000
+            self.first.bias[0] = 1000.0
+            self.middle.weight[:, 0] /= 1000
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.last(torch.relu(self.middle(torch.relu(self.first(x)))))

@@ -13,7 +13,8 @@ import pytest
 from compress.stages.spec import StageSpec, all_specs, import_function, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ["finetune", "distill", "prune", "quantize", "precision", "compile", "export", "package"]
+KINDS = ["finetune", "distill", "prune", "quantize", "precision", "compile", "export", "search",
+         "package"]
 
 
 def test_every_kind_is_registered_in_listing_order() -> None:
@@ -45,7 +46,8 @@ def test_every_trait_is_declared_and_resolves(kind: str) -> None:
 
 
 def _required(kind: str) -> dict:
-    return {"distill": {"student": {"layers": 1}}, "export": {"format": "onnx"}}.get(kind, {})
+    return {"distill": {"student": {"layers": 1}}, "export": {"format": "onnx"},
+            "search": {"max_accuracy_drop": 0.5}}.get(kind, {})
 
 
 def test_kind_modules_hold_the_kind_names() -> None:

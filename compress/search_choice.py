@@ -82,6 +82,8 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
             trial["lost"] = f"failed: {trial.get('error')}"
         elif not trial["within"]:
             trial["lost"] = f"loses {trial['drop']:.2f} pt > max_accuracy_drop {max_drop:g}"
+            if trial.get("stopped"):
+                trial["lost"] += f" ({trial['stopped']})"
     if not eligible:
         closest = min(ok, key=lambda t: t["drop"], default=None)
         near = (f"; the closest is {closest['id']} at {points(closest['drop'])} pt "

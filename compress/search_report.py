@@ -59,7 +59,9 @@ def section(record: dict[str, Any], folder: Path, run_dir: Path, plot: Path | No
              "| trial | float layers | accuracy % | Δ pt | agreement | b1 ms | b8 ms | "
              "b8 real ms | MB | re-timed ms | outcome |", "|" + "---|" * 11]
     ok = [t for t in record["trials"] if t.get("status") == "ok"]
-    for t in sorted(ok, key=lambda t: t.get(metric, float("inf"))) + [
+    order = sorted(ok, key=lambda t: ("final_ms" not in t, t.get("final_ms") or 0,
+                                      t.get(metric, float("inf"))))
+    for t in order + [
             t for t in record["trials"] if t.get("status") != "ok"]:
         name = f"**{t['id']}**" if t.get("won") else t["id"]
         if t.get("status") != "ok":
@@ -106,21 +108,28 @@ def plot_search(record: dict[str, Any], path: Path) -> Path | None:
         return None
     scale = 1e6 if metric == "bytes" else 1.0
     front = pareto_front([(x / scale, y, n) for x, y, n in points])
+    on_front = {p[2] for p in front}
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    for x, y, name in points:
+    for i, (x, y, name) in enumerate(sorted(points)):
         won = name == record["winner"]
-        ax.scatter(x / scale, y, s=160 if won else 40, marker="*" if won else "o",
-                   color="tab:red" if won else "tab:blue", zorder=3)
+        ax.scatter(x / scale, y, s=170 if won else 45, marker="*" if won else "o",
+                   color="tab:red" if won else "tab:blue", zorder=3,
+                   edgecolors="tab:green" if name in on_front else "none", linewidths=1.5)
         ax.annotate(name.rsplit("-", 1)[0], (x / scale, y), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
+                    xytext=(6, 5 if i % 2 == 0 else -11), fontsize=7)
     ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:green", ls="--",
-            label="Pareto front")
-    bound = 100 * record["reference"].get("accuracy", 0) - record["max_accuracy_drop"]
+            label="Pareto front (green rings)")
+    reference = record["reference"]
+    if reference.get(metric) and reference.get("accuracy") is not None:
+        ax.scatter(reference[metric] / scale, 100 * reference["accuracy"], marker="x",
+                   color="tab:gray", s=50, zorder=3, label="entering model, PyTorch eager")
+    bound = 100 * reference.get("accuracy", 0) - record["max_accuracy_drop"]
     ax.axhline(bound, color="tab:gray", ls=":",
                label=f"tolerance: {record['max_accuracy_drop']:g} pt below the entering model")
     ax.set_xlabel("file size (MB)" if metric == "bytes" else f"{metric} (ms)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"search: every trial, winner starred ({record['objective']})", fontsize=10)
+    ax.set_title(f"search: every trial, winner starred ({record['objective']}; re-timed "
+                 f"finalists at their re-timed medians)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

@@ -123,6 +123,16 @@ class Search:
                   and not CANDIDATES[t["candidate"]][4] and self.metric in t]
         return min(floats, default=self.reference.get(self.metric, float("inf")))
 
+    def bar(self) -> tuple[float, str]:
+        """What a fallback trial must beat, and what it is: float layers only add time
+        (and bytes), so a trial no better than the float model or than the best trial
+        already within the tolerance cannot win."""
+        within = [t[self.metric] for t in self.trials if t["status"] == "ok" and t["within"]]
+        best = min(within, default=float("inf"))
+        if best < self.float_objective():
+            return best, "no better than the best trial within the tolerance"
+        return self.float_objective(), "no better than the float model"
+
     def fall_back(self, name: str, ranking: list[str]) -> None:
         """Trials of `name` with the top 1, 2, ... layers of `ranking` in float, until one
         is within the tolerance, is no faster than the float model, or fails."""
@@ -131,8 +141,10 @@ class Search:
             record = self.trial(name, layers)
             if record is None or record["status"] != "ok":
                 return None
-            if not record["within"] and record[self.metric] >= self.float_objective():
-                record["stopped"] = "no faster than the float model: fallback stopped"
+            bar, what = self.bar()
+            if not record["within"] and record[self.metric] >= bar:
+                record["stopped"] = f"{what}: fallback stopped"
+                self.log(f"{record['id']}: {record['stopped']}")
                 return None
             return record["within"]
 
@@ -195,12 +207,14 @@ def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:
     for name in names:
         search.trial(name, [])
     missed = sorted((t for t in search.trials if t["status"] == "ok" and not t["within"]
-                     and CANDIDATES[t["candidate"]][4]
-                     and t[search.metric] < search.float_objective()),
-                    key=lambda t: t[search.metric])
+                     and CANDIDATES[t["candidate"]][4]), key=lambda t: t[search.metric])
     ranking: list[str] | None = None
     for record in missed:
-        if cfg.max_fallback_layers and search.budget_spent() is None:
+        bar, what = search.bar()
+        if record[search.metric] >= bar:
+            record["stopped"] = f"{what}: no fallback tried"
+            search.log(f"{record['id']}: {record['stopped']}")
+        elif cfg.max_fallback_layers and search.budget_spent() is None:
             ranking = ranking or search.sensitivity()
             search.fall_back(record["candidate"], ranking)
     retime_finalists(search.trials, cfg, search.metric, search.measurer, ctx.run_dir, search.log)

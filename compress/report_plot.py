@@ -29,18 +29,36 @@ def plot_points(report: dict[str, Any]) -> tuple[int | None, list[tuple[float, f
     return None, []
 
 
-def plot_report(report: dict[str, Any], path: Path) -> Path | None:
-    """Write the plot (matplotlib, no display); None when there is nothing to plot or
-    matplotlib is not installed."""
-    batch, points = plot_points(report)
-    if not points:
-        return None
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display), or None when not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write `fig` to `path` through a temporary file and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path | None:
+    """Write the plot (matplotlib, no display); None when there is nothing to plot or
+    matplotlib is not installed."""
+    batch, points = plot_points(report)
+    plt = pyplot() if points else None
+    if plt is None:
         return None
     front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
@@ -64,9 +82,4 @@ def plot_report(report: dict[str, Any], path: Path) -> Path | None:
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

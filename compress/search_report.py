@@ -4,14 +4,15 @@ the tolerance and the winner)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from compress.report_plot import pareto_front
+from compress.report_plot import pareto_front, pyplot, save_figure
 from compress.runfolder import atomic_write_json, atomic_write_text
 from compress.search_choice import points
 
-DROPPED = ("preds", "key", "stages_json")  # not worth keeping in search.json
+DROPPED = ("preds", "key")  # not worth keeping in search.json
 
 
 def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[str, str],
@@ -26,7 +27,7 @@ def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[s
               "skipped": skipped, "winner": winner["id"] if winner else None,
               "verdict": outcome["verdict"], "trials_run": search.ran,
               "trials_cached": sum(bool(t.get("cached")) for t in search.trials),
-              "search_s": round(_elapsed(search), 1),
+              "search_s": round(time.perf_counter() - search.began, 1),
               "sensitivity": "sensitivity.json" if (folder / "sensitivity.json").is_file()
               else None, "trials": trials}
     atomic_write_json(folder / "search.json", record)
@@ -41,12 +42,6 @@ def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[s
                        search_fallback_layers=winner["float_layers"],
                        search_accuracy_drop=winner["drop"])
     return summary
-
-
-def _elapsed(search) -> float:
-    import time
-
-    return time.perf_counter() - search.began
 
 
 def section(record: dict[str, Any], folder: Path, run_dir: Path, plot: Path | None) -> str:
@@ -97,14 +92,8 @@ def plot_search(record: dict[str, Any], path: Path) -> Path | None:
     metric = record["metric"]
     points = [(t.get("final_ms") or t[metric], 100 * t["accuracy"], t["id"])
               for t in record["trials"] if t.get("status") == "ok" and t.get(metric)]
-    if not points:
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot() if points else None
+    if plt is None:
         return None
     scale = 1e6 if metric == "bytes" else 1.0
     front = pareto_front([(x / scale, y, n) for x, y, n in points])
@@ -132,9 +121,4 @@ def plot_search(record: dict[str, Any], path: Path) -> Path | None:
                  f"finalists at their re-timed medians)", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)

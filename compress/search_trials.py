@@ -9,6 +9,7 @@ after its last finished trial, and a re-run with another tolerance reuses every 
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import traceback
@@ -95,8 +96,6 @@ def trial_id(name: str, float_layers: list[str], key: str) -> str:
 
 def cached_trial(folder: Path, key: str) -> dict[str, Any] | None:
     """The finished trial in `folder` with this key whose file is intact, else None."""
-    import json
-
     try:
         record = json.loads((folder / TRIAL_FILE).read_text())
     except (OSError, ValueError):

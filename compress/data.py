@@ -29,7 +29,7 @@ class Examples:
     inputs: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.texts) if self.texts is not None else len(self.labels)
 
     def head(self, n: int) -> Examples:
         """The first `n` examples."""
@@ -48,6 +48,7 @@ class DataBundle:
     label_mapping: dict[str, int] | None = None
     max_length: int = 128
     input_shape: list[int] = field(default_factory=list)
+    prompts: list[Any] = field(default_factory=list)  # causal LMs: str or chat messages
 
     @property
     def num_labels(self) -> int:

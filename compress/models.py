@@ -33,6 +33,7 @@ class ModelBundle:
     kwargs: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] = field(default_factory=list)
     structure: dict[str, Any] | None = None  # shapes after structured pruning (to rebuild)
+    lm: dict[str, Any] | None = None  # causal LMs: weight scheme, dtype, provenance
 
     @property
     def is_text(self) -> bool:
@@ -129,6 +130,10 @@ def save_model(bundle: ModelBundle, folder: Path) -> Path:
         from compress.quantization import save_quantized
 
         return save_quantized(bundle, folder)
+    if bundle.kind == "causal-lm":
+        from compress.lm_models import save_lm
+
+        return save_lm(bundle, folder)
     if bundle.structure is not None:
         (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
     if bundle.kind == "hf":
@@ -151,6 +156,10 @@ def load_saved(folder: Path) -> ModelBundle:
         from compress.quantization import load_quantized
 
         return load_quantized(folder)
+    if (folder / "causal_lm.json").is_file():
+        from compress.lm_models import load_lm
+
+        return load_lm(folder)
     structure_file = folder / STRUCTURE
     structure = json.loads(structure_file.read_text()) if structure_file.is_file() else None
     meta_file = folder / "model.json"

@@ -19,9 +19,9 @@ from compress.fingerprint import data_fingerprint, model_fingerprint
 from compress.recipe import Recipe
 from compress.records import read_manifest
 from compress.runfolder import run_lock, sha256_json
-from compress.sources import check_recipe_sources
+from compress.sources import check_recipe_sources, model_task
 from compress.stages.chain import hardware_needed, model_stage_index
-from compress.stages.spec import HARDWARE, import_function, spec_of
+from compress.stages.spec import HARDWARE, import_function
 
 
 def log(message: str) -> None:
@@ -32,24 +32,25 @@ def log(message: str) -> None:
 def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | None = None,
                echo: Callable[[str], None] = log) -> Path:
     """Run a validated recipe; return its run folder. Raises UserError or StageError."""
-    from compress.data import load_data  # torch is imported from here on
+    from compress.families import functions
     from compress.runner import Runner
 
     check_hardware(recipe)
     model_src, data_src = check_recipe_sources(recipe)
+    task = model_task(recipe.model.task, model_src)
     first_forced = _first_forced(recipe, force, from_stage)
-    data = load_data(recipe, data_src)
+    data = functions(task).load_data(recipe, data_src)  # torch is imported from here on
     base_key = sha256_json([model_fingerprint(recipe.model, model_src),
                             data_fingerprint(recipe, data_src),
                             recipe.evaluation.model_dump(mode="json"), recipe.seed])
     run_dir = Path(recipe.output_dir) / recipe.name
     if distributed.init() and not distributed.is_main():
-        _follow(recipe, run_dir, data, model_src)
+        _follow(recipe, run_dir, data, model_src, task)
         distributed.shutdown()  # leave the group cleanly (no C++ abort at exit)
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_lock(run_dir, "another compress run is using this folder"):
-        runner = Runner(recipe, run_dir, data, model_src, echo)
+        runner = Runner(recipe, run_dir, data, model_src, echo, task)
         runner.start()
         try:
             runner.baseline(base_key, force=first_forced == 0 and force)
@@ -73,13 +74,13 @@ def check_hardware(recipe: Recipe) -> None:
         raise UserError(problems)
 
 
-def _follow(recipe: Recipe, run_dir: Path, data, model_src) -> None:
+def _follow(recipe: Recipe, run_dir: Path, data, model_src, task: str) -> None:
     """A rank other than 0: train each data-parallel stage rank 0 announces, with the
     same input model, key and seed; write nothing (rank 0 owns the run folder)."""
     from compress.runner import Runner
     from compress.state import StageContext
 
-    runner = Runner(recipe, run_dir, data, model_src, echo=lambda _: None)
+    runner = Runner(recipe, run_dir, data, model_src, echo=lambda _: None, task=task)
     while True:
         message = distributed.broadcast()
         if message[0] == "end":
@@ -91,7 +92,7 @@ def _follow(recipe: Recipe, run_dir: Path, data, model_src) -> None:
         ctx = StageContext(i, cfg.name or cfg.kind, run_dir / f"{i:02d}-{cfg.kind}", run_dir,
                            recipe, data, key, stage_seed(cfg, recipe), log=lambda _: None)
         try:
-            run_stage_function(cfg)(runner.current(), cfg, ctx)
+            run_stage_function(cfg, task)(runner.current(), cfg, ctx)
         except (StageError, UserError):
             raise
         except CompressError as exc:
@@ -101,9 +102,11 @@ def _follow(recipe: Recipe, run_dir: Path, data, model_src) -> None:
         runner.forget_model()  # the next stage reloads from disk
 
 
-def run_stage_function(cfg):
-    """The run function of a stage config's kind, imported on first use."""
-    return import_function(spec_of(cfg.kind).runner)
+def run_stage_function(cfg, task: str = "classification"):
+    """The run function of a stage config's kind for a model family, imported on first use."""
+    from compress.families import runner_of
+
+    return import_function(runner_of(cfg.kind, task))
 
 
 def stage_seed(cfg, recipe: Recipe) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, ValidationError, model_serializer
 
@@ -41,6 +41,10 @@ class ModelConfig(StrictModel):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of a `module:factory` source."
     )
+    task: Literal["classification", "causal-lm"] | None = Field(
+        None, description="Model family (default: `causal-lm` for a GGUF file or a "
+        "`*ForCausalLM` config, else `classification`)."
+    )
 
 
 class SplitConfig(StrictModel):
@@ -66,6 +70,12 @@ class DataConfig(StrictModel):
         None, description="Names of the label ids 0..N-1 (default: from the data)."
     )
     max_length: int = Field(128, ge=8, le=4096, description="Truncate texts to this many tokens.")
+    prompts: str | None = Field(
+        None, description="Causal LM: generation prompts, one per line (.txt) or JSONL with "
+        "`prompt` or `messages` (default: the start of the first eval texts).")
+    chat_template: bool = Field(
+        True, description="Causal LM: wrap each prompt in the tokenizer's chat template, "
+        "when it has one.")
     holdout_fraction: float = Field(
         0.2, gt=0, lt=1, description="Held-out share for datasets without splits (digits)."
     )
@@ -107,12 +117,39 @@ class LatencyConfig(StrictModel):
         return data
 
 
+class GenerationConfig(StrictModel):
+    """How a causal LM's generation is measured after every stage."""
+
+    prompts: int = Field(20, ge=1, le=10_000, description="Prompts to generate from.")
+    max_new_tokens: int = Field(32, ge=2, le=4096, description="Greedy tokens per prompt.")
+    batch_sizes: list[Annotated[int, Field(ge=1, le=256)]] = Field(
+        default_factory=lambda: [1, 4], min_length=1,
+        description="Decode batch sizes to time (static KV cache).")
+    compile: Literal["none", "default", "max-autotune"] = Field(
+        "max-autotune", description="torch.compile mode of the decode step (Inductor "
+        "freezing on), or none for eager.")
+    eager_generate: bool = Field(
+        True, description="Also time Hugging Face `generate` at batch 1 (eager, dynamic "
+        "cache): the naive path the other figures are compared with.")
+    cache_len: int = Field(512, ge=16, le=131_072, description="Static KV cache positions.")
+
+
 class EvaluationConfig(StrictModel):
     """Evaluation after every stage."""
 
     batch_size: int = Field(64, ge=1, le=65_536, description="Batch size of the accuracy pass.")
     baseline: bool = Field(True, description="Measure the model before any stage.")
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Causal LMs: generation figures.")
+
+    @model_serializer(mode="wrap")
+    def _drop_default_generation(self, handler) -> dict[str, Any]:
+        """Leave `generation` out while unset, so classifier recipes keep their cache keys."""
+        data = handler(self)
+        if isinstance(data, dict) and "generation" not in self.model_fields_set:
+            data.pop("generation", None)
+        return data
 
 
 class Recipe(StrictModel):

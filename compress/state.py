@@ -75,7 +75,7 @@ class StageContext:
         weights = save_model(bundle, tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        fmt = "pt2" if weights.suffix == ".pt2" else "safetensors"
+        fmt = {".pt2": "pt2", ".pt": "pt"}.get(weights.suffix, "safetensors")
         record = artifact_record(final / weights.name, self.run_dir, fmt,
                                  model_dir=str(final.relative_to(self.run_dir)))
         return self.add_output(record)

@@ -102,6 +102,25 @@ def http_post(url: str, body: bytes, token: str | None = None,
         return error.code, dict(error.headers), json.loads(error.read() or b"null")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_folder(tmp_path_factory) -> Path:
+    """A 2-layer, 32-wide random Llama (4 query and 2 key-value heads) with MiniLM's
+    tokenizer, saved as a local HF folder: a causal LM by its config."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path

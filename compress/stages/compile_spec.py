@@ -21,7 +21,22 @@ class CompileConfig(StrictModel):
     freezing: bool = Field(True, description="Inductor freezing (constant-folds weights).")
 
 
+def _check_task(cfg: CompileConfig, task: str, index: int) -> list[str]:
+    """A causal LM's decode step is compiled with static shapes and frozen weights."""
+    if task != "causal-lm":
+        return []
+    problems = []
+    if cfg.dynamic:
+        problems.append(f"stages.{index}.dynamic: a causal LM's decode step has static "
+                        "shapes (static KV cache); remove it")
+    if not cfg.freezing:
+        problems.append(f"stages.{index}.freezing: a causal LM's decode step is always "
+                        "compiled with freezing (the int8/int4 weight kernels need it)")
+    return problems
+
+
 SPEC = register(StageSpec(
     kind="compile", config=CompileConfig, runner="compress.stages.compile:run", order=50,
     runtime=lambda config, metrics: "torch.compile", reload="compress.stages.compile:reload",
+    runners={"causal-lm": "compress.stages.compile_lm:run"}, check_task=_check_task,
 ))

@@ -9,12 +9,23 @@ from pydantic import Field
 from compress.stages.options import CalibrationOptions, StageName, StrictModel, TrainOptions
 from compress.stages.spec import StageSpec, register
 
+WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
+PT2E_OPTIONS = ("mode", "per_channel", "keep_float", "calibration", "qat", "compile")
+
 
 class QuantizeConfig(StrictModel):
-    """int8 quantization through torch.export and torchao's PT2E flow (X86InductorQuantizer)."""
+    """int8 quantization: PT2E (X86InductorQuantizer) for classifiers, torchao `quantize_`
+    weight schemes for causal LMs."""
 
     kind: Literal["quantize"] = "quantize"
     name: StageName = None
+    scheme: Literal["int8_weight_only", "int4_weight_only", "int8_dynamic"] | None = Field(
+        None, description="Causal LMs: torchao weight scheme (int8 or int4 weights with "
+        "float activations, or int8 weights and per-token int8 activations).")
+    group_size: int = Field(32, description="Causal LMs, int4: weights per scale group.")
+    activations: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Causal LMs: activation dtype (auto: bfloat16 on a CPU that "
+        "computes it natively, where the int8/int4 kernels are fastest; else float32).")
     mode: Literal["dynamic", "static", "qat"] = Field(
         "static", description="dynamic activations, static (calibrated), or quantization-aware "
         "training.")
@@ -29,16 +40,44 @@ class QuantizeConfig(StrictModel):
 
 
 def _splits(cfg: QuantizeConfig) -> tuple[str, ...]:
+    if cfg.scheme is not None:
+        return ()
     return {"dynamic": (), "static": ("calibration",), "qat": ("train", "calibration")}[cfg.mode]
 
 
+def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
+    """PT2E options on a causal LM, or a weight scheme on a classifier."""
+    where = f"stages.{index}"
+    if task == "causal-lm":
+        wrong = [o for o in PT2E_OPTIONS if o in cfg.model_fields_set]
+        problems = [f"{where}.{o}: a PT2E option for classifiers; a causal LM is quantized by "
+                    f"`scheme` ({', '.join(WEIGHT_SCHEMES)})" for o in wrong]
+        if cfg.scheme is None:
+            problems.append(f"{where}.scheme: a causal LM needs a weight scheme: "
+                            f"{', '.join(WEIGHT_SCHEMES)}")
+        if cfg.scheme == "int4_weight_only" and cfg.group_size not in (32, 64, 128, 256):
+            problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
+                            "128, 256 (torchao's int4 CPU packing)")
+        return problems
+    lm_only = [o for o in ("scheme", "group_size", "activations") if o in cfg.model_fields_set]
+    return [f"{where}.{o}: only a causal LM takes this option; a classifier is quantized "
+            "through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
+
+
+def _precision(cfg: QuantizeConfig) -> str:
+    return "int4" if cfg.scheme == "int4_weight_only" else "int8"
+
+
 def _runtime(config: dict, metrics: dict) -> str:
+    if config.get("scheme"):
+        return f"torchao {config['scheme']}, compiled decode"
     compiled = ", torch.compile" if config.get("compile", True) else ""
     return f"PT2E int8 {config.get('mode', 'static')}{compiled}"
 
 
 SPEC = register(StageSpec(
     kind="quantize", config=QuantizeConfig, runner="compress.stages.quantize:run", order=40,
-    splits=_splits, refused_before=("quantize", "precision"), precision=lambda cfg: "int8",
+    splits=_splits, refused_before=("quantize", "precision"), precision=_precision,
     runtime=_runtime, reload="compress.stages.quantize:reload",
+    runners={"causal-lm": "compress.stages.quantize_lm:run"}, check_task=_check_task,
 ))

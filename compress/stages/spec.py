@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from compress.stages.options import StrictModel
@@ -61,6 +61,10 @@ class StageSpec:
     needs: Callable[[Any], tuple[str, ...]] = _no_splits  # hardware the run needs ("cuda")
     export_formats: Callable[[Any], tuple[str, ...]] | None = None  # its output is an export
     # folder (`export_dir`) in one of these formats, which a package stage can archive
+    runners: dict[str, str] = field(default_factory=dict)  # model family (`model.task`) ->
+    # "module:function" for families other than classification (which `runner` runs)
+    check_task: Callable[[Any, str, int], list[str]] | None = None  # (config, family, index)
+    # -> problems: options that do not fit the model's family
 
     def precision_of(self, config: dict[str, Any]) -> str | None:
         """`precision` of a config as recorded in a manifest (every option written out, so

@@ -17,8 +17,8 @@ from compress.causal_lm import (
     StaticDecoder,
     greedy_agreement,
     perplexity,
-    shipped_gguf,
 )
+from compress.sources import shipped_gguf
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,122 @@
+"""What is measured of a causal LM: generation speed (time to first token, decode tokens/s
+at batch 1 and N over a static KV cache, Hugging Face `generate` as the naive reference),
+peak memory, and agreement with the float model's greedy tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.causal_lm import StaticDecoder, greedy_agreement
+
+
+def prompt_ids(tokenizer, prompt: Any, chat_template: bool) -> torch.Tensor:
+    """1 x L token ids of a prompt (a string or chat messages), through the tokenizer's
+    chat template when asked and it has one."""
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}] if chat_template else prompt
+    if isinstance(prompt, list):
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                return_dict=True)["input_ids"]
+            return torch.tensor([list(ids)])
+        prompt = "\n".join(m["content"] for m in prompt)
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def decoder_for(bundle, cache_len: int, mode: str) -> StaticDecoder:
+    """A static-cache decoder of the bundle's model, compiled unless `mode` is none."""
+    decoder = StaticDecoder(bundle.model, cache_len)
+    return decoder.compile(mode) if mode != "none" else decoder
+
+
+def time_generation(bundle, prompts: list[torch.Tensor], gen) -> dict[str, Any]:
+    """Greedy tokens of every prompt with time to first token and decode tokens/s at
+    batch 1 (medians over prompts), then decode tokens/s at each larger batch size
+    (copies of the first prompt), and the peak resident memory while generating."""
+    mode = (bundle.lm or {}).get("compile") or gen.compile
+    reset_peak_rss()
+    decoder = decoder_for(bundle, gen.cache_len, mode)
+    began = time.perf_counter()
+    decoder.generate(prompts[0], gen.max_new_tokens)  # compiles the decode step
+    first_call = time.perf_counter() - began
+    runs = [decoder.generate(ids, gen.max_new_tokens) for ids in prompts]
+    out: dict[str, Any] = {
+        "decode_tok_s_b1": round(statistics.median(r.decode_tokens_per_s for r in runs), 2),
+        "ttft_ms": round(1000 * statistics.median(r.ttft_s for r in runs), 2),
+        "prompt_tokens": round(statistics.median(ids.shape[1] for ids in prompts), 1),
+        "decode_compile": mode, "first_generate_s": round(first_call, 2),
+        "tokens": [r.tokens for r in runs],
+    }
+    for batch in (b for b in gen.batch_sizes if b > 1):
+        wide = decoder_for(bundle, gen.cache_len, mode)
+        rows = prompts[0].expand(batch, -1)
+        wide.generate(rows, gen.max_new_tokens)
+        out[f"decode_tok_s_b{batch}"] = round(
+            wide.generate(rows, gen.max_new_tokens).decode_tokens_per_s, 2)
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+@torch.inference_mode()
+def eager_generate_rate(model: nn.Module, prompts: list[torch.Tensor],
+                        max_new_tokens: int) -> float:
+    """Decode tokens/s of Hugging Face `generate` (eager, dynamic cache, greedy) at batch 1:
+    (N - 1) tokens over the time of N tokens less the time of one (the prefill), median."""
+    rates = []
+    for ids in prompts:
+        times = []
+        for n in (1, max_new_tokens):
+            began = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False)
+            times.append(time.perf_counter() - began)
+        rates.append((max_new_tokens - 1) / max(times[1] - times[0], 1e-9))
+    return round(statistics.median(rates), 2)
+
+
+@torch.inference_mode()
+def next_token_agreement(model: nn.Module, prompts: list[torch.Tensor],
+                         reference: list[list[int]]) -> float:
+    """Share of positions where the model's next-token choice, given the prompt and the
+    reference's greedy tokens so far (teacher forcing), is the reference's token."""
+    same = total = 0
+    for ids, ref in zip(prompts, reference, strict=True):
+        if not ref:
+            continue
+        full = torch.cat([ids, torch.tensor([ref])], dim=1)
+        logits = model(input_ids=full).logits[0, ids.shape[1] - 1:-1]
+        same += int((logits.argmax(-1) == torch.tensor(ref)).sum())
+        total += len(ref)
+    return same / total if total else 1.0
+
+
+def agreement(model: nn.Module, prompts: list[torch.Tensor], tokens: list[list[int]],
+              reference: list[list[int]]) -> dict[str, float]:
+    """Free-running greedy agreement (positions up to each pair's shorter length; one early
+    difference changes everything after it) and teacher-forced next-token agreement."""
+    return {"agreement": round(greedy_agreement(reference, tokens), 4),
+            "next_token_agreement": round(next_token_agreement(model, prompts, reference), 4)}
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak of resident memory (Linux: clear_refs 5 resets VmHWM)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident memory of this process since the last reset, in MB (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None

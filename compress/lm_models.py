@@ -1,0 +1,82 @@
+"""Causal LMs as pipeline models: loading a recipe's model (folder, hub id or GGUF) into a
+`ModelBundle`, and saving / reading back a stage's model folder.
+
+A saved folder is a plain Hugging Face folder (config, tokenizer, safetensors) plus
+`causal_lm.json`: the weight scheme, activation dtype, compile mode and provenance. A
+weight-quantized model keeps torchao's tensors in `model.pt` (read with
+`torch.load(weights_only=True)`): plain transformers + torchao rebuild it by applying the
+same `quantize_` config to the architecture and loading that state dict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.errors import UserError
+from compress.models import ModelBundle
+
+LM_FILE = "causal_lm.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_recipe_lm(location: str, checkpoint: str | None = None) -> ModelBundle:
+    """The recipe's causal LM (a GGUF file dequantized to float32, a folder, or an id)."""
+    from compress.causal_lm import load_causal_lm
+    from compress.models import load_weights
+
+    try:
+        lm = load_causal_lm(location)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.source: cannot load '{location}' as a causal LM: "
+                        f"{str(exc).splitlines()[0]}") from None
+    if checkpoint:
+        load_weights(lm.model, checkpoint)
+    facts = {"scheme": None, "dtype": "float32", "provenance": lm.provenance}
+    return ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=facts)
+
+
+def save_lm(bundle: ModelBundle, folder: Path) -> Path:
+    """Write a causal LM into `folder`; return its weights file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    facts = dict(bundle.lm or {})
+    bundle.tokenizer.save_pretrained(folder)
+    if facts.get("scheme"):
+        bundle.model.config.save_pretrained(folder)
+        weights = folder / "model.pt"
+        torch.save(bundle.model.state_dict(), weights)
+    else:
+        bundle.model.save_pretrained(folder, safe_serialization=True)
+        weights = folder / "model.safetensors"
+    (folder / LM_FILE).write_text(json.dumps(facts, indent=2))
+    return weights
+
+
+def load_lm(folder: Path) -> ModelBundle:
+    """Read back a folder written by `save_lm`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    facts = json.loads((folder / LM_FILE).read_text())
+    dtype = DTYPES[facts.get("dtype", "float32")]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not facts.get("scheme"):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    else:
+        from compress.causal_lm import quantize_weights
+
+        config = AutoConfig.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        quantize_weights(model, facts["scheme"], facts.get("group_size", 32))
+        state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(state, assign=True)
+    return ModelBundle(model.eval(), "causal-lm", [], tokenizer=tokenizer, lm=facts)
+
+
+def provenance(bundle: ModelBundle) -> dict[str, Any]:
+    """Where the weights came from (for the manifest)."""
+    return dict((bundle.lm or {}).get("provenance") or {})

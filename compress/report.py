@@ -38,16 +38,22 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
                          "runtime": runtime_label(manifest, i, stage), "metrics": {}})
             continue
         rows.append(_row(name, stage["kind"], entry, runtime_label(manifest, i)))
-    ref = _reference(rows, manifest, reference)
+    task = manifest.model.get("task", "classification")
+    ref = _reference(rows, manifest, reference, task)
     fresh = _read_json(run_dir / "bench.json")
+    generation = ((manifest.recipe.get("evaluation") or {}).get("generation") or {})
+    decode_batches = generation.get("batch_sizes") or [1, 4]
     for row in rows:
         _derive(row, ref, batches)
+        if task == "causal-lm":
+            derive_lm(row, ref, decode_batches)
         figures = ((fresh or {}).get("artifacts") or {}).get(row["name"]) or {}
         for b in batches:
             if figures.get(f"latency_ms_b{b}"):
                 row[f"fresh_p50_ms_b{b}"] = figures[f"latency_ms_b{b}"]
                 row[f"fresh_p90_ms_b{b}"] = figures.get(f"latency_ms_b{b}_p90")
-    return {"run": manifest.name, "run_dir": str(run_dir), "generated": now(),
+    return {"run": manifest.name, "run_dir": str(run_dir), "generated": now(), "task": task,
+            "decode_batch_sizes": decode_batches if task == "causal-lm" else [],
             "updated": manifest.updated, "header": _header(manifest),
             "reference": ref["name"] if ref else None, "batch_sizes": batches,
             "seq_len": latency.get("seq_len"),
@@ -67,8 +73,10 @@ def _row(name: str, kind: str, entry: StageRecord | Baseline, runtime: str) -> d
     return row
 
 
-def _reference(rows: list[dict], manifest: Manifest, wanted: str | None) -> dict | None:
-    measured = [r for r in rows if r["metrics"].get("accuracy") is not None]
+def _reference(rows: list[dict], manifest: Manifest, wanted: str | None,
+               task: str = "classification") -> dict | None:
+    score = "perplexity" if task == "causal-lm" else "accuracy"
+    measured = [r for r in rows if r["metrics"].get(score) is not None]
     if wanted:
         for row in rows:
             if row["name"] == wanted:
@@ -109,6 +117,23 @@ def _derive(row: dict[str, Any], ref: dict | None, batches: list[int]) -> None:
             row[f"real_ms_b{b}"] = m[f"latency_ms_b{b}_real"]
     if m.get("latency_noisy_batches"):
         row["noisy"] = m["latency_noisy_batches"]
+
+
+def derive_lm(row: dict[str, Any], ref: dict | None, decode_batches: list[int]) -> None:
+    """A causal LM's columns: perplexity and its change, agreement, TTFT, decode rates
+    and the batch-1 speedup against the reference row."""
+    m, r = row["metrics"], (ref or {}).get("metrics", {})
+    for key in ("perplexity", "agreement", "next_token_agreement", "ttft_ms",
+                "eager_generate_tok_s_b1", "peak_rss_mb"):
+        if m.get(key) is not None:
+            row[key] = m[key]
+    if m.get("perplexity") and r.get("perplexity"):
+        row["ppl_delta_pct"] = round(100 * (m["perplexity"] / r["perplexity"] - 1), 2)
+    for b in decode_batches:
+        if m.get(f"decode_tok_s_b{b}"):
+            row[f"decode_tok_s_b{b}"] = m[f"decode_tok_s_b{b}"]
+    if m.get("decode_tok_s_b1") and r.get("decode_tok_s_b1"):
+        row["decode_speedup_b1"] = round(m["decode_tok_s_b1"] / r["decode_tok_s_b1"], 2)
 
 
 def _header(manifest: Manifest) -> dict[str, Any]:

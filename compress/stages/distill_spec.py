@@ -88,8 +88,18 @@ def _teacher_has_the_layers(recipe: Any, i: int, model_config: dict[str, Any]) -
     return []
 
 
+def _check_task(cfg: DistillConfig, task: str, index: int) -> list[str]:
+    """A causal LM's student keeps some of its teacher's decoder layers."""
+    if task != "causal-lm":
+        return []
+    return [f"stages.{index}.student.{o}: a causal LM's student keeps teacher layers; give "
+            "student.layers or student.layer_indices"
+            for o in ("factory", "hf_config") if getattr(cfg.student, o) is not None]
+
+
 SPEC = register(StageSpec(
     kind="distill", config=DistillConfig, runner="compress.stages.distill:run", order=20,
     data_parallel=True, splits=lambda cfg: ("train",), refused_before=("quantize",),
     check=_after_structured_prune, check_model=_teacher_has_the_layers, runtime=_runtime,
+    runners={"causal-lm": "compress.stages.distill_lm:run"}, check_task=_check_task,
 ))

@@ -9,7 +9,8 @@ from compress.stages.spec import StageSpec, register
 
 
 class FinetuneConfig(TrainOptions):
-    """Supervised fine-tuning of the current model on the train split (cross-entropy)."""
+    """Supervised fine-tuning of the current model on the train split (cross-entropy; for a
+    causal LM, next-token cross-entropy over the text packed into blocks)."""
 
     kind: Literal["finetune"] = "finetune"
     name: StageName = None
@@ -18,5 +19,5 @@ class FinetuneConfig(TrainOptions):
 SPEC = register(StageSpec(
     kind="finetune", config=FinetuneConfig, runner="compress.stages.finetune:run", order=10,
     data_parallel=True, reference=True, splits=lambda cfg: ("train",),
-    refused_before=("quantize",),
+    refused_before=("quantize",), runners={"causal-lm": "compress.stages.finetune_lm:run"},
 ))

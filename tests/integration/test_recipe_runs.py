@@ -38,7 +38,7 @@ def test_every_shipped_recipe_validates(path: Path, data_dir: Path, monkeypatch)
             check_hardware(recipe)
     model, data = check_recipe_sources(recipe)
     assert recipe.stages, "a shipped recipe has stages"
-    assert model.kind in ("hf", "factory") and data.kind in ("files", "digits")
+    assert model.kind in ("hf", "gguf", "factory") and data.kind in ("files", "digits")
 
 
 def test_validate_cli_accepts_bert_finetune(data_dir: Path) -> None:

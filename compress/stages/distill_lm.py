@@ -1,0 +1,61 @@
+"""Stage `distill` on a causal LM: a student keeping some of the teacher's decoder layers,
+trained on the train split's text (packed into `data.max_length` blocks) against the frozen
+teacher's next-token distributions. Perplexity is measured on the eval split for the
+teacher, the student right after the drop, and the trained student."""
+
+from __future__ import annotations
+
+from compress.causal_lm import perplexity
+from compress.errors import CompressError
+from compress.lm_distill import (
+    decoder_layers,
+    drop_layers,
+    kept_layers,
+    make_lm_kd_loss_fn,
+    packed_examples,
+    recovery,
+)
+from compress.models import ModelBundle, count_params
+from compress.stages.distill_spec import DistillConfig
+from compress.state import StageContext, State
+
+PPL_BATCH = 8
+
+
+def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
+    """Drop layers, measure, distil, measure again; save the student."""
+    teacher = state.bundle
+    if (teacher.lm or {}).get("scheme"):
+        raise CompressError("distill needs a float teacher; distil before quantize")
+    total = len(decoder_layers(teacher.model))
+    try:
+        keep = kept_layers(cfg.student, total)
+        student = drop_layers(teacher.model, keep)
+    except ValueError as exc:
+        raise CompressError(str(exc)) from None
+    texts, length = ctx.data.splits["eval"].texts, ctx.data.max_length
+    ppl = {"teacher": perplexity(teacher.model, teacher.tokenizer, texts, length, PPL_BATCH),
+           "dropped": perplexity(student.eval(), teacher.tokenizer, texts, length, PPL_BATCH)}
+    ctx.log(f"distill: {total} -> {len(keep)} layers (kept {keep}); perplexity teacher "
+            f"{ppl['teacher']['perplexity']:.2f}, right after the drop "
+            f"{ppl['dropped']['perplexity']:.2f}")
+    setup = ctx.training()
+    setup.examples = packed_examples(teacher.tokenizer, setup.examples.texts, length)
+    result = setup.run(student, cfg, None,
+                       loss_fn=make_lm_kd_loss_fn(teacher.model, cfg.temperature, cfg.alpha))
+    after = perplexity(student.eval(), teacher.tokenizer, texts, length, PPL_BATCH)
+    ctx.metrics.update({
+        "teacher_layers": total, "student_layers": len(keep), "kept_layers": keep,
+        "teacher_params": count_params(teacher.model), "train_blocks": len(setup.examples),
+        "train_tokens_per_step": cfg.batch_size * cfg.grad_accum_steps * length,
+        "perplexity_teacher": round(ppl["teacher"]["perplexity"], 4),
+        "perplexity_dropped": round(ppl["dropped"]["perplexity"], 4),
+        "temperature": cfg.temperature, "alpha": cfg.alpha, **result.figures(),
+        **result.parallel_metrics(), **after,
+    })
+    ctx.metrics["recovery"] = recovery(ctx.metrics["perplexity_teacher"],
+                                       ctx.metrics["perplexity_dropped"], after["perplexity"])
+    bundle = ModelBundle(student, "causal-lm", [], tokenizer=teacher.tokenizer,
+                         lm={**(teacher.lm or {}), "scheme": None, "distilled_from": total})
+    ctx.save_model(bundle)
+    return State(bundle)

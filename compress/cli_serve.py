@@ -77,16 +77,24 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
 @click.option("--token", help="Bearer token (default: the one in --run's serve folder).")
 @click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False),
               help="Run folder: its server's token is used and loadtest.json written there.")
+@click.option("--task", type=click.Choice(["auto", "classification", "causal-lm"]),
+              default="auto", show_default=True, help="What the endpoint serves (auto: the "
+              "--run server's archive says, else classification).")
+@click.option("--max-new-tokens", default=32, show_default=True,
+              type=click.IntRange(1, 32_768), help="Causal LMs: tokens each request asks for.")
 def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: str | None,
-             token: str | None, run_dir: str | None) -> None:
+             token: str | None, run_dir: str | None, task: str, max_new_tokens: int) -> None:
     """Load-test a served model at URL over loopback: throughput, latency percentiles,
-    errors and the batch sizes TorchServe formed.
+    errors and the batch sizes TorchServe formed; for a causal LM, generated tokens/s and
+    time to first token of the streamed answers (--texts: one prompt a line).
 
     \b
     Examples:
       compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --run runs/bert_int8
       compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --concurrency 1,32 \\
           --requests 500 --token TOKEN
+      compress loadtest http://127.0.0.1:8080/predictions/llm_int8 --run runs/llm_int8 \\
+          --concurrency 1,4,8 --requests 32 --max-new-tokens 64
     """
     from serve.loadtest import (
         failure_summary,
@@ -95,7 +103,7 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
         record_result,
         sweep,
     )
-    from serve.server import token_of
+    from serve.server import served_task, token_of
 
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
@@ -103,9 +111,18 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
         raise UserError(f"--concurrency {concurrency!r}: expected numbers like 1,8,32") from None
     token = token or (token_of(run_dir) if run_dir else None)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    result = sweep(url, levels, n_requests, load_payloads(texts), headers=headers,
-                   warmup=warmup)
-    click.echo(format_table(result))
+    if task == "auto":
+        task = served_task(run_dir) if run_dir else "classification"
+    if task == "causal-lm":
+        from serve.loadtest_lm import format_generation_table, load_prompts, sweep_generation
+
+        result = sweep_generation(url, levels, n_requests, load_prompts(texts, max_new_tokens),
+                                  headers=headers, warmup=warmup)
+        click.echo(format_generation_table(result))
+    else:
+        result = sweep(url, levels, n_requests, load_payloads(texts), headers=headers,
+                       warmup=warmup)
+        click.echo(format_table(result))
     if run_dir:
         click.echo(f"written: {record_result(run_dir, result)}")
     summary = failure_summary(result, credentials=bool(token or run_dir))

@@ -14,20 +14,13 @@ import torch
 from torch import nn
 
 from compress.causal_lm import StaticDecoder, greedy_agreement
+from serve.lm_runtime import prompt_ids as runtime_prompt_ids
 
 
 def prompt_ids(tokenizer, prompt: Any, chat_template: bool) -> torch.Tensor:
-    """1 x L token ids of a prompt (a string or chat messages), through the tokenizer's
-    chat template when asked and it has one."""
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}] if chat_template else prompt
-    if isinstance(prompt, list):
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                return_dict=True)["input_ids"]
-            return torch.tensor([list(ids)])
-        prompt = "\n".join(m["content"] for m in prompt)
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+    """1 x L token ids of a prompt (a string or chat messages), through the tokenizer's chat
+    template when asked and it has one (the runtime's encoding, as a tensor)."""
+    return torch.tensor([runtime_prompt_ids(tokenizer, prompt, chat_template)])
 
 
 def decoder_for(bundle, cache_len: int, mode: str) -> StaticDecoder:

@@ -18,9 +18,7 @@ import torch
 
 from compress.errors import UserError
 from compress.models import ModelBundle
-
-LM_FILE = "causal_lm.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from serve.lm_runtime import DTYPES, LM_FILE  # noqa: F401  (one definition)
 
 
 def load_recipe_lm(location: str, checkpoint: str | None = None) -> ModelBundle:
@@ -33,6 +31,11 @@ def load_recipe_lm(location: str, checkpoint: str | None = None) -> ModelBundle:
     except (OSError, ValueError) as exc:
         raise UserError(f"model.source: cannot load '{location}' as a causal LM: "
                         f"{str(exc).splitlines()[0]}") from None
+    if getattr(lm.model, "hf_quantizer", None) is not None:  # GGUF: already dequantized,
+        lm.model.hf_quantizer = None  # so it saves as the plain float model it now is
+        lm.model.is_quantized = False
+        if hasattr(lm.model.config, "quantization_config"):
+            del lm.model.config.quantization_config
     if checkpoint:
         load_weights(lm.model, checkpoint)
     facts = {"scheme": None, "dtype": "float32", "provenance": lm.provenance}
@@ -46,6 +49,8 @@ def save_lm(bundle: ModelBundle, folder: Path) -> Path:
     bundle.tokenizer.save_pretrained(folder)
     if facts.get("scheme"):
         bundle.model.config.save_pretrained(folder)
+        if getattr(bundle.model, "generation_config", None) is not None:
+            bundle.model.generation_config.save_pretrained(folder)  # its stop tokens
         weights = folder / "model.pt"
         torch.save(bundle.model.state_dict(), weights)
     else:
@@ -56,25 +61,12 @@ def save_lm(bundle: ModelBundle, folder: Path) -> Path:
 
 
 def load_lm(folder: Path) -> ModelBundle:
-    """Read back a folder written by `save_lm`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Read back a folder written by `save_lm` (through the standalone runtime that exports
+    and archives ship, so both read a folder the same way)."""
+    from serve.lm_runtime import load_folder
 
-    facts = json.loads((folder / LM_FILE).read_text())
-    dtype = DTYPES[facts.get("dtype", "float32")]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if not facts.get("scheme"):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    else:
-        from compress.causal_lm import quantize_weights
-
-        config = AutoConfig.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        quantize_weights(model, facts["scheme"], facts.get("group_size", 32))
-        state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
-        model.load_state_dict(state, assign=True)
-    return ModelBundle(model.eval(), "causal-lm", [], tokenizer=tokenizer, lm=facts)
+    lm = load_folder(folder)
+    return ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts)
 
 
 def provenance(bundle: ModelBundle) -> dict[str, Any]:

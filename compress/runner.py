@@ -132,7 +132,8 @@ class Runner:
             config = cfg.model_dump(mode="json")
             parts = [config, input_sha, self.manifest.recipe["data"],
                      self.manifest.recipe["evaluation"], self.recipe.seed]
-            key = sha256_json(parts + _code_digests(spec.code_modules))
+            shipped = spec.code_modules + spec.runner_code.get(self.task, ())
+            key = sha256_json(parts + _code_digests(shipped))
             old = entries[i] if i < len(entries) else None
             tag = f"[{i + 1}/{total}] {name}"
             if i < first_forced and self._reusable(old, key):

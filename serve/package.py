@@ -39,24 +39,28 @@ def model_config(batch_size: int, max_batch_delay_ms: int, workers: int,
 
 
 def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,
-              config: dict[str, Any], summary: dict[str, Any]) -> Path:
-    """Write `<out_dir>/<model_name>.mar` (complete or not at all) and return its path."""
+              config: dict[str, Any], summary: dict[str, Any], handler: Path = HANDLER,
+              modules: tuple[Path, ...] = ()) -> Path:
+    """Write `<out_dir>/<model_name>.mar` (complete or not at all) and return its path:
+    the export folder's files, `handler` and the `modules` it imports."""
     meta = json.loads((export_dir / "export.json").read_text())
     serialized = export_dir / meta["file"]
     staging = out_dir / ".mar.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        labels = {str(i): name for i, name in enumerate(meta["label_names"])}
-        (staging / "index_to_name.json").write_text(json.dumps(labels, indent=2))
         (staging / "compress.json").write_text(json.dumps(summary, indent=2))
         config_file = staging / "model-config.yaml"
         config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         extra = [p for p in sorted(export_dir.iterdir()) if p.is_file() and p != serialized]
-        extra += [staging / "index_to_name.json", staging / "compress.json"]
+        extra += [*modules, staging / "compress.json"]
+        if meta.get("label_names"):
+            labels = {str(i): name for i, name in enumerate(meta["label_names"])}
+            (staging / "index_to_name.json").write_text(json.dumps(labels, indent=2))
+            extra.append(staging / "index_to_name.json")
         command = [sys.executable, "-m", "model_archiver.model_packaging",
                    "--model-name", model_name, "--version", version,
-                   "--serialized-file", str(serialized), "--handler", str(HANDLER),
+                   "--serialized-file", str(serialized), "--handler", str(handler),
                    "--extra-files", ",".join(str(p) for p in extra),
                    "--config-file", str(config_file), "--export-path", str(staging), "--force"]
         done = subprocess.run(command, capture_output=True, text=True)

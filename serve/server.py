@@ -192,7 +192,8 @@ def unpack_model(target: ServeTarget, store: Path, workers: int | None,
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     return {k: config.get(k) for k in ("minWorkers", "maxWorkers", "batchSize",
                                        "maxBatchDelay", "responseTimeout")} | {
-        "threads_per_worker": handler["threads"]}
+        "threads_per_worker": handler["threads"],
+        "task": handler.get("task", "classification")}
 
 
 def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
@@ -252,11 +253,21 @@ def stop_servers(target: str | None) -> list[str]:
 
 
 def curl_example(info: dict[str, Any], text: str = "a gripping, beautiful film") -> str:
-    """A ready-to-paste curl command for the served model."""
+    """A ready-to-paste curl command for the served model (a causal LM's streams: -N)."""
     auth = f"-H 'Authorization: Bearer {info['token']}' " if info.get("token") else ""
+    if (info.get("settings") or {}).get("task") == "causal-lm":
+        body = json.dumps({"prompt": "What is the capital of France?", "max_new_tokens": 32})
+        return (f"curl -sN {auth}-H 'Content-Type: application/json' -d '{body}' "
+                f"{info['url']}")
     body = json.dumps({"text": text})
     return (f"curl -s {auth}-H 'Content-Type: application/json' -d '{body}' "
             f"{info['url']}")
+
+
+def served_task(run_dir: str | Path) -> str:
+    """What the server of a run folder serves ("classification" when unknown)."""
+    info = read_info(Path(run_dir) / "serve") or {}
+    return (info.get("settings") or {}).get("task") or "classification"
 
 
 def _log_tail(serve_dir: Path, lines: int = 3) -> str:

@@ -121,6 +121,26 @@ def tiny_llama_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def varied_llama_folder(tmp_path_factory) -> Path:
+    """tiny_llama_folder's shape with an untied output head and a wider init (std 0.1):
+    its greedy tokens vary from prompt to prompt and step to step (the tied one repeats
+    the prompt's last token), so decoding checks on it cannot pass trivially."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("varied_llama")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path

@@ -13,7 +13,9 @@ ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
 AOTI_ONLY = ("autocast",)
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
-            "tensorrt": "TensorRT"}
+            "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
+LM_FORMAT = "transformers"  # the one format of a causal LM
+LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples")
 
 
 class TensorRTShapes(StrictModel):
@@ -25,16 +27,17 @@ class TensorRTShapes(StrictModel):
 
 
 class ExportConfig(StrictModel):
-    """Export to TorchScript, ONNX (+ ONNX Runtime int8), AOTInductor or TensorRT, loaded
-    back in its own runtime and checked against the model it came from.
+    """Export to TorchScript, ONNX (+ ONNX Runtime int8), AOTInductor or TensorRT (a causal
+    LM: its folder with a standalone runtime), loaded back and checked against the model.
 
     An export is a leaf: the stage after it continues from the model before it."""
 
     kind: Literal["export"] = "export"
     name: StageName = None
-    format: Literal["torchscript", "onnx", "aoti", "tensorrt"] = Field(
-        description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package) or "
-        "tensorrt (torch-tensorrt, CUDA only).")
+    format: Literal["torchscript", "onnx", "aoti", "tensorrt", "transformers"] = Field(
+        description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package), "
+        "tensorrt (torch-tensorrt, CUDA only); causal LMs: transformers (the model folder "
+        "that plain transformers + torchao load, with lm_runtime.py to decode it).")
     source: str | int | None = Field(
         None, description="Export the model of this earlier stage (name, kind or index) "
         "instead of the current one.")
@@ -43,12 +46,14 @@ class ExportConfig(StrictModel):
         "torchscript 1e-5, onnx and aoti 1e-4; none when the export quantizes).")
     min_agreement: float | None = Field(
         None, gt=0, le=1, description="Smallest share of equal argmax accepted (default: "
-        "0.995, or 0.90 when the export itself quantizes).")
+        "0.995, or 0.90 when the export itself quantizes; causal LMs: of equal greedy "
+        "tokens on the prompts, default 1.0).")
     max_accuracy_drop: float | None = Field(
         None, ge=0, le=100, description="Largest accuracy loss in points against the source "
         "model (default: 1.5 when the export itself quantizes, else unchecked).")
     parity_samples: int | None = Field(
-        None, ge=1, description="Eval examples compared with the source model (default: all).")
+        None, ge=1, description="Eval examples (causal LMs: prompts) compared with the source "
+        "model (default: all).")
     threads: int | None = Field(
         None, ge=1, le=4096,
         description="Intra-op threads of the runtime (default: the latency threads).")
@@ -124,11 +129,12 @@ def _file_precision(cfg: ExportConfig) -> str | None:
 def _fits_the_model(recipe: Any, i: int) -> list[str]:
     """The format can hold the model it exports (TorchScript and ONNX cannot hold PT2E int8,
     TensorRT takes a float model)."""
-    from compress.stages.chain import chain_precision
+    from compress.stages.chain import chain_precision, model_chain
 
     stage = recipe.stages[i]
-    if chain_precision(recipe, i) != "int8":
-        return []
+    if chain_precision(recipe, i) != "int8" or stage.format == LM_FORMAT or any(
+            getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)):
+        return []  # a causal LM's weight scheme: the family check speaks for it
     if stage.format in ("torchscript", "onnx"):
         return [f"stages.{i}.format: {stage.format} cannot hold the PT2E int8 model it would "
                 f"export; use format aoti for it, or set source to a stage before the "
@@ -139,6 +145,25 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     return []
 
 
+def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
+    """A causal LM exports with format transformers and only its options; a classifier with
+    any other format."""
+    where = f"stages.{index}"
+    if task != "causal-lm":
+        if cfg.format == LM_FORMAT:
+            return [f"{where}.format: transformers exports a causal LM (its folder with a "
+                    "standalone decoding runtime); a classifier exports with torchscript, "
+                    "onnx, aoti or tensorrt"]
+        return []
+    if cfg.format != LM_FORMAT:
+        return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
+                f"LM exports with format: {LM_FORMAT} (its folder with lm_runtime.py, which "
+                "decodes it with torch, transformers and torchao alone)"]
+    return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
+            "greedy token agreement on the prompts (min_agreement, parity_samples)"
+            for o in sorted(cfg.model_fields_set - set(LM_OPTIONS))]
+
+
 SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
     makes_model=False, splits=_splits, runtime=_runtime, check=_fits_the_model,
@@ -146,4 +171,6 @@ SPEC = register(StageSpec(
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
+    runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
+    runner_code={"causal-lm": ("serve.lm_runtime",)},
 ))

@@ -4,32 +4,43 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError
 from compress.records import Manifest, StageRecord, artifact_record
 from compress.stages.package_spec import PackageConfig
 from compress.state import StageContext, State
-from serve.package import SERVED_METRICS, build_mar, model_config, worker_threads
+from serve.package import HANDLER, SERVED_METRICS, build_mar, model_config, worker_threads
 
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the export that enters the stage (`state.source`) with the batching handler."""
+    threads = worker_threads(cfg.threads, cfg.workers)
+    handler = {"threads": threads, "max_length": ctx.recipe.data.max_length,
+               "max_text_chars": cfg.max_text_chars}
+    return archive(state, cfg, ctx, handler)
+
+
+def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[str, Any],
+            handler_file: Path = HANDLER, modules: tuple[Path, ...] = (),
+            served_metrics: tuple[str, ...] = SERVED_METRICS) -> State:
+    """Build `<model_name>.mar` of the export entering the stage with `handler_file` (and
+    the `modules` it imports), its settings in model-config.yaml's `handler:` section."""
     export = state.source
     export_dir = ctx.run_dir / export.outputs[0].export_dir
     name = cfg.model_name or ctx.recipe.name
-    threads = worker_threads(cfg.threads, cfg.workers)
+    threads = handler["threads"]
     if cfg.threads and cfg.threads > threads:
         ctx.log(f"package: {cfg.workers} workers x {cfg.threads} threads exceed the "
                 f"{os.cpu_count()} cores; each worker gets {threads}")
-    handler = {"threads": threads, "max_length": ctx.recipe.data.max_length,
-               "max_text_chars": cfg.max_text_chars}
     config = model_config(cfg.batch_size, cfg.max_batch_delay_ms, cfg.workers,
                           cfg.response_timeout_s, handler)
-    summary = _summary(ctx.manifest, export, name, cfg.version)
+    summary = _summary(ctx.manifest, export, name, cfg.version, served_metrics)
     began = time.perf_counter()
     try:
-        path = build_mar(export_dir, ctx.folder, name, cfg.version, config, summary)
+        path = build_mar(export_dir, ctx.folder, name, cfg.version, config, summary,
+                         handler_file, modules)
     except RuntimeError as exc:
         raise CompressError(str(exc)) from None
     served_format = export.outputs[0].format
@@ -45,8 +56,8 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     return State(None)
 
 
-def _summary(manifest: Manifest, export: StageRecord, name: str, version: str
-             ) -> dict[str, Any]:
+def _summary(manifest: Manifest, export: StageRecord, name: str, version: str,
+             served_metrics: tuple[str, ...] = SERVED_METRICS) -> dict[str, Any]:
     """What the run measured for the packaged artifact (`compress.json` in the archive)."""
     metrics = export.metrics
     baseline = manifest.baseline.metrics if manifest.baseline else {}
@@ -55,6 +66,6 @@ def _summary(manifest: Manifest, export: StageRecord, name: str, version: str
             "recipe": manifest.recipe, "created": manifest.created,
             "artifact": {"stage": export.name, "format": output.format,
                          "sha256": output.sha256,
-                         **{k: metrics[k] for k in SERVED_METRICS if k in metrics}},
-            "baseline": {k: baseline[k] for k in SERVED_METRICS if k in baseline},
+                         **{k: metrics[k] for k in served_metrics if k in metrics}},
+            "baseline": {k: baseline[k] for k in served_metrics if k in baseline},
             "environment": manifest.environment}

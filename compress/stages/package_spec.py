@@ -9,11 +9,13 @@ from pydantic import Field
 from compress.stages.options import StageName, StrictModel
 from compress.stages.spec import StageSpec, register, spec_of
 
-SERVABLE_FORMATS = ("torchscript", "onnx", "aoti")
+SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
+LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile")
 
 
 class PackageConfig(StrictModel):
-    """A TorchServe archive (.mar) of an exported file with compress's batching handler.
+    """A TorchServe archive (.mar) of an exported file with compress's batching handler
+    (causal LMs: the streaming generation handler).
 
     A leaf like export: it adds `<model_name>.mar` and hands nothing on."""
 
@@ -39,6 +41,17 @@ class PackageConfig(StrictModel):
     max_text_chars: int = Field(
         10_000, ge=1, le=10**8, description="Longer texts are refused with a 400 (tokens past "
         "the recipe's max_length are truncated).")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=32_768, description="Causal LMs: the most new tokens a request may ask "
+        "for (more: a 400; default: 256, at most half the cache).")
+    cache_len: int | None = Field(
+        None, ge=16, le=131_072, description="Causal LMs: KV cache positions per row, prompt "
+        "and new tokens together (a longer request: a 400; default: "
+        "evaluation.generation.cache_len).")
+    decode_compile: Literal["none", "default", "max-autotune"] | None = Field(
+        None, description="Causal LMs: torch.compile mode of the served decode step, each "
+        "batch-size bucket compiled as the worker starts (default: the model's, set by a "
+        "compile stage, else none).")
 
 
 def export_stage_index(recipe: Any, i: int) -> int:
@@ -79,6 +92,33 @@ def _servable(recipe: Any, i: int) -> list[str]:
     return []
 
 
+def lm_new_tokens(cfg: PackageConfig, cache_len: int) -> int:
+    """The most new tokens a causal LM's request may ask for."""
+    return cfg.max_new_tokens or min(256, cache_len // 2)
+
+
+def _fits_the_cache(recipe: Any, i: int) -> list[str]:
+    """A causal LM's largest request must leave room for a prompt in the cache."""
+    stage = recipe.stages[i]
+    cache = stage.cache_len or recipe.evaluation.generation.cache_len
+    if stage.max_new_tokens is not None and stage.max_new_tokens >= cache:
+        return [f"stages.{i}.max_new_tokens: {stage.max_new_tokens} leaves no room for a "
+                f"prompt in a cache of {cache} positions; lower it or raise cache_len"]
+    return []
+
+
+def _check_task(cfg: PackageConfig, task: str, index: int) -> list[str]:
+    """Handler options of the other family."""
+    where = f"stages.{index}"
+    if task == "causal-lm":
+        if "max_text_chars" in cfg.model_fields_set:
+            return [f"{where}.max_text_chars: a classifier's option; a causal LM's requests "
+                    "are bounded by max_new_tokens and cache_len"]
+        return []
+    return [f"{where}.{o}: only a causal LM takes this option" for o in LM_OPTIONS
+            if o in cfg.model_fields_set]
+
+
 def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
     from compress.stages.export_spec import RUNTIMES
 
@@ -90,5 +130,8 @@ SPEC = register(StageSpec(
     kind="package", config=PackageConfig, runner="compress.stages.package:run", order=70,
     makes_model=False, takes_model=False, measured=False,
     code_modules=("serve.handler", "serve.package"), runtime=_runtime,
-    input_stage=export_stage_index, check=_servable,
+    input_stage=export_stage_index,
+    check=lambda recipe, i: _servable(recipe, i) + _fits_the_cache(recipe, i),
+    runners={"causal-lm": "compress.stages.package_lm:run"}, check_task=_check_task,
+    runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_runtime")},
 ))

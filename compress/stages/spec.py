@@ -65,6 +65,8 @@ class StageSpec:
     # "module:function" for families other than classification (which `runner` runs)
     check_task: Callable[[Any, str, int], list[str]] | None = None  # (config, family, index)
     # -> problems: options that do not fit the model's family
+    runner_code: dict[str, tuple[str, ...]] = field(default_factory=dict)  # family ->
+    # modules its runner ships in the output (like `code_modules`, for that family only)
 
     def precision_of(self, config: dict[str, Any]) -> str | None:
         """`precision` of a config as recorded in a manifest (every option written out, so

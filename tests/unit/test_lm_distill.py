@@ -53,7 +53,8 @@ def test_dropping_layers_keeps_the_kept_ones_and_decodes_over_a_static_cache(lla
         assert torch.equal(same(input_ids=ids).logits, model(input_ids=ids).logits)
     one = drop_layers(model, [1]).eval()
     assert one.config.num_hidden_layers == 1 and one.model.layers[0].self_attn.layer_idx == 0
-    assert torch.equal(one.model.layers[0].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+    kept = one.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(kept, model.model.layers[1].mlp.up_proj.weight)
     with torch.inference_mode():
         want = one.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                             pad_token_id=0)[0, ids.shape[1]:].tolist()

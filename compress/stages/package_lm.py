@@ -1,0 +1,41 @@
+"""Stage `package` on a causal LM: a TorchServe `.mar` of a `format: transformers` export
+with the streaming generation handler (`serve/lm_handler.py`, with `lm_requests.py`; the
+export folder already holds `lm_runtime.py`), ready for `compress serve`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from compress.stages.package import archive
+from compress.stages.package_spec import PackageConfig, lm_new_tokens
+from compress.state import StageContext, State
+from serve.package import HANDLER, worker_threads
+
+LM_HANDLER = HANDLER.with_name("lm_handler.py")  # imports TorchServe: not imported here
+LM_MODULES = (HANDLER.with_name("lm_requests.py"),)
+DEFAULT_NEW_TOKENS = 64
+LM_SERVED_METRICS = ("perplexity", "perplexity_delta_vs_float_pct", "agreement",
+                     "next_token_agreement", "decode_tok_s_b1", "ttft_ms",
+                     "parity_token_agreement", "scheme", "runtime_threads")
+
+
+def handler_settings(cfg: PackageConfig, ctx: StageContext, export_dir: Path) -> dict:
+    """model-config.yaml's `handler:` section for the generation handler."""
+    facts = json.loads((export_dir / "causal_lm.json").read_text())
+    cache_len = cfg.cache_len or ctx.recipe.evaluation.generation.cache_len
+    limit = lm_new_tokens(cfg, cache_len)
+    return {"task": "causal-lm", "threads": worker_threads(cfg.threads, cfg.workers),
+            "max_new_tokens": limit, "default_new_tokens": min(DEFAULT_NEW_TOKENS, limit),
+            "cache_len": cache_len,
+            "compile": cfg.decode_compile or facts.get("compile") or "none",
+            "chat_template": ctx.recipe.data.chat_template}
+
+
+def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
+    """Archive the causal-LM export entering the stage with the generation handler."""
+    export_dir = ctx.run_dir / state.source.outputs[0].export_dir
+    handler = handler_settings(cfg, ctx, export_dir)
+    ctx.metrics.update(max_new_tokens=handler["max_new_tokens"],
+                       cache_len=handler["cache_len"], decode_compile=handler["compile"])
+    return archive(state, cfg, ctx, handler, LM_HANDLER, LM_MODULES, LM_SERVED_METRICS)

@@ -1,0 +1,160 @@
+"""compress's TorchServe handler for causal LMs: one batched decode per TorchServe batch,
+every request's tokens streamed as they are produced.
+
+Packed into a causal-LM `.mar` by the package stage with `lm_runtime.py` (loading and the
+static-cache decoder) and `lm_requests.py` (parsing, streamed text); imports nothing from
+compress. `model-config.yaml`'s `handler:` section holds threads, max_new_tokens,
+default_new_tokens, cache_len, compile and chat_template.
+
+Requests (see lm_requests): `{"prompt": "..."}` or `{"messages": [...]}` with optional
+`max_new_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`. A streamed answer is
+NDJSON: TorchServe intermediate responses `{"delta": text, "tokens": n}` as the text grows,
+then `{"text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` ("stop":
+an end token or a stop string; "length": max_new_tokens). A bad request gets a 400 for it
+alone; every answer carries `X-Batch-Size`. The rows of a batch are left-padded into one
+decode over a static KV cache of `cache_len` positions (a batch whose longest prompt plus
+largest max_new_tokens would not fit is decoded in parts), run at the next bucket size
+(1, 2, 4, ... up to batchSize) so each bucket compiles once, as the worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from ts.handler_utils.utils import send_intermediate_predict_response
+from ts.torch_handler.base_handler import BaseHandler
+
+try:  # inside the archive the modules lie beside this file
+    import lm_requests
+    import lm_runtime
+except ImportError:  # in the compress repository
+    from serve import lm_requests, lm_runtime
+
+logger = logging.getLogger(__name__)
+
+BATCH_HEADER = "X-Batch-Size"
+STREAM_TYPE = "application/x-ndjson"
+
+
+class CausalLMHandler(BaseHandler):
+    """Loads a causal-LM folder and answers each TorchServe batch with one decode."""
+
+    def initialize(self, context) -> None:
+        """Load the model, set threads, build (and compile) one decoder per bucket."""
+        model_dir = Path(context.system_properties["model_dir"])
+        config = context.model_yaml_config or {}
+        settings = config.get("handler") or {}
+        torch.set_num_threads(worker_threads(settings.get("threads"),
+                                             config.get("maxWorkers", 1)))
+        self.lm = lm_runtime.load_folder(model_dir)
+        self.stop = lm_runtime.stop_ids(self.lm.model, self.lm.tokenizer)
+        self.limits = lm_requests.Limits(
+            int(settings.get("max_new_tokens", 256)), int(settings.get("default_new_tokens", 64)),
+            int(settings.get("cache_len", 512)), bool(settings.get("chat_template", True)))
+        self.decoders = {}
+        mode = settings.get("compile") or "none"
+        sizes = buckets(int(config.get("batchSize", 1)))
+        # every bucket's decoder compiles the same step function: one graph each
+        torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
+        for rows in sizes:
+            decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
+                                               always_mask=True)
+            self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
+            decoder.generate([[0]] * rows, 2)  # compiles its step now, not on a request
+        self.initialized = True
+        logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s",
+                    self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),
+                    torch.get_num_threads(), list(self.decoders), mode)
+
+    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt or chat messages."""
+        chat = isinstance(prompt, list) or self.limits.chat_template
+        return lm_runtime.prompt_ids(self.lm.tokenizer, prompt, chat)
+
+    def handle(self, data: list[dict[str, Any]], context) -> list[str]:
+        """Answer every request of the batch: the good ones decoded together, streamed."""
+        results: list[Any] = [None] * len(data)
+        parsed: dict[int, lm_requests.GenerationRequest] = {}
+        for i, request in enumerate(data):
+            context.set_response_header(i, BATCH_HEADER, str(len(data)))
+            try:
+                parsed[i] = lm_requests.parse(lm_requests.read_body(request), self.encode,
+                                              self.limits)
+            except ValueError as exc:
+                context.set_response_status(400, str(exc), idx=i)
+                context.set_response_content_type(i, "application/json")
+                results[i] = {"error": str(exc), "status": 400}
+                continue
+            context.set_response_content_type(i, STREAM_TYPE if parsed[i].stream
+                                              else "application/json")
+        for group in fitting_groups(parsed, self.limits.cache_len, max(self.decoders)):
+            for i, answer in self.generate(group, parsed, context).items():
+                results[i] = answer
+        return [json.dumps(r) + "\n" for r in results]
+
+    def generate(self, group: list[int], parsed: dict[int, Any], context) -> dict[int, Any]:
+        """Decode the requests `group` (indexes into the batch) in one batch; their answers."""
+        rows = [parsed[i] for i in group]
+        size = min(b for b in self.decoders if b >= len(rows))
+        filler = size - len(rows)  # rows that keep the bucket's shape; one token each
+        streams = [lm_requests.TextStream(self.lm.tokenizer, r.stop) for r in rows]
+
+        def on_tokens(produced: list[int | None]) -> list[int]:
+            chunks: dict[int, str] = {}
+            for k, token in enumerate(produced[:len(rows)]):
+                if token is None:
+                    continue
+                piece = streams[k].add(token)
+                if piece and rows[k].stream:
+                    chunks[group[k]] = json.dumps(
+                        {"delta": piece, "tokens": len(streams[k].tokens)}) + "\n"
+            if chunks:
+                ret = [chunks.get(i, "") for i in range(max(chunks) + 1)]
+                send_intermediate_predict_response(
+                    ret, {i: context.request_ids[i] for i in chunks},
+                    "Intermediate Prediction success", 200, context)
+            return [k for k, s in enumerate(streams) if s.stopped]
+
+        sampling = [lm_runtime.Sampling(r.temperature, r.top_p, r.seed) for r in rows]
+        out = self.decoders[size].generate(
+            [r.ids for r in rows] + [rows[0].ids] * filler,
+            [r.max_new_tokens for r in rows] + [1] * filler, self.stop,
+            sampling + [None] * filler, on_tokens)
+        return {i: {"text": streams[k].text,
+                    "usage": {"prompt_tokens": len(rows[k].ids),
+                              "completion_tokens": len(out.rows[k])},
+                    "finish_reason": out.finish[k]} for k, i in enumerate(group)}
+
+
+def buckets(batch_size: int) -> list[int]:
+    """Decode batch sizes: powers of two below `batch_size`, and `batch_size`."""
+    sizes = [1 << k for k in range(max(batch_size, 1).bit_length()) if 1 << k < batch_size]
+    return sizes + [max(batch_size, 1)]
+
+
+def fitting_groups(parsed: dict[int, Any], cache_len: int, largest: int) -> list[list[int]]:
+    """The requests split, in order, into groups of at most `largest` whose longest prompt
+    plus largest max_new_tokens fits the cache (left padding aligns every row's end)."""
+    groups: list[list[int]] = []
+    for i, request in parsed.items():
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < largest:
+            prompt = max(len(request.ids), *(len(parsed[j].ids) for j in group))
+            new = max(request.max_new_tokens, *(parsed[j].max_new_tokens for j in group))
+            if prompt + new <= cache_len:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def worker_threads(configured: int | None, workers: int) -> int:
+    """Intra-op threads of one worker: never more than the cores shared by the workers
+    (serve.package.worker_threads's rule, repeated so the archive runs without compress)."""
+    per_worker = max(1, (os.cpu_count() or 1) // max(1, int(workers)))
+    return max(1, min(int(configured or per_worker), per_worker))

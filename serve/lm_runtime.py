@@ -191,8 +191,11 @@ class StaticDecoder:
 
         The Inductor settings are set around each call of the step, where it compiles:
         passed as torch.compile `options`, max-autotune was not applied (no template was
-        tried; measured). Under freezing Dynamo guards the parameters themselves, so a
-        second model of the same shapes compiles its own graph (tested)."""
+        tried; measured). Graphs Dynamo holds from earlier decoders are dropped first
+        (`torch._dynamo.reset`): on SmolLM2, a decoder reusing the graph of another
+        decoder of the same model gave other tokens and once an out-of-bounds cache index.
+        An earlier decoder still in use compiles again on its next call."""
+        torch._dynamo.reset()
         self.inductor = {"freezing": True, "max_autotune": mode == "max-autotune"}
         self.step = torch.compile(self._forward, fullgraph=True)
         self.compiled = True
@@ -245,10 +248,10 @@ class StaticDecoder:
                 finish[row] = finish[row] or "stop"
             if all(finish):
                 break
-            # after the first (compiling) call, check only the guards that tell cached
-            # graphs apart: the full check costs ~2 ms a token on a 30-layer model
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=self.compiled and i > 0), \
-                    torch._inductor.config.patch(self.inductor):
+            # Inductor's settings apply where the step compiles (its first call, or a
+            # recompile); Dynamo's full guard check stays on (skipping it ran a graph
+            # compiled for another decoder's cache: an out-of-bounds cache index)
+            with torch._inductor.config.patch(self.inductor):
                 where = torch.tensor([length + i])
                 logits = self.step(token.view(rows, 1), where,
                                    (where - pads)[:, None] if padded else None, mask)

@@ -31,7 +31,9 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     source = state.bundle
     dtype = activation_dtype(cfg.activations)
     began = time.perf_counter()
-    model = source.model.to(DTYPES[dtype])
+    model = source.model
+    for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
+        parameter.data = parameter.data.to(DTYPES[dtype])  # model loaded in that dtype
     quantize_weights(model, cfg.scheme, cfg.group_size)
     facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
              "group_size": cfg.group_size}

@@ -195,6 +195,20 @@ def _batch_stats(values: list[str]) -> tuple[dict[str, int], float | None, int |
     return counts, round(sum(numbers) / len(numbers), 2), max(numbers)
 
 
+def run_workers(workers: list, work, start_line: threading.Barrier) -> float:
+    """Run `work(worker)` on one thread per worker, released together at `start_line`;
+    the seconds from the release until the last thread ends."""
+    threads = [threading.Thread(target=work, args=(w,), name=f"loadtest-{k}", daemon=True)
+               for k, w in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    start_line.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
              headers: dict[str, str] | None = None, timeout: float = 60.0,
              warmup: int = 0) -> dict:
@@ -233,15 +247,7 @@ def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
         finally:
             worker.close()
 
-    threads = [threading.Thread(target=work, args=(w,), name=f"loadtest-{k}", daemon=True)
-               for k, w in enumerate(workers)]
-    for thread in threads:
-        thread.start()
-    start_line.wait()
-    started = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall_s = time.perf_counter() - started
+    wall_s = run_workers(workers, work, start_line)
 
     latencies = sorted(ms for w in workers for ms in w.latencies_ms)
     examples = [e for w in workers for e in w.error_examples][:MAX_ERROR_EXAMPLES]

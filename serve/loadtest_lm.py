@@ -27,6 +27,7 @@ from serve.loadtest import (
     _check_args,
     _Counter,
     _percentile,
+    run_workers,
 )
 
 SAMPLE_PROMPTS = (
@@ -118,14 +119,7 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
         if worker.conn is not None:
             worker.conn.close()
 
-    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in workers]
-    for thread in threads:
-        thread.start()
-    start_line.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - began
+    wall = run_workers(workers, work, start_line)
     rows = [r for w in workers for r in w.rows]
     tokens = sum(int(r["tokens"]) for r in rows)
     sizes, mean, largest = _batch_stats([b for w in workers for b in w.batches])

@@ -141,6 +141,19 @@ def varied_llama_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    """Keep this suite's server registry out of the user's home."""
+    folder = tmp_path_factory.mktemp("state")
+    old = os.environ.get("COMPRESS_STATE_DIR")
+    os.environ["COMPRESS_STATE_DIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("COMPRESS_STATE_DIR", None)
+    else:
+        os.environ["COMPRESS_STATE_DIR"] = old
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from compress.causal_lm import perplexity
 from compress.errors import CompressError
+from compress.family_causal_lm import PPL_BATCH
 from compress.lm_distill import (
     decoder_layers,
     drop_layers,
@@ -18,8 +19,6 @@ from compress.lm_distill import (
 from compress.models import ModelBundle, count_params
 from compress.stages.distill_spec import DistillConfig
 from compress.state import StageContext, State
-
-PPL_BATCH = 8
 
 
 def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:

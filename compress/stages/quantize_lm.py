@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from compress.causal_lm import quantize_weights
 from compress.models import ModelBundle
 from compress.stages.quantize_spec import QuantizeConfig
 from compress.state import StageContext, State
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from serve.lm_runtime import DTYPES
 
 
 def activation_dtype(choice: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,19 +25,6 @@ pytestmark = pytest.mark.serving
 PROMPTS = ["the film was", "a much longer prompt about a movie that goes on and on", "hi",
            "what is the capital of france ?", "tell me a story", "one two three four five",
            "why is the sky blue", "good morning"]
-
-
-@pytest.fixture(scope="module")
-def state_dir(tmp_path_factory):
-    """Keep this suite's server registry out of the user's home."""
-    folder = tmp_path_factory.mktemp("state")
-    old = os.environ.get("COMPRESS_STATE_DIR")
-    os.environ["COMPRESS_STATE_DIR"] = str(folder)
-    yield folder
-    if old is None:
-        os.environ.pop("COMPRESS_STATE_DIR", None)
-    else:
-        os.environ["COMPRESS_STATE_DIR"] = old
 
 
 @pytest.fixture(scope="module")

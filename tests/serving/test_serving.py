@@ -5,7 +5,6 @@ alone, tokens are enforced, and every server is stopped with nothing left runnin
 from __future__ import annotations
 
 import json
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,19 +37,6 @@ def _our_processes(info: dict) -> list[int]:
         if ours and server.process_alive(int(entry.name)):
             found.append(int(entry.name))
     return found
-
-
-@pytest.fixture(scope="module")
-def state_dir(tmp_path_factory):
-    """Keep this suite's server registry out of the user's home."""
-    folder = tmp_path_factory.mktemp("state")
-    old = os.environ.get("COMPRESS_STATE_DIR")
-    os.environ["COMPRESS_STATE_DIR"] = str(folder)
-    yield folder
-    if old is None:
-        os.environ.pop("COMPRESS_STATE_DIR", None)
-    else:
-        os.environ["COMPRESS_STATE_DIR"] = old
 
 
 @pytest.fixture(scope="module")

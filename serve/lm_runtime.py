@@ -61,16 +61,30 @@ def weight_config(scheme: str, group_size: int = 32) -> Any:
     raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
 
 
-def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32) -> nn.Module:
-    """Apply a weight scheme to every Linear of `model` in place, the output projection
-    included (untied from the embedding first, which stays in float)."""
+def head_scheme_of(scheme: str, head_scheme: str | None = None) -> str:
+    """The scheme of the output projection: `head_scheme` when given and not "auto", else
+    int8 weight-only under int4 (the tied head of a small LM is the layer int4 hurts most,
+    as llama.cpp's Q4 files keep theirs at 6-8 bits) and `scheme` otherwise."""
+    if head_scheme and head_scheme != "auto":
+        return head_scheme
+    return "int8_weight_only" if scheme == "int4_weight_only" else scheme
+
+
+def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
+                     head_scheme: str | None = None) -> nn.Module:
+    """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
+    output projection (untied from the embedding first, which stays in float)."""
     from torchao.quantization import quantize_
 
-    config = weight_config(scheme, group_size)
     head = getattr(model, "lm_head", None)
     if head is not None and head.weight is model.get_input_embeddings().weight:
         head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    quantize_(model, config)
+    quantize_(model, weight_config(scheme, group_size),
+              filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
+    head_scheme = head_scheme_of(scheme, head_scheme)
+    if head is not None and head_scheme != "float":
+        quantize_(model, weight_config(head_scheme, group_size),
+                  filter_fn=lambda module, name: name == "lm_head")
     return model
 
 
@@ -88,7 +102,8 @@ def load_folder(folder: str | Path) -> LoadedLM:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
-        quantize_weights(model, facts["scheme"], facts.get("group_size") or 32)
+        quantize_weights(model, facts["scheme"], facts.get("group_size") or 32,
+                         facts.get("head_scheme") or facts["scheme"])
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
         if (folder / "generation_config.json").is_file():

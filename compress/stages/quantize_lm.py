@@ -1,15 +1,24 @@
-"""Stage `quantize` on a causal LM: a torchao weight scheme on every Linear (the tied
-output projection included), activations in bfloat16 where the CPU computes it natively."""
+"""Stage `quantize` on a causal LM: a torchao weight scheme on every Linear (the output
+projection by `head_scheme`), activations in bfloat16 where the CPU computes it natively.
+`mode: qat` first trains the weights on the scheme's grid (`compress.lm_qat`) against the
+entering model's next-token distributions (KL at temperature 1, no label loss: the target
+is the float model, not the train text)."""
 
 from __future__ import annotations
 
+import copy
 import time
+from typing import Any
 
+from torch import nn
+
+from compress import lm_qat
 from compress.causal_lm import quantize_weights
+from compress.lm_distill import make_lm_kd_loss_fn, packed_examples
 from compress.models import ModelBundle
 from compress.stages.quantize_spec import QuantizeConfig
 from compress.state import StageContext, State
-from serve.lm_runtime import DTYPES
+from serve.lm_runtime import DTYPES, head_scheme_of
 
 
 def activation_dtype(choice: str) -> str:
@@ -29,13 +38,30 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     dtype = activation_dtype(cfg.activations)
     began = time.perf_counter()
     model = source.model
+    head = head_scheme_of(cfg.scheme, cfg.head_scheme)
+    if cfg.mode == "qat":
+        train_on_grid(model, source.tokenizer, cfg, ctx)
     for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
         parameter.data = parameter.data.to(DTYPES[dtype])  # model loaded in that dtype
-    quantize_weights(model, cfg.scheme, cfg.group_size)
+    quantize_weights(model, cfg.scheme, cfg.group_size, head)
     facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
-             "group_size": cfg.group_size}
+             "group_size": cfg.group_size, "head_scheme": head}
     bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer, lm=facts)
-    ctx.metrics.update({"scheme": cfg.scheme, "activation_dtype": dtype,
+    ctx.metrics.update({"scheme": cfg.scheme, "head_scheme": head, "activation_dtype": dtype,
                         "quantize_s": round(time.perf_counter() - began, 2)})
     ctx.save_model(bundle)
     return State(bundle)
+
+
+def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
+                  ctx: StageContext) -> None:
+    """Quantization-aware training in place: fake-quantized weights, KL against a frozen
+    copy of the entering model, then the weights snapped onto the grid."""
+    teacher = copy.deepcopy(model)
+    prepared = lm_qat.prepare(model, cfg.scheme, cfg.group_size, cfg.head_scheme)
+    setup = ctx.training()
+    setup.examples = packed_examples(tokenizer, setup.examples.texts, ctx.data.max_length)
+    result = setup.run(model, cfg.qat, None, loss_fn=make_lm_kd_loss_fn(teacher, 1.0, 0.0))
+    lm_qat.snap(model.eval())
+    ctx.metrics.update({"qat_linears": prepared, "train_blocks": len(setup.examples),
+                        **result.figures()})

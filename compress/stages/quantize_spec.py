@@ -10,7 +10,8 @@ from compress.stages.options import CalibrationOptions, StageName, StrictModel, 
 from compress.stages.spec import StageSpec, register
 
 WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
-PT2E_OPTIONS = ("mode", "per_channel", "keep_float", "calibration", "qat", "compile")
+PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile")
+LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations")
 
 
 class QuantizeConfig(StrictModel):
@@ -23,12 +24,17 @@ class QuantizeConfig(StrictModel):
         None, description="Causal LMs: torchao weight scheme (int8 or int4 weights with "
         "float activations, or int8 weights and per-token int8 activations).")
     group_size: int = Field(32, description="Causal LMs, int4: weights per scale group.")
+    head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
+                         "float"] = Field(
+        "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
+        "weight-only under int4, else the model's scheme; float keeps it in float).")
     activations: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Causal LMs: activation dtype (auto: bfloat16 on a CPU that "
         "computes it natively, where the int8/int4 kernels are fastest; else float32).")
     mode: Literal["dynamic", "static", "qat"] = Field(
         "static", description="dynamic activations, static (calibrated), or quantization-aware "
-        "training.")
+        "training (a causal LM takes qat only: its weights trained on the scheme's grid "
+        "against the entering model's next-token distributions).")
     per_channel: bool = Field(True, description="Per-channel weight scales.")
     keep_float: list[str] = Field(
         default_factory=list, description="Module name patterns left in float (fnmatch).")
@@ -41,7 +47,7 @@ class QuantizeConfig(StrictModel):
 
 def _splits(cfg: QuantizeConfig) -> tuple[str, ...]:
     if cfg.scheme is not None:
-        return ()
+        return ("train",) if cfg.mode == "qat" else ()
     return {"dynamic": (), "static": ("calibration",), "qat": ("train", "calibration")}[cfg.mode]
 
 
@@ -52,6 +58,9 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
         wrong = [o for o in PT2E_OPTIONS if o in cfg.model_fields_set]
         problems = [f"{where}.{o}: a PT2E option for classifiers; a causal LM is quantized by "
                     f"`scheme` ({', '.join(WEIGHT_SCHEMES)})" for o in wrong]
+        if "mode" in cfg.model_fields_set and cfg.mode != "qat":
+            problems.append(f"{where}.mode: {cfg.mode} is a PT2E mode for classifiers; a "
+                            "causal LM takes `mode: qat` or no mode (post-training)")
         if cfg.scheme is None:
             problems.append(f"{where}.scheme: a causal LM needs a weight scheme: "
                             f"{', '.join(WEIGHT_SCHEMES)}")
@@ -59,7 +68,7 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
             problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
                             "128, 256 (torchao's int4 CPU packing)")
         return problems
-    lm_only = [o for o in ("scheme", "group_size", "activations") if o in cfg.model_fields_set]
+    lm_only = [o for o in LM_ONLY_OPTIONS if o in cfg.model_fields_set]
     return [f"{where}.{o}: only a causal LM takes this option; a classifier is quantized "
             "through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
 

@@ -85,7 +85,7 @@ def test_a_causal_lm_runs_quantize_and_compile_with_its_own_figures(
 
 @pytest.mark.parametrize(("stages", "extra", "line"), [
     ([{"kind": "quantize", "mode": "static"}], {},
-     "stages.0.mode: a PT2E option for classifiers; a causal LM is quantized by `scheme`"),
+     "stages.0.mode: static is a PT2E mode for classifiers; a causal LM takes `mode: qat`"),
     ([{"kind": "quantize"}], {}, "stages.0.scheme: a causal LM needs a weight scheme"),
     ([{"kind": "prune", "amount": 0.5}], {},
      "stages.0 (prune): this stage kind does not take a causal LM yet"),

@@ -21,7 +21,7 @@ from compress.errors import CompressError, UserError
 @click.option("--no-auth", is_flag=True, help="Turn TorchServe's token authorization off.")
 @click.option("--enable-model-api", is_flag=True,
               help="Allow registering and scaling models through the management API.")
-@click.option("--timeout", default=300, show_default=True, type=click.IntRange(1),
+@click.option("--timeout", default=900, show_default=True, type=click.IntRange(1),
               help="Seconds to wait for a READY worker.")
 @click.option("--stop", is_flag=True, help="Stop the server of TARGET (or every server "
               "compress started when TARGET is omitted).")

@@ -31,11 +31,12 @@ def worker_threads(configured: int | None, workers: int) -> int:
 
 
 def model_config(batch_size: int, max_batch_delay_ms: int, workers: int,
-                 response_timeout_s: int, handler: dict[str, Any]) -> dict[str, Any]:
+                 response_timeout_s: int, handler: dict[str, Any],
+                 startup_timeout_s: int = 600) -> dict[str, Any]:
     """TorchServe's per-model settings (`model-config.yaml`) with the handler's own section."""
     return {"minWorkers": workers, "maxWorkers": workers, "batchSize": batch_size,
             "maxBatchDelay": max_batch_delay_ms, "responseTimeout": response_timeout_s,
-            "handler": handler}
+            "startupTimeout": startup_timeout_s, "handler": handler}
 
 
 def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,

@@ -93,7 +93,7 @@ def _mar_model_name(mar: Path) -> str:
 
 def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
           batch_size: int | None = None, max_batch_delay_ms: int | None = None,
-          auth: bool = True, model_api: bool = False, timeout_s: float = 300,
+          auth: bool = True, model_api: bool = False, timeout_s: float = 900,
           echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Start TorchServe on 127.0.0.1:`port`, wait until a worker is READY; return server.json.
 

@@ -35,7 +35,7 @@ def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[s
         ctx.log(f"package: {cfg.workers} workers x {cfg.threads} threads exceed the "
                 f"{os.cpu_count()} cores; each worker gets {threads}")
     config = model_config(cfg.batch_size, cfg.max_batch_delay_ms, cfg.workers,
-                          cfg.response_timeout_s, handler)
+                          cfg.response_timeout_s, handler, cfg.startup_timeout_s)
     summary = _summary(ctx.manifest, export, name, cfg.version, served_metrics)
     began = time.perf_counter()
     try:

@@ -38,6 +38,10 @@ class PackageConfig(StrictModel):
         "workers; workers x threads is capped at the cores).")
     response_timeout_s: int = Field(
         120, ge=1, le=86_400, description="Seconds before TorchServe gives up on a batch.")
+    startup_timeout_s: int = Field(
+        600, ge=1, le=86_400, description="Seconds TorchServe lets a worker load the model "
+        "(a causal LM compiles its decode step per batch bucket as it starts: several "
+        "minutes for SmolLM2 on 2 cores, where TorchServe's default 120 s kills it).")
     max_text_chars: int = Field(
         10_000, ge=1, le=10**8, description="Longer texts are refused with a 400 (tokens past "
         "the recipe's max_length are truncated).")

@@ -65,7 +65,10 @@ class CausalLMHandler(BaseHandler):
             decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
                                                always_mask=True)
             self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
-            decoder.generate([[0]] * rows, 2)  # compiles its step now, not on a request
+        # compiling a decoder drops the graphs of those before it (StaticDecoder.compile):
+        # warm them up only once all are built, so each compiles once, now, not on a request
+        for rows, decoder in self.decoders.items():
+            decoder.generate([[0]] * rows, 2)
         self.initialized = True
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s",
                     self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from serve.lm_runtime import head_scheme_of
+from serve.lm_runtime import head_scheme_of, untie_head
 
 
 def fake_quantize(weight: torch.Tensor, scheme: str, group_size: int) -> torch.Tensor:
@@ -49,9 +49,7 @@ def prepare(model: nn.Module, scheme: str, group_size: int,
     """Fake-quantize every Linear as `quantize_weights` will quantize it (the output
     projection untied from the embedding first); the number of Linears prepared."""
     head = head_scheme_of(scheme, head_scheme)
-    output = getattr(model, "lm_head", None)
-    if output is not None and output.weight is model.get_input_embeddings().weight:
-        output.weight = nn.Parameter(output.weight.detach().clone())
+    untie_head(model)
     prepared = 0
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):

@@ -70,15 +70,22 @@ def head_scheme_of(scheme: str, head_scheme: str | None = None) -> str:
     return "int8_weight_only" if scheme == "int4_weight_only" else scheme
 
 
+def untie_head(model: nn.Module) -> nn.Module | None:
+    """The output projection, given its own weight when it shares the embedding's."""
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.weight is model.get_input_embeddings().weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(),
+                                   requires_grad=head.weight.requires_grad)
+    return head
+
+
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      head_scheme: str | None = None) -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float)."""
     from torchao.quantization import quantize_
 
-    head = getattr(model, "lm_head", None)
-    if head is not None and head.weight is model.get_input_embeddings().weight:
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    head = untie_head(model)
     quantize_(model, weight_config(scheme, group_size),
               filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
     head_scheme = head_scheme_of(scheme, head_scheme)

@@ -40,7 +40,7 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     model = source.model
     head = head_scheme_of(cfg.scheme, cfg.head_scheme)
     if cfg.mode == "qat":
-        train_on_grid(model, source.tokenizer, cfg, ctx)
+        train_on_grid(model, source.tokenizer, cfg, head, ctx)
     for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
         parameter.data = parameter.data.to(DTYPES[dtype])  # model loaded in that dtype
     quantize_weights(model, cfg.scheme, cfg.group_size, head)
@@ -53,12 +53,12 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     return State(bundle)
 
 
-def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
+def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig, head: str,
                   ctx: StageContext) -> None:
     """Quantization-aware training in place: fake-quantized weights, KL against a frozen
     copy of the entering model, then the weights snapped onto the grid."""
     teacher = copy.deepcopy(model)
-    prepared = lm_qat.prepare(model, cfg.scheme, cfg.group_size, cfg.head_scheme)
+    prepared = lm_qat.prepare(model, cfg.scheme, cfg.group_size, head)
     setup = ctx.training()
     setup.examples = packed_examples(tokenizer, setup.examples.texts, ctx.data.max_length)
     result = setup.run(model, cfg.qat, None, loss_fn=make_lm_kd_loss_fn(teacher, 1.0, 0.0))

@@ -30,10 +30,10 @@ GEMM_SHAPES = ((1024, 1024, 1024), (1024, 384, 1536))
 def artifact(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one artifact and measure it; the figures with `pid` and `load_s`."""
     from compress.data import load_data
+    from compress.data_sources import resolve_data
     from compress.evaluate import evaluate
     from compress.measure import latency_sweep, real_latency
     from compress.rebench import load_for_child
-    from compress.sources import resolve_data
 
     recipe = eval_recipe(Path(spec["run_dir"]))
     data = load_data(recipe, resolve_data(recipe.data.source))  # the run's eval split

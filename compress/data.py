@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from compress.data_sources import DataSource, split_file
 from compress.errors import UserError
-from compress.sources import DataSource, split_file
 from compress.stages.chain import used_splits
 
 

@@ -14,12 +14,12 @@ from typing import Any
 
 from compress.causal_lm import perplexity
 from compress.data import DataBundle, Examples, _read_hub, _read_table, _subset
+from compress.data_sources import split_file
 from compress.errors import UserError
 from compress.lm_measure import agreement, eager_generate_rate, prompt_ids, time_generation
 from compress.lm_models import load_recipe_lm, provenance  # noqa: F401  (family function)
 from compress.models import ModelBundle, count_params, sparsity
 from compress.runfolder import atomic_write_text
-from compress.sources import split_file
 from compress.stages.chain import used_splits
 
 REFERENCE = "lm_reference.json"

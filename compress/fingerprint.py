@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from compress.data_sources import DataSource, split_file
 from compress.runfolder import sha256_file, sha256_json
-from compress.sources import DataSource, ModelSource, split_file
+from compress.sources import ModelSource
 from compress.stages.chain import used_splits
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -4,9 +4,8 @@ compress). A folder, as `compress.lm_models.save_lm` writes it: a Hugging Face c
 tokenizer, `model.safetensors` (float) or `model.pt` (a torchao-quantized state dict, loaded
 into the architecture after the same `quantize_` config), and `causal_lm.json`.
 
-`StaticDecoder` decodes a batch over a static KV cache (prompts of any lengths left-padded
-under an attention mask; each row stops on its own; greedy or top-p sampled) with a decode
-step that compiles into one Inductor graph. From a shell:
+Decoding lives beside it in `lm_decode.py` (`StaticDecoder`, `Sampling`, `Generation`), whose
+names this module re-exports. From a shell:
 
     python lm_runtime.py FOLDER "What is the capital of France?" --max-new-tokens 32
 """
@@ -15,14 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+try:  # in an export folder or an archive, lm_decode.py lies beside this file
+    from lm_decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
+except ImportError:  # in the compress repository
+    from serve.lm_decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
+
+__all__ = ["DTYPES", "LM_FILE", "SCHEMES", "Generation", "LoadedLM", "OnTokens", "Sampling",
+           "StaticDecoder", "head_scheme_of", "left_pad", "load_folder", "prompt_ids",
+           "quantize_weights", "stop_ids", "untie_head", "weight_config"]
 
 LM_FILE = "causal_lm.json"
 SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
@@ -142,183 +148,6 @@ def prompt_ids(tokenizer: Any, prompt: str | list[dict[str, str]],
             return [int(i) for i in ids]
         prompt = "\n".join(m["content"] for m in prompt)
     return [int(i) for i in tokenizer(prompt)["input_ids"]]
-
-
-@dataclass
-class Sampling:
-    """How one row picks its tokens: greedy at temperature 0, else top-p sampling."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-
-@dataclass
-class Generation:
-    """The tokens of a batch and how long they took."""
-
-    tokens: list[int]  # the first row's
-    ttft_s: float  # prefill: the prompts in, the first tokens out
-    decode_tokens_per_s: float  # the tokens after each row's first, every row counted
-    rows: list[list[int]] = field(default_factory=list)  # every row's tokens
-    finish: list[str] = field(default_factory=list)  # per row: "stop" or "length"
-
-
-# on_tokens(the token each row just produced, None for rows already finished) -> rows to
-# finish now (a stop string seen, a client gone)
-OnTokens = Callable[[list[int | None]], Iterable[int] | None]
-
-
-def left_pad(prompts: torch.Tensor | Sequence[Sequence[int]], pad_id: int = 0,
-             always_mask: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(B x L ids, B x L mask, or None when no row is padded unless `always_mask`, pads
-    per row)."""
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
-    length = max(len(p) for p in prompts)
-    pads = torch.tensor([length - len(p) for p in prompts])
-    ids = torch.tensor([[pad_id] * (length - len(p)) + list(p) for p in prompts])
-    if not int(pads.max()) and not always_mask:
-        return ids, None, pads
-    return ids, (torch.arange(length) >= pads[:, None]).long(), pads
-
-
-class StaticDecoder:
-    """Decoding over a `StaticCache` of `max_cache_len` positions. The decode step (one
-    token per row in, next-token logits out) keeps its shapes from call to call, so
-    `compile(mode)` turns it into one Inductor graph; the prefill stays eager. A decoder
-    keeps the batch size of its first call (a new size allocates a new cache). With
-    `always_mask`, batches with no padded row pass an attention mask too, so a compiled
-    step has one graph for both."""
-
-    def __init__(self, model: nn.Module, max_cache_len: int = 512, always_mask: bool = False):
-        self.model, self.max_cache_len, self.always_mask = model, max_cache_len, always_mask
-        self.cache: Any = None
-        self.cache_rows = 0
-        self.step: Callable[..., torch.Tensor] = self._forward
-        self.compiled = False
-        self.inductor: dict[str, Any] = {}  # Inductor settings while the step compiles
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                 position_ids: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.model(input_ids=ids, cache_position=positions, position_ids=position_ids,
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True)
-        return out.logits[:, -1]
-
-    def compile(self, mode: str = "default") -> StaticDecoder:
-        """Run the decode step through torch.compile (fullgraph, Inductor freezing, and
-        max-autotune's C++ GEMM templates when `mode` is `max-autotune`) from now on.
-
-        The Inductor settings are set around each call of the step, where it compiles:
-        passed as torch.compile `options`, max-autotune was not applied (no template was
-        tried; measured). Graphs Dynamo holds from earlier decoders are dropped first
-        (`torch._dynamo.reset`): on SmolLM2, a decoder reusing the graph of another
-        decoder of the same model gave other tokens and once an out-of-bounds cache index.
-        An earlier decoder still in use compiles again on its next call."""
-        torch._dynamo.reset()
-        self.inductor = {"freezing": True, "max_autotune": mode == "max-autotune"}
-        self.step = torch.compile(self._forward, fullgraph=True)
-        self.compiled = True
-        return self
-
-    def _fresh_cache(self, rows: int) -> None:
-        if self.cache is None or rows != self.cache_rows:
-            from transformers import StaticCache
-
-            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
-            self.cache_rows = rows
-        else:
-            self.cache.reset()
-
-    @torch.inference_mode()
-    def generate(self, prompt: torch.Tensor | Sequence[Sequence[int]],
-                 max_new_tokens: int | Sequence[int], stop: set[int] | None = None,
-                 sampling: Sequence[Sampling | None] | None = None,
-                 on_tokens: OnTokens | None = None) -> Generation:
-        """Tokens after each prompt (a B x L tensor, or lists of ids of any lengths, left
-        padded here), at most `max_new_tokens` (one limit, or one per row). A row ends at a
-        token of `stop` (kept in its tokens), at its limit, or when `on_tokens` says so."""
-        ids, mask, pads = left_pad(prompt, always_mask=self.always_mask)
-        rows, length = ids.shape
-        limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [
-            max_new_tokens] * rows
-        if length + max(limits) > self.max_cache_len:
-            raise ValueError(f"prompt of {length} tokens + {max(limits)} new exceeds the "
-                             f"cache of {self.max_cache_len}")
-        picks = [s if s and s.temperature > 0 else None for s in (sampling or [None] * rows)]
-        generators = [torch.Generator().manual_seed(s.seed) if s and s.seed is not None
-                      else None for s in picks]
-        self._fresh_cache(rows)
-        padded = mask is not None
-        if padded:
-            mask = torch.cat([mask, torch.ones(rows, self.max_cache_len - length,
-                                               dtype=mask.dtype)], dim=1)
-        began = time.perf_counter()
-        positions = torch.arange(length)
-        logits = self._forward(ids, positions,
-                               (positions - pads[:, None]).clamp(min=0) if padded else None, mask)
-        token = _pick(logits, picks, generators)
-        ttft = time.perf_counter() - began
-        out: list[list[int]] = [[] for _ in range(rows)]
-        finish: list[str | None] = [None] * rows
-        began, i = time.perf_counter(), 0
-        while True:
-            produced = _record(token, out, finish, limits, stop or set())
-            for row in (on_tokens(produced) if on_tokens else None) or ():
-                finish[row] = finish[row] or "stop"
-            if all(finish):
-                break
-            # Inductor's settings apply where the step compiles (its first call, or a
-            # recompile); Dynamo's full guard check stays on (skipping it ran a graph
-            # compiled for another decoder's cache: an out-of-bounds cache index)
-            with torch._inductor.config.patch(self.inductor):
-                where = torch.tensor([length + i])
-                logits = self.step(token.view(rows, 1), where,
-                                   (where - pads)[:, None] if padded else None, mask)
-            token = _pick(logits, picks, generators)
-            i += 1
-        spent = time.perf_counter() - began
-        later = sum(max(len(r) - 1, 0) for r in out)
-        rate = later / spent if spent > 0 and later else 0.0
-        return Generation(out[0], ttft, rate, out, [str(f) for f in finish])
-
-
-def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],
-            limits: list[int], stop: set[int]) -> list[int | None]:
-    """Append each unfinished row's token; mark rows that end with it."""
-    produced: list[int | None] = []
-    for row, value in enumerate(token.tolist()):
-        if finish[row]:
-            produced.append(None)
-            continue
-        out[row].append(value)
-        produced.append(value)
-        if value in stop:
-            finish[row] = "stop"
-        elif len(out[row]) >= limits[row]:
-            finish[row] = "length"
-    return produced
-
-
-def _pick(logits: torch.Tensor, picks: list[Sampling | None],
-          generators: list[torch.Generator | None]) -> torch.Tensor:
-    """The next token of every row: argmax, or a top-p sample at the row's temperature."""
-    greedy = logits.argmax(-1)
-    if not any(picks):
-        return greedy
-    chosen = greedy.clone()
-    for row, how in enumerate(picks):
-        if how is None:
-            continue
-        probs = torch.softmax(logits[row].float() / how.temperature, dim=-1)
-        ranked, order = probs.sort(descending=True)
-        keep = (ranked.cumsum(-1) - ranked) < how.top_p  # the smallest set reaching top_p
-        ranked = ranked * keep
-        index = torch.multinomial(ranked / ranked.sum(), 1, generator=generators[row])
-        chosen[row] = order[index[0]]
-    return chosen
 
 
 def main(argv: list[str] | None = None) -> None:

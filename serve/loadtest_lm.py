@@ -20,13 +20,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from compress.errors import UserError
-from serve.loadtest import (
+from serve.loadtest import _check_args
+from serve.loadtest_threads import (
     BATCH_HEADER,
     MAX_ERROR_EXAMPLES,
-    _batch_stats,
-    _check_args,
-    _Counter,
-    _percentile,
+    Tickets,
+    batch_stats,
+    percentile,
     run_workers,
 )
 
@@ -105,7 +105,7 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
     send_headers = {"Content-Type": "application/json", **(headers or {})}
     workers = [_Stream(parts.hostname or "", parts.port, timeout)
                for _ in range(min(concurrency, requests))]
-    warm, tickets = _Counter(warmup), _Counter(requests)
+    warm, tickets = Tickets(warmup), Tickets(requests)
     start_line = threading.Barrier(len(workers) + 1)
 
     def work(worker: _Stream) -> None:
@@ -122,7 +122,7 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
     wall = run_workers(workers, work, start_line)
     rows = [r for w in workers for r in w.rows]
     tokens = sum(int(r["tokens"]) for r in rows)
-    sizes, mean, largest = _batch_stats([b for w in workers for b in w.batches])
+    sizes, mean, largest = batch_stats([b for w in workers for b in w.batches])
     ttft = sorted(r["ttft_ms"] for r in rows)
     latency = sorted(r["latency_ms"] for r in rows)
     return {"concurrency": concurrency, "requests": requests, "ok": len(rows),
@@ -131,8 +131,8 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
             "wall_s": round(wall, 3), "completion_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "throughput_rps": round(len(rows) / wall, 2) if wall > 0 else 0.0,
-            "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p90": _percentile(ttft, 90),
-            "latency_ms_p50": _percentile(latency, 50), "latency_ms_p90": _percentile(latency, 90),
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
+            "latency_ms_p50": percentile(latency, 50), "latency_ms_p90": percentile(latency, 90),
             "decode_tok_s_per_request": round(statistics.median(r["rate"] for r in rows), 2)
             if rows else None,
             "batch_sizes": sizes, "batch_size_mean": mean, "batch_size_max": largest}

@@ -3,12 +3,12 @@ transformers + torchao load, with `lm_runtime.py` beside it to decode it, proven
 
 The folder (`<stage>/transformers/`, built under a temporary name and renamed when
 complete) holds what `compress.lm_models.save_lm` writes (config, tokenizer, safetensors or
-a torchao state dict, `causal_lm.json`), `lm_runtime.py` (torch, transformers and torchao
-only), `export.json` and `parity.json`. Parity: the exported folder, read back through
-lm_runtime, encodes the recipe's prompts and decodes them greedily, and must give the
-in-process model's token ids (`min_agreement` of the positions, default all). Both decode
-the same way: eager, in batches of up to `PARITY_BATCH` left-padded prompts, with no stop
-token, so every position is compared."""
+a torchao state dict, `causal_lm.json`), `lm_runtime.py` and `lm_decode.py` (torch,
+transformers and torchao only), `export.json` and `parity.json`. Parity: the exported
+folder, read back through lm_runtime, encodes the recipe's prompts and decodes them
+greedily, and must give the in-process model's token ids (`min_agreement` of the positions,
+default all). Both decode the same way: eager, in batches of up to `PARITY_BATCH`
+left-padded prompts, with no stop token, so every position is compared."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ from compress.models import ModelBundle, count_params
 from compress.records import artifact_record
 from compress.stages.export_spec import LM_FORMAT, ExportConfig
 from compress.state import StageContext, State
-from serve import lm_runtime
+from serve import lm_decode, lm_runtime
 
 RUNTIME = Path(lm_runtime.__file__)
+RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__))  # lm_runtime imports lm_decode beside it
 PARITY_BATCH = 8
 
 
@@ -43,7 +44,8 @@ def export_lm(bundle: ModelBundle, folder: Path) -> tuple[Path, dict[str, Any]]:
     shutil.rmtree(tmp, ignore_errors=True)
     began = time.perf_counter()
     weights = save_lm(bundle, tmp)
-    shutil.copy2(RUNTIME, tmp / RUNTIME.name)
+    for code in RUNTIME_FILES:
+        shutil.copy2(code, tmp / code.name)
     facts = bundle.lm or {}
     meta = {"format": LM_FORMAT, "file": weights.name, "task": "causal-lm",
             "runtime": RUNTIME.name, "text": True, "label_names": [],

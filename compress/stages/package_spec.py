@@ -137,5 +137,6 @@ SPEC = register(StageSpec(
     input_stage=export_stage_index,
     check=lambda recipe, i: _servable(recipe, i) + _fits_the_cache(recipe, i),
     runners={"causal-lm": "compress.stages.package_lm:run"}, check_task=_check_task,
-    runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_runtime")},
+    runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_runtime",
+                                "serve.lm_decode")},
 ))

@@ -8,8 +8,8 @@ import torch
 from conftest import minilm_folder
 
 from compress.data import collate, load_data
+from compress.data_sources import resolve_data
 from compress.recipe import Recipe
-from compress.sources import resolve_data
 
 
 def _recipe(source: str, **data) -> Recipe:

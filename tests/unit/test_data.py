@@ -8,9 +8,10 @@ import pytest
 from conftest import write_sentiment_tables
 
 from compress.data import load_data
+from compress.data_sources import resolve_data
 from compress.errors import UserError
 from compress.recipe import Recipe
-from compress.sources import check_recipe_sources, resolve_data
+from compress.sources import check_recipe_sources
 
 
 def _recipe(source: str, **data) -> Recipe:

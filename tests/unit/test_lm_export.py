@@ -112,8 +112,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder) -> 
         "perplexity"]  # the exported model measured again: the same int8 model
     folder = run_dir / export["outputs"][0]["export_dir"]
     names = {p.name for p in folder.iterdir()}
-    assert {"model.pt", "config.json", "causal_lm.json", "lm_runtime.py", "export.json",
-            "parity.json", "tokenizer.json"} <= names
+    assert {"model.pt", "config.json", "causal_lm.json", "lm_runtime.py", "lm_decode.py",
+            "export.json", "parity.json", "tokenizer.json"} <= names
     assert json.loads((folder / "parity.json").read_text())["parity_first_difference"] is None
 
     # the folder decodes without compress: a fresh interpreter imports its lm_runtime.py
@@ -137,7 +137,7 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder) -> 
     with zipfile.ZipFile(mar) as archive:
         inside = set(archive.namelist())
         config = yaml.safe_load(archive.read("model-config.yaml"))
-    assert {"lm_handler.py", "lm_runtime.py", "lm_requests.py", "model.pt",
+    assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_requests.py", "model.pt",
             "causal_lm.json", "tokenizer.json"} <= inside
     assert "index_to_name.json" not in inside
     assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"

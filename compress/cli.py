@@ -46,9 +46,15 @@ def cli() -> None:
 @click.option("--master-addr", help="Address of node 0 (with --nnodes > 1).")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500,
               show_default=True, help="Port of node 0 (with --nnodes > 1).")
+@click.option("--max-restarts", type=click.IntRange(0, 100), default=0, show_default=True,
+              help="With --nproc: times torchrun starts every rank again after one dies; "
+              "the run resumes from the last checkpoint.")
+@click.option("--oversubscribe", is_flag=True,
+              help="Allow --nproc above this machine's cores (or GPUs).")
 def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: bool,
         from_stage: str | None, nproc: int | None, nnodes: int, node_rank: int,
-        master_addr: str | None, master_port: int) -> None:
+        master_addr: str | None, master_port: int, max_restarts: int,
+        oversubscribe: bool) -> None:
     """Run RECIPE; KEY=VALUE overrides any recipe option.
 
     \b
@@ -67,6 +73,8 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
     from compress.pipeline import check_hardware, run_recipe
 
     check_hardware(parsed)  # here too, so torchrun is not launched for a run that cannot go
+    if max_restarts and not nproc:
+        raise UserError("--max-restarts restarts torchrun's ranks: use it with --nproc N")
     if nproc and "WORLD_SIZE" not in os.environ:  # not yet inside torchrun: launch it
         from compress.launch import torchrun
 
@@ -74,7 +82,14 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
                 *(["--force"] if force else []),
                 *(["--from-stage", from_stage] if from_stage else [])]
         sys.exit(torchrun(args, nproc, nnodes, node_rank, master_addr, master_port,
-                          echo=lambda m: click.echo(m, err=True)))
+                          echo=lambda m: click.echo(m, err=True), max_restarts=max_restarts,
+                          oversubscribe=oversubscribe))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:  # torchrun started the ranks again: go on where the run stopped
+        force, from_stage = False, None
+        if int(os.environ.get("RANK", "0")) == 0:
+            click.echo(f"restart {restart}: resuming the run (training from its last "
+                       f"checkpoint)", err=True)
     run_dir = run_recipe(parsed, force=force, from_stage=from_stage)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"run folder: {run_dir}")

@@ -4,16 +4,15 @@ peak memory, and agreement with the float model's greedy tokens."""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from compress.causal_lm import StaticDecoder, greedy_agreement
+from compress.memory import peak_rss_mb, reset_peak_rss  # noqa: F401  (measured here)
 from serve.lm_runtime import prompt_ids as runtime_prompt_ids
 
 
@@ -97,19 +96,3 @@ def agreement(model: nn.Module, prompts: list[torch.Tensor], tokens: list[list[i
     return {"agreement": round(greedy_agreement(reference, tokens), 4),
             "next_token_agreement": round(next_token_agreement(model, prompts, reference), 4)}
 
-
-def reset_peak_rss() -> None:
-    """Start a new peak of resident memory (Linux: clear_refs 5 resets VmHWM)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_mb() -> float | None:
-    """Peak resident memory of this process since the last reset, in MB (Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None

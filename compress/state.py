@@ -51,10 +51,11 @@ class StageContext:
         return self.folder / "checkpoints"
 
     def training(self, desc: str | None = None, seed: int | None = None) -> TrainSetup:
-        """The train split, checkpoints in this stage's folder, the cache key and seed."""
+        """The train split, checkpoints and telemetry in this stage's folder, the cache key and
+        seed."""
         return TrainSetup(self.data.splits["train"], self.data.max_length,
                           self.seed if seed is None else seed, self.checkpoint_dir, self.key,
-                          desc or self.name)
+                          desc or self.name, self.folder / "tensorboard")
 
     def add_output(self, record: Artifact) -> Artifact:
         """Record a file the stage wrote as its output: the one way a stage reports one

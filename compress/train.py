@@ -1,22 +1,23 @@
 """The one training loop shared by finetune, distill and quantization-aware training.
 
 AdamW, linear warm-up and decay, gradient accumulation and clipping, bf16 autocast, a
-progress bar (loss, examples/s, ETA), a checkpoint every N steps and on Ctrl-C. The data
-order is a pure function of (seed, step), so a resumed run ends with the same weights as
-an uninterrupted one.
+progress bar (loss, examples/s, ETA), a checkpoint every N steps and on Ctrl-C, telemetry
+per step. Under torchrun the model trains data-parallel (DDP) or sharded (`parallel: fsdp`,
+`compress.sharded`); `activation_checkpointing` recomputes each transformer block's
+activations in backward. The data order is a pure function of (seed, step) and of the global
+batch, not of the process count, so a resumed run ends with the same weights as an
+uninterrupted one, and 2 processes at batch B see the examples 1 process sees at batch 2B.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
-import os
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,21 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from compress.blocks import checkpointed, transformer_blocks
 from compress.data import Examples, collate
 from compress.evaluate import logits_of
+from compress.telemetry import Telemetry
+from compress.train_checkpoint import CHECKPOINT, Checkpoints, say
+from compress.train_parts import (
+    GracefulStop,
+    agree_across_ranks,
+    clip_gradients,
+    held_memory,
+    make_optimizer,
+)
 
 LossFn = Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]
-CHECKPOINT = "checkpoint.pt"
+__all__ = ["CHECKPOINT", "Schedule", "TrainResult", "TrainSetup", "total_steps", "train"]
 
 
 def cross_entropy(model: nn.Module, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -46,12 +57,14 @@ class TrainResult:
     processes: int = 1
     param_digests: list[str] | None = None  # one per rank after a data-parallel run
     bf16_fallback: bool = False  # bf16 was asked for on a CPU without bf16 instructions
+    telemetry: dict[str, Any] = field(default_factory=dict)  # Telemetry.summary()
+    memory: dict[str, Any] = field(default_factory=dict)  # what each rank held, peak RSS
 
     def figures(self) -> dict[str, Any]:
         """The training figures a stage records."""
         figures = {"train_steps": self.steps, "train_loss": self.final_loss,
                    "train_examples_per_s": self.examples_per_s,
-                   "resumed_from_step": self.resumed_from}
+                   "resumed_from_step": self.resumed_from, **self.telemetry, **self.memory}
         if self.bf16_fallback:
             figures["bf16_fallback"] = True
         return figures
@@ -67,32 +80,28 @@ class TrainResult:
 
 
 class Schedule:
-    """Which examples each micro-batch of this process holds: a seeded permutation per
-    epoch, or under torchrun this rank's shard from `DistributedSampler` (`set_epoch`
-    every epoch). A pure function of (seed, step), so resuming replays the same order."""
+    """Which examples each micro-batch of this process holds. Every epoch has one seeded
+    permutation of the examples (padded cyclically to a multiple of the process count);
+    micro-batch k of the job takes the next `batch_size x world` of it, and this rank its
+    `rank`-th share. A pure function of (seed, index), so resuming replays the same order,
+    and the same for any process count at the same global batch."""
 
     def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.sampler = None
-        if world > 1:
-            from torch.utils.data import DistributedSampler
-
-            self.sampler = DistributedSampler(range(n), num_replicas=world, rank=rank,
-                                              shuffle=True, seed=seed)
+        self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
+        self.padded = shard_size(n, world) * world
         self.per_epoch = math.ceil(shard_size(n, world) / batch_size)
         self._epoch, self._perm = -1, None
 
     def batch(self, micro_index: int) -> list[int]:
         epoch, within = divmod(micro_index, self.per_epoch)
         if epoch != self._epoch:
-            if self.sampler is not None:
-                self.sampler.set_epoch(epoch)
-                perm = list(self.sampler)
-            else:
-                gen = torch.Generator().manual_seed(self.seed * 1000 + epoch)
-                perm = torch.randperm(self.n, generator=gen).tolist()
-            self._epoch, self._perm = epoch, perm
-        return self._perm[within * self.batch_size:(within + 1) * self.batch_size]
+            gen = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+            perm = torch.randperm(self.n, generator=gen).tolist()
+            self._epoch, self._perm = epoch, (perm * self.world)[:self.padded]
+        span = self.batch_size * self.world
+        chunk = self._perm[within * span:(within + 1) * span]
+        share = len(chunk) // self.world
+        return chunk[self.rank * share:(self.rank + 1) * share]
 
 
 def shard_size(n: int, world: int) -> int:
@@ -121,6 +130,7 @@ class TrainSetup:
     checkpoint_dir: Path | None = None
     key: str = "api"
     desc: str = "train"
+    telemetry_dir: Path | None = None  # TensorBoard event files (None: none written)
 
     def run(self, model: nn.Module, opts, tokenizer=None, **kwargs: Any) -> TrainResult:
         """`train` with these values (`kwargs`: loss_fn, on_step)."""
@@ -130,81 +140,94 @@ class TrainSetup:
                                                                    **kwargs)
         return train(model, self.examples, opts, seed=self.seed,
                      checkpoint_dir=self.checkpoint_dir, key=self.key, tokenizer=tokenizer,
-                     max_length=self.max_length, desc=self.desc, **kwargs)
+                     max_length=self.max_length, desc=self.desc,
+                     telemetry_dir=self.telemetry_dir, **kwargs)
 
 
 def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_dir: Path,
           key: str, tokenizer=None, max_length: int = 128, loss_fn: LossFn = cross_entropy,
-          desc: str = "train", on_step: Callable[[int], None] | None = None) -> TrainResult:
+          desc: str = "train", on_step: Callable[[int], None] | None = None,
+          telemetry_dir: Path | None = None) -> TrainResult:
     """Train `model` in place; resume from `checkpoint_dir` when its checkpoint has `key`.
 
-    Under torchrun the model is wrapped in DistributedDataParallel, each rank takes its
-    shard of every epoch, and only rank 0 writes checkpoints and shows the progress bar."""
+    Under torchrun each rank takes its share of every global batch; the model trains under
+    DistributedDataParallel, or under `parallel: fsdp` as a sharded copy whose full weights
+    are loaded back into `model` at the end. Only rank 0 writes files and shows progress."""
     from compress import distributed
+    from compress.memory import peak_rss_mb, reset_peak_rss
+    from compress.runfolder import bf16_supported
 
     world, rank = (distributed.world_size(), distributed.rank()) if distributed.active() \
         else (1, 0)
-    from compress.runfolder import bf16_supported
-
     bf16 = opts.bf16 and bf16_supported()
-    if opts.bf16 and not bf16 and rank == 0:
-        _say(f"{desc}: this CPU has no bf16 instructions (AVX512-BF16 or AMX), where bf16 "
-             f"autocast runs 10-20x slower than fp32; training in fp32 instead")
+    if opts.bf16 and not bf16:
+        say(f"{desc}: this CPU has no bf16 instructions (AVX512-BF16 or AMX), where bf16 "
+            f"autocast runs 10-20x slower than fp32; training in fp32 instead")
+    is_sharded = getattr(opts, "parallel", "ddp") == "fsdp"
+    if is_sharded and world == 1:
+        say(f"{desc}: parallel: fsdp with one process trains unsharded (launch with "
+            f"`compress run --nproc N` to shard); its checkpoints are sharded-format")
     torch.manual_seed(seed + rank)  # dropout differs per rank; weights come from rank 0
     steps = total_steps(len(examples), opts, world)
-    warmup = int(opts.warmup_ratio * steps)
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": opts.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}], lr=opts.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: s / max(1, warmup) if s < warmup
-        else max(0.0, (steps - s) / max(1, steps - warmup)))
-    start = _resume(checkpoint_dir, key, model, optimizer, scheduler, world)
+    trained = model
+    if is_sharded and world > 1:
+        from compress import sharded
+
+        trained = copy.deepcopy(model)
+        sharded.shard(trained, transformer_blocks(trained), opts.mixed_precision == "bf16")
+    optimizer, scheduler = make_optimizer(trained, opts, steps)
+    store = Checkpoints(checkpoint_dir, key, world, is_sharded)
+    start = store.resume(trained, optimizer, scheduler)
     schedule = Schedule(len(examples), opts.batch_size, seed, rank, world)
-    model.train()
-    wrapped = model
-    if world > 1:
+    wrapped = trained
+    if world > 1 and not is_sharded:
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model)  # copies rank 0's weights to every rank
-    stop = _GracefulStop()
+        wrapped = DistributedDataParallel(trained)  # copies rank 0's weights to every rank
+    recompute = transformer_blocks(trained) if getattr(opts, "activation_checkpointing",
+                                                       False) else []
+    if getattr(opts, "activation_checkpointing", False) and not recompute:
+        say(f"{desc}: activation_checkpointing: the model has no transformer blocks "
+            f"(a list of identical layers); training without it")
+    stop = GracefulStop()
+    telemetry = Telemetry(telemetry_dir, enabled=rank == 0)
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", dynamic_ncols=True,
                mininterval=1.0, disable=rank != 0)
     began, seen, loss_value = time.perf_counter(), 0, float("nan")
+    trained.train()
+    reset_peak_rss()
     try:
-        with stop:
+        with stop, checkpointed(recompute):
             for step in range(start, steps):
-                loss_value = 0.0
+                step_began, loss_value = time.perf_counter(), 0.0
                 for a in range(opts.grad_accum_steps):
                     idx = schedule.batch(step * opts.grad_accum_steps + a)
                     inputs, labels = collate(examples, idx, tokenizer, max_length)
                     last = a == opts.grad_accum_steps - 1
-                    sync = contextlib.nullcontext() if last or world == 1 \
-                        else wrapped.no_sync()  # all-reduce once per optimizer step
+                    sync = contextlib.nullcontext() if last or wrapped is trained \
+                        else wrapped.no_sync()  # DDP all-reduces once per optimizer step
                     with sync:
                         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                             loss = loss_fn(wrapped, inputs, labels) / opts.grad_accum_steps
                         loss.backward()
                     loss_value += float(loss.detach())
                     seen += len(idx)
-                if opts.max_grad_norm:
-                    nn.utils.clip_grad_norm_(model.parameters(), opts.max_grad_norm)
+                grad_norm = clip_gradients(trained, opts.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                rate = seen / max(1e-9, time.perf_counter() - began)
-                bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{rate:.1f}", refresh=False)
-                bar.update(1)
                 done = step + 1
                 if on_step:
                     on_step(done)
-                due = stop.requested or (done % opts.checkpoint_every == 0 and done < steps)
-                if due and rank == 0:
-                    save_checkpoint(checkpoint_dir, key, done, model, optimizer, scheduler,
-                                    world)
-                if stop.requested:
+                loss_value, stopping = agree_across_ranks(loss_value, stop.requested, world)
+                rate = seen * world / max(1e-9, time.perf_counter() - began)
+                telemetry.step(done, loss_value, scheduler.get_last_lr()[0], grad_norm, rate,
+                               time.perf_counter() - step_began)
+                bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{rate:.1f}", refresh=False)
+                bar.update(1)
+                if stopping or (done % opts.checkpoint_every == 0 and done < steps):
+                    store.save(done, trained, optimizer, scheduler)
+                if stopping:
                     raise KeyboardInterrupt
     except RuntimeError as exc:
         if world > 1 and any(w in str(exc) for w in ("gloo", "NCCL", "Connection", "peer")):
@@ -213,8 +236,14 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
         raise
     finally:
         bar.close()
+        telemetry.close()
         model.eval()
     wall = time.perf_counter() - began
+    memory = held_memory(trained, optimizer, peak_rss_mb())
+    if trained is not model:
+        from compress import sharded
+
+        model.load_state_dict(sharded.full_state(trained))
     if world > 1:
         distributed.sync_buffers(model)
     digests = distributed.gather(distributed.param_digest(model)) if world > 1 else None
@@ -222,75 +251,5 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
         raise RuntimeError(f"data-parallel replicas diverged: parameter digests {digests}")
     return TrainResult(steps, start, round(loss_value, 6),
                        round(seen * world / max(wall, 1e-9), 2), round(wall, 2), world, digests,
-                       bf16_fallback=opts.bf16 and not bf16)
-
-
-def save_checkpoint(folder: Path, key: str, step: int, model: nn.Module, optimizer,
-                    scheduler, world: int = 1) -> Path:
-    """Atomically write everything needed to continue after `step` (and the number of
-    processes that trained, so a resume with another number is reported)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {"key": key, "step": step, "model": model.state_dict(),
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": torch.get_rng_state(), "world_size": world}
-    tmp = folder / f".{CHECKPOINT}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / CHECKPOINT)
-    return folder / CHECKPOINT
-
-
-def _resume(folder: Path, key: str, model: nn.Module, optimizer, scheduler,
-            world: int = 1) -> int:
-    path = folder / CHECKPOINT
-    if not path.is_file():
-        return 0
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("key") != key:
-        _say(f"ignoring {path}: it belongs to another configuration")
-        return 0
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if world == 1:
-        torch.set_rng_state(state["rng"])
-    saved = int(state.get("world_size", 1))
-    if saved != world:
-        _say(f"{path} was written by {saved} process(es) and resumes with {world}: from step "
-             f"{state['step']} on, the data order and the steps per epoch follow {world}, so "
-             f"the weights will not match an uninterrupted {saved}-process run")
-    _say(f"resuming from {path} at step {state['step']}")
-    return int(state["step"])
-
-
-def _say(message: str) -> None:
-    """A progress message from rank 0 only."""
-    from compress import distributed
-
-    if distributed.is_main():
-        tqdm.write(message, file=sys.stderr)
-
-
-class _GracefulStop:
-    """Turn the first Ctrl-C into a flag checked between optimizer steps."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __enter__(self) -> _GracefulStop:
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        self.requested = True
-        tqdm.write("interrupted: saving a checkpoint after this step (Ctrl-C again to abort)",
-                   file=sys.stderr)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+                       bf16_fallback=opts.bf16 and not bf16, telemetry=telemetry.summary(),
+                       memory=memory)

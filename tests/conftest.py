@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -203,6 +205,33 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "compress", *args], capture_output=True,
                           text=True, env=full_env, cwd=cwd, timeout=timeout)
+
+
+def start_and_kill_rank_1(recipe: Path, checkpoint: Path, *args: str
+                          ) -> subprocess.CompletedProcess:
+    """Start `compress run RECIPE --nproc 2 ARGS`, SIGKILL rank 1 once `checkpoint` exists,
+    wait for the job."""
+    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe),
+                                "--nproc", "2", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not checkpoint.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.is_file(), "no checkpoint within 2 minutes"
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, NotADirectoryError):
+            continue
+        if str(recipe) in cmdline and b"RANK=1" in environ:
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed += 1
+    assert killed == 1
+    out, err = process.communicate(timeout=180)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
 
 
 SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",

@@ -3,9 +3,9 @@ training loop's options and calibration options."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 StageName = Annotated[
     str | None, Field(description="Display name of the stage (default: its kind).")]
@@ -43,6 +43,23 @@ class TrainOptions(StrictModel):
     )
     seed: int | None = Field(
         None, ge=0, lt=2**32, description="Seed of this stage (default: the recipe's seed).")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Under `compress run --nproc N`: ddp (a replica per process) or fsdp "
+        "(parameters, gradients and optimizer state sharded per transformer block; sharded "
+        "checkpoints that resume on any number of processes).")
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none", description="With parallel: fsdp, bf16 gathers and computes parameters in "
+        "bf16 and reduces gradients in fp32 (FSDP's MixedPrecisionPolicy).")
+    activation_checkpointing: bool = Field(
+        False, description="Keep only each transformer block's inputs and recompute its "
+        "activations in backward: less memory, more time.")
+
+    @model_validator(mode="after")
+    def _mixed_precision_needs_fsdp(self) -> TrainOptions:
+        if self.mixed_precision != "none" and self.parallel != "fsdp":
+            raise ValueError("mixed_precision is FSDP's policy: set parallel: fsdp with it, or "
+                             "use bf16: true (autocast) under ddp")
+        return self
 
 
 class CalibrationOptions(StrictModel):

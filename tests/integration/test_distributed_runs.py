@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, digits_recipe, run_cli, write_recipe
+from conftest import REPO, digits_recipe, run_cli, start_and_kill_rank_1, write_recipe
 
 from compress.distributed import param_digest
 from compress.models import load_saved
@@ -48,30 +44,6 @@ def test_two_ranks_train_identical_replicas_and_rank_0_runs_the_rest(tmp_path: P
     assert (run_dir / "report.json").is_file() and not list(run_dir.glob("*/checkpoints"))
 
 
-def _start_and_kill_rank_1(recipe: Path, checkpoint: Path) -> subprocess.CompletedProcess:
-    """Start a 2-process run, SIGKILL rank 1 once a checkpoint exists, wait for the job."""
-    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe),
-                                "--nproc", "2"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not checkpoint.is_file() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert checkpoint.is_file(), "no checkpoint within 2 minutes"
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, NotADirectoryError):
-            continue
-        if str(recipe) in cmdline and b"RANK=1" in environ:
-            os.kill(int(entry.name), signal.SIGKILL)
-            killed += 1
-    assert killed == 1
-    out, err = process.communicate(timeout=180)
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
 def _long_recipe(tmp_path: Path) -> tuple[Path, Path]:
     raw = digits_recipe(tmp_path / "runs", epochs=40, checkpoint_every=20, batch_size=16)
     raw["model"] = {"source": "compress.zoo:small_cnn",
@@ -83,7 +55,7 @@ def _long_recipe(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_killed_rank_stops_the_job_and_a_rerun_resumes_under_ddp(tmp_path: Path) -> None:
     recipe, checkpoint = _long_recipe(tmp_path)
-    stopped = _start_and_kill_rank_1(recipe, checkpoint)
+    stopped = start_and_kill_rank_1(recipe, checkpoint)
     assert stopped.returncode != 0
     assert "rank 1 exited with -9" in stopped.stderr and "Traceback" not in stopped.stderr
     assert "re-run the same command to resume" in stopped.stderr
@@ -102,12 +74,28 @@ def test_a_killed_rank_stops_the_job_and_a_rerun_resumes_under_ddp(tmp_path: Pat
 
 def test_a_ddp_checkpoint_resumes_on_one_process_and_says_so(tmp_path: Path) -> None:
     recipe, checkpoint = _long_recipe(tmp_path)
-    assert _start_and_kill_rank_1(recipe, checkpoint).returncode != 0
+    assert start_and_kill_rank_1(recipe, checkpoint).returncode != 0
     single = run_cli("run", str(recipe))
     assert single.returncode == 0, single.stderr[-3000:]
     assert "was written by 2 process(es) and resumes with 1" in single.stderr
     m = _manifest(tmp_path / "runs/tiny_digits")["stages"][0]["metrics"]
     assert m["train_processes"] == 1 and m["resumed_from_step"] >= 20
+
+
+def test_max_restarts_restarts_a_killed_rank_and_ends_with_the_uninterrupted_weights(
+        tmp_path: Path) -> None:
+    recipe, checkpoint = _long_recipe(tmp_path)
+    restarted = start_and_kill_rank_1(recipe, checkpoint, "--max-restarts", "1")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "restart 1: resuming the run" in restarted.stderr
+    m = _manifest(tmp_path / "runs/tiny_digits")["stages"][0]["metrics"]
+    assert m["resumed_from_step"] >= 20 and m["replicas_identical"] is True
+    reference = run_cli("run", str(recipe), "--nproc", "2", "--output-dir",
+                        str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    whole = _manifest(tmp_path / "reference/tiny_digits")["stages"][0]["metrics"]
+    assert whole["resumed_from_step"] == 0
+    assert m["param_digest"] == whole["param_digest"]  # the same final weights, bit for bit
 
 
 def test_launch_options_are_checked(tmp_path: Path) -> None:
@@ -117,9 +105,19 @@ def test_launch_options_are_checked(tmp_path: Path) -> None:
         "error: --nnodes > 1 needs --master-addr (the address of node 0) and the same "
         "--master-port on every node")
     assert not (tmp_path / "runs").exists()
-    crowded = run_cli("run", str(recipe), "--nproc", str((os.cpu_count() or 1) + 1))
+    cores = os.cpu_count() or 1
+    crowded = run_cli("run", str(recipe), "--nproc", str(cores + 1))
+    assert crowded.returncode == 2 and crowded.stderr.strip() == (
+        f"error: --nproc {cores + 1} is more than the {cores} CPU cores of this machine: "
+        f"processes would share them and each run slower; use --nproc {cores} or fewer, or "
+        f"add --oversubscribe to run anyway")
+    restarts = run_cli("run", str(recipe), "--max-restarts", "1")
+    assert restarts.returncode == 2 and restarts.stderr.strip() == (
+        "error: --max-restarts restarts torchrun's ranks: use it with --nproc N")
+    assert not (tmp_path / "runs").exists()
+    crowded = run_cli("run", str(recipe), "--nproc", str(cores + 1), "--oversubscribe")
     assert crowded.returncode == 0, crowded.stderr[-3000:]
-    assert f"warning: --nproc {(os.cpu_count() or 1) + 1} is more than the" in crowded.stderr
+    assert f"warning: --nproc {cores + 1} is more than the" in crowded.stderr
 
 
 @pytest.mark.integration

@@ -1,0 +1,89 @@
+"""FSDP training under torchrun on this machine's 2 cores (gloo), on a tiny random Llama:
+2 ranks at batch B train what 1 process trains at batch 2B with half the parameter and
+optimizer bytes per rank, and a killed run resumes from its sharded checkpoint on 2
+processes, on 1, and from 1 process on 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, start_and_kill_rank_1, write_recipe
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
+
+
+def _recipe(tmp_path: Path, model: Path, name: str, **stage) -> Path:
+    finetune = {"kind": "finetune", "parallel": "fsdp", "max_steps": 8, "batch_size": 4,
+                "learning_rate": 0.001, "checkpoint_every": 3, **stage}
+    raw = {"name": name, "model": {"source": str(model)},
+           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
+                    "train": {"split": "train", "max_samples": 400},
+                    "eval": {"split": "validation", "max_samples": 12}},
+           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 4,
+                                         "batch_sizes": [1], "compile": "none"}},
+           "stages": [finetune], "output_dir": str(tmp_path / "runs"), "seed": 0}
+    return write_recipe(tmp_path / f"{name}.yaml", raw)
+
+
+def _metrics(tmp_path: Path, name: str) -> dict:
+    manifest = json.loads((tmp_path / "runs" / name / "manifest.json").read_text())
+    return manifest["stages"][0]["metrics"]
+
+
+def test_fsdp_on_two_ranks_trains_like_one_process_with_half_the_state_per_rank(
+        tmp_path: Path, tiny_llama_folder: Path) -> None:
+    two = run_cli("run", str(_recipe(tmp_path, tiny_llama_folder, "two")), "--nproc", "2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_cli("run", str(_recipe(tmp_path, tiny_llama_folder, "one", batch_size=8)))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "parallel: fsdp with one process trains unsharded" in one.stderr
+    m2, m1 = _metrics(tmp_path, "two"), _metrics(tmp_path, "one")
+    assert m2["train_processes"] == 2 and m2["replicas_identical"] is True
+    # the same examples in every optimizer step: the losses agree to rounding
+    assert abs(m2["train_loss"] - m1["train_loss"]) <= 1e-4 * m1["train_loss"], (m1, m2)
+    assert abs(m2["perplexity"] - m1["perplexity"]) <= 1e-4 * m1["perplexity"]
+    # measured bytes of parameters + AdamW state held per process
+    assert m2["train_state_mb_per_rank"] <= 0.6 * m1["train_state_mb_per_rank"], (m1, m2)
+    assert m2["train_optimizer_state_mb_per_rank"] > 0
+    assert m2["train_grad_norm_final"] > 0 and m2["train_step_s_median"] > 0
+
+
+def _kill_single(recipe: Path, checkpoint: Path) -> None:
+    """Start a one-process run and SIGKILL it once `checkpoint` exists."""
+    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not checkpoint.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.is_file(), "no checkpoint within 2 minutes"
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 1), (1, 2)])
+def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(
+        tmp_path: Path, tiny_llama_folder: Path, before: int, after: int) -> None:
+    name = f"from{before}to{after}"
+    recipe = _recipe(tmp_path, tiny_llama_folder, name, max_steps=80, checkpoint_every=10)
+    checkpoint = tmp_path / "runs" / name / "00-finetune/checkpoints/sharded/meta.json"
+    if before == 2:
+        assert start_and_kill_rank_1(recipe, checkpoint).returncode != 0
+    else:
+        _kill_single(recipe, checkpoint)
+    step = json.loads(checkpoint.read_text())["step"]
+    assert 10 <= step < 80 and step % 10 == 0
+    again = run_cli("run", str(recipe), *(["--nproc", "2"] if after == 2 else []))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stderr
+    if before != after:
+        assert f"was written by {before} process(es) and resumes on {after}" in again.stderr
+    m = _metrics(tmp_path, name)
+    assert m["resumed_from_step"] >= step and m["train_steps"] == 80
+    assert m["train_processes"] == after

@@ -29,10 +29,11 @@ from compress.models import ModelBundle, count_params
 from compress.records import artifact_record
 from compress.stages.export_spec import LM_FORMAT, ExportConfig
 from compress.state import StageContext, State
-from serve import lm_decode, lm_runtime
+from serve import lm_decode, lm_runtime, lm_tensor_parallel
 
 RUNTIME = Path(lm_runtime.__file__)
-RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__))  # lm_runtime imports lm_decode beside it
+RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__),  # lm_runtime imports lm_decode beside it
+                 Path(lm_tensor_parallel.__file__))
 PARITY_BATCH = 8
 
 
@@ -115,6 +116,10 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
         raise ParityError(f"{where}: greedy token agreement {figures['parity_token_agreement']}"
                           f" < {need} (first difference: prompt {diff['prompt']}, token "
                           f"{diff['position']}); parity.json has the figures")
+    if cfg.tensor_parallel:
+        from compress.stages.export_lm_tp import check_tensor_parallel
+
+        check_tensor_parallel(final, cfg, prompts, ctx)
     ctx.add_output(artifact_record(path, ctx.run_dir, LM_FORMAT, export_dir=str(where)))
     return State(ModelBundle(exported.model, "causal-lm", [], tokenizer=exported.tokenizer,
                              lm=exported.facts))

@@ -15,7 +15,8 @@ AOTI_ONLY = ("autocast",)
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
 LM_FORMAT = "transformers"  # the one format of a causal LM
-LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples")
+LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples",
+              "tensor_parallel", "tolerance")
 
 
 class TensorRTShapes(StrictModel):
@@ -76,6 +77,10 @@ class ExportConfig(StrictModel):
         None, description="AOTInductor: compile the graph's float ops in bfloat16 (for a "
         "PT2E int8 model: int8 layers, everything else in bf16). Needs a bf16 CPU.")
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
+    tensor_parallel: int | None = Field(
+        None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
+        "across N torchrun processes (torch DTensor tensor parallelism; lm_tensor_parallel.py "
+        "in the folder) and check its logits against one process (tolerance, default 1e-4).")
 
     @property
     def quantizes(self) -> bool:
@@ -145,11 +150,48 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     return []
 
 
+def _splits_here(recipe: Any, i: int) -> list[str]:
+    """tensor_parallel: a float model, and no more processes than this machine's cores."""
+    import os
+
+    from compress.stages.chain import model_chain
+
+    stage = recipe.stages[i]
+    ranks = getattr(stage, "tensor_parallel", None)
+    if not ranks:
+        return []
+    problems = []
+    quantized = [j for j in model_chain(recipe, i) if getattr(recipe.stages[j], "scheme", None)]
+    if quantized:
+        problems.append(f"stages.{i}.tensor_parallel: splits a float model, and this export "
+                        f"follows the quantize stage {quantized[-1]}; set source to a stage "
+                        f"before it")
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        problems.append(f"stages.{i}.tensor_parallel: {ranks} processes is more than the "
+                        f"{cores} CPU cores of this machine; use {cores} or fewer")
+    return problems
+
+
+def _tp_fits_the_config(recipe: Any, i: int, config: dict[str, Any]) -> list[str]:
+    """tensor_parallel divides the model's key-value heads and feed-forward neurons."""
+    from serve.lm_tensor_parallel import split_problem  # no torch import
+
+    ranks = getattr(recipe.stages[i], "tensor_parallel", None)
+    if not ranks or "intermediate_size" not in config:
+        return []
+    problem = split_problem(config, ranks)
+    return [f"stages.{i}.{problem}"] if problem else []
+
+
 def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
     """A causal LM exports with format transformers and only its options; a classifier with
     any other format."""
     where = f"stages.{index}"
     if task != "causal-lm":
+        if cfg.tensor_parallel:
+            return [f"{where}.tensor_parallel: splits a causal LM's decoder layers across "
+                    "processes; a classifier exports whole"]
         if cfg.format == LM_FORMAT:
             return [f"{where}.format: transformers exports a causal LM (its folder with a "
                     "standalone decoding runtime); a classifier exports with torchscript, "
@@ -166,11 +208,14 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
 
 SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
-    makes_model=False, splits=_splits, runtime=_runtime, check=_fits_the_model,
+    makes_model=False, splits=_splits, runtime=_runtime,
+    check=lambda recipe, i: _fits_the_model(recipe, i) + _splits_here(recipe, i),
+    check_model=_tp_fits_the_config,
     reload="compress.stages.export:reload", precision=_file_precision,
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
     runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
-    runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode")},
+    runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode",
+                               "serve.lm_tensor_parallel")},
 ))

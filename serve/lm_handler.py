@@ -32,8 +32,9 @@ from ts.torch_handler.base_handler import BaseHandler
 try:  # inside the archive the modules lie beside this file
     import lm_requests
     import lm_runtime
+    import lm_tensor_parallel
 except ImportError:  # in the compress repository
-    from serve import lm_requests, lm_runtime
+    from serve import lm_requests, lm_runtime, lm_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,20 @@ class CausalLMHandler(BaseHandler):
         model_dir = Path(context.system_properties["model_dir"])
         config = context.model_yaml_config or {}
         settings = config.get("handler") or {}
+        # TorchServe starts a `parallelType: tp` worker as one torchrun job: every rank gets
+        # every request, decodes its share of each layer, and rank 0 answers
+        self.ranks = int(os.environ.get("WORLD_SIZE", "1"))
         torch.set_num_threads(worker_threads(settings.get("threads"),
-                                             config.get("maxWorkers", 1)))
+                                             int(config.get("maxWorkers", 1)) * self.ranks))
         self.lm = lm_runtime.load_folder(model_dir)
+        if self.ranks > 1:
+            lm_tensor_parallel.join_and_split(self.lm.model)
         self.stop = lm_runtime.stop_ids(self.lm.model, self.lm.tokenizer)
         self.limits = lm_requests.Limits(
             int(settings.get("max_new_tokens", 256)), int(settings.get("default_new_tokens", 64)),
             int(settings.get("cache_len", 512)), bool(settings.get("chat_template", True)))
         self.decoders = {}
-        mode = settings.get("compile") or "none"
+        mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
         sizes = buckets(int(config.get("batchSize", 1)))
         # every bucket's decoder compiles the same step function: one graph each
         torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
@@ -70,9 +76,9 @@ class CausalLMHandler(BaseHandler):
         for rows, decoder in self.decoders.items():
             decoder.generate([[0]] * rows, 2)
         self.initialized = True
-        logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s",
+        logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),
-                    torch.get_num_threads(), list(self.decoders), mode)
+                    torch.get_num_threads(), list(self.decoders), mode, self.ranks)
 
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt or chat messages."""
@@ -123,7 +129,11 @@ class CausalLMHandler(BaseHandler):
                     "Intermediate Prediction success", 200, context)
             return [k for k, s in enumerate(streams) if s.stopped]
 
-        sampling = [lm_runtime.Sampling(r.temperature, r.top_p, r.seed) for r in rows]
+        seeds = [r.seed for r in rows]
+        if self.ranks > 1 and any(r.temperature > 0 for r in rows):
+            seeds = lm_tensor_parallel.shared_seeds(seeds)
+        sampling = [lm_runtime.Sampling(r.temperature, r.top_p, seed)
+                    for r, seed in zip(rows, seeds, strict=True)]
         out = self.decoders[size].generate(
             [r.ids for r in rows] + [rows[0].ids] * filler,
             [r.max_new_tokens for r in rows] + [1] * filler, self.stop,

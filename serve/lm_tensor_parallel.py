@@ -77,6 +77,30 @@ def shard_layers(model: nn.Module, mesh: Any) -> nn.Module:
     return parallelize_module(model, mesh, plan)
 
 
+def join_and_split(model: nn.Module) -> nn.Module:
+    """In a rank of a torchrun job (TorchServe's `parallelType: tp` workers, or any other):
+    join the process group (gloo on CPU, NCCL on GPUs) and split `model` across it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return shard_layers(model, init_device_mesh("cpu", (dist.get_world_size(),)))
+
+
+def shared_seeds(seeds: list[int | None]) -> list[int | None]:
+    """Rank 0's sampling seeds on every rank, a seed drawn there for each row without one:
+    every rank must sample the same tokens, or their caches and collectives part ways."""
+    import random
+
+    import torch.distributed as dist
+
+    box = [[s if s is not None else random.randrange(2**31) for s in seeds]]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of the decoder layers' projection weights this rank holds (its shards)."""
     total = 0

@@ -130,8 +130,12 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         command.append("--disable-token-auth")
     if model_api:
         command.append("--enable-model-api")
+    # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's
     env = {**os.environ, "TMPDIR": str(serve_dir), "LOG_LOCATION": str(serve_dir / "logs"),
-           "METRICS_LOCATION": str(serve_dir / "logs")}
+           "METRICS_LOCATION": str(serve_dir / "logs"),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                    os.environ.get("PATH", "")]),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with open(serve_dir / "logs" / "torchserve.out", "wb") as out:
         launcher = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)

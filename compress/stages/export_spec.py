@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from compress.stages.options import CalibrationOptions, StageName, StrictModel
 from compress.stages.spec import StageSpec, register
+from compress.stages.tensor_parallel_checks import split_fits_the_config, split_problems
 
 ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
@@ -150,40 +151,6 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     return []
 
 
-def _splits_here(recipe: Any, i: int) -> list[str]:
-    """tensor_parallel: a float model, and no more processes than this machine's cores."""
-    import os
-
-    from compress.stages.chain import model_chain
-
-    stage = recipe.stages[i]
-    ranks = getattr(stage, "tensor_parallel", None)
-    if not ranks:
-        return []
-    problems = []
-    quantized = [j for j in model_chain(recipe, i) if getattr(recipe.stages[j], "scheme", None)]
-    if quantized:
-        problems.append(f"stages.{i}.tensor_parallel: splits a float model, and this export "
-                        f"follows the quantize stage {quantized[-1]}; set source to a stage "
-                        f"before it")
-    cores = os.cpu_count() or 1
-    if ranks > cores:
-        problems.append(f"stages.{i}.tensor_parallel: {ranks} processes is more than the "
-                        f"{cores} CPU cores of this machine; use {cores} or fewer")
-    return problems
-
-
-def _tp_fits_the_config(recipe: Any, i: int, config: dict[str, Any]) -> list[str]:
-    """tensor_parallel divides the model's key-value heads and feed-forward neurons."""
-    from serve.lm_tensor_parallel import split_problem  # no torch import
-
-    ranks = getattr(recipe.stages[i], "tensor_parallel", None)
-    if not ranks or "intermediate_size" not in config:
-        return []
-    problem = split_problem(config, ranks)
-    return [f"stages.{i}.{problem}"] if problem else []
-
-
 def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
     """A causal LM exports with format transformers and only its options; a classifier with
     any other format."""
@@ -209,8 +176,8 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
 SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
     makes_model=False, splits=_splits, runtime=_runtime,
-    check=lambda recipe, i: _fits_the_model(recipe, i) + _splits_here(recipe, i),
-    check_model=_tp_fits_the_config,
+    check=lambda recipe, i: _fits_the_model(recipe, i) + split_problems(recipe, i),
+    check_model=split_fits_the_config,
     reload="compress.stages.export:reload", precision=_file_precision,
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),

@@ -24,9 +24,11 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
 
 def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[str, Any],
             handler_file: Path = HANDLER, modules: tuple[Path, ...] = (),
-            served_metrics: tuple[str, ...] = SERVED_METRICS) -> State:
+            served_metrics: tuple[str, ...] = SERVED_METRICS,
+            settings: dict[str, Any] | None = None) -> State:
     """Build `<model_name>.mar` of the export entering the stage with `handler_file` (and
-    the `modules` it imports), its settings in model-config.yaml's `handler:` section."""
+    the `modules` it imports), its settings in model-config.yaml's `handler:` section (and
+    `settings`, more top-level TorchServe keys)."""
     export = state.source
     export_dir = ctx.run_dir / export.outputs[0].export_dir
     name = cfg.model_name or ctx.recipe.name
@@ -36,6 +38,7 @@ def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[s
                 f"{os.cpu_count()} cores; each worker gets {threads}")
     config = model_config(cfg.batch_size, cfg.max_batch_delay_ms, cfg.workers,
                           cfg.response_timeout_s, handler, cfg.startup_timeout_s)
+    config.update(settings or {})
     summary = _summary(ctx.manifest, export, name, cfg.version, served_metrics)
     began = time.perf_counter()
     try:

@@ -36,6 +36,12 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the causal-LM export entering the stage with the generation handler."""
     export_dir = ctx.run_dir / state.source.outputs[0].export_dir
     handler = handler_settings(cfg, ctx, export_dir)
+    settings = {}
+    if cfg.tensor_parallel:  # TorchServe starts each worker as a torchrun job of N ranks
+        settings = {"parallelType": "tp", "torchrun": {"nproc-per-node": cfg.tensor_parallel}}
+        handler["compile"] = "none"
+        ctx.metrics.update(tensor_parallel=cfg.tensor_parallel)
     ctx.metrics.update(max_new_tokens=handler["max_new_tokens"],
                        cache_len=handler["cache_len"], decode_compile=handler["compile"])
-    return archive(state, cfg, ctx, handler, LM_HANDLER, LM_MODULES, LM_SERVED_METRICS)
+    return archive(state, cfg, ctx, handler, LM_HANDLER, LM_MODULES, LM_SERVED_METRICS,
+                   settings)

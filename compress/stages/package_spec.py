@@ -8,9 +8,10 @@ from pydantic import Field
 
 from compress.stages.options import StageName, StrictModel
 from compress.stages.spec import StageSpec, register, spec_of
+from compress.stages.tensor_parallel_checks import split_fits_the_config, split_problems
 
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
-LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile")
+LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "tensor_parallel")
 
 
 class PackageConfig(StrictModel):
@@ -52,6 +53,10 @@ class PackageConfig(StrictModel):
         None, ge=16, le=131_072, description="Causal LMs: KV cache positions per row, prompt "
         "and new tokens together (a longer request: a 400; default: "
         "evaluation.generation.cache_len).")
+    tensor_parallel: int | None = Field(
+        None, ge=2, le=64, description="Causal LMs: serve each worker as a torchrun job of N "
+        "ranks (TorchServe's parallelType: tp); the handler splits the decoder layers across "
+        "them with torch's tensor parallelism. Takes a float model; no compiled decode.")
     decode_compile: Literal["none", "default", "max-autotune"] | None = Field(
         None, description="Causal LMs: torch.compile mode of the served decode step, each "
         "batch-size bucket compiled as the worker starts (default: the model's, set by a "
@@ -135,8 +140,10 @@ SPEC = register(StageSpec(
     makes_model=False, takes_model=False, measured=False,
     code_modules=("serve.handler", "serve.package"), runtime=_runtime,
     input_stage=export_stage_index,
-    check=lambda recipe, i: _servable(recipe, i) + _fits_the_cache(recipe, i),
+    check=lambda recipe, i: (_servable(recipe, i) + _fits_the_cache(recipe, i)
+                             + split_problems(recipe, i)),
+    check_model=split_fits_the_config,
     runners={"causal-lm": "compress.stages.package_lm:run"}, check_task=_check_task,
     runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_runtime",
-                                "serve.lm_decode")},
+                                "serve.lm_decode", "serve.lm_tensor_parallel")},
 ))

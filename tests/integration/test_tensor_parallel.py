@@ -55,7 +55,7 @@ def test_splits_that_cannot_work_are_one_line_each(tmp_path: Path,
     assert f"stages.1.tensor_parallel: {ranks} does not divide the model's 2 key-value heads" \
         in bad.stderr
     assert "stages.1.tensor_parallel: splits a float model, and this export follows the " \
-           "quantize stage 0" in bad.stderr
+           "quantize stage 0; take the model from a stage before it" in bad.stderr
     assert f"stages.1.tensor_parallel: {ranks} processes is more than the {cores} CPU cores" \
         in bad.stderr
     assert all(line.startswith(("error:", "  ", "stages.")) or "tp.yaml" in line

@@ -148,8 +148,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder) -> 
     ({"kind": "export", "format": "onnx"},
      "stages.0.format: onnx exports a classifier's forward pass; a causal LM exports with "
      "format: transformers"),
-    ({"kind": "export", "format": "transformers", "tolerance": 0.1},
-     "stages.0.tolerance: a classifier export option; a causal LM's export is checked by "
+    ({"kind": "export", "format": "transformers", "threads": 2},
+     "stages.0.threads: a classifier export option; a causal LM's export is checked by "
      "greedy token agreement"),
     ({"kind": "package", "max_text_chars": 10},
      "stages.0.max_text_chars: a classifier's option"),

@@ -1,0 +1,81 @@
+"""A tensor-parallel causal LM served by a real TorchServe in its torchrun mode
+(`parallelType: tp`, 2 ranks over gloo on this CPU): the package stage writes the settings,
+each rank's handler joins the process group and splits the layers, and the endpoint streams
+the greedy text lm_runtime gives offline, batching concurrent requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli, write_recipe
+
+pytest.importorskip("ts")
+
+from serve import lm_runtime, server  # noqa: E402
+
+pytestmark = [pytest.mark.serving,
+              pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
+
+PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky blue"]
+
+
+@pytest.fixture(scope="module")
+def tp_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("tp_served")
+    raw = {"name": "tiny_tp", "model": {"source": str(varied_llama_folder)},
+           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
+                    "eval": {"split": "validation", "max_samples": 8}},
+           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
+                                         "compile": "none", "eager_generate": False,
+                                         "cache_len": 64}},
+           "stages": [{"kind": "export", "format": "transformers"},
+                      {"kind": "package", "batch_size": 4, "max_batch_delay_ms": 300,
+                       "max_new_tokens": 16, "tensor_parallel": 2}],
+           "output_dir": str(tmp / "runs")}
+    result = run_cli("run", str(write_recipe(tmp / "tp.yaml", raw)),
+                     env={"COMPRESS_DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return tmp / "runs" / "tiny_tp"
+
+
+def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(
+        tp_run: Path, state_dir) -> None:
+    mar = next((tp_run / "01-package").glob("*.mar"))
+    with zipfile.ZipFile(mar) as archive:
+        config = yaml.safe_load(archive.read("model-config.yaml"))
+        assert "lm_tensor_parallel.py" in archive.namelist()
+    assert config["parallelType"] == "tp" and config["torchrun"] == {"nproc-per-node": 2}
+    assert config["handler"]["compile"] == "none"
+
+    offline = lm_runtime.load_folder(tp_run / "00-export/transformers")
+    decoder = lm_runtime.StaticDecoder(offline.model, 64)
+    want = {p: offline.tokenizer.decode(decoder.generate(
+        [lm_runtime.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
+        skip_special_tokens=True) for p in PROMPTS}
+
+    target = server.resolve_target(tp_run)
+    (port,) = server.free_ports(1)
+    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
+    try:
+        from test_lm_served import generate
+
+        status, _, lines = generate(info, {"prompt": PROMPTS[0], "max_new_tokens": 8})
+        assert status == 200 and len(lines) > 2  # deltas, then the final answer
+        assert json.loads(lines[-1][1])["text"] == want[PROMPTS[0]]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda p: generate(
+                info, {"prompt": p, "max_new_tokens": 8, "stream": False}), PROMPTS))
+        for prompt, (status, _, lines) in zip(PROMPTS, answers, strict=True):
+            assert status == 200
+            assert json.loads(lines[-1][1])["text"] == want[prompt]
+        assert max(int(h["X-Batch-Size"]) for _, h, _ in answers) > 1
+        log = (target.serve_dir / "logs/model_log.log").read_text()
+        assert "compile none, 2 rank(s)" in log
+    finally:
+        server.stop(target.serve_dir)

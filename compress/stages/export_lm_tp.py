@@ -16,6 +16,7 @@ from typing import Any
 from compress.errors import CompressError, ParityError
 from compress.stages.export_spec import ExportConfig
 from compress.state import StageContext
+from serve.lm_tensor_parallel import split_problem
 
 DEFAULT_TOLERANCE = 1e-4
 TIMEOUT_S = 1800
@@ -25,6 +26,9 @@ def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
                           ctx: StageContext) -> dict[str, Any]:
     """Run the tensor-parallel comparison on the exported folder; record and check it."""
     ranks = int(cfg.tensor_parallel or 0)
+    problem = split_problem(json.loads((folder / "config.json").read_text()), ranks)
+    if problem:  # a GGUF source has no config.json to check before the run
+        raise CompressError(problem)
     script = folder / "lm_tensor_parallel.py"
     prompt_file, out = ctx.folder / "tp_prompts.json", ctx.folder / "tensor_parallel.json"
     prompt_file.write_text(json.dumps(prompts))

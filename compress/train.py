@@ -105,7 +105,7 @@ class Schedule:
 
 
 def shard_size(n: int, world: int) -> int:
-    """Examples each of `world` processes sees per epoch (DistributedSampler pads)."""
+    """Examples each of `world` processes sees per epoch (padded to a multiple of `world`)."""
     return math.ceil(n / world)
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import run_cli, start_and_kill_rank_1, write_recipe
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
@@ -87,3 +88,16 @@ def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(
     m = _metrics(tmp_path, name)
     assert m["resumed_from_step"] >= step and m["train_steps"] == 80
     assert m["train_processes"] == after
+
+
+def test_distill_shards_the_student_with_bf16_and_activation_checkpointing(
+        tmp_path: Path, tiny_llama_folder: Path) -> None:
+    raw = yaml.safe_load(_recipe(tmp_path, tiny_llama_folder, "kd").read_text())
+    raw["stages"] = [{"kind": "distill", "student": {"layers": 1}, "parallel": "fsdp",
+                      "mixed_precision": "bf16", "activation_checkpointing": True,
+                      "max_steps": 6, "batch_size": 4, "checkpoint_every": 3}]
+    done = run_cli("run", str(write_recipe(tmp_path / "kd.yaml", raw)), "--nproc", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = _metrics(tmp_path, "kd")
+    assert m["train_processes"] == 2 and m["replicas_identical"] is True
+    assert m["train_steps"] == 6 and m["train_optimizer_state_mb_per_rank"] > 0

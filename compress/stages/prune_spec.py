@@ -44,8 +44,28 @@ def _runtime(config: dict, metrics: dict) -> str:
     return "PyTorch eager (pruned)"
 
 
+def _check_task(cfg: PruneConfig, task: str, index: int) -> list[str]:
+    """A causal LM is pruned structurally, by neurons and key-value groups, in every layer."""
+    if task != "causal-lm":
+        return []
+    where = f"stages.{index}"
+    problems = []
+    if cfg.method != "structured":
+        problems.append(f"{where}.method: a causal LM is pruned with method: structured "
+                        "(whole feed-forward neurons or key-value groups of heads); "
+                        f"{cfg.method} zeros weights a decoder cannot skip")
+    if cfg.target == "channels":
+        problems.append(f"{where}.target: channels are a CNN's; a causal LM takes ffn, heads "
+                        "or ffn+heads")
+    problems += [f"{where}.{o}: a classifier's option; a causal LM prunes the same units in "
+                 "every decoder layer" for o in ("include", "exclude", "gradual")
+                 if o in cfg.model_fields_set]
+    return problems
+
+
 SPEC = register(StageSpec(
     kind="prune", config=PruneConfig, runner="compress.stages.prune:run", order=30,
     splits=lambda cfg: ("train",) if cfg.recovery else (), refused_before=("quantize",),
-    runtime=_runtime,
+    runtime=_runtime, runners={"causal-lm": "compress.stages.prune_lm:run"},
+    check_task=_check_task,
 ))

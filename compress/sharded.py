@@ -55,12 +55,6 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any
     return {"model": model_state, "optim": optim_state}
 
 
-def _gather(obj: Any) -> list[Any]:
-    from compress import distributed
-
-    return distributed.gather(obj)
-
-
 def _barrier() -> None:
     from compress import distributed
 
@@ -83,7 +77,7 @@ def save(folder: Path, key: str, step: int, model: nn.Module,
         tmp.mkdir(parents=True)
     _barrier()
     dcp.save(_states(model, optimizer), checkpoint_id=str(tmp))
-    rngs = _gather(torch.get_rng_state())
+    rngs = distributed.gather(torch.get_rng_state())
     if distributed.is_main():
         torch.save(rngs, tmp / "rng.pt")
         meta = {"key": key, "step": step, "world_size": world,

@@ -10,6 +10,11 @@ from collections.abc import Callable
 
 from compress.errors import UserError
 
+# Restarted ranks must not share the rendezvous store of the round before: there they read
+# the dead rank's gloo address and fail to connect (pytorch/pytorch#135712). Every torchrun
+# compress starts, or has TorchServe start, gets this.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 
 def torchrun(args: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
              master_addr: str | None = None, master_port: int = 29500,
@@ -42,9 +47,7 @@ def torchrun(args: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
     command += ["-m", "compress", "run", *args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Restarted ranks must not share the rendezvous store of the round before: there they
-    # read the dead rank's gloo address and fail to connect (pytorch/pytorch#135712).
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env = {**TORCHRUN_ENV, **env}
     echo(f"launching {nproc * nnodes} processes with torchrun ({nproc} on this machine, "
          f"{env['OMP_NUM_THREADS']} thread(s) each)")
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)

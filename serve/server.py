@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from compress.errors import UserError
+from compress.launch import TORCHRUN_ENV
 from compress.records import MANIFEST, require_manifest
 from serve.package import worker_threads
 from serve.server_state import (  # noqa: F401 (the server's API)
@@ -135,7 +136,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
            "METRICS_LOCATION": str(serve_dir / "logs"),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                     os.environ.get("PATH", "")]),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           **TORCHRUN_ENV}
     with open(serve_dir / "logs" / "torchserve.out", "wb") as out:
         launcher = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)

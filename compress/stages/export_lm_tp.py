@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError, ParityError
+from compress.launch import TORCHRUN_ENV
 from compress.stages.export_spec import ExportConfig
 from compress.state import StageContext
 from serve.lm_tensor_parallel import split_problem
@@ -40,7 +41,7 @@ def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
     if not ctx.recipe.data.chat_template:
         command.append("--no-chat-template")
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+           **TORCHRUN_ENV}
     ctx.log(f"{ctx.name}: tensor parallel: torchrun on {ranks} processes")
     done = subprocess.run(command, capture_output=True, text=True, env=env,
                           timeout=TIMEOUT_S, check=False)

@@ -159,9 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--compile", choices=["none", "default", "max-autotune"],
                         default="none")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="the prompt as plain text, not through the tokenizer's chat template")
     args = parser.parse_args(argv)
     lm = load_folder(args.folder)
-    ids = prompt_ids(lm.tokenizer, args.prompt)
+    ids = prompt_ids(lm.tokenizer, args.prompt, not args.no_chat_template)
     decoder = StaticDecoder(lm.model, max(512, len(ids) + args.max_new_tokens))
     if args.compile != "none":
         decoder.compile(args.compile)

@@ -74,7 +74,8 @@ class _Stream:
             while line := answer.readline():
                 first = first or time.perf_counter()
                 lines.append(line)
-            done = time.perf_counter()
+            answer.read()  # marks an answer with a Content-Length done, so the connection
+            done = time.perf_counter()  # takes the next request (readline leaves it open)
             if answer.status != 200:
                 raise RuntimeError(f"HTTP {answer.status}: {b''.join(lines)[:200].decode()}")
             final = json.loads(lines[-1])

@@ -23,7 +23,9 @@ FIRST_S, GAP_S, TOKENS = 0.08, 0.02, 10
 @pytest.fixture
 def streaming_server() -> Iterator[str]:
     """Answers each POST with its first line after FIRST_S, then a line every GAP_S, then
-    the final answer (TOKENS tokens); a body without "prompt" gets a 400."""
+    the final answer (TOKENS tokens); a body without "prompt" gets a 400; one asking for a
+    single token gets the final answer alone, with a Content-Length and no chunks (as
+    TorchServe answers a request that ends at its first token)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
@@ -35,6 +37,14 @@ def streaming_server() -> Iterator[str]:
             if "prompt" not in body:
                 out = b'{"error": "no prompt", "status": 400}'
                 self.send_response(400)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+                return
+            if body.get("max_new_tokens") == 1:
+                out = json.dumps({"text": "", "finish_reason": "stop", "usage": {
+                    "prompt_tokens": 3, "completion_tokens": 1}}).encode() + b"\n"
+                self.send_response(200)
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
                 self.wfile.write(out)
@@ -90,3 +100,12 @@ def test_failed_requests_are_counted_and_the_table_reads(streaming_server: str) 
     assert "HTTP 400" in result["runs"][0]["error_examples"][0]
     table = format_generation_table(result)
     assert "ttft p50 ms" in table.splitlines()[0] and "tokens/s at concurrency 2" in table
+
+
+def test_answers_of_one_line_keep_the_connection_usable(streaming_server: str) -> None:
+    """A one-line answer with a Content-Length, then more requests on the same connection
+    (http.client leaves such an answer open after readline; it failed every other request
+    with ResponseNotReady)."""
+    run = run_generation_load(streaming_server, concurrency=1, requests=5,
+                              payloads=load_prompts(None, max_new_tokens=1))
+    assert (run["ok"], run["errors"], run["completion_tokens"]) == (5, 0, 5)

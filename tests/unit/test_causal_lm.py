@@ -99,3 +99,52 @@ def test_two_same_shaped_models_compiled_in_one_process_decode_their_own_tokens(
     assert eager[0] != eager[1]
     compiled = [StaticDecoder(m, 32).compile().generate(ids, 10).tokens for m in models]
     assert compiled == eager
+
+
+def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
+    """One query per row over a cache with unwritten and padded positions: the grouped
+    float32 attention gives SDPA's output (repeated key-value heads), and reading only the
+    first `len(decode_window)` positions changes nothing when the rest are masked."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from serve.lm_decode import decode_attention
+
+    torch.manual_seed(0)
+    rows, heads, groups, length, dim = 2, 6, 2, 16, 8
+    module = types.SimpleNamespace(num_key_value_groups=heads // groups, is_causal=True,
+                                   training=False)
+    query = torch.randn(rows, heads, 1, dim)
+    key, value = torch.randn(rows, groups, length, dim), torch.randn(rows, groups, length, dim)
+    mask = torch.zeros(rows, 1, 1, length, dtype=torch.bool)
+    mask[0, ..., :9] = True  # row 0: 9 positions written
+    mask[1, ..., 3:9] = True  # row 1: left-padded by 3
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    got, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (rows, 1, heads, dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    windowed, _ = decode_attention(module, query, key, value, mask, scaling=0.3,
+                                   decode_window=torch.empty(9))
+    torch.testing.assert_close(windowed, want, atol=1e-5, rtol=1e-5)
+    wrong, _ = decode_attention(module, query, key, value, mask, scaling=0.3,
+                                decode_window=torch.empty(5))  # drops written positions
+    assert (wrong - want).abs().max() > 1e-2
+
+
+def test_compiled_decode_reads_a_growing_window_with_one_graph(tiny_llama) -> None:
+    """The compiled step attends over the positions written so far (a dynamic size): one
+    graph for every step, tokens equal to the model's own attention, padded rows too; the
+    model's attention setting is given back after each generate."""
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = tiny_llama
+    prompts = [tokenizer("the film was")["input_ids"], tokenizer("a")["input_ids"]]
+    own = StaticDecoder(model, max_cache_len=64)
+    own.attention = None  # the model's SDPA in every step
+    want = own.generate(prompts, 10).rows
+    decoder = StaticDecoder(model, max_cache_len=64, always_mask=True).compile()
+    counters.clear()
+    assert decoder.generate(prompts, 10).rows == want
+    assert decoder.generate([prompts[0], prompts[0]], 20).rows[0] == own.generate(
+        [prompts[0]], 20).tokens
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert model.config._attn_implementation == "sdpa"

@@ -74,7 +74,7 @@ def main() -> None:
     for name in ["float", *args.schemes.split(",")]:
         lm = load_causal_lm(MODEL)
         if name != "float":  # as the quantize stage does: bf16 activations where native
-            dtype = DTYPES[activation_dtype("auto")]
+            dtype = DTYPES[activation_dtype("auto", name)]
             for parameter in lm.model.parameters():
                 parameter.data = parameter.data.to(dtype)
             quantize_weights(lm.model, name)

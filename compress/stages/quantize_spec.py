@@ -29,8 +29,9 @@ class QuantizeConfig(StrictModel):
         "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
         "weight-only under int4, else the model's scheme; float keeps it in float).")
     activations: Literal["auto", "bfloat16", "float32"] = Field(
-        "auto", description="Causal LMs: activation dtype (auto: bfloat16 on a CPU that "
-        "computes it natively, where the int8/int4 kernels are fastest; else float32).")
+        "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
+        "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
+        "a CPU that computes bf16 natively; else float32).")
     mode: Literal["dynamic", "static", "qat"] = Field(
         "static", description="dynamic activations, static (calibrated), or quantization-aware "
         "training (a causal LM takes qat only: its weights trained on the scheme's grid "

@@ -25,10 +25,13 @@ RECIPE = REPO / "recipes/llm_fsdp.yaml"
 CHECKPOINT = "00-finetune/checkpoints/sharded/meta.json"
 
 
-def compress(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "compress", "run", str(RECIPE), *args],
-                            stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=True)
+def compress(log: Path, *args: str) -> subprocess.Popen:
+    """`compress run RECIPE ARGS` in its own process group, its stderr into `log` (a pipe
+    nobody reads while the run goes on could fill and stall it)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as handle:
+        return subprocess.Popen([sys.executable, "-m", "compress", "run", str(RECIPE), *args],
+                                stderr=handle, text=True, cwd=REPO, start_new_session=True)
 
 
 def kill_after_checkpoint(process: subprocess.Popen, run: Path, rank: int | None) -> int:
@@ -37,7 +40,7 @@ def kill_after_checkpoint(process: subprocess.Popen, run: Path, rank: int | None
     meta = run / CHECKPOINT
     while not meta.is_file():
         if process.poll() is not None:
-            raise SystemExit(f"the run ended before its first checkpoint:\n{process.stderr.read()}")
+            raise SystemExit(f"the run ended before its first checkpoint: see {run.parent}.log")
         time.sleep(0.2)
     step = json.loads(meta.read_text())["step"]
     if rank is None:
@@ -65,8 +68,9 @@ def _alive(group: int) -> bool:
     return True
 
 
-def finish(process: subprocess.Popen, label: str) -> str:
-    _, err = process.communicate()
+def finish(process: subprocess.Popen, log: Path, label: str) -> str:
+    process.wait()
+    err = log.read_text()
     if process.returncode:
         raise SystemExit(f"{label} failed ({process.returncode}):\n{err[-3000:]}")
     return err
@@ -81,21 +85,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = {name: args.out / name for name in ("whole", "restart", "resize")}
+    logs = {name: args.out / f"{name}.log" for name in runs}
     began = time.perf_counter()
-    finish(compress("--nproc", "2", f"output_dir={runs['whole']}"), "the uninterrupted run")
+    finish(compress(logs["whole"], "--nproc", "2", f"output_dir={runs['whole']}"),
+           logs["whole"], "the uninterrupted run")
     print(f"uninterrupted: {time.perf_counter() - began:.0f} s", flush=True)
 
     began = time.perf_counter()
-    job = compress("--nproc", "2", "--max-restarts", "1", f"output_dir={runs['restart']}")
+    job = compress(logs["restart"], "--nproc", "2", "--max-restarts", "1",
+                   f"output_dir={runs['restart']}")
     killed_at = kill_after_checkpoint(job, runs["restart"] / "llm_fsdp", rank=1)
-    log = finish(job, "the restarted run")
+    log = finish(job, logs["restart"], "the restarted run")
     print(f"restart: rank 1 killed after the step-{killed_at} checkpoint; "
           f"{'restart 1: resuming the run' in log and 'torchrun restarted it' or 'no restart'}; "
           f"{time.perf_counter() - began:.0f} s", flush=True)
 
-    job = compress("--nproc", "2", f"output_dir={runs['resize']}")
+    job = compress(logs["resize"], "--nproc", "2", f"output_dir={runs['resize']}")
     resized_at = kill_after_checkpoint(job, runs["resize"] / "llm_fsdp", rank=None)
-    log = finish(compress(f"output_dir={runs['resize']}"), "the 1-process resume")
+    resumed = args.out / "resize-1-process.log"
+    log = finish(compress(resumed, f"output_dir={runs['resize']}"), resumed,
+                 "the 1-process resume")
     said = [line for line in log.splitlines() if "resumes on" in line or "resuming" in line]
     print(f"2 -> 1: job killed after the step-{resized_at} checkpoint; {said[:1]}", flush=True)
 

@@ -168,7 +168,7 @@ class StaticDecoder:
     def _window(self, filled: int) -> torch.Tensor | None:
         """A tensor as long as the cache positions the decode attention reads, its size
         dynamic to Dynamo (None where the model runs another attention)."""
-        if self.attention != DECODE_ATTENTION:
+        if not self.attention:
             return None
         window = torch.empty(filled, dtype=torch.int8)
         # at most max_cache_len - 1: the last token produced is never fed back

@@ -2,7 +2,8 @@
 projection by `head_scheme`), activations in bfloat16 where the CPU computes it natively.
 `mode: qat` first trains the weights on the scheme's grid (`compress.lm_qat`) against the
 entering model's next-token distributions (KL at temperature 1, no label loss: the target
-is the float model, not the train text)."""
+is the float model, not the train text). `equalize` first scales the Linears' input channels
+by their activations (`compress.lm_equalize`), folded into the float weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from compress import lm_qat
+from compress import lm_equalize, lm_qat
 from compress.causal_lm import quantize_weights
 from compress.lm_distill import make_lm_kd_loss_fn, packed_examples
 from compress.models import ModelBundle
@@ -43,6 +44,8 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     began = time.perf_counter()
     model = source.model
     head = head_scheme_of(cfg.scheme, cfg.head_scheme)
+    if cfg.equalize:
+        ctx.metrics.update(equalize(model, source.tokenizer, cfg, ctx))
     if cfg.mode == "qat":
         train_on_grid(model, source.tokenizer, cfg, head, ctx)
     for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
@@ -69,3 +72,19 @@ def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig, head: s
     lm_qat.snap(model.eval())
     ctx.metrics.update({"qat_linears": prepared, "train_blocks": len(setup.examples),
                         **result.figures()})
+
+
+EQUALIZE_BLOCKS = 32  # calibration blocks of data.max_length train tokens
+
+
+def equalize(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
+             ctx: StageContext) -> dict[str, Any]:
+    """Activation-aware scaling of `model` in place, calibrated on packed train text."""
+    blocks = packed_examples(tokenizer, ctx.training().examples.texts[:4000],
+                             ctx.data.max_length).inputs[:EQUALIZE_BLOCKS]
+    began = time.perf_counter()
+    figures = lm_equalize.equalize(model, blocks.split(4), cfg.scheme, cfg.group_size)
+    ctx.log(f"equalize: {figures['equalized_pairs']} of {figures['equalize_pairs_seen']} "
+            f"input groups scaled; {cfg.scheme} output error on {len(blocks)} train blocks "
+            f"{figures['equalize_error_ratio']}x that of plain rounding")
+    return {**figures, "equalize_s": round(time.perf_counter() - began, 2)}

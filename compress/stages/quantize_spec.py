@@ -11,7 +11,7 @@ from compress.stages.spec import StageSpec, register
 
 WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
 PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile")
-LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations")
+LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
 
 
 class QuantizeConfig(StrictModel):
@@ -32,6 +32,11 @@ class QuantizeConfig(StrictModel):
         "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
         "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
         "a CPU that computes bf16 natively; else float32).")
+    equalize: bool = Field(
+        False, description="Causal LMs, weight-only schemes: activation-aware scaling (AWQ) "
+        "before quantizing: each Linear's input channels scaled by mean|x|^alpha (alpha searched "
+        "per layer on train text) and the inverse folded into the norm or Linear before it, so "
+        "the float model is unchanged and salient channels get more of the grid.")
     mode: Literal["dynamic", "static", "qat"] = Field(
         "static", description="dynamic activations, static (calibrated), or quantization-aware "
         "training (a causal LM takes qat only: its weights trained on the scheme's grid "
@@ -48,7 +53,7 @@ class QuantizeConfig(StrictModel):
 
 def _splits(cfg: QuantizeConfig) -> tuple[str, ...]:
     if cfg.scheme is not None:
-        return ("train",) if cfg.mode == "qat" else ()
+        return ("train",) if cfg.mode == "qat" or cfg.equalize else ()
     return {"dynamic": (), "static": ("calibration",), "qat": ("train", "calibration")}[cfg.mode]
 
 
@@ -65,6 +70,9 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
         if cfg.scheme is None:
             problems.append(f"{where}.scheme: a causal LM needs a weight scheme: "
                             f"{', '.join(WEIGHT_SCHEMES)}")
+        if cfg.equalize and cfg.scheme == "int8_dynamic":
+            problems.append(f"{where}.equalize: activation-aware scaling is for the weight-only "
+                            "schemes (it enlarges the activations int8_dynamic quantizes)")
         if cfg.scheme == "int4_weight_only" and cfg.group_size not in (32, 64, 128, 256):
             problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
                             "128, 256 (torchao's int4 CPU packing)")

@@ -16,7 +16,13 @@ from compress.causal_lm import perplexity
 from compress.data import DataBundle, Examples, _read_hub, _read_table, _subset
 from compress.data_sources import split_file
 from compress.errors import UserError
-from compress.lm_measure import agreement, eager_generate_rate, prompt_ids, time_generation
+from compress.lm_measure import (
+    agreement,
+    eager_generate_rate,
+    prompt_ids,
+    reference_margins,
+    time_generation,
+)
 from compress.lm_models import load_recipe_lm, provenance  # noqa: F401  (family function)
 from compress.models import ModelBundle, count_params, sparsity
 from compress.runfolder import atomic_write_text
@@ -89,7 +95,8 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     ref_file = run_dir / REFERENCE
     if reference:
         ref = {"tokens": tokens, "perplexity": metrics["perplexity"],
-               "decode_tok_s_b1": figures["decode_tok_s_b1"]}
+               "decode_tok_s_b1": figures["decode_tok_s_b1"],
+               "margins": reference_margins(bundle.model, prompts, tokens)}
         if gen.eager_generate and recipe.evaluation.latency.enabled:
             ref["eager_generate_tok_s_b1"] = eager_generate_rate(
                 bundle.model, prompts[:3], gen.max_new_tokens)
@@ -97,7 +104,8 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
         atomic_write_text(ref_file, json.dumps(ref))
     elif ref_file.is_file():
         ref = json.loads(ref_file.read_text())
-        metrics.update(agreement(bundle.model, prompts, tokens, ref["tokens"]))
+        metrics.update(agreement(bundle.model, prompts, tokens, ref["tokens"],
+                                 ref.get("margins")))
         metrics["perplexity_delta_vs_float_pct"] = round(
             100 * (metrics["perplexity"] / ref["perplexity"] - 1), 3)
         if "decode_tok_s_b1" in metrics:

@@ -73,26 +73,72 @@ def eager_generate_rate(model: nn.Module, prompts: list[torch.Tensor],
     return round(statistics.median(rates), 2)
 
 
+DECISIVE_MARGIN = 0.5  # logits between the float model's first and second choice
+
+
 @torch.inference_mode()
-def next_token_agreement(model: nn.Module, prompts: list[torch.Tensor],
-                         reference: list[list[int]]) -> float:
-    """Share of positions where the model's next-token choice, given the prompt and the
-    reference's greedy tokens so far (teacher forcing), is the reference's token."""
-    same = total = 0
+def forced_logits(model: nn.Module, ids: torch.Tensor, reference: list[int]) -> torch.Tensor:
+    """len(reference) x vocabulary float32 logits of the next token at each reference step,
+    given the prompt and the reference's tokens so far (teacher forcing)."""
+    full = torch.cat([ids, torch.tensor([reference])], dim=1)
+    return model(input_ids=full).logits[0, ids.shape[1] - 1:-1].float()
+
+
+def reference_margins(model: nn.Module, prompts: list[torch.Tensor],
+                      reference: list[list[int]]) -> list[list[float]]:
+    """At every step of the reference's greedy tokens, how far its first choice led its
+    second (logits): small margins are near-ties, where any rounding may flip the choice."""
+    margins = []
     for ids, ref in zip(prompts, reference, strict=True):
         if not ref:
+            margins.append([])
             continue
-        full = torch.cat([ids, torch.tensor([ref])], dim=1)
-        logits = model(input_ids=full).logits[0, ids.shape[1] - 1:-1]
-        same += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
-    return same / total if total else 1.0
+        top = forced_logits(model, ids, ref).topk(2, dim=-1).values
+        margins.append([round(float(m), 4) for m in top[:, 0] - top[:, 1]])
+    return margins
+
+
+def next_token_matches(model: nn.Module, prompts: list[torch.Tensor],
+                       reference: list[list[int]]) -> list[list[bool]]:
+    """Per reference step: is the model's next-token choice, given the prompt and the
+    reference's greedy tokens so far (teacher forcing), the reference's token?"""
+    return [(forced_logits(model, ids, ref).argmax(-1) == torch.tensor(ref)).tolist()
+            if ref else [] for ids, ref in zip(prompts, reference, strict=True)]
+
+
+def next_token_agreement(model: nn.Module, prompts: list[torch.Tensor],
+                         reference: list[list[int]]) -> float:
+    """Share of reference steps where the model's teacher-forced choice is the reference's."""
+    flat = [m for row in next_token_matches(model, prompts, reference) for m in row]
+    return sum(flat) / len(flat) if flat else 1.0
 
 
 def agreement(model: nn.Module, prompts: list[torch.Tensor], tokens: list[list[int]],
-              reference: list[list[int]]) -> dict[str, float]:
+              reference: list[list[int]], margins: list[list[float]] | None = None
+              ) -> dict[str, Any]:
     """Free-running greedy agreement (positions up to each pair's shorter length; one early
-    difference changes everything after it) and teacher-forced next-token agreement."""
-    return {"agreement": round(greedy_agreement(reference, tokens), 4),
-            "next_token_agreement": round(next_token_agreement(model, prompts, reference), 4)}
+    difference changes everything after it) and teacher-forced next-token agreement. With
+    the reference's `margins`: the median margin where each differing prompt first left the
+    reference, and teacher-forced agreement on the decisive steps (margin at least
+    `DECISIVE_MARGIN`), which tell rounding that flips near-ties from real damage."""
+    matches = next_token_matches(model, prompts, reference)
+    flat = [m for row in matches for m in row]
+    out: dict[str, Any] = {
+        "agreement": round(greedy_agreement(reference, tokens), 4),
+        "next_token_agreement": round(sum(flat) / len(flat), 4) if flat else 1.0}
+    if margins:
+        firsts = [row[k] for ref, got, row in zip(reference, tokens, margins, strict=True)
+                  if (k := first_difference(ref, got)) is not None and k < len(row)]
+        decisive = [m for row, ms in zip(matches, margins, strict=True)
+                    for m, margin in zip(row, ms, strict=True) if margin >= DECISIVE_MARGIN]
+        out["divergence_margin_median"] = (round(statistics.median(firsts), 4)
+                                           if firsts else None)
+        out["next_token_agreement_decisive"] = (round(sum(decisive) / len(decisive), 4)
+                                                if decisive else 1.0)
+    return out
 
+
+def first_difference(reference: list[int], candidate: list[int]) -> int | None:
+    """The first step where two generations differ (None: equal up to the shorter)."""
+    pairs = enumerate(zip(reference, candidate, strict=False))
+    return next((k for k, (a, b) in pairs if a != b), None)

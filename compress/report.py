@@ -123,7 +123,8 @@ def derive_lm(row: dict[str, Any], ref: dict | None, decode_batches: list[int]) 
     """A causal LM's columns: perplexity and its change, agreement, TTFT, decode rates
     and the batch-1 speedup against the reference row."""
     m, r = row["metrics"], (ref or {}).get("metrics", {})
-    for key in ("perplexity", "agreement", "next_token_agreement", "ttft_ms",
+    for key in ("perplexity", "agreement", "next_token_agreement",
+                "next_token_agreement_decisive", "ttft_ms",
                 "eager_generate_tok_s_b1", "peak_rss_mb"):
         if m.get(key) is not None:
             row[key] = m[key]

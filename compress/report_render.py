@@ -24,6 +24,7 @@ LM_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
     ("ppl_delta_pct", "Δ ppl %", 2, None),
     ("agreement", "greedy agree", 3, "high"),
     ("next_token_agreement", "next-token agree", 3, "high"),
+    ("next_token_agreement_decisive", "decisive agree", 3, "high"),
     ("ttft_ms", "TTFT ms", 1, "low"),
     ("eager_generate_tok_s_b1", "generate tok/s b1", 1, None),
 )

@@ -148,3 +148,37 @@ def test_compiled_decode_reads_a_growing_window_with_one_graph(tiny_llama) -> No
         [prompts[0]], 20).tokens
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_agreement_tells_near_ties_from_decisive_steps() -> None:
+    """A model that differs from the reference only where the reference nearly tied keeps
+    its decisive agreement at 1.0, and the margin where it left the reference is small."""
+    from compress.lm_measure import agreement, first_difference, reference_margins
+
+    class Table(torch.nn.Module):  # next-token logits from a fixed table of the last token
+        def __init__(self, table: torch.Tensor) -> None:
+            super().__init__()
+            self.table = table
+
+        def forward(self, input_ids: torch.Tensor):
+            from types import SimpleNamespace
+
+            return SimpleNamespace(logits=self.table[input_ids])
+
+    vocab = 6
+    reference_table = torch.full((vocab, vocab), -5.0)
+    for token in range(vocab):  # token t -> t + 1 decisively, but 3 -> 4 only just over 5
+        reference_table[token, (token + 1) % vocab] = 3.0
+    reference_table[3, 5] = 2.9
+    flipped = reference_table.clone()
+    flipped[3, 5] = 3.1  # the candidate takes the near-tie the other way
+    prompts = [torch.tensor([[0]])]
+    reference = [[1, 2, 3, 4, 5]]
+    margins = reference_margins(Table(reference_table), prompts, reference)
+    assert margins[0][3] == pytest.approx(0.1, abs=1e-4) and margins[0][0] == pytest.approx(8.0)
+    figures = agreement(Table(flipped), prompts, [[1, 2, 3, 5, 0]], reference, margins)
+    assert figures["agreement"] == pytest.approx(3 / 5)
+    assert figures["next_token_agreement"] == pytest.approx(4 / 5)
+    assert figures["next_token_agreement_decisive"] == 1.0
+    assert figures["divergence_margin_median"] == pytest.approx(0.1, abs=1e-4)
+    assert first_difference([1, 2], [1, 2, 3]) is None

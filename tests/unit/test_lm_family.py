@@ -51,12 +51,16 @@ def test_a_causal_lm_runs_quantize_and_compile_with_its_own_figures(
         assert base[key] > 0, key
     reference = json.loads((run_dir / "lm_reference.json").read_text())
     assert [len(t) for t in reference["tokens"]] == [6, 6, 6]
+    assert [len(m) for m in reference["margins"]] == [6, 6, 6]
+    assert all(m >= 0 for row in reference["margins"] for m in row)
 
     quant, compiled = (s["metrics"] for s in manifest["stages"])
     assert quant["scheme"] == "int8_weight_only" and quant["activation_dtype"] == "float32"
     assert abs(quant["perplexity_delta_vs_float_pct"]) < 2
     assert quant["perplexity_delta_pct"] == quant["perplexity_delta_vs_float_pct"]
     assert 0.5 <= quant["next_token_agreement"] <= 1 and 0 <= quant["agreement"] <= 1
+    assert 0.5 <= quant["next_token_agreement_decisive"] <= 1
+    assert "divergence_margin_median" in quant
     assert quant["input_decode_tok_s_b1"] > 0 and quant["decode_speedup_b1"] > 0
     assert quant["decode_vs_float_eager_generate"] > 0
     assert compiled["decode_compile"] == "default" and compiled["compile_s"] > 0

@@ -49,7 +49,8 @@ def prepare(model: nn.Module, scheme: str, group_size: int,
     """Fake-quantize every Linear as `quantize_weights` will quantize it (the output
     projection untied from the embedding first); the number of Linears prepared."""
     head = head_scheme_of(scheme, head_scheme)
-    untie_head(model)
+    if head != "float":  # a float head stays tied to the embedding
+        untie_head(model)
     prepared = 0
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):

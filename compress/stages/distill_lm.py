@@ -1,10 +1,13 @@
 """Stage `distill` on a causal LM: a student keeping some of the teacher's decoder layers,
 trained on the train split's text (packed into `data.max_length` blocks) against the frozen
 teacher's next-token distributions. Perplexity is measured on the eval split for the
-teacher, the student right after the drop, and the trained student."""
+teacher, the student right after the drop, and the trained student. With
+`quantization_aware`, the student's decoder Linears train on a weight scheme's grid and end
+on it (`compress.lm_qat`): the int4 model a later `quantize` makes is the one distilled."""
 
 from __future__ import annotations
 
+from compress import lm_qat
 from compress.causal_lm import perplexity
 from compress.errors import CompressError
 from compress.family_causal_lm import PPL_BATCH
@@ -38,10 +41,16 @@ def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
     ctx.log(f"distill: {total} -> {len(keep)} layers (kept {keep}); perplexity teacher "
             f"{ppl['teacher']['perplexity']:.2f}, right after the drop "
             f"{ppl['dropped']['perplexity']:.2f}")
+    grid = cfg.quantization_aware
+    if grid is not None:
+        ctx.metrics["qat_linears"] = lm_qat.prepare(student, grid.scheme, grid.group_size,
+                                                    "float")
+        ctx.metrics["qat_scheme"] = grid.scheme
     setup = ctx.training()
     setup.examples = packed_examples(teacher.tokenizer, setup.examples.texts, length)
     result = setup.run(student, cfg, None,
                        loss_fn=make_lm_kd_loss_fn(teacher.model, cfg.temperature, cfg.alpha))
+    lm_qat.snap(student)
     after = perplexity(student.eval(), teacher.tokenizer, texts, length, PPL_BATCH)
     ctx.metrics.update({
         "teacher_layers": total, "student_layers": len(keep), "kept_layers": keep,

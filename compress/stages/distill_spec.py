@@ -37,6 +37,14 @@ class StudentSpec(StrictModel):
         return self
 
 
+class GridSpec(StrictModel):
+    """The weight grid a causal LM's student trains on (quantization-aware distillation)."""
+
+    scheme: Literal["int4_weight_only", "int8_weight_only"] = Field(
+        description="The torchao weight scheme whose grid the student's Linears train on.")
+    group_size: int = Field(32, description="int4: weights per scale group.")
+
+
 class DistillConfig(TrainOptions):
     """Knowledge distillation: the entering model is the frozen teacher of a smaller student."""
 
@@ -48,6 +56,11 @@ class DistillConfig(TrainOptions):
     alpha: float = Field(
         0.5, ge=0, le=1,
         description="Weight of cross-entropy; (1 - alpha) * T^2 weighs the KL term.")
+    quantization_aware: GridSpec | None = Field(
+        None, description="Causal LMs: train the student's decoder Linears fake-quantized on "
+        "this scheme's grid (straight-through gradients) and snap them onto it, so a later "
+        "`quantize` with the same scheme and group size keeps the distilled model (the output "
+        "projection stays tied and float; `quantize` sets its scheme).")
 
 
 def _after_structured_prune(recipe: Any, i: int) -> list[str]:
@@ -90,11 +103,22 @@ def _teacher_has_the_layers(recipe: Any, i: int, model_config: dict[str, Any]) -
 
 def _check_task(cfg: DistillConfig, task: str, index: int) -> list[str]:
     """A causal LM's student keeps some of its teacher's decoder layers."""
+    where = f"stages.{index}"
     if task != "causal-lm":
-        return []
-    return [f"stages.{index}.student.{o}: a causal LM's student keeps teacher layers; give "
-            "student.layers or student.layer_indices"
-            for o in ("factory", "hf_config") if getattr(cfg.student, o) is not None]
+        return ([f"{where}.quantization_aware: only a causal LM takes this option; a "
+                 "classifier's student is quantized by a later `quantize` stage (mode: qat)"]
+                if cfg.quantization_aware is not None else [])
+    grid = cfg.quantization_aware
+    problems = []
+    if grid is not None and grid.group_size not in (32, 64, 128, 256):
+        problems.append(f"{where}.quantization_aware.group_size: {grid.group_size} is not one "
+                        "of 32, 64, 128, 256 (torchao's int4 CPU packing)")
+    if grid is not None and cfg.parallel == "fsdp":
+        problems.append(f"{where}.quantization_aware: not with parallel: fsdp (the fake-quantized "
+                        "weights are parametrizations FSDP does not shard); use ddp or one process")
+    return problems + [f"{where}.student.{o}: a causal LM's student keeps teacher layers; "
+                       "give student.layers or student.layer_indices"
+                       for o in ("factory", "hf_config") if getattr(cfg.student, o) is not None]
 
 
 SPEC = register(StageSpec(

@@ -99,3 +99,67 @@ def test_finetune_then_distil_a_causal_lm(tmp_path, tiny_llama_folder) -> None:
                                              distilled["perplexity"])
     student = load_saved(run_dir / manifest["stages"][1]["outputs"][0]["model_dir"])
     assert student.model.config.num_hidden_layers == 1
+
+
+def test_quantization_aware_distillation_leaves_the_student_on_the_int4_grid(
+        tmp_path, tiny_llama_folder) -> None:
+    from torch import nn
+
+    from compress.lm_qat import fake_quantize
+
+    train = {"batch_size": 8, "learning_rate": 3e-3, "warmup_ratio": 0.0,
+             "checkpoint_every": 1000}
+    grid = {"scheme": "int4_weight_only", "group_size": 32}
+    raw = {"name": "tiny_lm_qad", "model": {"source": str(tiny_llama_folder)},
+           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
+                    "train": {"split": "train", "max_samples": 600},
+                    "eval": {"split": "validation", "max_samples": 40}},
+           "evaluation": {"latency": {"enabled": False},
+                          "generation": {"prompts": 2, "max_new_tokens": 4, "compile": "none",
+                                         "batch_sizes": [1], "eager_generate": False}},
+           "stages": [{"kind": "finetune", "max_steps": 30, **train},
+                      {"kind": "distill", "student": {"layers": 1}, "max_steps": 20,
+                       "temperature": 1.0, "alpha": 0.5, "quantization_aware": grid, **train},
+                      {"kind": "quantize", "scheme": "int4_weight_only", "head_scheme": "float",
+                       "activations": "float32"}],
+           "output_dir": str(tmp_path / "runs")}
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", raw), check_sources=True)
+    run_dir = run_recipe(recipe, echo=lambda _: None)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    _, distilled, quantized = (s["metrics"] for s in manifest["stages"])
+    assert distilled["qat_linears"] == 7 and distilled["qat_scheme"] == "int4_weight_only"
+    assert distilled["perplexity"] < distilled["perplexity_dropped"]
+    student = load_saved(run_dir / manifest["stages"][1]["outputs"][0]["model_dir"]).model
+    linears = [m for n, m in student.named_modules()
+               if isinstance(m, nn.Linear) and n != "lm_head"]
+    assert len(linears) == 7
+    for linear in linears:  # trained, and every weight sits on its int4 group's grid
+        snapped = fake_quantize(linear.weight, "int4_weight_only", 32)
+        assert torch.allclose(snapped, linear.weight, atol=1e-6)
+    assert student.lm_head.weight is student.get_input_embeddings().weight  # head tied, float
+    # the int4 model is the distilled one: torchao's int4 loses (almost) nothing
+    assert abs(quantized["perplexity_delta_pct"]) < 1.0, quantized["perplexity_delta_pct"]
+
+
+def test_quantization_aware_is_refused_on_a_classifier_and_under_fsdp(
+        tmp_path, tiny_bert, tiny_llama_folder, monkeypatch, capsys) -> None:
+    from conftest import cli
+
+    grid = {"scheme": "int4_weight_only", "group_size": 32}
+    bert = {"name": "bert", "model": {"source": str(tiny_bert)},
+            "data": {"source": "stanfordnlp/sst2", "text_column": "sentence",
+                     "label_column": "label"},
+            "stages": [{"kind": "distill", "student": {"layers": 1},
+                        "quantization_aware": grid}]}
+    code, _, err = cli(monkeypatch, capsys, "validate",
+                       str(write_recipe(tmp_path / "bert.yaml", bert)))
+    assert code == 2 and "stages.0.quantization_aware: only a causal LM takes this option" in err
+    lm = {"name": "lm", "model": {"source": str(tiny_llama_folder)},
+          "data": {"source": "stanfordnlp/sst2", "text_column": "sentence"},
+          "stages": [{"kind": "distill", "student": {"layers": 1}, "parallel": "fsdp",
+                      "quantization_aware": {**grid, "group_size": 48}}]}
+    code, _, err = cli(monkeypatch, capsys, "validate",
+                       str(write_recipe(tmp_path / "lm.yaml", lm)))
+    assert code == 2 and "Traceback" not in err
+    assert "stages.0.quantization_aware.group_size: 48 is not one of 32" in err
+    assert "stages.0.quantization_aware: not with parallel: fsdp" in err

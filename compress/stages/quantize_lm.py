@@ -75,13 +75,14 @@ def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig, head: s
 
 
 EQUALIZE_BLOCKS = 32  # calibration blocks of data.max_length train tokens
+EQUALIZE_TEXTS = 4000  # train texts packed for them (SST-2: about 300 blocks of 128)
 
 
 def equalize(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
              ctx: StageContext) -> dict[str, Any]:
     """Activation-aware scaling of `model` in place, calibrated on packed train text."""
-    blocks = packed_examples(tokenizer, ctx.training().examples.texts[:4000],
-                             ctx.data.max_length).inputs[:EQUALIZE_BLOCKS]
+    texts = ctx.data.splits["train"].texts[:EQUALIZE_TEXTS]
+    blocks = packed_examples(tokenizer, texts, ctx.data.max_length).inputs[:EQUALIZE_BLOCKS]
     began = time.perf_counter()
     figures = lm_equalize.equalize(model, blocks.split(4), cfg.scheme, cfg.group_size)
     ctx.log(f"equalize: {figures['equalized_pairs']} of {figures['equalize_pairs_seen']} "

@@ -69,22 +69,28 @@ def test_recovery_is_the_share_of_the_gap_closed() -> None:
     assert recovery(10.0, 9.0, 8.0) is None
 
 
-def test_finetune_then_distil_a_causal_lm(tmp_path, tiny_llama_folder) -> None:
-    train = {"batch_size": 8, "learning_rate": 3e-3, "warmup_ratio": 0.0,
-             "checkpoint_every": 1000}
-    raw = {"name": "tiny_lm_distill", "model": {"source": str(tiny_llama_folder)},
+TRAIN = {"batch_size": 8, "learning_rate": 3e-3, "warmup_ratio": 0.0, "checkpoint_every": 1000}
+
+
+def _run_tiny(tmp_path: Path, model: Path, train_samples: int, stages: list[dict]) -> Path:
+    """The run folder of `stages` on the tiny Llama and SST-2 text (no latency figures)."""
+    raw = {"name": "tiny_lm_distill", "model": {"source": str(model)},
            "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
-                    "train": {"split": "train", "max_samples": 1500},
+                    "train": {"split": "train", "max_samples": train_samples},
                     "eval": {"split": "validation", "max_samples": 40}},
            "evaluation": {"latency": {"enabled": False},
                           "generation": {"prompts": 2, "max_new_tokens": 4, "compile": "none",
                                          "batch_sizes": [1], "eager_generate": False}},
-           "stages": [{"kind": "finetune", "max_steps": 60, **train},
-                      {"kind": "distill", "student": {"layers": 1}, "max_steps": 40,
-                       "temperature": 1.0, "alpha": 0.5, **train}],
-           "output_dir": str(tmp_path / "runs")}
+           "stages": stages, "output_dir": str(tmp_path / "runs")}
     recipe = load_recipe(write_recipe(tmp_path / "r.yaml", raw), check_sources=True)
-    run_dir = run_recipe(recipe, echo=lambda _: None)
+    return run_recipe(recipe, echo=lambda _: None)
+
+
+def test_finetune_then_distil_a_causal_lm(tmp_path, tiny_llama_folder) -> None:
+    run_dir = _run_tiny(tmp_path, tiny_llama_folder, 1500, [
+        {"kind": "finetune", "max_steps": 60, **TRAIN},
+        {"kind": "distill", "student": {"layers": 1}, "max_steps": 40, "temperature": 1.0,
+         "alpha": 0.5, **TRAIN}])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     base = manifest["baseline"]["metrics"]["perplexity"]
     tuned, distilled = (s["metrics"] for s in manifest["stages"])
@@ -107,24 +113,13 @@ def test_quantization_aware_distillation_leaves_the_student_on_the_int4_grid(
 
     from compress.lm_qat import fake_quantize
 
-    train = {"batch_size": 8, "learning_rate": 3e-3, "warmup_ratio": 0.0,
-             "checkpoint_every": 1000}
     grid = {"scheme": "int4_weight_only", "group_size": 32}
-    raw = {"name": "tiny_lm_qad", "model": {"source": str(tiny_llama_folder)},
-           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
-                    "train": {"split": "train", "max_samples": 600},
-                    "eval": {"split": "validation", "max_samples": 40}},
-           "evaluation": {"latency": {"enabled": False},
-                          "generation": {"prompts": 2, "max_new_tokens": 4, "compile": "none",
-                                         "batch_sizes": [1], "eager_generate": False}},
-           "stages": [{"kind": "finetune", "max_steps": 30, **train},
-                      {"kind": "distill", "student": {"layers": 1}, "max_steps": 20,
-                       "temperature": 1.0, "alpha": 0.5, "quantization_aware": grid, **train},
-                      {"kind": "quantize", "scheme": "int4_weight_only", "head_scheme": "float",
-                       "activations": "float32"}],
-           "output_dir": str(tmp_path / "runs")}
-    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", raw), check_sources=True)
-    run_dir = run_recipe(recipe, echo=lambda _: None)
+    run_dir = _run_tiny(tmp_path, tiny_llama_folder, 600, [
+        {"kind": "finetune", "max_steps": 30, **TRAIN},
+        {"kind": "distill", "student": {"layers": 1}, "max_steps": 20, "temperature": 1.0,
+         "alpha": 0.5, "quantization_aware": grid, **TRAIN},
+        {"kind": "quantize", "scheme": "int4_weight_only", "head_scheme": "float",
+         "activations": "float32"}])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     _, distilled, quantized = (s["metrics"] for s in manifest["stages"])
     assert distilled["qat_linears"] == 7 and distilled["qat_scheme"] == "int4_weight_only"

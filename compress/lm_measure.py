@@ -106,13 +106,6 @@ def next_token_matches(model: nn.Module, prompts: list[torch.Tensor],
             if ref else [] for ids, ref in zip(prompts, reference, strict=True)]
 
 
-def next_token_agreement(model: nn.Module, prompts: list[torch.Tensor],
-                         reference: list[list[int]]) -> float:
-    """Share of reference steps where the model's teacher-forced choice is the reference's."""
-    flat = [m for row in next_token_matches(model, prompts, reference) for m in row]
-    return sum(flat) / len(flat) if flat else 1.0
-
-
 def agreement(model: nn.Module, prompts: list[torch.Tensor], tokens: list[list[int]],
               reference: list[list[int]], margins: list[list[float]] | None = None
               ) -> dict[str, Any]:

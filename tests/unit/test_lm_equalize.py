@@ -71,9 +71,7 @@ def test_the_quantize_stage_equalizes_then_quantizes_and_reloads(
     from compress.recipe import load_recipe
 
     stages = [{"kind": "quantize", "scheme": "int4_weight_only", "equalize": True}]
-    path = lm_recipe(tmp_path, tiny_llama_folder, stages)
-    path.write_text(path.read_text().replace(
-        "  eval:", "  train:\n    split: train\n    max_samples: 200\n  eval:"))
+    path = lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=200)
     run_dir = run_recipe(load_recipe(path, check_sources=True), echo=lambda _: None)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     metrics = manifest["stages"][0]["metrics"]

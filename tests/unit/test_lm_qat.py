@@ -63,9 +63,7 @@ def test_a_causal_lm_quantize_stage_trains_on_the_grid_then_quantizes(
         tmp_path, tiny_llama_folder) -> None:
     stages = [{"kind": "quantize", "scheme": "int4_weight_only", "mode": "qat",
                "qat": {"max_steps": 3, "batch_size": 2, "learning_rate": 1e-3}}]
-    path = lm_recipe(tmp_path, tiny_llama_folder, stages)
-    path.write_text(path.read_text().replace(
-        "  eval:", "  train:\n    split: train\n    max_samples: 40\n  eval:"))
+    path = lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=40)
     run_dir = run_recipe(load_recipe(path, check_sources=True), echo=lambda _: None)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     metrics = manifest["stages"][0]["metrics"]

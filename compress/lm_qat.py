@@ -3,9 +3,10 @@
 Each quantized Linear's weight is replaced in the forward pass by its quantize-dequantize
 image on the grid the real scheme will use (int4: asymmetric min/max groups of
 `group_size` along the input, as torchao's int4 CPU packing chooses them; int8: symmetric
-per output channel), with a straight-through gradient. After training the weights are
-snapped onto that grid, so the real `quantize_` afterwards reproduces them (up to the
-bfloat16 rounding of the scales) and the quantized model is the one that was trained.
+per output channel; int8_grouped: `fit_groups`'s per-group grids), with a straight-through
+gradient. After training the weights are snapped onto that grid, so the real `quantize_`
+afterwards reproduces them (up to the bfloat16 rounding of the scales) and the quantized
+model is the one that was trained.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from serve.lm_grouped_int8 import fit_groups
 from serve.lm_runtime import head_scheme_of, untie_head
 
 
@@ -28,6 +30,10 @@ def fake_quantize(weight: torch.Tensor, scheme: str, group_size: int) -> torch.T
     if scheme in ("int8_weight_only", "int8_dynamic"):
         scale = (weight.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
         return torch.clamp(torch.round(weight / scale), -128, 127) * scale
+    if scheme == "int8_grouped":
+        q, scale, offset = fit_groups(weight.detach(), group_size)
+        grouped = q.view(weight.shape[0], -1, group_size) * scale[..., None] + offset[..., None]
+        return grouped.reshape(weight.shape).to(weight.dtype)
     raise ValueError(f"no fake quantization for scheme {scheme!r}")
 
 

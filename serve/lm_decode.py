@@ -6,6 +6,7 @@ Inductor graph, with its own attention for one new token per row (`decode_attent
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -133,6 +134,7 @@ class StaticDecoder:
         self.attention = DECODE_ATTENTION if own in ("sdpa", "eager") else None
         if self.attention:
             _register_decode_attention()
+        self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache: Any = None
         self.cache_rows = 0
         self.step: Callable[..., torch.Tensor] = self._forward
@@ -144,6 +146,8 @@ class StaticDecoder:
                  mask: torch.Tensor | None = None,
                  window: torch.Tensor | None = None) -> torch.Tensor:
         extra = {"decode_window": window} if window is not None else {}
+        if self.last_logits_only:  # a prefill needs the last position's logits alone
+            extra["logits_to_keep"] = 1
         out = self.model(input_ids=ids, cache_position=positions, position_ids=position_ids,
                          attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          **extra)
@@ -151,7 +155,9 @@ class StaticDecoder:
 
     def compile(self, mode: str = "default") -> StaticDecoder:
         """Run the decode step through torch.compile (fullgraph, Inductor freezing, and
-        max-autotune's C++ GEMM templates when `mode` is `max-autotune`) from now on.
+        max-autotune's C++ GEMM templates when `mode` is `max-autotune`) from now on. No
+        freezing where a module says `freeze_weights = False` (its packed weights would be
+        folded into float constants).
 
         The Inductor settings are set around each call of the step, where it compiles:
         passed as torch.compile `options`, max-autotune was not applied (no template was
@@ -160,7 +166,8 @@ class StaticDecoder:
         decoder of the same model gave other tokens and once an out-of-bounds cache index.
         An earlier decoder still in use compiles again on its next call."""
         torch._dynamo.reset()
-        self.inductor = {"freezing": True, "max_autotune": mode == "max-autotune"}
+        freeze = all(getattr(m, "freeze_weights", True) for m in self.model.modules())
+        self.inductor = {"freezing": freeze, "max_autotune": mode == "max-autotune"}
         self.step = torch.compile(self._forward, fullgraph=True)
         self.compiled = True
         return self

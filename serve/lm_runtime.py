@@ -4,6 +4,9 @@ compress). A folder, as `compress.lm_models.save_lm` writes it: a Hugging Face c
 tokenizer, `model.safetensors` (float) or `model.pt` (a torchao-quantized state dict, loaded
 into the architecture after the same `quantize_` config), and `causal_lm.json`.
 
+`int8_grouped` weights are
+`lm_grouped_int8.py`'s modules (float32 activations), beside it too.
+
 Decoding lives beside it in `lm_decode.py` (`StaticDecoder`, `Sampling`, `Generation`), whose
 names this module re-exports. From a shell:
 
@@ -23,15 +26,19 @@ from torch import nn
 
 try:  # in an export folder or an archive, lm_decode.py lies beside this file
     from lm_decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
+    from lm_grouped_int8 import SCHEME as GROUPED
+    from lm_grouped_int8 import quantize_embedding, quantize_grouped
 except ImportError:  # in the compress repository
     from serve.lm_decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
+    from serve.lm_grouped_int8 import SCHEME as GROUPED
+    from serve.lm_grouped_int8 import quantize_embedding, quantize_grouped
 
 __all__ = ["DTYPES", "LM_FILE", "SCHEMES", "Generation", "LoadedLM", "OnTokens", "Sampling",
            "StaticDecoder", "head_scheme_of", "left_pad", "load_folder", "prompt_ids",
            "quantize_weights", "stop_ids", "untie_head", "weight_config"]
 
 LM_FILE = "causal_lm.json"
-SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
+SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", GROUPED)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -64,7 +71,8 @@ def weight_config(scheme: str, group_size: int = 32) -> Any:
         return Int8WeightOnlyConfig()
     if scheme == "int8_dynamic":
         return Int8DynamicActivationInt8WeightConfig()
-    raise ValueError(f"scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    raise ValueError(f"scheme {scheme!r} has no torchao config (those with one: "
+                     f"{', '.join(x for x in SCHEMES if x != GROUPED)})")
 
 
 def head_scheme_of(scheme: str, head_scheme: str | None = None) -> str:
@@ -88,17 +96,29 @@ def untie_head(model: nn.Module) -> nn.Module | None:
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      head_scheme: str | None = None) -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
-    output projection (untied from the embedding first, which stays in float)."""
-    from torchao.quantization import quantize_
-
+    output projection (untied from the embedding first, which stays in float, except under
+    int8_grouped, which stores it as int8 groups too)."""
     head = untie_head(model)
-    quantize_(model, weight_config(scheme, group_size),
-              filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
+    _apply(model, scheme, group_size, head=False)
+    if scheme == GROUPED:  # its float32 activations leave a float32 table otherwise
+        quantize_embedding(model, group_size)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
-        quantize_(model, weight_config(head_scheme, group_size),
-                  filter_fn=lambda module, name: name == "lm_head")
+        _apply(model, head_scheme, group_size, head=True)
     return model
+
+
+def _apply(model: nn.Module, scheme: str, group_size: int, head: bool) -> None:
+    """`scheme` on the output projection (`head`) or on every other Linear."""
+    if scheme == GROUPED:
+        quantize_grouped(model, group_size, names={"lm_head"} if head else None,
+                         skip=None if head else {"lm_head"})
+        return
+    from torchao.quantization import quantize_
+
+    quantize_(model, weight_config(scheme, group_size),
+              filter_fn=lambda module, name: (name == "lm_head") if head else
+              (isinstance(module, nn.Linear) and name != "lm_head"))
 
 
 def load_folder(folder: str | Path) -> LoadedLM:

@@ -29,11 +29,11 @@ from compress.models import ModelBundle, count_params
 from compress.records import artifact_record
 from compress.stages.export_spec import LM_FORMAT, ExportConfig
 from compress.state import StageContext, State
-from serve import lm_decode, lm_runtime, lm_tensor_parallel
+from serve import lm_decode, lm_grouped_int8, lm_runtime, lm_tensor_parallel
 
 RUNTIME = Path(lm_runtime.__file__)
-RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__),  # lm_runtime imports lm_decode beside it
-                 Path(lm_tensor_parallel.__file__))
+RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__),  # lm_runtime imports these beside it
+                 Path(lm_grouped_int8.__file__), Path(lm_tensor_parallel.__file__))
 PARITY_BATCH = 8
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from compress import lm_equalize, lm_qat
 from compress.causal_lm import quantize_weights
+from compress.errors import CompressError
 from compress.lm_distill import make_lm_kd_loss_fn, packed_examples
 from compress.models import ModelBundle
 from compress.stages.quantize_spec import QuantizeConfig
@@ -28,9 +29,11 @@ def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
     with bfloat16 inputs: compiled SmolLM2 int8 decode ran 92 tok/s with bf16 activations
     and 41 with float32 ones on an AVX2-only EPYC; the int4 kernels are several times
     faster with bf16 inputs too), and for int8_dynamic only where the CPU computes bf16
-    natively (AVX512-BF16 or AMX)."""
+    natively (AVX512-BF16 or AMX); int8_grouped always float32."""
     if choice != "auto":
         return choice
+    if scheme == "int8_grouped":
+        return "float32"
     from compress.runfolder import bf16_supported
 
     weight_only = scheme in ("int8_weight_only", "int4_weight_only")
@@ -50,7 +53,10 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
         train_on_grid(model, source.tokenizer, cfg, head, ctx)
     for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
         parameter.data = parameter.data.to(DTYPES[dtype])  # model loaded in that dtype
-    quantize_weights(model, cfg.scheme, cfg.group_size, head)
+    try:
+        quantize_weights(model, cfg.scheme, cfg.group_size, head)
+    except ValueError as exc:  # a group size that does not divide a Linear's inputs
+        raise CompressError(f"{exc}") from None
     facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
              "group_size": cfg.group_size, "head_scheme": head}
     bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer, lm=facts)

@@ -9,7 +9,7 @@ from pydantic import Field
 from compress.stages.options import CalibrationOptions, StageName, StrictModel, TrainOptions
 from compress.stages.spec import StageSpec, register
 
-WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
+WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_grouped")
 PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile")
 LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
 
@@ -20,18 +20,23 @@ class QuantizeConfig(StrictModel):
 
     kind: Literal["quantize"] = "quantize"
     name: StageName = None
-    scheme: Literal["int8_weight_only", "int4_weight_only", "int8_dynamic"] | None = Field(
-        None, description="Causal LMs: torchao weight scheme (int8 or int4 weights with "
-        "float activations, or int8 weights and per-token int8 activations).")
-    group_size: int = Field(32, description="Causal LMs, int4: weights per scale group.")
+    scheme: Literal["int8_weight_only", "int4_weight_only", "int8_dynamic",
+                    "int8_grouped"] | None = Field(
+        None, description="Causal LMs: weight scheme. torchao's: int8 or int4 weights with "
+        "float activations, or int8 weights and per-token int8 activations; compress's "
+        "int8_grouped: int8 weights with a float32 scale and offset per group of "
+        "`group_size` inputs and float32 activations (serve/lm_grouped_int8.py), which "
+        "keeps greedy tokens where bfloat16 activations flip near-ties.")
+    group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
+                            "scale group (int8_grouped: it must divide every Linear's inputs).")
     head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
-                         "float"] = Field(
+                         "int8_grouped", "float"] = Field(
         "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
         "weight-only under int4, else the model's scheme; float keeps it in float).")
     activations: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
         "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
-        "a CPU that computes bf16 natively; else float32).")
+        "a CPU that computes bf16 natively; else float32; int8_grouped takes float32 only).")
     equalize: bool = Field(
         False, description="Causal LMs, weight-only schemes: activation-aware scaling (AWQ) "
         "before quantizing: each Linear's input channels scaled by mean|x|^alpha (alpha searched "
@@ -73,6 +78,11 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
         if cfg.equalize and cfg.scheme == "int8_dynamic":
             problems.append(f"{where}.equalize: activation-aware scaling is for the weight-only "
                             "schemes (it enlarges the activations int8_dynamic quantizes)")
+        if cfg.scheme == "int8_grouped" and cfg.activations == "bfloat16":
+            problems.append(f"{where}.activations: int8_grouped computes in float32 (its point "
+                            "is float32 activations); drop `activations` or use int8_weight_only")
+        if cfg.group_size < 1:
+            problems.append(f"{where}.group_size: {cfg.group_size} must be positive")
         if cfg.scheme == "int4_weight_only" and cfg.group_size not in (32, 64, 128, 256):
             problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
                             "128, 256 (torchao's int4 CPU packing)")
@@ -87,6 +97,8 @@ def _precision(cfg: QuantizeConfig) -> str:
 
 
 def _runtime(config: dict, metrics: dict) -> str:
+    if config.get("scheme") == "int8_grouped":
+        return "int8_grouped (compress, float32 activations), compiled decode"
     if config.get("scheme"):
         return f"torchao {config['scheme']}, compiled decode"
     compiled = ", torch.compile" if config.get("compile", True) else ""

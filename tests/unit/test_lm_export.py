@@ -96,8 +96,9 @@ def test_the_runtime_knows_the_same_weight_schemes() -> None:
     assert lm_runtime.SCHEMES == WEIGHT_SCHEMES
 
 
-def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder) -> None:
-    stages = [{"kind": "quantize", "scheme": "int8_weight_only", "activations": "float32"},
+@pytest.mark.parametrize("scheme", ["int8_weight_only", "int8_grouped"])
+def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, scheme) -> None:
+    stages = [{"kind": "quantize", "scheme": scheme, "activations": "float32"},
               {"kind": "export", "format": "transformers"},
               {"kind": "package", "model_name": "tiny_lm", "max_new_tokens": 16,
                "batch_size": 4}]
@@ -113,7 +114,7 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder) -> 
     folder = run_dir / export["outputs"][0]["export_dir"]
     names = {p.name for p in folder.iterdir()}
     assert {"model.pt", "config.json", "causal_lm.json", "lm_runtime.py", "lm_decode.py",
-            "export.json", "parity.json", "tokenizer.json"} <= names
+            "lm_grouped_int8.py", "export.json", "parity.json", "tokenizer.json"} <= names
     assert json.loads((folder / "parity.json").read_text())["parity_first_difference"] is None
 
     # the folder decodes without compress: a fresh interpreter imports its lm_runtime.py
@@ -137,8 +138,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder) -> 
     with zipfile.ZipFile(mar) as archive:
         inside = set(archive.namelist())
         config = yaml.safe_load(archive.read("model-config.yaml"))
-    assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_requests.py", "model.pt",
-            "causal_lm.json", "tokenizer.json"} <= inside
+    assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_grouped_int8.py",
+            "lm_requests.py", "model.pt", "causal_lm.json", "tokenizer.json"} <= inside
     assert "index_to_name.json" not in inside
     assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"
     assert config["handler"]["max_new_tokens"] == 16 and config["handler"]["cache_len"] == 64

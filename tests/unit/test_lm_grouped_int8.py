@@ -1,0 +1,118 @@
+"""The int8_grouped weight scheme (serve/lm_grouped_int8.py) on random weights and a tiny
+random Llama whose weights sit on a GGUF's grids (Q4_1 body, Q8_0 head), as SmolLM2's do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import cli
+from test_lm_family import lm_recipe
+from torch import nn
+
+from compress import lm_qat
+from compress.pipeline import run_recipe
+from compress.recipe import load_recipe
+from serve import lm_grouped_int8 as grouped
+from serve.lm_runtime import StaticDecoder, quantize_weights
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as llama.cpp's Q4_1 stores it: per 32 inputs, 16 levels from a float16
+    minimum in float16 steps."""
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    low = groups.amin(-1, keepdim=True).half().float()
+    step = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
+    levels = torch.round((groups - low) / step).clamp(0, 15)
+    return (levels * step + low).reshape(weight.shape)
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """Q8_0: per 32 inputs, int8 levels of a float16 step amax / 127."""
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    step = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (torch.round(groups / step).clamp(-127, 127) * step).reshape(weight.shape)
+
+
+def test_weights_on_a_gguf_grid_are_kept_and_others_rounded_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.05
+    for grid in (q4_1, q8_0):
+        on_grid = grid(weight)
+        q, scale, offset = grouped.fit_groups(on_grid, 32)
+        back = q.view(96, 4, 32).float() * scale[..., None] + offset[..., None]
+        assert (back.view(96, 128) - on_grid).abs().max() < 1e-6 * on_grid.abs().max()
+    q, scale, offset = grouped.fit_groups(weight, 32)
+    assert q.dtype == torch.int8 and scale.shape == offset.shape == (96, 4)
+    back = (q.view(96, 4, 32).float() * scale[..., None] + offset[..., None]).view(96, 128)
+    steps = scale.repeat_interleave(32, dim=1)
+    assert ((back - weight).abs() <= 0.5001 * steps).all()
+    assert (back - weight).abs().max() > 0  # random weights are rounded
+    assert torch.equal(lm_qat.fake_quantize(weight, "int8_grouped", 32), back)
+
+
+@pytest.mark.parametrize("rows", [1, 3, grouped.DECODE_ROWS + 5])
+def test_the_decode_and_prefill_paths_compute_the_dequantized_product(rows) -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 48)
+    module = grouped.GroupedInt8Linear.from_linear(linear, 32)
+    x = torch.randn(rows, 1, 64)
+    want = nn.functional.linear(x, module.dequantize(), linear.bias.detach())
+    assert torch.allclose(module(x), want, atol=1e-5, rtol=1e-5)
+    assert module(x).shape == (rows, 1, 48)
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_one_line() -> None:
+    with pytest.raises(ValueError, match="group_size 48 does not divide a Linear's 64 input"):
+        grouped.GroupedInt8Linear.from_linear(nn.Linear(64, 8), 48)
+
+
+def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_folder) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(varied_llama_folder).eval()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = (q8_0 if name == "lm_head" else q4_1)(module.weight.data)
+    table = model.get_input_embeddings().weight
+    table.data = q8_0(table.data)
+    packed = AutoModelForCausalLM.from_pretrained(varied_llama_folder).eval()
+    packed.load_state_dict(model.state_dict())
+    quantize_weights(packed, "int8_grouped", 32)
+    linears = [m for m in packed.modules() if isinstance(m, grouped.GroupedInt8Linear)]
+    assert len(linears) == 16  # 14 in the layers, the head, the embedding's table
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    assert isinstance(packed.get_input_embeddings(), grouped.GroupedInt8Embedding)
+    ids = torch.tensor([[101, 2023, 3185, 2001, 2204, 102, 7592, 2088]])
+    with torch.inference_mode():
+        want, got = model(input_ids=ids).logits, packed(input_ids=ids).logits
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    prompts = [[101, 2023, 3185, 2001], [101, 7592, 2088, 999, 2054]]
+    reference = StaticDecoder(model, 64).generate(prompts, 12).rows
+    decoder = StaticDecoder(packed, 64).compile()
+    assert decoder.inductor["freezing"] is False  # freezing would fold the int8 to float
+    assert decoder.generate(prompts, 12).rows == reference
+    assert packed.lm_head.qweight.dtype == torch.int8
+
+
+def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
+        tmp_path, varied_llama_folder, monkeypatch, capsys) -> None:
+    stages = [{"kind": "quantize", "scheme": "int8_grouped"}]
+    recipe = load_recipe(lm_recipe(tmp_path, varied_llama_folder, stages), check_sources=True)
+    run_dir = run_recipe(recipe, echo=lambda _: None)
+    stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
+    metrics = stage["metrics"]
+    assert metrics["activation_dtype"] == "float32" and metrics["head_scheme"] == "int8_grouped"
+    assert abs(metrics["perplexity_delta_vs_float_pct"]) < 0.5
+    assert metrics["next_token_agreement_decisive"] == 1.0
+    from compress.models import load_saved
+
+    saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
+    assert isinstance(saved.model.lm_head, grouped.GroupedInt8Linear)
+
+    bad = lm_recipe(tmp_path, varied_llama_folder, [
+        {"kind": "quantize", "scheme": "int8_grouped", "activations": "bfloat16"}])
+    code, _, err = cli(monkeypatch, capsys, "validate", str(bad))
+    assert code == 2 and "stages.0.activations: int8_grouped computes in float32" in err
+    assert "Traceback" not in err

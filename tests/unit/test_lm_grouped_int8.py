@@ -110,6 +110,10 @@ def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
 
     saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
     assert isinstance(saved.model.lm_head, grouped.GroupedInt8Linear)
+    # the untied head and the embedding table each count, beside the layers' weights
+    config = saved.model.config
+    vocab, hidden = config.vocab_size, config.hidden_size
+    assert metrics["params"] > 2 * vocab * hidden
 
     bad = lm_recipe(tmp_path, varied_llama_folder, [
         {"kind": "quantize", "scheme": "int8_grouped", "activations": "bfloat16"}])

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from serve.lm_grouped_int8 import fit_groups
+from serve.lm_grouped_int8 import dequantize_groups, fit_groups
 from serve.lm_runtime import head_scheme_of, untie_head
 
 
@@ -31,9 +31,7 @@ def fake_quantize(weight: torch.Tensor, scheme: str, group_size: int) -> torch.T
         scale = (weight.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
         return torch.clamp(torch.round(weight / scale), -128, 127) * scale
     if scheme == "int8_grouped":
-        q, scale, offset = fit_groups(weight.detach(), group_size)
-        grouped = q.view(weight.shape[0], -1, group_size) * scale[..., None] + offset[..., None]
-        return grouped.reshape(weight.shape).to(weight.dtype)
+        return dequantize_groups(*fit_groups(weight.detach(), group_size)).to(weight.dtype)
     raise ValueError(f"no fake quantization for scheme {scheme!r}")
 
 

@@ -46,23 +46,26 @@ class GroupedInt8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int) -> GroupedInt8Linear:
-        """The Linear's weight fitted onto per-group int8 grids (`fit_groups`)."""
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                     group_size)
-        q, scale, offset = fit_groups(linear.weight.detach().float(), group_size)
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                    group_size: int) -> GroupedInt8Linear:
+        """An out x in float weight (and bias) fitted onto per-group int8 grids."""
+        module = cls(weight.shape[1], weight.shape[0], bias is not None, group_size)
+        q, scale, offset = fit_groups(weight.detach().float(), group_size)
         module.qweight.copy_(q)
         module.scale.copy_(scale)
         module.offset.copy_(offset)
-        if linear.bias is not None:
-            module.bias.copy_(linear.bias.detach().float())
+        if bias is not None:
+            module.bias.copy_(bias.detach().float())
         return module
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> GroupedInt8Linear:
+        """The Linear's weight fitted onto per-group int8 grids (`fit_groups`)."""
+        return cls.from_weight(linear.weight, linear.bias, group_size)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, out_features x in_features."""
-        grouped = self.qweight.view(self.out_features, -1, self.group_size).float()
-        weight = torch.addcmul(self.offset[..., None], grouped, self.scale[..., None])
-        return weight.view(self.out_features, self.in_features)
+        return dequantize_groups(self.qweight, self.scale, self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -93,16 +96,20 @@ class GroupedInt8Embedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group_size: int) -> GroupedInt8Embedding:
         module = cls(embedding.num_embeddings, embedding.embedding_dim, group_size)
-        linear = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
-        linear.weight = embedding.weight
-        module.table = GroupedInt8Linear.from_linear(linear, group_size)
+        module.table = GroupedInt8Linear.from_weight(embedding.weight, None, group_size)
         return module
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.table
-        rows = table.qweight[ids].view(*ids.shape, -1, table.group_size).float()
-        values = rows * table.scale[ids][..., None] + table.offset[ids][..., None]
-        return values.view(*ids.shape, table.in_features)
+        return dequantize_groups(table.qweight[ids], table.scale[ids], table.offset[ids])
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                      ) -> torch.Tensor:
+    """float32 values of int8 `q` (..., inputs) with a scale and offset per group of inputs
+    (..., groups): q * scale + offset."""
+    grouped = q.view(*scale.shape, -1).float()
+    return (grouped * scale[..., None] + offset[..., None]).view(q.shape)
 
 
 def fit_groups(weight: torch.Tensor, group_size: int

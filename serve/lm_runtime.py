@@ -4,8 +4,8 @@ compress). A folder, as `compress.lm_models.save_lm` writes it: a Hugging Face c
 tokenizer, `model.safetensors` (float) or `model.pt` (a torchao-quantized state dict, loaded
 into the architecture after the same `quantize_` config), and `causal_lm.json`.
 
-`int8_grouped` weights are
-`lm_grouped_int8.py`'s modules (float32 activations), beside it too.
+`int8_grouped` weights are `lm_grouped_int8.py`'s modules (float32 activations), beside it
+too.
 
 Decoding lives beside it in `lm_decode.py` (`StaticDecoder`, `Sampling`, `Generation`), whose
 names this module re-exports. From a shell:

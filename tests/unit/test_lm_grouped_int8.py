@@ -43,6 +43,7 @@ def test_weights_on_a_gguf_grid_are_kept_and_others_rounded_within_half_a_step()
         q, scale, offset = grouped.fit_groups(on_grid, 32)
         back = q.view(96, 4, 32).float() * scale[..., None] + offset[..., None]
         assert (back.view(96, 128) - on_grid).abs().max() < 1e-6 * on_grid.abs().max()
+        assert torch.allclose(grouped.dequantize_groups(q, scale, offset), back.view(96, 128))
     q, scale, offset = grouped.fit_groups(weight, 32)
     assert q.dtype == torch.int8 and scale.shape == offset.shape == (96, 4)
     back = (q.view(96, 4, 32).float() * scale[..., None] + offset[..., None]).view(96, 128)

@@ -20,6 +20,8 @@ fold the dequantization into float32 constants and lose that, so the module says
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -89,15 +91,13 @@ class GroupedInt8Embedding(nn.Module):
     """An embedding table stored as `GroupedInt8Linear` stores a weight: each looked-up row
     is dequantized (a tied head's table is the same Q8_0 tensor in a GGUF, kept exactly)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group_size: int):
+    def __init__(self, table: GroupedInt8Linear):
         super().__init__()
-        self.table = GroupedInt8Linear(embedding_dim, num_embeddings, False, group_size)
+        self.table = table
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group_size: int) -> GroupedInt8Embedding:
-        module = cls(embedding.num_embeddings, embedding.embedding_dim, group_size)
-        module.table = GroupedInt8Linear.from_weight(embedding.weight, None, group_size)
-        return module
+        return cls(GroupedInt8Linear.from_weight(embedding.weight, None, group_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.table
@@ -139,13 +139,12 @@ def fit_groups(weight: torch.Tensor, group_size: int
     return q.reshape(rows, cols), scale, offset
 
 
-def quantize_grouped(model: nn.Module, group_size: int, names: set[str] | None = None,
-                     skip: set[str] | None = None) -> int:
-    """Replace the Linears of `model` (those in `names`, else all but those in `skip`) by
-    `GroupedInt8Linear`s in place; how many were replaced."""
+def quantize_grouped(model: nn.Module, group_size: int,
+                     filter_fn: Callable[[nn.Module, str], bool]) -> int:
+    """Replace the Linears of `model` that `filter_fn(module, name)` picks (torchao
+    `quantize_`'s filter) by `GroupedInt8Linear`s in place; how many were replaced."""
     chosen = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, nn.Linear) and (names is None or name in names)
-              and name not in (skip or set())]
+              if isinstance(module, nn.Linear) and filter_fn(module, name)]
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

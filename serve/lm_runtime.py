@@ -110,15 +110,16 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
 
 def _apply(model: nn.Module, scheme: str, group_size: int, head: bool) -> None:
     """`scheme` on the output projection (`head`) or on every other Linear."""
+    def chosen(module: nn.Module, name: str) -> bool:
+        return (name == "lm_head") if head else (isinstance(module, nn.Linear)
+                                                  and name != "lm_head")
+
     if scheme == GROUPED:
-        quantize_grouped(model, group_size, names={"lm_head"} if head else None,
-                         skip=None if head else {"lm_head"})
+        quantize_grouped(model, group_size, chosen)
         return
     from torchao.quantization import quantize_
 
-    quantize_(model, weight_config(scheme, group_size),
-              filter_fn=lambda module, name: (name == "lm_head") if head else
-              (isinstance(module, nn.Linear) and name != "lm_head"))
+    quantize_(model, weight_config(scheme, group_size), filter_fn=chosen)
 
 
 def load_folder(folder: str | Path) -> LoadedLM:

@@ -26,6 +26,7 @@ from ts.torch_handler.base_handler import BaseHandler
 logger = logging.getLogger(__name__)
 
 BATCH_HEADER = "X-Batch-Size"
+PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 # TorchServe wants exactly one class in a handler module: a request this handler cannot
 # answer raises ValueError from `parse`, and its message goes back with a 400.
 DEFAULT_MAX_CHARS = 10_000
@@ -39,6 +40,7 @@ class CompressHandler(BaseHandler):
         model_dir = Path(context.system_properties["model_dir"])
         config = context.model_yaml_config or {}
         settings = config.get("handler") or {}
+        logger.info("%sloading %s", PROGRESS, model_dir.name)
         self.meta = json.loads((model_dir / "export.json").read_text())
         self.threads = worker_threads(settings.get("threads"), config.get("maxWorkers", 1))
         torch.set_num_threads(self.threads)

@@ -161,10 +161,10 @@ class StaticDecoder:
 
         The Inductor settings are set around each call of the step, where it compiles:
         passed as torch.compile `options`, max-autotune was not applied (no template was
-        tried; measured). Graphs Dynamo holds from earlier decoders are dropped first
-        (`torch._dynamo.reset`): on SmolLM2, a decoder reusing the graph of another
-        decoder of the same model gave other tokens and once an out-of-bounds cache index.
-        An earlier decoder still in use compiles again on its next call."""
+        tried; measured). Each graph checks that it runs on its own decoder's cache
+        (`_tie_graphs_to`); graphs Dynamo holds from earlier decoders are dropped first
+        (`torch._dynamo.reset`) so that they do not count towards its recompile limit. An
+        earlier decoder still in use compiles again on its next call."""
         torch._dynamo.reset()
         freeze = all(getattr(m, "freeze_weights", True) for m in self.model.modules())
         self.inductor = {"freezing": freeze, "max_autotune": mode == "max-autotune"}
@@ -227,6 +227,7 @@ class StaticDecoder:
                                (positions - pads[:, None]).clamp(min=0) if padded else None, mask)
         token = _pick(logits, picks, generators)
         ttft = time.perf_counter() - began
+        _tie_graphs_to(self.cache)
         out: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         began, i = time.perf_counter(), 0
@@ -250,6 +251,21 @@ class StaticDecoder:
         later = sum(max(len(r) - 1, 0) for r in out)
         rate = later / spent if spent > 0 and later else 0.0
         return Generation(out[0], ttft, rate, out, [str(f) for f in finish])
+
+
+def _tie_graphs_to(cache: Any) -> None:
+    """Make every graph compiled from now on check that it runs on this cache's tensors.
+
+    transformers marks a StaticCache's keys, values and lengths as static addresses with no
+    guard; under Inductor freezing Dynamo then bakes them into the graph as attributes and
+    checks only their shapes. A decoder whose cache matched those shapes (the batch size
+    made dynamic by an earlier bucket) ran another decoder's graph on that decoder's cache:
+    wrong tokens, or Inductor's size assertion when the rows differed. Guarded, each cache
+    tensor adds an identity check, so each decoder compiles its own graph."""
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if getattr(value, "_dynamo_static_input_type", None) == "unguarded":
+                torch._dynamo.mark_static_address(value, guard=True)
 
 
 def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],

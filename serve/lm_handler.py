@@ -39,6 +39,7 @@ except ImportError:  # in the compress repository
 logger = logging.getLogger(__name__)
 
 BATCH_HEADER = "X-Batch-Size"
+PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 STREAM_TYPE = "application/x-ndjson"
 
 
@@ -55,6 +56,7 @@ class CausalLMHandler(BaseHandler):
         self.ranks = int(os.environ.get("WORLD_SIZE", "1"))
         torch.set_num_threads(worker_threads(settings.get("threads"),
                                              int(config.get("maxWorkers", 1)) * self.ranks))
+        logger.info("%sloading %s", PROGRESS, model_dir.name)
         self.lm = lm_runtime.load_folder(model_dir)
         if self.ranks > 1:
             lm_tensor_parallel.join_and_split(self.lm.model)
@@ -73,7 +75,9 @@ class CausalLMHandler(BaseHandler):
             self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
         # compiling a decoder drops the graphs of those before it (StaticDecoder.compile):
         # warm them up only once all are built, so each compiles once, now, not on a request
-        for rows, decoder in self.decoders.items():
+        for n, (rows, decoder) in enumerate(self.decoders.items(), 1):
+            logger.info("%s%s bucket %d of %d (%d rows)", PROGRESS,
+                        "compiling" if decoder.compiled else "warming up", n, len(sizes), rows)
             decoder.generate([[0]] * rows, 2)
         self.initialized = True
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",

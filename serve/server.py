@@ -42,6 +42,7 @@ from serve.server_state import (  # noqa: F401 (the server's API)
     token_of,
     write_info,
 )
+from serve.worker_log import WorkerLog
 
 PID_FILE = ".model_server.pid"
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
@@ -203,13 +204,20 @@ def unpack_model(target: ServeTarget, store: Path, workers: int | None,
 
 def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
                echo: Callable[[str], None]) -> None:
-    """Poll the management API until a worker of the model is READY (not just /ping)."""
+    """Poll the management API until a worker of the model is READY (not just /ping),
+    echoing what the workers say they are doing; a second worker death while loading is
+    a UserError with the exception's last line (TorchServe would restart it forever)."""
     url = f"http://127.0.0.1:{info['management_port']}/models/{info['model_name']}"
     deadline = time.monotonic() + timeout_s
     echo(f"waiting for a READY worker of {info['model_name']} (up to {timeout_s:.0f} s)")
+    workers_log = WorkerLog(serve_dir / "logs" / "model_log.log")
     while time.monotonic() < deadline:
         if not process_alive(info["pid"]):
             raise UserError(f"TorchServe exited while loading the model: {_log_tail(serve_dir)}")
+        for line in workers_log.read():
+            echo(f"  {line}")
+        if workers_log.deaths >= 2:
+            raise UserError(workers_log.failure())
         try:
             headers = {}
             if info["auth"] and (serve_dir / KEY_FILE).is_file():  # may be half-written yet

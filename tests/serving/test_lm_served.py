@@ -169,3 +169,68 @@ def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
     assert all(r["completion_tokens"] == 8 * 16 and r["tokens_per_s"] > 0
                and r["ttft_ms_p50"] > 0 for r in record["runs"])
     assert record["runs"][1]["batch_size_max"] > 1
+
+
+@pytest.fixture(scope="module")
+def qwen2_run(tmp_path_factory, data_dir: Path) -> Path:
+    """A random Qwen2 with 2 key-value heads (q/k/v biases, untied head) exported and
+    packaged with its decode step compiled for buckets of 1, 2 and 4 rows: the shape whose
+    worker crashed while compiling the size-4 bucket."""
+    import torch
+    from conftest import minilm_folder
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tmp = tmp_path_factory.mktemp("qwen2_served")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1,
+    )).save_pretrained(tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
+    raw = {"name": "tiny_qwen2", "model": {"source": str(tmp / "model")},
+           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
+                    "eval": {"split": "validation", "max_samples": 8},
+                    "prompts": str(tmp / "prompts.txt")},
+           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
+                                         "compile": "none", "eager_generate": False,
+                                         "cache_len": 256}},
+           "stages": [{"kind": "export", "format": "transformers"},
+                      {"kind": "package", "batch_size": 4, "max_batch_delay_ms": 150,
+                       "max_new_tokens": 64, "threads": 1, "decode_compile": "default"}],
+           "output_dir": str(tmp / "runs")}
+    result = run_cli("run", str(write_recipe(tmp / "qwen2.yaml", raw)),
+                     env={"COMPRESS_DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return tmp / "runs" / "tiny_qwen2"
+
+
+def test_a_compiled_two_kv_head_qwen2_starts_and_streams_the_offline_text(
+        qwen2_run: Path, state_dir) -> None:
+    (port,) = server.free_ports(1)
+    env = {"COMPRESS_STATE_DIR": str(state_dir)}
+    started = run_cli("serve", str(qwen2_run), "--port", str(port), env=env)
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        for n, rows in enumerate((1, 2, 4), 1):  # what the worker said while it started
+            assert f"compiling bucket {n} of 3 ({rows} rows)" in started.stderr
+        info = server.read_info(qwen2_run / "serve")
+        offline = lm_runtime.load_folder(qwen2_run / "00-export/transformers")
+        status, _, lines = generate(info, {"prompt": PROMPTS[0], "max_new_tokens": 40})
+        chunks = [json.loads(line) for _, line in lines[:-1]]
+        final = json.loads(lines[-1][1])
+        assert status == 200 and len(chunks) > 10
+        assert "".join(c["delta"] for c in chunks) == final["text"]
+        assert final["text"] == offline_text(offline, PROMPTS[0], 40)
+        with ThreadPoolExecutor(4) as pool:  # a full bucket of 4 rows
+            answers = list(pool.map(lambda p: generate(info, {"prompt": p, "stream": False,
+                                                              "max_new_tokens": 12}),
+                                    PROMPTS[:4]))
+        for prompt, (status, _, lines) in zip(PROMPTS[:4], answers, strict=True):
+            assert status == 200
+            assert json.loads(lines[0][1])["text"] == offline_text(offline, prompt, 12)
+    finally:
+        stopped = run_cli("serve", "--stop", str(qwen2_run), env=env)
+    assert stopped.returncode == 0

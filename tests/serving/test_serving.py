@@ -173,3 +173,41 @@ def test_stop_without_a_target_leaves_no_process(served: dict, state_dir: Path) 
     assert stopped.returncode == 0 and served["serve_dir"] in stopped.stdout
     assert not _our_processes(served) and not server.port_in_use(served["port"])
     assert not list(state_dir.glob("servers/*.json"))
+
+
+BROKEN_HANDLER = '''from ts.torch_handler.base_handler import BaseHandler
+
+
+class Broken(BaseHandler):
+    def initialize(self, context):
+        raise RuntimeError("the weights are corrupt (on purpose)")
+'''
+
+
+def test_serve_stops_within_a_minute_when_the_worker_cannot_start(tmp_path: Path,
+                                                                   state_dir) -> None:
+    """A handler that raises in initialize: TorchServe would restart its worker for the
+    whole timeout; `compress serve` stops at the second death with the exception."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "broken_handler.py").write_text(BROKEN_HANDLER)
+    subprocess.run([sys.executable, "-m", "model_archiver.model_packaging", "--model-name",
+                    "broken", "--version", "1.0", "--handler",
+                    str(tmp_path / "broken_handler.py"), "--export-path", str(tmp_path)],
+                   check=True, capture_output=True)
+    (port,) = server.free_ports(1)
+    began = time.monotonic()
+    result = run_cli("serve", str(tmp_path / "broken.mar"), "--port", str(port),
+                     "--timeout", "600", env={"COMPRESS_STATE_DIR": str(state_dir)})
+    spent = time.monotonic() - began
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and spent < 60, (spent, result.stderr[-2000:])
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "worker died while starting" in errors[0]
+    assert "RuntimeError: the weights are corrupt (on purpose)" in errors[0]
+    log = tmp_path / "broken.serve" / "logs" / "model_log.log"
+    assert f"(log: {log})" in errors[0] and log.is_file()
+    assert not (tmp_path / "broken.serve" / server.SERVER_INFO).exists()  # stopped
+    assert not server.port_in_use(port)

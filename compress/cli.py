@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from compress.cli_logs import divert_library_warnings, write_crash_log
 from compress.errors import CompressError, StageError, UserError, one_line
 from compress.recipe import load_recipe
 
@@ -202,6 +203,7 @@ for _command in (search, report, bench, compare, serve, loadtest):
 
 def main() -> None:
     """Entry point: run the CLI and turn our errors into exit codes without tracebacks."""
+    divert_library_warnings()
     try:
         code = cli.main(standalone_mode=False)  # a command's ctx.exit(n) returns n here
     except click.exceptions.Abort:  # Ctrl-C or SIGTERM (torchrun stopping a rank)
@@ -224,31 +226,9 @@ def main() -> None:
         click.echo("interrupted: re-run the same command to resume", err=True)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - a bug: one line here, the traceback in a log
-        log = _write_crash_log()
+        log = write_crash_log()
         where = f"details in {log}" if log else "no log could be written"
         click.echo(f"error: {one_line(exc)} ({where})", err=True)
         sys.exit(1)
     if isinstance(code, int) and code:
         sys.exit(code)
-
-
-def _write_crash_log() -> Path | None:
-    """Write the current exception's traceback and command line to a log file; its path
-    ($COMPRESS_STATE_DIR/logs, ~/.local/state/compress/logs, else the temp folder)."""
-    import tempfile
-    import time
-    import traceback
-
-    base = os.environ.get("COMPRESS_STATE_DIR") or os.path.expanduser("~/.local/state/compress")
-    name = f"compress-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    argv = [re.sub(r"^(--token=).*", r"\1***", a) for a in sys.argv]
-    argv = ["***" if i and argv[i - 1] == "--token" else a for i, a in enumerate(argv)]
-    text = f"command: {' '.join(argv)}\n\n{traceback.format_exc()}"
-    for folder in (Path(base) / "logs", Path(tempfile.gettempdir())):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(text)
-            return folder / name
-        except OSError:
-            continue
-    return None

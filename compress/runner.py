@@ -4,7 +4,6 @@ stage (timing its input, running it, measuring its output, recording it)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import shutil
 import time
 import traceback
@@ -14,7 +13,9 @@ from typing import Any
 import yaml
 
 from compress import distributed
+from compress.code_digest import code_digests
 from compress.errors import CompressError, StageError, UserError, one_line
+from compress.families import FAMILIES, runner_of
 from compress.records import (
     FINISHED,
     Artifact,
@@ -25,7 +26,7 @@ from compress.records import (
     read_manifest,
     write_manifest,
 )
-from compress.runfolder import atomic_write_text, environment, now, sha256_file, sha256_json
+from compress.runfolder import atomic_write_text, environment, now, sha256_json
 from compress.stages.chain import input_stage_index
 from compress.stages.spec import spec_of
 
@@ -132,8 +133,7 @@ class Runner:
             config = cfg.model_dump(mode="json")
             parts = [config, input_sha, self.manifest.recipe["data"],
                      self.manifest.recipe["evaluation"], self.recipe.seed]
-            shipped = spec.code_modules + spec.runner_code.get(self.task, ())
-            key = sha256_json(parts + _code_digests(shipped))
+            key = sha256_json(parts + self._code_of(cfg.kind, spec))
             old = entries[i] if i < len(entries) else None
             tag = f"[{i + 1}/{total}] {name}"
             if i < first_forced and self._reusable(old, key):
@@ -154,6 +154,13 @@ class Runner:
                 model_sha[i] = old.outputs[0].sha256
         del entries[total:]
         self.save()
+
+    def _code_of(self, kind: str, spec) -> list[str]:
+        """Digests of the code a stage runs: its run module, the modules it ships in its
+        output, the family's measurement, and every project module they import."""
+        runner = (runner_of(kind, self.task) or spec.runner).split(":")[0]
+        shipped = spec.code_modules + spec.runner_code.get(self.task, ())
+        return code_digests([runner, FAMILIES[self.task].module, *shipped])
 
     def _reusable(self, entry: StageRecord | None, key: str) -> bool:
         return bool(entry and entry.key == key and entry.finished_ok and entry.outputs
@@ -237,10 +244,6 @@ class Runner:
         self.save()
 
 
-def _code_digests(modules: tuple[str, ...]) -> list[str]:
-    """sha256 of the source of the modules a stage ships in its output (`code_modules`),
-    found without importing them: changed code invalidates the cached output."""
-    return [sha256_file(Path(importlib.util.find_spec(name).origin)) for name in modules]
 
 
 def summary(metrics: dict[str, Any], task: str = "classification") -> str:

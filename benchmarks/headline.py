@@ -19,8 +19,9 @@ mirror exists. Each recipe's `compress run` output goes to `<runs dir>/<recipe>.
 What every row compares: see benchmarks/ratios.py.
 
 Served: the bert_int8 package behind TorchServe (auth on, a free loopback port), swept at
-concurrency 1, 8 and 32 with `serve.loadtest.sweep`; throughput at 32 / throughput at 1 and
-the mean observed batch size at 32. The sweep is written to the run folder's loadtest.json.
+concurrency 1, 8 and 32 with `compress.serving.loadtest.sweep`; throughput at 32 /
+throughput at 1 and the mean observed batch size at 32. The sweep is written to the run
+folder's loadtest.json.
 
 Exit code 1 when any recipe or the load test failed (the others are still reported).
 """
@@ -134,7 +135,7 @@ def serve_and_sweep(run_dir: Path, requests: int,
     """Serve the run's package with TorchServe on a free port (auth on), sweep it, write
     loadtest.json into the run folder and return the recorded sweep. The server is always
     stopped."""
-    from serve import loadtest, server
+    from compress.serving import loadtest, server
 
     target = server.resolve_target(run_dir)
 

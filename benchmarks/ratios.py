@@ -176,7 +176,8 @@ def hardware(run_dirs: dict[str, Path]) -> list[dict[str, Any]]:
 
 def served_figures(result: dict[str, Any] | None) -> dict[str, Any] | None:
     """Throughput at the highest / the lowest concurrency and the mean batch size at the
-    highest, from a `serve.loadtest.sweep` result (or loadtest.json); None without runs."""
+    highest, from a `compress.serving.loadtest.sweep` result (or loadtest.json); None
+    without runs."""
     runs = (result or {}).get("runs") or []
     if not runs:
         return None

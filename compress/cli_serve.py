@@ -1,5 +1,5 @@
-"""`compress serve` and `compress loadtest`: thin commands over serve.server and
-serve.loadtest."""
+"""`compress serve` and `compress loadtest`: thin commands over compress.serving.server and
+compress.serving.loadtest."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
       compress serve runs/bert_int8 --port 8081 --batch-size 16 --max-batch-delay 10
       compress serve --stop runs/bert_int8
     """
-    from serve import server
+    from compress.serving import server
 
     if stop:
         stopped = server.stop_servers(target)
@@ -96,14 +96,14 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
       compress loadtest http://127.0.0.1:8080/predictions/llm_int8 --run runs/llm_int8 \\
           --concurrency 1,4,8 --requests 32 --max-new-tokens 64
     """
-    from serve.loadtest import (
+    from compress.serving.loadtest import (
         failure_summary,
         format_table,
         load_payloads,
         record_result,
         sweep,
     )
-    from serve.server import served_task, token_of
+    from compress.serving.server import served_task, token_of
 
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
@@ -114,7 +114,11 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
     if task == "auto":
         task = served_task(run_dir) if run_dir else "classification"
     if task == "causal-lm":
-        from serve.loadtest_lm import format_generation_table, load_prompts, sweep_generation
+        from compress.serving.generation_load import (
+            format_generation_table,
+            load_prompts,
+            sweep_generation,
+        )
 
         result = sweep_generation(url, levels, n_requests, load_prompts(texts, max_new_tokens),
                                   headers=headers, warmup=warmup)

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from ts.torch_handler.base_handler import BaseHandler
+
+try:  # inside the archive the modules lie beside this file
+    from worker_threads import worker_threads
+except ImportError:  # in the compress repository
+    from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
 
@@ -176,14 +180,6 @@ class CompressHandler(BaseHandler):
             answers.append({"label": self.labels[best], "score": row[best],
                             "probabilities": dict(zip(self.labels, row, strict=True))})
         return answers
-
-
-def worker_threads(configured: int | None, workers: int) -> int:
-    """Intra-op threads of one worker: never more than the cores shared by the workers
-    (the same rule as serve.package.worker_threads, kept here so the archive runs without
-    compress)."""
-    per_worker = max(1, (os.cpu_count() or 1) // max(1, int(workers)))
-    return max(1, min(int(configured or per_worker), per_worker))
 
 
 def load_runtime(model_dir: Path, meta: dict[str, Any], threads: int):

@@ -33,8 +33,10 @@ try:  # inside the archive the modules lie beside this file
     import lm_requests
     import lm_runtime
     import lm_tensor_parallel
+    from worker_threads import worker_threads
 except ImportError:  # in the compress repository
     from serve import lm_requests, lm_runtime, lm_tensor_parallel
+    from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +170,3 @@ def fitting_groups(parsed: dict[int, Any], cache_len: int, largest: int) -> list
                 continue
         groups.append([i])
     return groups
-
-
-def worker_threads(configured: int | None, workers: int) -> int:
-    """Intra-op threads of one worker: never more than the cores shared by the workers
-    (serve.package.worker_threads's rule, repeated so the archive runs without compress)."""
-    per_worker = max(1, (os.cpu_count() or 1) // max(1, int(workers)))
-    return max(1, min(int(configured or per_worker), per_worker))

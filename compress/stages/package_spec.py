@@ -138,7 +138,8 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
 SPEC = register(StageSpec(
     kind="package", config=PackageConfig, runner="compress.stages.package:run", order=70,
     makes_model=False, takes_model=False, measured=False,
-    code_modules=("serve.handler", "serve.package"), runtime=_runtime,
+    code_modules=("serve.handler", "serve.worker_threads", "compress.serving.archive"),
+    runtime=_runtime,
     input_stage=export_stage_index,
     check=lambda recipe, i: (_servable(recipe, i) + _fits_the_cache(recipe, i)
                              + split_problems(recipe, i)),

@@ -14,9 +14,9 @@ from conftest import http_post
 
 pytest.importorskip("ts")
 
+from compress.serving import server  # noqa: E402
+from compress.serving.archive import build_mar, model_config  # noqa: E402
 from export.runtime import load_export  # noqa: E402
-from serve import server  # noqa: E402
-from serve.package import build_mar, model_config  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.serving]
 

@@ -18,7 +18,8 @@ from conftest import run_cli, write_recipe
 
 pytest.importorskip("ts")
 
-from serve import lm_runtime, server  # noqa: E402
+from compress.serving import server  # noqa: E402
+from serve import lm_runtime  # noqa: E402
 
 pytestmark = pytest.mark.serving
 

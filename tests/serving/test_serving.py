@@ -15,8 +15,8 @@ from conftest import http_post, run_cli
 
 pytest.importorskip("ts")
 
+from compress.serving import server  # noqa: E402
 from export.runtime import load_export  # noqa: E402
-from serve import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
 

@@ -144,6 +144,25 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"
     assert config["handler"]["max_new_tokens"] == 16 and config["handler"]["cache_len"] == 64
 
+    # the archive's handler imports with the repository out of reach: no path to it, no
+    # editable-install finder, so `import compress` or `import serve` would fail
+    with zipfile.ZipFile(mar) as archive:
+        archive.extractall(tmp_path / "unpacked")
+    alone = ("import importlib.util, sys; "
+             "sys.meta_path[:] = [f for f in sys.meta_path "
+             "if '__editable__' not in getattr(f, '__module__', '')]; "
+             "sys.path[:] = [sys.argv[1]] + [p for p in sys.path if 'site-packages' in p "
+             "or 'python3' in p]; "
+             "reach = [m for m in ('compress', 'serve', 'export') "
+             "if importlib.util.find_spec(m)]; "
+             "import lm_handler, lm_runtime, worker_threads; "
+             "print(reach, sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('compress', 'serve', 'export')))")
+    done = subprocess.run([sys.executable, "-I", "-c", alone, str(tmp_path / "unpacked")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[] []"
+
 
 @pytest.mark.parametrize(("stage", "line"), [
     ({"kind": "export", "format": "onnx"},

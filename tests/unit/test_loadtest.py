@@ -1,4 +1,4 @@
-"""serve.loadtest against a real local HTTP server: exact counts, bounded concurrency,
+"""compress.serving.loadtest against a real local HTTP server: exact counts, bounded concurrency,
 ordered percentiles, batch-size tallies, loopback-only URLs and argument bounds."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from compress.errors import UserError
-from serve.loadtest import check_loopback, format_table, run_load, sweep
+from compress.serving.loadtest import check_loopback, format_table, run_load, sweep
 
 GOOD = [b'{"text": "a"}', b'{"text": "b"}', b'{"text": "c"}']
 BAD = b"{not json"

@@ -1,5 +1,6 @@
-"""serve.loadtest_lm against a local HTTP server that streams NDJSON in chunks on a known
-schedule: time to first token, per-request decode rate, token throughput and errors."""
+"""compress.serving.generation_load against a local HTTP server that streams NDJSON in
+chunks on a known schedule: time to first token, per-request decode rate, token throughput
+and errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from serve.loadtest_lm import (
+from compress.serving.generation_load import (
     format_generation_table,
     load_prompts,
     run_generation_load,

@@ -1,14 +1,14 @@
-"""serve.worker_log on TorchServe's model_log.log lines as TorchServe 0.12 writes them: the
-handlers' progress lines, worker deaths counted whether the traceback comes before or after
-"Backend worker process died.", the real exception kept (not TorchServe's wrapper), and a
-line still being written left for the next read."""
+"""compress.serving.worker_log on TorchServe's model_log.log lines as TorchServe 0.12 writes
+them: the handlers' progress lines, worker deaths counted whether the traceback comes
+before or after "Backend worker process died.", the real exception kept (not TorchServe's
+wrapper), and a line still being written left for the next read."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from compress.serving.worker_log import PROGRESS, WorkerLog
 from serve import handler, lm_handler
-from serve.worker_log import PROGRESS, WorkerLog
 
 
 def _lines(worker: str, *messages: str, stream: str = "stdout") -> str:

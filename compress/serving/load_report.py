@@ -78,7 +78,7 @@ def record_result(run_dir: str, result: dict) -> str:
     """Write `loadtest.json` (the sweep and when it ran) into the run folder."""
 
     from compress.runfolder import atomic_write_json, now
-    from serve.server import read_info
+    from compress.serving.server import read_info
 
     path = Path(run_dir) / "loadtest.json"
     info = read_info(Path(run_dir) / "serve")

@@ -8,7 +8,6 @@ The archive holds the exported file, `export.json`, the tokenizer files, `parity
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,17 +16,14 @@ from typing import Any
 
 import yaml
 
-HANDLER = Path(__file__).with_name("handler.py")
+import serve
+from serve.worker_threads import worker_threads  # noqa: F401 (the archive's API)
+
+SERVE = Path(serve.__file__).parent  # what ships inside an archive
+HANDLER = SERVE / "handler.py"
+HANDLER_MODULES = (SERVE / "worker_threads.py",)  # what every handler imports beside it
 SERVED_METRICS = ("accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8",
                   "parity_max_abs_diff", "parity_argmax_agreement", "runtime_threads")
-
-
-def worker_threads(configured: int | None, workers: int) -> int:
-    """Intra-op threads of one worker: `configured` (default: all it may have), never more
-    than the cores divided among the workers. (handler.py keeps its own copy: the archive
-    must run without compress installed.)"""
-    per_worker = max(1, (os.cpu_count() or 1) // max(1, workers))
-    return max(1, min(int(configured or per_worker), per_worker))
 
 
 def model_config(batch_size: int, max_batch_delay_ms: int, workers: int,
@@ -43,7 +39,8 @@ def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,
               config: dict[str, Any], summary: dict[str, Any], handler: Path = HANDLER,
               modules: tuple[Path, ...] = ()) -> Path:
     """Write `<out_dir>/<model_name>.mar` (complete or not at all) and return its path:
-    the export folder's files, `handler` and the `modules` it imports."""
+    the export folder's files, `handler`, the modules every handler imports and the
+    `modules` this one imports too."""
     meta = json.loads((export_dir / "export.json").read_text())
     serialized = export_dir / meta["file"]
     staging = out_dir / ".mar.tmp"
@@ -54,7 +51,7 @@ def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,
         config_file = staging / "model-config.yaml"
         config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         extra = [p for p in sorted(export_dir.iterdir()) if p.is_file() and p != serialized]
-        extra += [*modules, staging / "compress.json"]
+        extra += [*HANDLER_MODULES, *modules, staging / "compress.json"]
         if meta.get("label_names"):
             labels = {str(i): name for i, name in enumerate(meta["label_names"])}
             (staging / "index_to_name.json").write_text(json.dumps(labels, indent=2))

@@ -1,7 +1,7 @@
 """A bounded load test of a served causal LM on this machine: generated tokens per second
 and time to first token, read from the streamed answers.
 
-Like `serve.loadtest` (loopback URLs only, ``concurrency`` requests in flight on
+Like `compress.serving.loadtest` (loopback URLs only, ``concurrency`` requests in flight on
 persistent connections until ``requests`` were sent, nearest-rank percentiles), but each
 answer is read line by line as the server streams it (NDJSON: `{"delta"}` chunks, then
 `{"text", "usage", "finish_reason"}`): time to first token is when the first line arrives,
@@ -20,8 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from compress.errors import UserError
-from serve.loadtest import _check_args
-from serve.loadtest_threads import (
+from compress.serving.http_workers import (
     BATCH_HEADER,
     MAX_ERROR_EXAMPLES,
     Tickets,
@@ -29,6 +28,7 @@ from serve.loadtest_threads import (
     percentile,
     run_workers,
 )
+from compress.serving.loadtest import _check_args
 
 SAMPLE_PROMPTS = (
     "What is the capital of France?",

@@ -29,8 +29,8 @@ import yaml
 from compress.errors import UserError
 from compress.launch import TORCHRUN_ENV
 from compress.records import MANIFEST, require_manifest
-from serve.package import worker_threads
-from serve.server_state import (  # noqa: F401 (the server's API)
+from compress.serving.archive import worker_threads
+from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     SERVER_INFO,
     free_ports,
@@ -42,7 +42,7 @@ from serve.server_state import (  # noqa: F401 (the server's API)
     token_of,
     write_info,
 )
-from serve.worker_log import WorkerLog
+from compress.serving.worker_log import WorkerLog
 
 PID_FILE = ".model_server.pid"
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour

@@ -18,8 +18,7 @@ from collections import Counter
 from urllib.parse import urlsplit
 
 from compress.errors import UserError
-from serve.loadtest_report import _ratio
-from serve.loadtest_threads import (
+from compress.serving.http_workers import (
     MAX_ERROR_EXAMPLES,
     HttpWorker,
     Tickets,
@@ -27,6 +26,7 @@ from serve.loadtest_threads import (
     percentile,
     run_workers,
 )
+from compress.serving.load_report import _ratio
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_CONCURRENCY = 256
@@ -160,7 +160,7 @@ def failure_summary(result: dict, credentials: bool) -> str | None:
     return line
 
 
-from serve.loadtest_report import (  # noqa: E402,F401 (the load test's API)
+from compress.serving.load_report import (  # noqa: E402,F401 (the load test's API)
     SAMPLE_TEXTS,
     format_table,
     load_payloads,

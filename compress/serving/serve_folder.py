@@ -1,4 +1,4 @@
-"""The serve folder's files and the machine's state for serve.server: the registry of
+"""The serve folder's files and the machine's state for compress.serving.server: the registry of
 servers compress started, tokens, `server.json`, processes and ports."""
 
 from __future__ import annotations

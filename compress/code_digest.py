@@ -15,7 +15,7 @@ from pathlib import Path
 
 from compress.runfolder import sha256_file
 
-PROJECT = tuple("compress export serve".split())  # the packages whose code is in the key
+PROJECT = ("compress", "export", "serve")  # the packages whose code is part of the key
 
 
 @cache

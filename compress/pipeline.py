@@ -21,7 +21,7 @@ from compress.records import read_manifest
 from compress.runfolder import run_lock, sha256_json
 from compress.sources import check_recipe_sources, model_task
 from compress.stages.chain import hardware_needed, model_stage_index
-from compress.stages.spec import HARDWARE, import_function
+from compress.stages.spec import HARDWARE
 
 
 def log(message: str) -> None:
@@ -77,7 +77,7 @@ def check_hardware(recipe: Recipe) -> None:
 def _follow(recipe: Recipe, run_dir: Path, data, model_src, task: str) -> None:
     """A rank other than 0: train each data-parallel stage rank 0 announces, with the
     same input model, key and seed; write nothing (rank 0 owns the run folder)."""
-    from compress.runner import Runner
+    from compress.runner import Runner, run_stage_function, stage_seed
     from compress.state import StageContext
 
     runner = Runner(recipe, run_dir, data, model_src, echo=lambda _: None, task=task)
@@ -100,18 +100,6 @@ def _follow(recipe: Recipe, run_dir: Path, data, model_src, task: str) -> None:
         except Exception as exc:
             raise StageError(ctx.name, f"rank {distributed.rank()}: {one_line(exc)}") from None
         runner.forget_model()  # the next stage reloads from disk
-
-
-def run_stage_function(cfg, task: str = "classification"):
-    """The run function of a stage config's kind for a model family, imported on first use."""
-    from compress.families import runner_of
-
-    return import_function(runner_of(cfg.kind, task))
-
-
-def stage_seed(cfg, recipe: Recipe) -> int:
-    """The seed of a stage: its own `seed` option, else the recipe's."""
-    return cfg.seed if getattr(cfg, "seed", None) is not None else recipe.seed
 
 
 def _write_reports(run_dir: Path, echo: Callable[[str], None]) -> None:

@@ -28,7 +28,7 @@ from compress.records import (
 )
 from compress.runfolder import atomic_write_text, environment, now, sha256_json
 from compress.stages.chain import input_stage_index
-from compress.stages.spec import spec_of
+from compress.stages.spec import import_function, spec_of
 
 
 class Runner:
@@ -168,7 +168,6 @@ class Runner:
 
     def _run_stage(self, i: int, cfg, name: str, config: dict, key: str, input_sha: str,
                    source: int | None) -> StageRecord:
-        from compress.pipeline import run_stage_function, stage_seed
         from compress.state import StageContext, State
 
         spec = spec_of(cfg.kind)
@@ -244,6 +243,16 @@ class Runner:
         self.save()
 
 
+
+
+def run_stage_function(cfg, task: str = "classification"):
+    """The run function of a stage config's kind for a model family, imported on first use."""
+    return import_function(runner_of(cfg.kind, task))
+
+
+def stage_seed(cfg, recipe) -> int:
+    """The seed of a stage: its own `seed` option, else the recipe's."""
+    return cfg.seed if getattr(cfg, "seed", None) is not None else recipe.seed
 
 
 def summary(metrics: dict[str, Any], task: str = "classification") -> str:

@@ -33,13 +33,14 @@ def load_data(recipe: Recipe | str | Path) -> DataBundle:
 def load_model(source: str | Path, label_names: list[str] | None = None) -> ModelBundle:
     """A model saved by a stage (`runs/<name>/NN-<kind>/model`), or a Hugging Face
     classifier folder or id (with `label_names`, default two labels)."""
+    from compress.models import STRUCTURE, load_saved
     from compress.models import load_model as build
-    from compress.models import load_saved
     from compress.sources import resolve_model
 
     folder = Path(source)
-    if (folder / "model.json").is_file():  # written by a stage (models.save_model)
-        return load_saved(folder)
+    written_by_a_stage = ("model.json", "model.pt2", "causal_lm.json", STRUCTURE)
+    if any((folder / name).is_file() for name in written_by_a_stage):  # models.save_model
+        return load_saved(folder)  # a pruned model's shapes come from its structure.json
     names = label_names or ["0", "1"]
     return build(resolve_model(str(source)), names, [])
 

@@ -45,6 +45,11 @@ class ExportError(CompressError):
     """A model could not be written in the asked format, or that format's runtime is missing."""
 
 
+class RandomOpError(ExportError):
+    """An exported graph still holds a random op (dropout in train mode, sampling): its
+    outputs would differ from call to call, so the export is refused."""
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """The exception's type and first non-empty message line, shortened."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

@@ -11,6 +11,7 @@ Only `torchao.quantization.pt2e` is used, never the deprecated `torch.ao.quantiz
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
 import time
@@ -50,9 +51,11 @@ from compress.graphs import (
 )
 from compress.harness import example_inputs
 from compress.models import ModelBundle
+from export.random_ops import fx_random_nodes, op_arguments, refuse_random_ops
 
 PROGRAM = "model.pt2"
 META = "model.json"
+TRAIN_DROPOUT = "compress_train_dropout_p"  # node.meta: an attention node's captured dropout_p
 
 
 class GraphModel(nn.Module):
@@ -60,8 +63,9 @@ class GraphModel(nn.Module):
 
     Text graphs take (input_ids, attention_mask, token_type_ids); missing masks and token
     types are filled in. `train()`/`eval()` switch a prepared (QAT) graph with torchao's
-    helpers; a converted graph has no train mode and only records the flag. `compiled`
-    (when set) runs the forward; `graph` stays the plain module that can be re-exported.
+    helpers and `switch_attention_dropout`; a converted graph has no train mode and only
+    records the flag. `compiled` (when set) runs the forward; `graph` stays the plain module
+    that can be re-exported.
     """
 
     def __init__(self, graph: nn.Module, text: bool, max_seq: int = 512,
@@ -84,22 +88,49 @@ class GraphModel(nn.Module):
     def train(self, mode: bool = True) -> GraphModel:
         if self.trainable and mode != self.training:
             (move_exported_model_to_train if mode else move_exported_model_to_eval)(self.graph)
+            switch_attention_dropout(self.graph, mode)
         self.training = mode
         return self
+
+
+def switch_attention_dropout(graph: torch.fx.GraphModule, train: bool) -> None:
+    """Set the `dropout_p` argument of every attention node (SDPA and its kernels) to its
+    captured value in train mode and to 0.0 in eval mode.
+
+    A train-mode capture of Hugging Face attention passes its dropout as SDPA's `dropout_p`
+    argument, not as a dropout op, and torchao's `move_exported_model_to_eval` rewrites only
+    aten.dropout and batch norm: the attention dropout stayed on through `convert_pt2e`,
+    every evaluation and every export."""
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        names = [arg.name for arg in node.target._schema.arguments]
+        if "dropout_p" not in names:
+            continue
+        captured = node.meta.setdefault(
+            TRAIN_DROPOUT, op_arguments(node.target, node.args, node.kwargs)["dropout_p"])
+        index = names.index("dropout_p")
+        if index < len(node.args):
+            node.update_arg(index, captured if train else 0.0)
+        else:
+            node.update_kwarg("dropout_p", captured if train else 0.0)
+    graph.recompile()
 
 
 # --- export -----------------------------------------------------------------------------
 
 
 def capture(bundle: ModelBundle, train: bool = False) -> nn.Module:
-    """The bundle's model exported to a graph module (train-mode ops for QAT)."""
+    """The bundle's model exported to a graph module (train-mode ops for QAT). A train-mode
+    graph gets its own copy of the weights: the exported module shares the model's tensors,
+    and QAT would otherwise train the bundle's float model in place."""
     bundle.model.train(train)
     try:
         program = export_graph(graph_module(bundle), export_inputs(bundle), bundle.is_text,
                                max_sequence(bundle.model))
     finally:
         bundle.model.eval()
-    return program.module()
+    return copy.deepcopy(program.module()) if train else program.module()
 
 
 # --- quantizer ----------------------------------------------------------------------------
@@ -252,6 +283,7 @@ def save_quantized(bundle: ModelBundle, folder: Path) -> Path:
     args = export_inputs(bundle)
     program = torch.export.export(model.graph, args,
                                   dynamic_shapes=dynamic_shapes(bundle.is_text, model.max_seq))
+    refuse_random_ops(fx_random_nodes(program.graph), f"the quantized program {PROGRAM}")
     torch.export.save(program, folder / PROGRAM)
     meta = {"label_names": bundle.label_names, "input_shape": bundle.input_shape,
             "text": bundle.is_text, "max_seq": model.max_seq}

@@ -20,6 +20,7 @@ from compress.graphs import (
     max_sequence,
 )
 from compress.models import ModelBundle
+from export.random_ops import fx_random_nodes, refuse_random_ops
 
 FILE = "model.aoti.pt2"
 
@@ -34,6 +35,7 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     autocast = getattr(cfg, "autocast", None)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
         program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
+    refuse_random_ops(fx_random_nodes(program.graph), "the aoti graph")
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():

@@ -30,6 +30,7 @@ from compress.graphs import (
     traced_inputs,
 )
 from compress.models import ModelBundle
+from export.random_ops import onnx_random_nodes, refuse_random_ops
 
 FILE = "model.onnx"
 
@@ -47,6 +48,8 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     float_path = folder / "model.fp32.onnx" if cfg.quantize else path
     exporter = write_onnx(bundle, float_path, cfg.opset, cfg.exporter, log)
     onnx.checker.check_model(str(float_path))
+    refuse_random_ops(onnx_random_nodes(onnx.load(str(float_path), load_external_data=False)),
+                      "the onnx graph")
     facts: dict[str, Any] = {"onnx_exporter": exporter, "onnx_opset": cfg.opset}
     if cfg.optimize:
         facts["onnx_fused_ops"] = optimize(float_path, bundle)

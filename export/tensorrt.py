@@ -13,6 +13,7 @@ import torch
 from compress.errors import ExportError
 from compress.graphs import export_inputs, graph_module
 from compress.models import ModelBundle
+from export.random_ops import fx_random_nodes, refuse_random_ops
 
 FILE = "model.trt.ep"
 NO_GPU = "TensorRT export needs a CUDA GPU (none found)"
@@ -45,6 +46,8 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     precision = {"fp32": torch.float32, "fp16": torch.float16}[cfg.precision]
     compiled = torch_tensorrt.compile(module, ir="dynamo", inputs=inputs,
                                       enabled_precisions={precision})
+    if isinstance(compiled, torch.fx.GraphModule):  # the ops TensorRT left to torch
+        refuse_random_ops(fx_random_nodes(compiled.graph), "the tensorrt graph")
     path = folder / FILE
     example = [t.cuda() for t in export_inputs(bundle)]
     torch_tensorrt.save(compiled, str(path), output_format="exported_program", inputs=example)

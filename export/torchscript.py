@@ -12,6 +12,7 @@ import torch
 from compress.errors import ExportError
 from compress.graphs import graph_module, traced_inputs
 from compress.models import ModelBundle
+from export.random_ops import refuse_random_ops, script_random_nodes
 
 FILE = "model.ts"
 
@@ -27,6 +28,7 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
         warnings.simplefilter("ignore")  # tracer and deprecation chatter; parity decides
         traced = torch.jit.trace(module, traced_inputs(bundle), strict=False,
                                  check_trace=False)
+    refuse_random_ops(script_random_nodes(traced.inlined_graph), "the torchscript graph")
     path = folder / FILE
     torch.jit.save(traced, str(path))
     return path, {}

@@ -321,3 +321,24 @@ def test_prune_errors_are_one_clear_line(tmp_path: Path) -> None:
         prune_stage.run(mlp_state(), wrong_target, ctx)
 
 
+
+
+def test_the_api_loads_a_pruned_classifier_folder_at_its_pruned_shapes(tmp_path: Path) -> None:
+    """compress.load_model on a prune stage's folder (config.json and structure.json, no
+    model.json) rebuilds the pruned shapes and its weights, not the unpruned config with
+    freshly initialised feed-forward layers."""
+    from conftest import minilm_folder
+    from transformers import AutoTokenizer
+
+    from compress.api import load_model as api_load_model
+
+    torch.manual_seed(0)
+    model = tiny_bert(vocab_size=AutoTokenizer.from_pretrained(minilm_folder()).vocab_size)
+    _, structure = prune_structured(model, chosen(model), "ffn", 0.5)
+    bundle = ModelBundle(model.eval(), "hf", ["negative", "positive"],
+                         tokenizer=AutoTokenizer.from_pretrained(minilm_folder()),
+                         structure=structure)
+    save_model(bundle, tmp_path / "model")
+    loaded = api_load_model(tmp_path / "model")
+    assert loaded.model.bert.encoder.layer[0].intermediate.dense.out_features == 32
+    assert torch.equal(logits(loaded.model.eval(), input_ids()), logits(model, input_ids()))

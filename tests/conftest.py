@@ -160,6 +160,27 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
+def packaged_lm_run(folder: Path, name: str, source: Path, package: dict, data_dir: Path,
+                    cache_len: int, prompts: list[str] | None = None) -> Path:
+    """`compress run` of a causal LM exported (`format: transformers`) and packaged with
+    `package`'s options, measured on 2 prompts x 8 tokens; its run folder."""
+    data = {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
+            "eval": {"split": "validation", "max_samples": 8}}
+    if prompts:
+        (folder / "prompts.txt").write_text("\n".join(prompts) + "\n")
+        data["prompts"] = str(folder / "prompts.txt")
+    raw = {"name": name, "model": {"source": str(source)}, "data": data,
+           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
+                                         "compile": "none", "eager_generate": False,
+                                         "cache_len": cache_len}},
+           "stages": [{"kind": "export", "format": "transformers"},
+                      {"kind": "package", **package}],
+           "output_dir": str(folder / "runs")}
+    result = run_cli("run", str(write_recipe(folder / f"{name}.yaml", raw)),
+                     env={"COMPRESS_DATA_DIR": str(data_dir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return folder / "runs" / name
+
 
 def text_recipe(tmp_path: Path, model: Path, stages: list[dict]) -> Path:
     """A recipe file of `model` on the word-sentiment tables with these stages."""

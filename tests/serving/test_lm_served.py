@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import run_cli, write_recipe
+from conftest import packaged_lm_run, run_cli
 
 pytest.importorskip("ts")
 
@@ -31,23 +31,9 @@ PROMPTS = ["the film was", "a much longer prompt about a movie that goes on and 
 @pytest.fixture(scope="module")
 def lm_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
     """The tiny Llama exported and packaged: batches of up to 8, 150 ms to fill one."""
-    tmp = tmp_path_factory.mktemp("lm_served")
-    (tmp / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
-    raw = {"name": "tiny_lm", "model": {"source": str(varied_llama_folder)},
-           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
-                    "eval": {"split": "validation", "max_samples": 8},
-                    "prompts": str(tmp / "prompts.txt")},
-           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
-                                         "compile": "none", "eager_generate": False,
-                                         "cache_len": 256}},
-           "stages": [{"kind": "export", "format": "transformers"},
-                      {"kind": "package", "batch_size": 8, "max_batch_delay_ms": 150,
-                       "max_new_tokens": 160, "threads": 1}],
-           "output_dir": str(tmp / "runs")}
-    result = run_cli("run", str(write_recipe(tmp / "lm.yaml", raw)),
-                     env={"COMPRESS_DATA_DIR": str(data_dir)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    return tmp / "runs" / "tiny_lm"
+    return packaged_lm_run(tmp_path_factory.mktemp("lm_served"), "tiny_lm", varied_llama_folder,
+                           {"batch_size": 8, "max_batch_delay_ms": 150, "max_new_tokens": 160,
+                            "threads": 1}, data_dir, 256, PROMPTS[:2])
 
 
 @pytest.fixture(scope="module")
@@ -190,22 +176,10 @@ def qwen2_run(tmp_path_factory, data_dir: Path) -> Path:
         max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1,
     )).save_pretrained(tmp / "model")
     tokenizer.save_pretrained(tmp / "model")
-    (tmp / "prompts.txt").write_text("\n".join(PROMPTS[:2]) + "\n")
-    raw = {"name": "tiny_qwen2", "model": {"source": str(tmp / "model")},
-           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
-                    "eval": {"split": "validation", "max_samples": 8},
-                    "prompts": str(tmp / "prompts.txt")},
-           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
-                                         "compile": "none", "eager_generate": False,
-                                         "cache_len": 256}},
-           "stages": [{"kind": "export", "format": "transformers"},
-                      {"kind": "package", "batch_size": 4, "max_batch_delay_ms": 150,
-                       "max_new_tokens": 64, "threads": 1, "decode_compile": "default"}],
-           "output_dir": str(tmp / "runs")}
-    result = run_cli("run", str(write_recipe(tmp / "qwen2.yaml", raw)),
-                     env={"COMPRESS_DATA_DIR": str(data_dir)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    return tmp / "runs" / "tiny_qwen2"
+    return packaged_lm_run(tmp, "tiny_qwen2", tmp / "model",
+                           {"batch_size": 4, "max_batch_delay_ms": 150, "max_new_tokens": 64,
+                            "threads": 1, "decode_compile": "default"}, data_dir, 256,
+                           PROMPTS[:2])
 
 
 def test_a_compiled_two_kv_head_qwen2_starts_and_streams_the_offline_text(

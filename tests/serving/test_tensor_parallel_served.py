@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, write_recipe
+from conftest import packaged_lm_run
 
 pytest.importorskip("ts")
 
@@ -28,21 +28,9 @@ PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky bl
 
 @pytest.fixture(scope="module")
 def tp_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
-    tmp = tmp_path_factory.mktemp("tp_served")
-    raw = {"name": "tiny_tp", "model": {"source": str(varied_llama_folder)},
-           "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
-                    "eval": {"split": "validation", "max_samples": 8}},
-           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
-                                         "compile": "none", "eager_generate": False,
-                                         "cache_len": 64}},
-           "stages": [{"kind": "export", "format": "transformers"},
-                      {"kind": "package", "batch_size": 4, "max_batch_delay_ms": 300,
-                       "max_new_tokens": 16, "tensor_parallel": 2}],
-           "output_dir": str(tmp / "runs")}
-    result = run_cli("run", str(write_recipe(tmp / "tp.yaml", raw)),
-                     env={"COMPRESS_DATA_DIR": str(data_dir)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    return tmp / "runs" / "tiny_tp"
+    return packaged_lm_run(tmp_path_factory.mktemp("tp_served"), "tiny_tp", varied_llama_folder,
+                           {"batch_size": 4, "max_batch_delay_ms": 300, "max_new_tokens": 16,
+                            "tensor_parallel": 2}, data_dir, 64)
 
 
 def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(

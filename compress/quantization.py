@@ -36,6 +36,7 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
     get_default_x86_inductor_quantization_config,
 )
 
+from compress.attention_dropout import switch_attention_dropout
 from compress.data import iterate
 from compress.errors import CompressError
 from compress.evaluate import logits_of
@@ -51,11 +52,10 @@ from compress.graphs import (
 )
 from compress.harness import example_inputs
 from compress.models import ModelBundle
-from export.random_ops import fx_random_nodes, op_arguments, refuse_random_ops
+from export.random_ops import fx_random_nodes, refuse_random_ops
 
 PROGRAM = "model.pt2"
 META = "model.json"
-TRAIN_DROPOUT = "compress_train_dropout_p"  # node.meta: an attention node's captured dropout_p
 
 
 class GraphModel(nn.Module):
@@ -91,30 +91,6 @@ class GraphModel(nn.Module):
             switch_attention_dropout(self.graph, mode)
         self.training = mode
         return self
-
-
-def switch_attention_dropout(graph: torch.fx.GraphModule, train: bool) -> None:
-    """Set the `dropout_p` argument of every attention node (SDPA and its kernels) to its
-    captured value in train mode and to 0.0 in eval mode.
-
-    A train-mode capture of Hugging Face attention passes its dropout as SDPA's `dropout_p`
-    argument, not as a dropout op, and torchao's `move_exported_model_to_eval` rewrites only
-    aten.dropout and batch norm: the attention dropout stayed on through `convert_pt2e`,
-    every evaluation and every export."""
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        names = [arg.name for arg in node.target._schema.arguments]
-        if "dropout_p" not in names:
-            continue
-        captured = node.meta.setdefault(
-            TRAIN_DROPOUT, op_arguments(node.target, node.args, node.kwargs)["dropout_p"])
-        index = names.index("dropout_p")
-        if index < len(node.args):
-            node.update_arg(index, captured if train else 0.0)
-        else:
-            node.update_kwarg("dropout_p", captured if train else 0.0)
-    graph.recompile()
 
 
 # --- export -----------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from typing import Any
 import yaml
 
 import serve
-from serve.worker_threads import worker_threads  # noqa: F401 (the archive's API)
 
 SERVE = Path(serve.__file__).parent  # what ships inside an archive
 HANDLER = SERVE / "handler.py"

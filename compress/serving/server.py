@@ -29,7 +29,6 @@ import yaml
 from compress.errors import UserError
 from compress.launch import TORCHRUN_ENV
 from compress.records import MANIFEST, require_manifest
-from compress.serving.archive import worker_threads
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     SERVER_INFO,
@@ -43,6 +42,7 @@ from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     write_info,
 )
 from compress.serving.worker_log import WorkerLog
+from serve.worker_threads import worker_threads
 
 PID_FILE = ".model_server.pid"
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour

@@ -9,15 +9,10 @@ from typing import Any
 
 from compress.errors import CompressError
 from compress.records import Manifest, StageRecord, artifact_record
-from compress.serving.archive import (
-    HANDLER,
-    SERVED_METRICS,
-    build_mar,
-    model_config,
-    worker_threads,
-)
+from compress.serving.archive import HANDLER, SERVED_METRICS, build_mar, model_config
 from compress.stages.package_spec import PackageConfig
 from compress.state import StageContext, State
+from serve.worker_threads import worker_threads
 
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:

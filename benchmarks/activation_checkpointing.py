@@ -1,5 +1,5 @@
 """Activation checkpointing on SmolLM2-135M: peak resident memory and step time of the
-shared training loop (`compress.train`, next-token loss on packed SST-2 text) with and
+shared training loop (`compress.train.loop`, next-token loss on packed SST-2 text) with and
 without `activation_checkpointing`, each setting in a fresh process (a process keeps the
 memory it freed, so two settings in one process would share one peak), rounds alternating;
 medians and ratios printed.
@@ -27,11 +27,11 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def child(checkpointing: bool, batch: int, length: int, steps: int) -> dict:
     """Train `steps` steps in this process; its peak memory and median step time."""
-    from compress.causal_lm import load_causal_lm
-    from compress.lm_distill import lm_loss, packed_examples
-    from compress.memory import peak_rss_mb
-    from compress.stages.finetune_spec import FinetuneConfig
-    from compress.train import train
+    from compress.algorithms.lm_distill import lm_loss, packed_examples
+    from compress.measure.memory import peak_rss_mb
+    from compress.models.causal_lm import load_causal_lm
+    from compress.recipe.kinds.finetune import FinetuneConfig
+    from compress.train.loop import train
 
     root = Path(os.environ.get("COMPRESS_DATA_DIR", "../shared/data"))
     with open(root / "stanfordnlp/sst2/train.tsv", encoding="utf-8") as handle:

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from compress.records import read_manifest
+from compress.runfolder.records import read_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ratios.py, also when loaded as a file
 from ratios import (  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress.causal_lm import (  # noqa: E402
+from compress.models.causal_lm import (  # noqa: E402
     StaticDecoder,
     greedy_agreement,
     load_causal_lm,

@@ -25,10 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from compress.data_sources import resolve_data
 from compress.errors import UserError, one_line
-from compress.rebench import _settings, artifacts_of, run_json_child
-from compress.runfolder import atomic_write_json, atomic_write_text, now, run_lock
+from compress.recipe.datasets import resolve_data
+from compress.report.rebench import _settings, artifacts_of, run_json_child
+from compress.runfolder.files import atomic_write_json, atomic_write_text, now, run_lock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
 import peers_optimum as optimum  # noqa: E402

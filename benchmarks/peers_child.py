@@ -29,11 +29,11 @@ GEMM_SHAPES = ((1024, 1024, 1024), (1024, 384, 1536))
 
 def artifact(spec: dict[str, Any]) -> dict[str, Any]:
     """Load one artifact and measure it; the figures with `pid` and `load_s`."""
-    from compress.data import load_data
-    from compress.data_sources import resolve_data
-    from compress.evaluate import evaluate
-    from compress.measure import latency_sweep, real_latency
-    from compress.rebench import load_for_child
+    from compress.data.datasets import load_data
+    from compress.measure.evaluate import evaluate
+    from compress.measure.figures import latency_sweep, real_latency
+    from compress.recipe.datasets import resolve_data
+    from compress.report.rebench import load_for_child
 
     recipe = eval_recipe(Path(spec["run_dir"]))
     data = load_data(recipe, resolve_data(recipe.data.source))  # the run's eval split
@@ -60,8 +60,8 @@ def eval_recipe(run_dir: Path) -> Any:
     out also because the recipe.yaml of runs made before compress wrote it as given, with
     every default filled in, does not validate again when it has export stages.)"""
     from compress.errors import UserError
-    from compress.recipe import validate_raw
-    from compress.recipe_yaml import read_yaml
+    from compress.recipe.files import read_yaml
+    from compress.recipe.schema import validate_raw
 
     raw = {**read_yaml(run_dir / "recipe.yaml"), "stages": []}
     recipe, problems = validate_raw(raw)
@@ -87,7 +87,7 @@ def gemm(spec: dict[str, Any]) -> dict[str, Any]:
     """GFLOP/s (fp32, bf16) and GOP/s (int8) of the best shape, per shape too."""
     import torch
 
-    from compress.runfolder import environment
+    from compress.runfolder.files import environment
 
     threads = spec.get("threads") or os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -140,7 +140,7 @@ def _ort_int8_rate(m: int, k: int, n: int, threads: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the spec's mode and print its JSON line; 1 with {"error": ...} when it fails."""
-    from compress.rebench import child_main
+    from compress.report.rebench import child_main
 
     return child_main(lambda spec: gemm(spec) if spec.get("mode") == "gemm" else artifact(spec),
                       argv)

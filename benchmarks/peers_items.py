@@ -13,10 +13,10 @@ import peers_optimum as optimum
 from peers_table import FLOPS_BATCH, SEQ_LEN, forward_flops
 
 from compress.errors import UserError
-from compress.rebench import _select, artifacts_of
-from compress.records import Manifest, require_manifest
-from compress.runtimes import producer, reference_index, runtime_label
-from compress.stages.export_spec import SPEC as EXPORT_SPEC
+from compress.recipe.kinds.export import SPEC as EXPORT_SPEC
+from compress.report.rebench import _select, artifacts_of
+from compress.report.runtimes import producer, reference_index, runtime_label
+from compress.runfolder.records import Manifest, require_manifest
 
 PEER_LABELS = {"optimum_fp32": "ONNX Runtime fp32 (Optimum)",
                "optimum_int8": f"ONNX Runtime int8 dynamic (Optimum {optimum.QUANTIZE_ISA})"}

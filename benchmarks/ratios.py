@@ -21,10 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.harness import NOISY_SPREAD  # also cross-checks input timings
-from compress.records import Manifest, StageRecord, read_manifest
-from compress.runtimes import producer, reference_index, runtime_label
-from compress.stages.spec import all_specs, spec_of
+from compress.measure.latency import NOISY_SPREAD  # also cross-checks input timings
+from compress.recipe.registry import all_specs, spec_of
+from compress.report.runtimes import producer, reference_index, runtime_label
+from compress.runfolder.records import Manifest, StageRecord, read_manifest
 
 SERVED_RECIPE = "bert_int8"
 

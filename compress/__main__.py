@@ -1,4 +1,4 @@
-from compress.cli import main
+from compress.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.data import DataBundle, Examples
-from compress.models import ModelBundle
-from compress.recipe import Recipe, load_recipe
+from compress.data.datasets import DataBundle, Examples
+from compress.models.bundle import ModelBundle
+from compress.recipe.schema import Recipe, load_recipe
 
 
 def run(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (),
         force: bool = False) -> Path:
     """Run a recipe (a `Recipe` or a file with `KEY=VALUE` overrides); its run folder."""
-    from compress.pipeline import run_recipe
+    from compress.run.pipeline import run_recipe
 
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides, check_sources=True)
@@ -22,8 +22,8 @@ def run(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = ()
 
 def load_data(recipe: Recipe | str | Path) -> DataBundle:
     """Every split a recipe uses (`.splits["train" | "calibration" | "eval"]`)."""
-    from compress.data import load_data as load
-    from compress.sources import check_recipe_sources
+    from compress.data.datasets import load_data as load
+    from compress.recipe.sources import check_recipe_sources
 
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, check_sources=True)
@@ -33,9 +33,9 @@ def load_data(recipe: Recipe | str | Path) -> DataBundle:
 def load_model(source: str | Path, label_names: list[str] | None = None) -> ModelBundle:
     """A model saved by a stage (`runs/<name>/NN-<kind>/model`), or a Hugging Face
     classifier folder or id (with `label_names`, default two labels)."""
-    from compress.models import STRUCTURE, load_saved
-    from compress.models import load_model as build
-    from compress.sources import resolve_model
+    from compress.models.folders import STRUCTURE, load_saved
+    from compress.models.loading import load_model as build
+    from compress.recipe.sources import resolve_model
 
     folder = Path(source)
     written_by_a_stage = ("model.json", "model.pt2", "causal_lm.json", STRUCTURE)
@@ -48,7 +48,7 @@ def load_model(source: str | Path, label_names: list[str] | None = None) -> Mode
 def score(model: ModelBundle, examples: Examples, batch_size: int = 64,
              max_length: int = 128) -> dict[str, Any]:
     """Accuracy and macro-F1 of a model (a bundle or an export) on labelled examples."""
-    from compress.evaluate import evaluate as score
+    from compress.measure.evaluate import evaluate as score
 
     return score(model.model.eval(), examples, batch_size, model.tokenizer, max_length,
                  len(model.label_names))

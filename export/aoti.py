@@ -12,20 +12,20 @@ from typing import Any
 
 import torch
 
-from compress.graphs import (
+from export.graphs import (
+    Bundle,
     export_graph,
     export_inputs,
     graph_module,
     inductor_freezing,
     max_sequence,
 )
-from compress.models import ModelBundle
 from export.random_ops import fx_random_nodes, refuse_random_ops
 
 FILE = "model.aoti.pt2"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+def export(bundle: Bundle, cfg, folder: Path, calibration=None,
            log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Export and AOT-compile the model into `model.aoti.pt2`."""
     if bundle.kind == "pt2e":  # a GraphModel holding the converted int8 graph
@@ -41,8 +41,3 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     with inductor_freezing(True), torch.no_grad():
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     return path, {"aoti_max_seq": max_seq, **({"aoti_autocast": autocast} if autocast else {})}
-
-
-def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
-    """The compiled package, callable with the positional input tensors."""
-    return torch._inductor.aoti_load_package(str(path))

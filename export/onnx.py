@@ -13,29 +13,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from compress.data import Examples, iterate
-from compress.errors import ExportError
-from compress.graphs import (
+from export.errors import ExportError
+from export.graphs import (
     TEXT_INPUTS,
+    Bundle,
     dynamic_shapes,
     graph_module,
     max_sequence,
     one_line,
     traced_inputs,
 )
-from compress.models import ModelBundle
 from export.random_ops import onnx_random_nodes, refuse_random_ops
 
 FILE = "model.onnx"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+def export(bundle: Bundle, cfg, folder: Path, calibration=None,
            log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Write `model.onnx` (optimized and int8 per `cfg`); return it and what was done."""
     if bundle.kind == "pt2e":
@@ -55,8 +54,7 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
         facts["onnx_fused_ops"] = optimize(float_path, bundle)
     if cfg.quantize:
         excluded = float_nodes(float_path, cfg.keep_float)
-        quantize(float_path, path, cfg.quantize, bundle, calibration, cfg.calibration,
-                 max_length, excluded)
+        quantize(float_path, path, cfg.quantize, bundle, calibration, excluded)
         float_path.unlink()
         onnx.checker.check_model(str(path))
         facts["onnx_quantize"] = cfg.quantize
@@ -65,7 +63,7 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     return path, facts
 
 
-def write_onnx(bundle: ModelBundle, path: Path, opset: int, exporter: str,
+def write_onnx(bundle: Bundle, path: Path, opset: int, exporter: str,
                log: Callable[[str], None] = print) -> str:
     """Export with the dynamo exporter or the TorchScript-based one; return which worked."""
     module = graph_module(bundle).eval()
@@ -127,7 +125,7 @@ def _quiet_onnx_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def optimize(path: Path, bundle: ModelBundle) -> dict[str, int]:
+def optimize(path: Path, bundle: Bundle) -> dict[str, int]:
     """Fuse attention, layer norm and GELU with ONNX Runtime's transformer optimizer (BERT
     models; heads and width are detected from the graph, so pruned models work)."""
     from onnxruntime.transformers.optimizer import optimize_model
@@ -159,11 +157,10 @@ def float_nodes(path: Path, patterns: list[str]) -> list[str]:
     return names
 
 
-def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
-             calibration: Examples | None, options, max_length: int,
-             excluded: list[str] | None = None) -> None:
+def quantize(float_path: Path, path: Path, mode: str, bundle: Bundle,
+             calibration: Iterable[Any] | None, excluded: list[str] | None = None) -> None:
     """ONNX Runtime int8: dynamic (weights int8, activations at run time), or static QDQ
-    of the MatMul and Gemm ops with activations calibrated on `options.samples` examples;
+    of the MatMul and Gemm ops with activations calibrated on the `calibration` batches;
     the nodes named in `excluded` stay in float."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -180,8 +177,7 @@ def quantize(float_path: Path, path: Path, mode: str, bundle: ModelBundle,
         return
     pre = float_path.with_name("model.pre.onnx")
     quant_pre_process(str(float_path), str(pre), skip_symbolic_shape=True)
-    reader = _CalibrationReader(
-        _batches(bundle, calibration, options.samples, options.batch_size, max_length))
+    reader = _CalibrationReader(_feeds(bundle, calibration))
     # MatMul and Gemm only: calibrating every op takes in the attention mask's huge
     # negative fill, and BERT then agreed with fp32 on 77% of SST-2 (86.5% accuracy here)
     quantize_static(str(pre), str(path), reader, quant_format=QuantFormat.QDQ,
@@ -201,12 +197,11 @@ def _drop_value_info(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def _batches(bundle: ModelBundle, examples: Examples | None, samples: int, batch_size: int,
-             max_length: int) -> Iterator[dict[str, Any]]:
-    if examples is None:
+def _feeds(bundle: Bundle, batches: Iterable[Any] | None) -> Iterator[dict[str, Any]]:
+    """ONNX Runtime feeds of the calibration batches (token dicts, or image tensors)."""
+    if batches is None:
         raise ValueError("static ONNX Runtime quantization needs the calibration split")
-    order = list(range(min(samples, len(examples))))
-    for inputs, _ in iterate(examples, batch_size, bundle.tokenizer, max_length, order):
+    for inputs in batches:
         if not bundle.is_text:
             yield {"input": inputs.numpy()}
             continue
@@ -226,22 +221,3 @@ class _CalibrationReader:
 
     def rewind(self) -> None:  # the calibrator reads once
         pass
-
-
-def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
-    """An `onnxruntime.InferenceSession` (CPU) with `threads` intra-op threads."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    wanted = {i.name for i in session.get_inputs()}
-    names = meta["inputs"]
-
-    def run(*tensors: torch.Tensor) -> torch.Tensor:
-        feed = {n: t.cpu().numpy() for n, t in zip(names, tensors, strict=True) if n in wanted}
-        return torch.from_numpy(session.run(["logits"], feed)[0])
-
-    return run

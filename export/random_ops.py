@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from compress.errors import RandomOpError
+from export.errors import RandomOpError
 
 PROBABILITY_ARGS = ("dropout_p", "p", "dropout")
 UNKNOWN = object()  # an argument whose value is not a constant of the graph

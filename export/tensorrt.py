@@ -10,16 +10,15 @@ from typing import Any
 
 import torch
 
-from compress.errors import ExportError
-from compress.graphs import export_inputs, graph_module
-from compress.models import ModelBundle
+from export.errors import ExportError
+from export.graphs import Bundle, export_inputs, graph_module
 from export.random_ops import fx_random_nodes, refuse_random_ops
 
 FILE = "model.trt.ep"
 NO_GPU = "TensorRT export needs a CUDA GPU (none found)"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+def export(bundle: Bundle, cfg, folder: Path, calibration=None,
            log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Compile with torch-tensorrt for the recipe's shape profile and save the program."""
     if not torch.cuda.is_available():
@@ -52,17 +51,3 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     example = [t.cuda() for t in export_inputs(bundle)]
     torch_tensorrt.save(compiled, str(path), output_format="exported_program", inputs=example)
     return path, {"trt_precision": cfg.precision}
-
-
-def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
-    """The saved TensorRT program on the GPU; inputs go to CUDA and logits come back."""
-    if not torch.cuda.is_available():
-        raise ExportError(NO_GPU)
-    import torch_tensorrt  # noqa: F401  (registers the TensorRT runtime ops)
-
-    module = torch.export.load(str(path)).module()
-
-    def run(*tensors: torch.Tensor) -> torch.Tensor:
-        return module(*(t.cuda() for t in tensors)).float().cpu()
-
-    return run

@@ -9,15 +9,14 @@ from typing import Any
 
 import torch
 
-from compress.errors import ExportError
-from compress.graphs import graph_module, traced_inputs
-from compress.models import ModelBundle
+from export.errors import ExportError
+from export.graphs import Bundle, graph_module, traced_inputs
 from export.random_ops import refuse_random_ops, script_random_nodes
 
 FILE = "model.ts"
 
 
-def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length: int = 128,
+def export(bundle: Bundle, cfg, folder: Path, calibration=None,
            log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
     """Trace the model (HF models through a logits-only wrapper) and save `model.ts`."""
     if bundle.kind == "pt2e":
@@ -32,10 +31,3 @@ def export(bundle: ModelBundle, cfg, folder: Path, calibration=None, max_length:
     path = folder / FILE
     torch.jit.save(traced, str(path))
     return path, {}
-
-
-def load(path: Path, meta: dict[str, Any], threads: int) -> Callable[..., Any]:
-    """The saved module, in eval mode."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.load(str(path), map_location="cpu").eval()

@@ -23,8 +23,10 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
+    from runtimes import load_runtime
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
+    from serve.runtimes import load_runtime
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class CompressHandler(BaseHandler):
         self.meta = json.loads((model_dir / "export.json").read_text())
         self.threads = worker_threads(settings.get("threads"), config.get("maxWorkers", 1))
         torch.set_num_threads(self.threads)
-        self.forward = load_runtime(model_dir, self.meta, self.threads)
+        self.forward = load_runtime(model_dir, self.meta, self.threads, spinning=False)
         names = json.loads((model_dir / "index_to_name.json").read_text())
         self.labels = [names[str(i)] for i in range(len(names))]
         self.text = bool(self.meta["text"])
@@ -180,40 +182,6 @@ class CompressHandler(BaseHandler):
             answers.append({"label": self.labels[best], "score": row[best],
                             "probabilities": dict(zip(self.labels, row, strict=True))})
         return answers
-
-
-def load_runtime(model_dir: Path, meta: dict[str, Any], threads: int):
-    """A callable running the exported file with positional input tensors (what
-    export.runtime.load_export does in compress, repeated so the archive needs only torch,
-    onnxruntime and transformers)."""
-    path = model_dir / meta["file"]
-    fmt = meta["format"]
-    if fmt == "torchscript":
-        module = torch.jit.load(str(path), map_location="cpu")
-        module.eval()
-        return module
-    if fmt == "aoti":
-        return torch._inductor.aoti_load_package(str(path))
-    if fmt == "onnx":
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # no spin-waiting between batches: the spinning pool took the cores the worker's
-        # own Python (tokenizing, JSON) needs between two session runs
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        wanted = {i.name for i in session.get_inputs()}
-        names = meta["inputs"]
-
-        def run(*tensors: torch.Tensor) -> torch.Tensor:
-            feed = {n: t.numpy() for n, t in zip(names, tensors, strict=True) if n in wanted}
-            return torch.from_numpy(session.run(["logits"], feed)[0])
-
-        return run
-    raise RuntimeError(f"export format {fmt} cannot be served by this handler")
 
 
 def _content_type(context, idx: int, request: dict[str, Any]) -> str:

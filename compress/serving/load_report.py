@@ -77,7 +77,7 @@ def load_payloads(texts_file: str | None) -> list[bytes]:
 def record_result(run_dir: str, result: dict) -> str:
     """Write `loadtest.json` (the sweep and when it ran) into the run folder."""
 
-    from compress.runfolder import atomic_write_json, now
+    from compress.runfolder.files import atomic_write_json, now
     from compress.serving.server import read_info
 
     path = Path(run_dir) / "loadtest.json"

@@ -41,7 +41,7 @@ def read_info(serve_dir: Path) -> dict[str, Any] | None:
 
 
 def write_info(serve_dir: Path, info: dict[str, Any]) -> None:
-    from compress.runfolder import atomic_write_json
+    from compress.runfolder.files import atomic_write_json
 
     atomic_write_json(serve_dir / SERVER_INFO, info)
 

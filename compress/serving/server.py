@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
+from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import UserError
-from compress.launch import TORCHRUN_ENV
-from compress.records import MANIFEST, require_manifest
+from compress.runfolder.records import MANIFEST, require_manifest
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     SERVER_INFO,

@@ -1,1 +1,3 @@
-"""Stage kinds: configs in `configs.py` (torch-free), one `run(state, cfg, ctx)` module each."""
+"""Stage run modules: one `run(state, cfg, ctx) -> state` per kind (and per model family);
+their configs and specs are in compress.recipe.kinds.
+"""

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.data import iterate
-from compress.evaluate import logits_of
-from compress.graphs import inductor_freezing
-from compress.models import ModelBundle
-from compress.quantization import GraphModel, compile_graph
-from compress.stages.compile_spec import CompileConfig
-from compress.state import StageContext, State
+from compress.data.datasets import iterate
+from compress.measure.evaluate import logits_of
+from compress.models.bundle import ModelBundle
+from compress.models.graph_model import GraphModel, compile_graph
+from compress.recipe.kinds.compile import CompileConfig
+from compress.stages.context import StageContext, State
+from export.graphs import inductor_freezing
 
 
 class CompiledModel(nn.Module):
@@ -111,8 +111,8 @@ def run(state: State, cfg: CompileConfig, ctx: StageContext) -> State:
 def reload(folder: Path, config: dict[str, Any], threads: int | None,
            override: int | None = None) -> ModelBundle:
     """The saved model compiled with the stage's options, its first (compiling) call made."""
-    from compress.models import load_saved
-    from compress.quantization import warm_up
+    from compress.algorithms.quantization import warm_up
+    from compress.models.folders import load_saved
 
     bundle = compiled_bundle(load_saved(folder), CompileConfig.model_validate(config))
     warm_up(bundle.model.eval(), bundle)

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from compress.lm_measure import decoder_for, prompt_ids
-from compress.models import ModelBundle
-from compress.stages.compile_spec import CompileConfig
-from compress.state import StageContext, State
+from compress.measure.generation import decoder_for, prompt_ids
+from compress.models.bundle import ModelBundle
+from compress.recipe.kinds.compile import CompileConfig
+from compress.stages.context import StageContext, State
 
 
 def decode_mode(cfg: CompileConfig) -> str:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.distill import build_student, encoder_layers, make_kd_loss_fn
+from compress.algorithms.distill import build_student, encoder_layers, make_kd_loss_fn
 from compress.errors import CompressError
-from compress.models import ModelBundle, count_params
-from compress.stages.distill_spec import DistillConfig
-from compress.state import StageContext, State
-from compress.train import TrainSetup
+from compress.models.bundle import ModelBundle, count_params
+from compress.recipe.kinds.distill import DistillConfig
+from compress.stages.context import StageContext, State
+from compress.train.loop import TrainSetup
 
 
 def distill(teacher: ModelBundle, cfg: DistillConfig, setup: TrainSetup

@@ -3,15 +3,13 @@ trained on the train split's text (packed into `data.max_length` blocks) against
 teacher's next-token distributions. Perplexity is measured on the eval split for the
 teacher, the student right after the drop, and the trained student. With
 `quantization_aware`, the student's decoder Linears train on a weight scheme's grid and end
-on it (`compress.lm_qat`): the int4 model a later `quantize` makes is the one distilled."""
+on it (`compress.algorithms.lm_qat`): the int4 model a later `quantize` makes is the one
+distilled."""
 
 from __future__ import annotations
 
-from compress import lm_qat
-from compress.causal_lm import perplexity
-from compress.errors import CompressError
-from compress.family_causal_lm import PPL_BATCH
-from compress.lm_distill import (
+from compress.algorithms import lm_qat
+from compress.algorithms.lm_distill import (
     decoder_layers,
     drop_layers,
     kept_layers,
@@ -19,9 +17,12 @@ from compress.lm_distill import (
     packed_examples,
     recovery,
 )
-from compress.models import ModelBundle, count_params
-from compress.stages.distill_spec import DistillConfig
-from compress.state import StageContext, State
+from compress.errors import CompressError
+from compress.families.causal_lm import PPL_BATCH
+from compress.models.bundle import ModelBundle, count_params
+from compress.models.causal_lm import perplexity
+from compress.recipe.kinds.distill import DistillConfig
+from compress.stages.context import StageContext, State
 
 
 def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:

@@ -11,37 +11,32 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.models import ModelBundle, count_params, sparsity
-from compress.records import artifact_record
-from compress.stages.export_spec import ExportConfig
-from compress.state import StageContext, State
-from export import parity
-from export.runtime import format_module, load_export, write_meta
+from compress.data.datasets import Examples, iterate
+from compress.measure import parity
+from compress.models.bundle import ModelBundle, count_params, sparsity
+from compress.models.folders import load_export
+from compress.recipe.kinds.export import ExportConfig
+from compress.runfolder.records import artifact_record
+from compress.stages.context import StageContext, State
+from export.folder import write_export
 
 
-def export(bundle: ModelBundle, cfg: ExportConfig, folder: Path, calibration=None,
-           max_length: int = 128, log: Callable[[str], None] = print
-           ) -> tuple[Path, dict[str, Any]]:
-    """Write `bundle` in `cfg.format` into `folder` (built under a temporary name, then
-    renamed) with `export.json`; the exported file and what was done. `calibration`
-    (Examples) feeds ONNX Runtime static int8. ExportError / CaptureError on failure."""
-    folder = Path(folder)
-    module = format_module(cfg.format)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    began = time.perf_counter()
-    path, facts = module.export(bundle, cfg, tmp, calibration, max_length, log)
-    write_meta(tmp, cfg.format, path.name, bundle, source_kind=bundle.kind, **facts)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder / path.name, {**facts, "export_s": round(time.perf_counter() - began, 3)}
+def export(bundle: ModelBundle, cfg: ExportConfig, folder: Path,
+           calibration: Examples | None = None, max_length: int = 128,
+           log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+    """Write `bundle` in `cfg.format` into `folder` (export.folder.write_export); the
+    exported file and what was done. `calibration` feeds ONNX Runtime static int8, in
+    batches of `cfg.calibration`."""
+    batches = None
+    if calibration is not None:
+        order = list(range(min(cfg.calibration.samples, len(calibration))))
+        batches = (inputs for inputs, _ in iterate(calibration, cfg.calibration.batch_size,
+                                                    bundle.tokenizer, max_length, order))
+    return write_export(bundle, cfg, folder, batches, log)
 
 
 def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:

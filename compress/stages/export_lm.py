@@ -2,7 +2,7 @@
 transformers + torchao load, with `lm_runtime.py` beside it to decode it, proven by decoding.
 
 The folder (`<stage>/transformers/`, built under a temporary name and renamed when
-complete) holds what `compress.lm_models.save_lm` writes (config, tokenizer, safetensors or
+complete) holds what `compress.models.lm_folder.save_lm` writes (config, tokenizer, safetensors or
 a torchao state dict, `causal_lm.json`), `lm_runtime.py` and `lm_decode.py` (torch,
 transformers and torchao only), `export.json` and `parity.json`. Parity: the exported
 folder, read back through lm_runtime, encodes the recipe's prompts and decodes them
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.causal_lm import greedy_agreement
 from compress.errors import ParityError
-from compress.lm_models import save_lm
-from compress.models import ModelBundle, count_params
-from compress.records import artifact_record
-from compress.stages.export_spec import LM_FORMAT, ExportConfig
-from compress.state import StageContext, State
+from compress.models.bundle import ModelBundle, count_params
+from compress.models.causal_lm import greedy_agreement
+from compress.models.lm_folder import save_lm
+from compress.recipe.kinds.export import LM_FORMAT, ExportConfig
+from compress.runfolder.records import artifact_record
+from compress.stages.context import StageContext, State
 from serve import lm_decode, lm_grouped_int8, lm_runtime, lm_tensor_parallel
 
 RUNTIME = Path(lm_runtime.__file__)

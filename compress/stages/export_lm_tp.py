@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import CompressError, ParityError
-from compress.launch import TORCHRUN_ENV
-from compress.stages.export_spec import ExportConfig
-from compress.state import StageContext
+from compress.recipe.kinds.export import ExportConfig
+from compress.stages.context import StageContext
 from serve.lm_tensor_parallel import split_problem
 
 DEFAULT_TOLERANCE = 1e-4

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from compress.stages.finetune_spec import FinetuneConfig
-from compress.state import StageContext, State
+from compress.recipe.kinds.finetune import FinetuneConfig
+from compress.stages.context import StageContext, State
 
 
 def run(state: State, cfg: FinetuneConfig, ctx: StageContext) -> State:

@@ -3,10 +3,10 @@ packed into `data.max_length` blocks, with the shared training loop."""
 
 from __future__ import annotations
 
+from compress.algorithms.lm_distill import lm_loss, packed_examples
 from compress.errors import CompressError
-from compress.lm_distill import lm_loss, packed_examples
-from compress.stages.finetune_spec import FinetuneConfig
-from compress.state import StageContext, State
+from compress.recipe.kinds.finetune import FinetuneConfig
+from compress.stages.context import StageContext, State
 
 
 def run(state: State, cfg: FinetuneConfig, ctx: StageContext) -> State:

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError
-from compress.records import Manifest, StageRecord, artifact_record
+from compress.recipe.kinds.package import PackageConfig
+from compress.runfolder.records import Manifest, StageRecord, artifact_record
 from compress.serving.archive import HANDLER, SERVED_METRICS, build_mar, model_config
-from compress.stages.package_spec import PackageConfig
-from compress.state import StageContext, State
+from compress.stages.context import StageContext, State
 from serve.worker_threads import worker_threads
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from compress.recipe.kinds.package import PackageConfig, lm_new_tokens
 from compress.serving.archive import HANDLER
+from compress.stages.context import StageContext, State
 from compress.stages.package import archive
-from compress.stages.package_spec import PackageConfig, lm_new_tokens
-from compress.state import StageContext, State
 from serve.worker_threads import worker_threads
 
 LM_HANDLER = HANDLER.with_name("lm_handler.py")  # imports TorchServe: not imported here

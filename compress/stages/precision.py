@@ -7,9 +7,9 @@ import time
 import torch
 
 from compress.errors import CompressError
-from compress.models import ModelBundle
-from compress.stages.precision_spec import PrecisionConfig
-from compress.state import StageContext, State
+from compress.models.bundle import ModelBundle
+from compress.recipe.kinds.precision import PrecisionConfig
+from compress.stages.context import StageContext, State
 
 DTYPES = {"bf16": torch.bfloat16}
 

@@ -14,24 +14,24 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import CompressError
-from compress.harness import example_inputs
-from compress.models import ModelBundle, count_params
-from compress.pruning import (
+from compress.algorithms.pruning import (
     Masks,
     apply_masks,
     count_macs,
     cubic_sparsity,
     layer_sparsity,
-    merge_structure,
     overall_sparsity,
     prune_magnitude,
     prune_structured,
     select_layers,
 )
-from compress.stages.prune_spec import PruneConfig
-from compress.state import StageContext, State
-from compress.train import TrainSetup, total_steps
+from compress.errors import CompressError
+from compress.models.bundle import ModelBundle, count_params
+from compress.models.structure import merge_structure
+from compress.recipe.kinds.prune import PruneConfig
+from compress.stages.context import StageContext, State
+from compress.train.loop import TrainSetup, total_steps
+from export.graphs import example_inputs
 
 FLOPS_SEQ_LEN = 128
 REPRUNE_TIMES = 10  # how often gradual pruning raises the sparsity over the recovery steps

@@ -1,15 +1,15 @@
-"""Stage `prune` on a causal LM: structured only (`compress.lm_pruning`): whole feed-forward
-neurons and/or whole key-value groups of heads, the same number in every layer, then an
-optional recovery fine-tune (next-token loss on the packed train text)."""
+"""Stage `prune` on a causal LM: structured only (`compress.algorithms.lm_pruning`): whole
+feed-forward neurons and/or whole key-value groups of heads, the same number in every
+layer, then an optional recovery fine-tune (next-token loss on the packed train text)."""
 
 from __future__ import annotations
 
+from compress.algorithms.lm_distill import lm_loss, packed_examples
+from compress.algorithms.lm_pruning import prune_lm
 from compress.errors import CompressError
-from compress.lm_distill import lm_loss, packed_examples
-from compress.lm_pruning import prune_lm
-from compress.models import count_params
-from compress.stages.prune_spec import PruneConfig
-from compress.state import StageContext, State
+from compress.models.bundle import count_params
+from compress.recipe.kinds.prune import PruneConfig
+from compress.stages.context import StageContext, State
 
 
 def run(state: State, cfg: PruneConfig, ctx: StageContext) -> State:

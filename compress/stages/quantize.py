@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.quantization import load_quantized, quantize
-from compress.stages.quantize_spec import QuantizeConfig
-from compress.state import StageContext, State
+from compress.algorithms.quantization import quantize
+from compress.models.graph_model import load_quantized
+from compress.recipe.kinds.quantize import QuantizeConfig
+from compress.stages.context import StageContext, State
 
 
 def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
@@ -28,8 +29,8 @@ def reload(folder: Path, config: dict[str, Any], threads: int | None,
            override: int | None = None) -> Any:
     """The saved int8 model as the stage measured it: compiled with freezing (unless the
     stage had `compile` off), its first, compiling call made."""
-    from compress.models import load_saved
-    from compress.quantization import warm_up
+    from compress.algorithms.quantization import warm_up
+    from compress.models.folders import load_saved
 
     if not (folder / "model.pt2").is_file():
         return load_saved(folder)

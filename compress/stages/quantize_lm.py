@@ -1,9 +1,9 @@
 """Stage `quantize` on a causal LM: a torchao weight scheme on every Linear (the output
 projection by `head_scheme`), activations in bfloat16 where the CPU computes it natively.
-`mode: qat` first trains the weights on the scheme's grid (`compress.lm_qat`) against the
+`mode: qat` first trains the weights on the scheme's grid (`compress.algorithms.lm_qat`) against the
 entering model's next-token distributions (KL at temperature 1, no label loss: the target
 is the float model, not the train text). `equalize` first scales the Linears' input channels
-by their activations (`compress.lm_equalize`), folded into the float weights."""
+by their activations (`compress.algorithms.lm_equalize`), folded into the float weights."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from typing import Any
 
 from torch import nn
 
-from compress import lm_equalize, lm_qat
-from compress.causal_lm import quantize_weights
+from compress.algorithms import lm_equalize, lm_qat
+from compress.algorithms.lm_distill import make_lm_kd_loss_fn, packed_examples
 from compress.errors import CompressError
-from compress.lm_distill import make_lm_kd_loss_fn, packed_examples
-from compress.models import ModelBundle
-from compress.stages.quantize_spec import QuantizeConfig
-from compress.state import StageContext, State
+from compress.models.bundle import ModelBundle
+from compress.models.causal_lm import quantize_weights
+from compress.recipe.kinds.quantize import QuantizeConfig
+from compress.stages.context import StageContext, State
 from serve.lm_runtime import DTYPES, head_scheme_of
 
 
@@ -34,7 +34,7 @@ def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
         return choice
     if scheme == "int8_grouped":
         return "float32"
-    from compress.runfolder import bf16_supported
+    from compress.runfolder.files import bf16_supported
 
     weight_only = scheme in ("int8_weight_only", "int4_weight_only")
     return "bfloat16" if weight_only or bf16_supported() else "float32"

@@ -7,14 +7,14 @@ from pathlib import Path
 import torch
 from conftest import minilm_folder
 
-from compress.data import collate, load_data
-from compress.data_sources import resolve_data
-from compress.recipe import Recipe
+from compress.data.datasets import collate, load_data
+from compress.recipe.datasets import resolve_data
+from compress.recipe.schema import Recipe
 
 
 def _recipe(source: str, **data) -> Recipe:
     return Recipe.model_validate({
-        "name": "t", "model": {"source": "compress.zoo:mlp"},
+        "name": "t", "model": {"source": "compress.models.zoo:mlp"},
         "data": {"source": source, "text_column": "sentence", **data},
         "stages": [{"kind": "finetune"}]})
 
@@ -31,7 +31,7 @@ def test_sst2_mirror_through_compress_data_dir(data_dir: Path, monkeypatch) -> N
 def test_text_batches_are_padded_to_their_longest_item(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from compress.data import Examples
+    from compress.data.datasets import Examples
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
     examples = Examples(labels=[0, 1, 0], texts=["short", "a somewhat longer sentence here",

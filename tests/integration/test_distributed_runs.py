@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, digits_recipe, run_cli, start_and_kill_rank_1, write_recipe
 
-from compress.distributed import param_digest
-from compress.models import load_saved
+from compress.distributed.process_group import param_digest
+from compress.models.folders import load_saved
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
 
@@ -46,7 +46,7 @@ def test_two_ranks_train_identical_replicas_and_rank_0_runs_the_rest(tmp_path: P
 
 def _long_recipe(tmp_path: Path) -> tuple[Path, Path]:
     raw = digits_recipe(tmp_path / "runs", epochs=40, checkpoint_every=20, batch_size=16)
-    raw["model"] = {"source": "compress.zoo:small_cnn",
+    raw["model"] = {"source": "compress.models.zoo:small_cnn",
                     "kwargs": {"num_classes": 10, "channels": 32}}
     raw["stages"][0]["learning_rate"] = 0.003
     recipe = write_recipe(tmp_path / "r.yaml", raw)

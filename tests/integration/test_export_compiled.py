@@ -11,8 +11,8 @@ import torch
 from conftest import digits_recipe, write_recipe
 
 from compress.errors import UserError
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 
 pytest.importorskip("onnxruntime")
 

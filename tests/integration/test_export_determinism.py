@@ -19,17 +19,17 @@ import pytest
 import torch
 from conftest import NEGATIVE, POSITIVE
 
+from compress.algorithms.quantization import quantize
 from compress.api import load_model
-from compress.data import Examples
-from compress.models import ModelBundle
-from compress.quantization import quantize
+from compress.data.datasets import Examples
+from compress.measure import parity
+from compress.models.bundle import ModelBundle
+from compress.recipe.kinds.export import ExportConfig
+from compress.recipe.kinds.quantize import QuantizeConfig
+from compress.recipe.options import TrainOptions
 from compress.stages.export import export
-from compress.stages.export_spec import ExportConfig
-from compress.stages.options import TrainOptions
-from compress.stages.quantize_spec import QuantizeConfig
-from compress.train import TrainSetup
-from export import parity
-from export.runtime import load_export
+from compress.train.loop import TrainSetup
+from export.folder import load_export
 
 pytest.importorskip("onnxruntime")
 MAX_LENGTH = 32

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import write_recipe
 
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 
 pytest.importorskip("onnxruntime")
 

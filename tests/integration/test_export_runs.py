@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import digits_recipe, run_cli, write_recipe
 
-from compress.stages.spec import cuda_device_present
+from compress.recipe.registry import cuda_device_present
 
 pytest.importorskip("onnxruntime")
 

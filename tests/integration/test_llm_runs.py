@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_cli
 
-from compress.sources import shipped_gguf
+from compress.recipe.sources import shipped_gguf
 
 pytestmark = pytest.mark.skipif(
     shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct") is None,

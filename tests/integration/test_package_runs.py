@@ -17,7 +17,7 @@ pytest.importorskip("ts")
 
 from ts.context import Context, RequestProcessor  # noqa: E402
 
-from export.runtime import load_export  # noqa: E402
+from export.folder import load_export  # noqa: E402
 from serve.handler import BATCH_HEADER, CompressHandler  # noqa: E402
 
 

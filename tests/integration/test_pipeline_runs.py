@@ -14,7 +14,7 @@ import torch
 from conftest import digits_recipe, run_cli, write_recipe
 from safetensors.torch import load_file
 
-from compress.runfolder import sha256_file
+from compress.runfolder.files import sha256_file
 
 METRIC_KEYS = {"accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8", "size_mb", "params",
                "sparsity"}

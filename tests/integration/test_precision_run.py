@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import text_recipe
 
 import compress
-from compress.stages.spec import HARDWARE
+from compress.recipe.registry import HARDWARE
 
 
 def test_bf16_run_halves_the_weights_and_exports_to_aoti(tiny_bert: Path, tmp_path,

@@ -9,11 +9,9 @@ import torch
 from conftest import digits_recipe, minilm_folder, run_cli, write_recipe
 from torch import nn
 
-from compress.models import ModelBundle, load_saved, save_model
-from compress.pruning import (
-    prune_structured,
-    select_layers,
-)
+from compress.algorithms.pruning import prune_structured, select_layers
+from compress.models.bundle import ModelBundle
+from compress.models.folders import load_saved, save_model
 
 EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]
 
@@ -60,7 +58,7 @@ def test_hf_structure_round_trips_through_save_and_load(tmp_path: Path) -> None:
 
 def test_pipeline_finetune_then_prune_channels(tmp_path: Path) -> None:
     raw = digits_recipe(tmp_path / "runs", epochs=4, learning_rate=3e-3)
-    raw["model"] = {"source": "compress.zoo:small_cnn", "kwargs": {"channels": 8}}
+    raw["model"] = {"source": "compress.models.zoo:small_cnn", "kwargs": {"channels": 8}}
     raw["stages"].append({"kind": "prune", "method": "structured", "target": "channels",
                           "amount": 0.5, "recovery": {"epochs": 1, "batch_size": 32,
                                                       "learning_rate": 1e-3}})

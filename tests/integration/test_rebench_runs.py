@@ -11,7 +11,7 @@ import pytest
 from conftest import digits_recipe, run_cli, write_recipe
 
 from compress.errors import UserError
-from compress.rebench import artifacts_of, bench_fresh
+from compress.report.rebench import artifacts_of, bench_fresh
 
 pytest.importorskip("onnxruntime")
 

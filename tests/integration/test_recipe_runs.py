@@ -14,9 +14,9 @@ import yaml
 from conftest import REPO, digits_recipe, run_cli, write_recipe
 
 from compress.errors import UserError
-from compress.recipe import load_recipe
-from compress.sources import check_recipe_sources
-from compress.stages.spec import bf16_cpu_present, cuda_device_present
+from compress.recipe.registry import bf16_cpu_present, cuda_device_present
+from compress.recipe.schema import load_recipe
+from compress.recipe.sources import check_recipe_sources
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -26,12 +26,12 @@ def test_every_shipped_recipe_validates(path: Path, data_dir: Path, monkeypatch)
     monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
     recipe = load_recipe(path, check_sources=True)  # hardware is checked by `run`, not here
     if "format: tensorrt" in path.read_text() and not cuda_device_present():
-        from compress.pipeline import check_hardware
+        from compress.run.pipeline import check_hardware
 
         with pytest.raises(UserError, match=r"stages.1: this stage needs a CUDA GPU"):
             check_hardware(recipe)
     if "kind: precision" in path.read_text() and not bf16_cpu_present():
-        from compress.pipeline import check_hardware
+        from compress.run.pipeline import check_hardware
 
         with pytest.raises(UserError, match=r"stages.1: this stage needs a CPU that computes "
                                             r"bfloat16 natively"):
@@ -51,7 +51,7 @@ def test_validate_cli_accepts_bert_finetune(data_dir: Path) -> None:
 def test_validate_does_not_import_torch(data_dir: Path) -> None:
     code = (
         "import sys\n"
-        "from compress.cli import cli\n"
+        "from compress.cli.main import cli\n"
         f"cli.main(['validate', {str(REPO / 'recipes/bert_finetune.yaml')!r}],"
         " standalone_mode=False)\n"
         "assert 'torch' not in sys.modules, 'validate imported torch'\n"

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from conftest import REPO, SHRUNK_SST2, run_cli
 
-from compress.recipe import load_recipe
+from compress.recipe.schema import load_recipe
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import digits_recipe, run_cli, write_recipe
 
-from compress.report import build_report, compare, render_markdown
+from compress.report.build import build_report, compare, render_markdown
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_cli_report_formats_and_no_torch_import(runs: Path, tmp_path: Path) -> N
     out = tmp_path / "r.md"
     written = run_cli("report", str(run_dir), "--format", "markdown", "--output", str(out))
     assert written.returncode == 0 and out.read_text().startswith("# compress report")
-    code = ("import sys; from compress.report import build_report, render_markdown; "
+    code = ("import sys; from compress.report.build import build_report, render_markdown; "
             f"render_markdown(build_report({str(run_dir)!r})); "
             "assert 'torch' not in sys.modules, 'report imported torch'")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

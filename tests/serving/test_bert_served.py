@@ -16,7 +16,7 @@ pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
 from compress.serving.archive import build_mar, model_config  # noqa: E402
-from export.runtime import load_export  # noqa: E402
+from export.folder import load_export  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.serving]
 

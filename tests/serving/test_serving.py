@@ -16,7 +16,7 @@ from conftest import http_post, run_cli
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from export.runtime import load_export  # noqa: E402
+from export.folder import load_export  # noqa: E402
 
 pytestmark = pytest.mark.serving
 

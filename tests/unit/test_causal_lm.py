@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import minilm_folder
 
-from compress.causal_lm import (
+from compress.models.causal_lm import (
     StaticDecoder,
     greedy_agreement,
     perplexity,
 )
-from compress.sources import shipped_gguf
+from compress.recipe.sources import shipped_gguf
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_compiled_decode_reads_a_growing_window_with_one_graph(tiny_llama) -> No
 def test_agreement_tells_near_ties_from_decisive_steps() -> None:
     """A model that differs from the reference only where the reference nearly tied keeps
     its decisive agreement at 1.0, and the margin where it left the reference is small."""
-    from compress.lm_measure import agreement, first_difference, reference_margins
+    from compress.measure.generation import agreement, first_difference, reference_margins
 
     class Table(torch.nn.Module):  # next-token logits from a fixed table of the last token
         def __init__(self, table: torch.Tensor) -> None:

@@ -10,17 +10,17 @@ from pathlib import Path
 
 from conftest import digits_recipe, write_recipe
 
-from compress import code_digest
-from compress.code_digest import module_closure
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.recipe.schema import load_recipe
+from compress.run import code_digest
+from compress.run.code_digest import module_closure
+from compress.run.pipeline import run_recipe
 
 
 def test_the_closure_follows_lazy_and_relative_imports_within_the_project() -> None:
     closure = module_closure(["compress.stages.prune"])
-    assert "compress.stages.prune" in closure and "compress.pruning" in closure
+    assert "compress.stages.prune" in closure and "compress.algorithms.pruning" in closure
     assert "compress" in closure and "compress.stages" in closure  # their __init__ run too
-    assert "compress.cli" not in closure and "torch" not in closure
+    assert "compress.cli.main" not in closure and "torch" not in closure
     assert module_closure(["not_a_project_module"]) == []
 
 

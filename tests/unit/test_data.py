@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 from conftest import write_sentiment_tables
 
-from compress.data import load_data
-from compress.data_sources import resolve_data
+from compress.data.datasets import load_data
 from compress.errors import UserError
-from compress.recipe import Recipe
-from compress.sources import check_recipe_sources
+from compress.recipe.datasets import resolve_data
+from compress.recipe.schema import Recipe
+from compress.recipe.sources import check_recipe_sources
 
 
 def _recipe(source: str, **data) -> Recipe:
     return Recipe.model_validate({
-        "name": "t", "model": {"source": "compress.zoo:mlp"},
+        "name": "t", "model": {"source": "compress.models.zoo:mlp"},
         "data": {"source": source, "text_column": "sentence", **data},
         "stages": [{"kind": "finetune"}]})
 
@@ -58,7 +58,7 @@ def test_max_samples_is_a_seeded_subset(tmp_path: Path) -> None:
 
 def test_digits_holdout_is_stratified_and_disjoint() -> None:
     recipe = Recipe.model_validate({
-        "name": "d", "model": {"source": "compress.zoo:mlp"},
+        "name": "d", "model": {"source": "compress.models.zoo:mlp"},
         "data": {"source": "sklearn:digits", "eval": {"split": "test"}},
         "stages": [{"kind": "finetune"}]})
     data = load_data(recipe, resolve_data("sklearn:digits"))

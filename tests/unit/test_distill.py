@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.distill import build_student, encoder_layers, evenly_spaced, kd_loss
-from compress.models import load_model
-from compress.sources import resolve_model
-from compress.stages.distill_spec import StudentSpec
+from compress.algorithms.distill import build_student, encoder_layers, evenly_spaced, kd_loss
+from compress.models.loading import load_model
+from compress.recipe.kinds.distill import StudentSpec
+from compress.recipe.sources import resolve_model
 
 
 def test_kd_loss_equals_the_hand_computed_value() -> None:
@@ -65,7 +65,7 @@ def test_hf_config_student_is_fresh_and_smaller(tiny_bert: Path) -> None:
 
 def test_student_spec_needs_exactly_one_kind() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
-        StudentSpec(layers=2, factory="compress.zoo:mlp")
+        StudentSpec(layers=2, factory="compress.models.zoo:mlp")
     with pytest.raises(ValueError, match="exactly one of"):
         StudentSpec()
 

@@ -12,8 +12,8 @@ import torch
 from conftest import write_recipe
 
 from compress.errors import StageError
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 
 pytest.importorskip("onnxruntime")
 

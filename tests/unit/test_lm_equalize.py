@@ -1,4 +1,4 @@
-"""Activation-aware scaling before int4 (compress.lm_equalize) on a tiny random Llama."""
+"""Activation-aware scaling before int4 (compress.algorithms.lm_equalize) on a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from compress import lm_equalize
+from compress.algorithms import lm_equalize
 
 
 def _llama_with_an_outlier_channel() -> LlamaForCausalLM:
@@ -66,9 +66,9 @@ def test_the_quantize_stage_equalizes_then_quantizes_and_reloads(
     from conftest import cli
     from test_lm_family import lm_recipe
 
-    from compress.models import load_saved
-    from compress.pipeline import run_recipe
-    from compress.recipe import load_recipe
+    from compress.models.folders import load_saved
+    from compress.recipe.schema import load_recipe
+    from compress.run.pipeline import run_recipe
 
     stages = [{"kind": "quantize", "scheme": "int4_weight_only", "equalize": True}]
     path = lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=200)

@@ -17,9 +17,9 @@ import torch
 import yaml
 from conftest import cli, write_recipe
 
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
-from compress.stages.quantize_spec import WEIGHT_SCHEMES
+from compress.recipe.kinds.quantize import WEIGHT_SCHEMES
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 from serve import lm_runtime
 
 SST2 = "stanfordnlp/sst2"

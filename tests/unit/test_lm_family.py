@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import cli, write_recipe
 
-from compress.causal_lm import quantize_weights
-from compress.models import load_saved
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.models.causal_lm import quantize_weights
+from compress.models.folders import load_saved
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 
 SST2 = "stanfordnlp/sst2"
 GENERATION = {"prompts": 3, "max_new_tokens": 6, "batch_sizes": [1, 2], "compile": "none"}
@@ -134,7 +134,7 @@ def test_a_weight_scheme_on_a_classifier_and_labels_on_a_causal_lm_are_refused(
 
 def test_prompts_come_from_a_file_through_the_chat_template(tmp_path) -> None:
     from compress.errors import UserError
-    from compress.family_causal_lm import read_prompts
+    from compress.families.causal_lm import read_prompts
 
     (tmp_path / "p.txt").write_text("Name a colour.\n\nWhat is 2 + 2?\n")
     assert read_prompts(str(tmp_path / "p.txt")) == ["Name a colour.", "What is 2 + 2?"]

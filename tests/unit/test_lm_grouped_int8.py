@@ -11,9 +11,9 @@ from conftest import cli
 from test_lm_family import lm_recipe
 from torch import nn
 
-from compress import lm_qat
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.algorithms import lm_qat
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 from serve import lm_grouped_int8 as grouped
 from serve.lm_runtime import StaticDecoder, quantize_weights
 
@@ -107,7 +107,7 @@ def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
     assert metrics["activation_dtype"] == "float32" and metrics["head_scheme"] == "int8_grouped"
     assert abs(metrics["perplexity_delta_vs_float_pct"]) < 0.5
     assert metrics["next_token_agreement_decisive"] == 1.0
-    from compress.models import load_saved
+    from compress.models.folders import load_saved
 
     saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
     assert isinstance(saved.model.lm_head, grouped.GroupedInt8Linear)

@@ -14,7 +14,7 @@ pytest.importorskip("ts")
 
 from ts.context import Context, RequestProcessor  # noqa: E402
 
-from compress.lm_models import load_lm  # noqa: E402
+from compress.models.lm_folder import load_lm  # noqa: E402
 from compress.stages.export_lm import export_lm  # noqa: E402
 from serve import lm_requests, lm_runtime  # noqa: E402
 from serve.lm_handler import CausalLMHandler, buckets, fitting_groups  # noqa: E402
@@ -32,7 +32,7 @@ class Socket:
 
 @pytest.fixture(scope="module")
 def handler(varied_llama_folder, tmp_path_factory) -> CausalLMHandler:
-    from compress.models import ModelBundle
+    from compress.models.bundle import ModelBundle
     from serve.lm_runtime import load_folder
 
     folder = tmp_path_factory.mktemp("lm_export") / "transformers"
@@ -51,7 +51,7 @@ def handler(varied_llama_folder, tmp_path_factory) -> CausalLMHandler:
 
 def _saved(source: Path, folder: Path) -> Path:
     """The tiny Llama as a stage saves it (causal_lm.json beside the HF files)."""
-    from compress.lm_models import load_recipe_lm, save_lm
+    from compress.models.lm_folder import load_recipe_lm, save_lm
 
     save_lm(load_recipe_lm(str(source)), folder)
     return folder
@@ -191,7 +191,7 @@ def test_compiled_buckets_each_decode_generates_greedy_tokens(kind, tmp_path) ->
     decodes a full batch of its size to the tokens `generate` gives each prompt alone."""
     import torch
 
-    from compress.models import ModelBundle
+    from compress.models.bundle import ModelBundle
     from serve.lm_runtime import load_folder
 
     lm = load_folder(_saved(_architecture(kind, tmp_path / "hf"), tmp_path / "saved"))

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from test_lm_family import lm_recipe
 
-from compress.lm_pruning import prune_kv_groups, prune_lm
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.algorithms.lm_pruning import prune_kv_groups, prune_lm
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 
 
 def _llama(heads: int = 4, kv_heads: int = 2, width: int = 64, hidden: int = 32

@@ -1,4 +1,5 @@
-"""Quantization-aware training of a causal LM (compress.lm_qat and `quantize` mode qat)."""
+"""Quantization-aware training of a causal LM (compress.algorithms.lm_qat and `quantize`
+mode qat)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import torch
 from test_lm_family import lm_recipe
 from torch import nn
 
-from compress import lm_qat
-from compress.models import load_saved
-from compress.pipeline import run_recipe
-from compress.recipe import load_recipe
+from compress.algorithms import lm_qat
+from compress.models.folders import load_saved
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
 from serve.lm_runtime import head_scheme_of, weight_config
 
 

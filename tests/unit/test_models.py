@@ -9,10 +9,13 @@ import torch
 from safetensors.torch import save_file
 
 from compress.errors import UserError
-from compress.evaluate import logits_of
-from compress.harness import example_inputs, fixed_threads, measure_latency
-from compress.models import count_params, load_model, load_saved, save_model, sparsity
-from compress.sources import resolve_model
+from compress.measure.evaluate import logits_of
+from compress.measure.latency import fixed_threads, measure_latency
+from compress.models.bundle import count_params, sparsity
+from compress.models.folders import load_saved, save_model
+from compress.models.loading import load_model
+from compress.recipe.sources import resolve_model
+from export.graphs import example_inputs
 
 
 def test_minilm_resolves_offline_to_the_installed_package(monkeypatch) -> None:
@@ -41,7 +44,7 @@ def test_factory_model_with_safetensors_and_weights_only_checkpoints(tmp_path: P
     save_file(reference.state_dict(), str(tmp_path / "w.safetensors"))
     torch.save({"state_dict": reference.state_dict()}, tmp_path / "w.pt")
     x = torch.rand(3, 1, 8, 8)
-    source = resolve_model("compress.zoo:mlp")
+    source = resolve_model("compress.models.zoo:mlp")
     for weights in ("w.safetensors", "w.pt"):
         bundle = load_model(source, [str(i) for i in range(10)], [1, 8, 8],
                             checkpoint=str(tmp_path / weights), kwargs={"hidden": 16})
@@ -51,7 +54,7 @@ def test_factory_model_with_safetensors_and_weights_only_checkpoints(tmp_path: P
 def test_checkpoint_that_does_not_fit_is_a_user_error(tmp_path: Path) -> None:
     save_file({"weight": torch.zeros(2, 2)}, str(tmp_path / "w.safetensors"))
     with pytest.raises(UserError, match="does not fit the model"):
-        load_model(resolve_model("compress.zoo:mlp"), ["a", "b"], [64],
+        load_model(resolve_model("compress.models.zoo:mlp"), ["a", "b"], [64],
                    checkpoint=str(tmp_path / "w.safetensors"), kwargs={"num_classes": 2})
 
 
@@ -68,7 +71,7 @@ def test_hf_model_save_and_load_round_trip(tiny_bert: Path, tmp_path: Path) -> N
 
 
 def test_factory_model_save_and_load_round_trip(tmp_path: Path) -> None:
-    bundle = load_model(resolve_model("compress.zoo:small_cnn"), [str(i) for i in range(10)],
+    bundle = load_model(resolve_model("compress.models.zoo:small_cnn"), [str(i) for i in range(10)],
                         [1, 8, 8], kwargs={"channels": 4})
     save_model(bundle, tmp_path / "saved")
     again = load_saved(tmp_path / "saved")
@@ -104,8 +107,8 @@ def test_text_latency_inputs_are_full_length(tiny_bert: Path) -> None:
 
 
 def test_real_length_latency_pads_each_batch_to_its_longest(tiny_bert: Path) -> None:
-    from compress.data import Examples
-    from compress.measure import real_latency
+    from compress.data.datasets import Examples
+    from compress.measure.figures import real_latency
 
     bundle = load_model(resolve_model(str(tiny_bert)), ["neg", "pos"], [])
     texts = ["good", "a rather longer sentence about a film that was not good at all",

@@ -11,14 +11,15 @@ import yaml
 from conftest import digits_recipe, text_recipe
 
 from compress.errors import UserError
-from compress.evaluate import logits_of
-from compress.models import load_model, load_saved, save_model
-from compress.pipeline import check_hardware
-from compress.recipe import load_recipe
-from compress.sources import resolve_model
+from compress.measure.evaluate import logits_of
+from compress.models.folders import load_saved, save_model
+from compress.models.loading import load_model
+from compress.recipe.kinds.precision import PrecisionConfig
+from compress.recipe.registry import HARDWARE
+from compress.recipe.schema import load_recipe
+from compress.recipe.sources import resolve_model
+from compress.run.pipeline import check_hardware
 from compress.stages.precision import cast
-from compress.stages.precision_spec import PrecisionConfig
-from compress.stages.spec import HARDWARE
 
 
 def test_cast_makes_every_weight_bf16_and_keeps_the_logits(tiny_bert: Path, tmp_path) -> None:

@@ -11,10 +11,7 @@ import torch
 from torch import nn
 
 import compress.stages.prune as prune_stage
-from compress.data import DataBundle, Examples
-from compress.errors import CompressError
-from compress.models import ModelBundle, count_params, load_model, load_saved, save_model
-from compress.pruning import (
+from compress.algorithms.pruning import (
     apply_masks,
     count_macs,
     cubic_sparsity,
@@ -23,10 +20,15 @@ from compress.pruning import (
     prune_structured,
     select_layers,
 )
-from compress.sources import resolve_model
-from compress.stages.prune_spec import PruneConfig
-from compress.state import StageContext, State
-from compress.zoo import mlp, small_cnn
+from compress.data.datasets import DataBundle, Examples
+from compress.errors import CompressError
+from compress.models.bundle import ModelBundle, count_params
+from compress.models.folders import load_saved, save_model
+from compress.models.loading import load_model
+from compress.models.zoo import mlp, small_cnn
+from compress.recipe.kinds.prune import PruneConfig
+from compress.recipe.sources import resolve_model
+from compress.stages.context import StageContext, State
 
 EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]
 
@@ -200,7 +202,7 @@ def test_count_macs_of_an_mlp() -> None:
 
 def test_factory_structure_round_trips_through_save_and_load(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    bundle = load_model(resolve_model("compress.zoo:small_cnn"), [str(i) for i in range(10)],
+    bundle = load_model(resolve_model("compress.models.zoo:small_cnn"), [str(i) for i in range(10)],
                         [1, 8, 8], kwargs={"channels": 4})
     _, bundle.structure = prune_structured(bundle.model, select_layers(bundle.model, ["*"], []),
                                            "channels", 0.5)
@@ -228,14 +230,15 @@ def image_context(tmp_path: Path, n: int = 64) -> StageContext:
 def mlp_state() -> State:
     torch.manual_seed(0)
     bundle = ModelBundle(mlp(hidden=32), "factory", [str(i) for i in range(10)],
-                         factory="compress.zoo:mlp", kwargs={"hidden": 32}, input_shape=[1, 8, 8])
+                         factory="compress.models.zoo:mlp", kwargs={"hidden": 32},
+                         input_shape=[1, 8, 8])
     return State(bundle)
 
 
 def watch_training(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     """Record the layers' sparsity after every step and the weights when training ends."""
     seen: dict[str, list] = {"sparsity": [], "weights": []}
-    import compress.train as train_module
+    import compress.train.loop as train_module
 
     real_train = train_module.train
 
@@ -296,7 +299,7 @@ def test_stage_gradual_global_sparsity_rises_to_the_amount(tmp_path, monkeypatch
 def test_stage_structured_records_smaller_model(tmp_path: Path) -> None:
     torch.manual_seed(0)
     bundle = ModelBundle(small_cnn(channels=4), "factory", [str(i) for i in range(10)],
-                         factory="compress.zoo:small_cnn", kwargs={"channels": 4},
+                         factory="compress.models.zoo:small_cnn", kwargs={"channels": 4},
                          input_shape=[1, 8, 8])
     cfg = PruneConfig(method="structured", target="channels", amount=0.5)
     ctx = image_context(tmp_path)

@@ -10,14 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from compress.data import DataBundle, Examples
+from compress.algorithms.quantization import quantize
+from compress.data.datasets import DataBundle, Examples
 from compress.errors import CaptureError
-from compress.evaluate import logits_of
-from compress.models import ModelBundle, load_saved
-from compress.quantization import quantize, save_quantized
-from compress.stages.quantize_spec import QuantizeConfig
-from compress.state import StageContext
-from compress.zoo import mlp
+from compress.measure.evaluate import logits_of
+from compress.models.bundle import ModelBundle
+from compress.models.folders import load_saved
+from compress.models.graph_model import save_quantized
+from compress.models.zoo import mlp
+from compress.recipe.kinds.quantize import QuantizeConfig
+from compress.stages.context import StageContext
 
 SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",
              "superb", "warm and happy and brilliant, a lovely story", "cold",
@@ -46,7 +48,7 @@ def _digits_like(n: int = 64, seed: int = 0) -> DataBundle:
 
 def _image_bundle(model: nn.Module) -> ModelBundle:
     return ModelBundle(model.eval(), "factory", [str(i) for i in range(10)],
-                       factory="compress.zoo:mlp", input_shape=[1, 8, 8])
+                       factory="compress.models.zoo:mlp", input_shape=[1, 8, 8])
 
 
 def _digits(n: int = 400) -> tuple[torch.Tensor, torch.Tensor]:

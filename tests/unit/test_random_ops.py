@@ -12,9 +12,9 @@ from conftest import cli, digits_recipe, write_recipe
 from torch import nn
 
 from compress.errors import RandomOpError
-from compress.models import ModelBundle
+from compress.models.bundle import ModelBundle
+from compress.recipe.kinds.export import ExportConfig
 from compress.stages.export import export
-from compress.stages.export_spec import ExportConfig
 from export.random_ops import fx_random_nodes
 
 NOISY_MODULE = '''
@@ -99,9 +99,10 @@ def test_a_qat_graph_in_eval_mode_has_no_attention_dropout(tiny_bert: Path) -> N
     it to 0 (and train() back), or the converted model and its exports draw random masks."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 
+    from compress.algorithms.quantization import capture, make_quantizer
     from compress.api import load_model
-    from compress.graphs import export_inputs
-    from compress.quantization import GraphModel, capture, make_quantizer
+    from compress.models.graph_model import GraphModel
+    from export.graphs import export_inputs
 
     bundle = load_model(tiny_bert)
     graph = prepare_qat_pt2e(capture(bundle, train=True), make_quantizer("qat", True, []))

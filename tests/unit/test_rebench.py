@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compress.recipe import LatencyConfig
+from compress.recipe.schema import LatencyConfig
 
 pytest.importorskip("onnxruntime")
 

@@ -9,8 +9,8 @@ from conftest import REPO, digits_recipe, write_recipe
 from pydantic import ValidationError
 
 from compress.errors import UserError
-from compress.recipe import load_recipe
-from compress.recipe_yaml import apply_overrides, interpolate_env
+from compress.recipe.files import apply_overrides, interpolate_env
+from compress.recipe.schema import load_recipe
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 

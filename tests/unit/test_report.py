@@ -3,7 +3,7 @@ compared across runs, and plotted with the Pareto front."""
 
 from __future__ import annotations
 
-from compress.report_plot import pareto_front
+from compress.report.plot import pareto_front
 
 
 def test_pareto_front_keeps_only_undominated_points() -> None:

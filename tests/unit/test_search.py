@@ -12,8 +12,8 @@ import yaml
 from conftest import cli, digits_recipe
 from torch import nn
 
-from compress.cli_search import add_search_stage
-from compress.search_choice import decide
+from compress.cli.search import add_search_stage
+from compress.search.choice import decide
 
 
 def recipe_file(tmp_path: Path, *stages: dict) -> Path:
@@ -30,7 +30,7 @@ BAD_SEARCHES = [
     ({"max_accuracy_drop": -0.1}, "stages.1.max_accuracy_drop: Input should be greater "
                                   "than or equal to 0"),
     ({"candidates": ["bf16_aoti"]}, "stages.1.candidates: none applies to model.source "
-                                    "compress.zoo:mlp (bf16_aoti casts Hugging Face models"),
+                                    "compress.models.zoo:mlp (bf16_aoti casts Hugging Face models"),
     ({"objective": "latency_real"}, "stages.1.objective: latency_real times the eval split's "
                                     "sentences"),
     ({"candidates": ["onnx_fp32", "onnx_fp32"]}, "a candidate is listed twice"),
@@ -64,7 +64,7 @@ def test_search_without_max_drop_says_how(tmp_path, monkeypatch, capsys) -> None
 
 
 def test_a_search_stage_is_added_before_the_package_and_packaged() -> None:
-    from compress.recipe import validate_raw
+    from compress.recipe.schema import validate_raw
 
     raw = digits_recipe(Path("/tmp/unused"))
     raw["stages"].append({"kind": "package"})
@@ -74,7 +74,7 @@ def test_a_search_stage_is_added_before_the_package_and_packaged() -> None:
     assert add_search_stage(edited, 3.0) is edited  # one search stage is enough
     recipe, problems = validate_raw(edited)
     assert problems == [] and recipe is not None
-    from compress.stages.package_spec import export_stage_index
+    from compress.recipe.kinds.package import export_stage_index
 
     assert export_stage_index(recipe, 2) == 1  # the package archives the winner
 
@@ -129,11 +129,11 @@ class Fragile(nn.Module):
 
 
 def test_the_fragile_layer_ranks_first_and_the_fallback_keeps_it_float() -> None:
-    from compress.data import Examples
-    from compress.models import ModelBundle
-    from compress.quantization import quantize
-    from compress.sensitivity import rank_layers
-    from compress.stages.quantize_spec import QuantizeConfig
+    from compress.algorithms.quantization import quantize
+    from compress.algorithms.sensitivity import rank_layers
+    from compress.data.datasets import Examples
+    from compress.models.bundle import ModelBundle
+    from compress.recipe.kinds.quantize import QuantizeConfig
 
     model = Fragile().eval()
     batches = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -156,7 +156,7 @@ def test_the_fragile_layer_ranks_first_and_the_fallback_keeps_it_float() -> None
 
     all_int8, middle_float = kl_with_float([]), kl_with_float(["middle"])
     assert middle_float < all_int8 / 10  # keeping the ranked-first layer float is the fix
-    from compress.sensitivity import fallback_layers
+    from compress.algorithms.sensitivity import fallback_layers
 
     kept = fallback_layers([r["layer"] for r in ranking], lambda layers: kl_with_float(layers)
                            < middle_float * 2, limit=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compress.stages.spec import StageSpec, all_specs, import_function, stage_configs
+from compress.recipe.registry import StageSpec, all_specs, import_function, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ["finetune", "distill", "prune", "quantize", "precision", "compile", "export", "search",
@@ -59,8 +59,8 @@ def test_kind_modules_hold_the_kind_names() -> None:
              for folder in ("compress", "export", "serve", "benchmarks")
              for path in sorted((REPO / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
-    allowed = re.compile(r"^compress/(stages/(export|package)_spec\.py|__init__\.py|"
-                         r"code_digest\.py:\d+:PROJECT = )")
+    allowed = re.compile(r"^compress/(recipe/kinds/(export|package)\.py|__init__\.py|"
+                         r"run/code_digest\.py:\d+:PROJECT = )")
     assert found and all(allowed.match(line) for line in found), found
 
 
@@ -69,9 +69,9 @@ def test_order_rules_come_from_the_specs(monkeypatch) -> None:
     models it receives (leaves do not count), whatever the kind is called."""
     from types import SimpleNamespace
 
-    from compress.stages import spec as spec_module
-    from compress.stages.chain import check_stage_order
-    from compress.stages.finetune_spec import FinetuneConfig
+    from compress.recipe import registry as spec_module
+    from compress.recipe.chain import check_stage_order
+    from compress.recipe.kinds.finetune import FinetuneConfig
 
     fake = dataclasses.replace(all_specs()["finetune"], kind="polish", needs_before=("distill",),
                                refused_before=("prune",), order=99)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.data import Examples
-from compress.stages.finetune_spec import FinetuneConfig
-from compress.train import CHECKPOINT, Schedule, total_steps, train
-from compress.zoo import mlp
+from compress.data.datasets import Examples
+from compress.models.zoo import mlp
+from compress.recipe.kinds.finetune import FinetuneConfig
+from compress.train.loop import CHECKPOINT, Schedule, total_steps, train
 
 
 def _blobs(n: int = 256, seed: int = 0) -> Examples:
@@ -102,7 +102,7 @@ def test_bf16_autocast_trains(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flags,fallback", [({"avx2"}, True), ({"avx2", "avx512_bf16"}, False)])
 def test_bf16_falls_back_to_fp32_without_bf16_instructions(flags, fallback, tmp_path: Path,
                                                             monkeypatch) -> None:
-    import compress.runfolder as runfolder
+    import compress.runfolder.files as runfolder
 
     monkeypatch.setattr(runfolder, "cpu_flags", lambda: set(flags))
     used = []

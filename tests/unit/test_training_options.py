@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from compress.blocks import checkpointed, transformer_blocks
-from compress.data import Examples
-from compress.memory import held_bytes
-from compress.stages.finetune_spec import FinetuneConfig
-from compress.train import Schedule, train
-from compress.zoo import mlp
+from compress.data.datasets import Examples
+from compress.measure.memory import held_bytes
+from compress.models.blocks import checkpointed, transformer_blocks
+from compress.models.zoo import mlp
+from compress.recipe.kinds.finetune import FinetuneConfig
+from compress.train.loop import Schedule, train
 
 
 def _tiny_llama() -> nn.Module:

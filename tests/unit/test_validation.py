@@ -1,5 +1,5 @@
 """Every bad input named in issue 12 is one `error:` line with exit 2 (in-process through
-`compress.cli.main`), all mistakes of a recipe are reported together, and an unexpected
+`compress.cli.main.main`), all mistakes of a recipe are reported together, and an unexpected
 exception is one line plus a log, never a traceback."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import cli, digits_recipe
 
-from compress.cli import main
+from compress.cli.main import main
 
 
 def recipe_file(tmp_path: Path, **changes) -> Path:
@@ -27,7 +27,8 @@ BAD_OVERRIDES = [
     (["stages.0.epochs=.inf"], "stages.0.epochs: must be a finite number"),
     (["stages.0.max_steps=99999999999999999999"], "stages.0.max_steps: "),
     (["seed=-5"], "seed: Input should be greater than or equal to 0"),
-    (["model.source=compress.zoo:nope"], "model.source: module 'compress.zoo' defines no 'nope'"),
+    (["model.source=compress.models.zoo:nope"],
+     "model.source: module 'compress.models.zoo' defines no 'nope'"),
     (["stages=[{kind: quantize, mode: dynamic}, {kind: finetune}]"],
      "stages.1: a finetune stage cannot take the model of a quantize stage"),
     (["stages=[{kind: quantize, mode: dynamic}, {kind: quantize, mode: dynamic}]"],
@@ -83,7 +84,7 @@ def test_validate_takes_several_files(tmp_path, monkeypatch, capsys) -> None:
 
 def test_an_unexpected_exception_is_one_line_and_a_log(tmp_path, monkeypatch,
                                                        capsys) -> None:
-    import compress.cli as cli_module
+    import compress.cli.main as cli_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("something inside broke\nsecond line")

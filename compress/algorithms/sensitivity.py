@@ -1,0 +1,121 @@
+"""Per-layer int8 sensitivity: which layers int8 hurts most, one layer at a time.
+
+Each Linear (and Conv2d) layer alone is run in emulated int8, as the x86 quantizers do it
+(weights symmetric per output channel, inputs affine per tensor over the range observed
+on calibration examples), with the rest of the model in float. The layer's score is the
+KL divergence of the model's output distribution from the float model's on the same
+examples. The ranking does not depend on a backend: the search keeps the top layers in
+float, one more at a time, in whichever backend falls short.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.measure.evaluate import logits_of
+
+QUANTIZABLE = (nn.Linear, nn.Conv2d)
+
+
+def quantizable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> module of every layer an int8 quantizer turns into an int8 kernel."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QUANTIZABLE)}
+
+
+def fake_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` through symmetric int8 with one scale per output channel."""
+    flat = weight.detach().reshape(weight.shape[0], -1)
+    scale = (flat.abs().amax(dim=1) / 127).clamp(min=1e-12).float()
+    zero = torch.zeros_like(scale, dtype=torch.int32)
+    return torch.fake_quantize_per_channel_affine(weight.detach().float(), scale, zero, 0,
+                                                  -128, 127).to(weight.dtype)
+
+
+def fake_uint8_input(x: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """`x` through affine uint8 over [low, high] (the range always holds 0)."""
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = max((high - low) / 255, 1e-12)
+    zero = int(min(255, max(0, round(-low / scale))))
+    return torch.fake_quantize_per_tensor_affine(x, scale, zero, 0, 255)
+
+
+@torch.inference_mode()
+def rank_layers(model: nn.Module, batches: list[Any],
+                progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every quantizable layer of `model` with its `kl` (mean per example, float model's
+    output as the reference) when it alone is in int8, most sensitive first. `batches`
+    are model inputs (tokenizer dicts or tensors)."""
+    model.eval()
+    layers = quantizable_layers(model)
+    ranges: dict[str, list[float]] = {name: [float("inf"), float("-inf")] for name in layers}
+
+    def observe(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            seen = ranges[name]
+            seen[0] = min(seen[0], float(args[0].min()))
+            seen[1] = max(seen[1], float(args[0].max()))
+        return hook
+
+    handles = [m.register_forward_pre_hook(observe(n)) for n, m in layers.items()]
+    try:
+        reference = [F.log_softmax(logits_of(model, b).float(), -1) for b in batches]
+    finally:
+        for handle in handles:
+            handle.remove()
+    ranking = []
+    for done, (name, layer) in enumerate(layers.items(), 1):
+        ranking.append({"layer": name, "kl": _kl_with_int8(model, layer, ranges[name],
+                                                           batches, reference)})
+        if progress is not None:
+            progress(done, len(layers))
+    ranking.sort(key=lambda r: r["kl"], reverse=True)
+    return ranking
+
+
+def _kl_with_int8(model: nn.Module, layer: nn.Module, seen: list[float], batches: list[Any],
+                  reference: list[torch.Tensor]) -> float:
+    """Mean KL(float || model with `layer` in int8) over the examples of `batches`."""
+    original = layer.weight.data
+    layer.weight.data = fake_int8_weight(original)
+    handle = layer.register_forward_pre_hook(
+        lambda m, args: (fake_uint8_input(args[0], *seen), *args[1:]))
+    total, count = 0.0, 0
+    try:
+        for inputs, want in zip(batches, reference, strict=True):
+            got = F.log_softmax(logits_of(model, inputs).float(), -1)
+            total += float(F.kl_div(got, want, log_target=True, reduction="sum"))
+            count += len(want)
+    finally:
+        handle.remove()
+        layer.weight.data = original
+    return total / max(count, 1)
+
+
+def fallback_layers(ranking: list[str], good: Callable[[list[str]], bool | None],
+                    limit: int) -> list[str] | None:
+    """The fewest top layers of `ranking` (1, 2, ... up to `limit`) kept in float for which
+    `good(layers)` is True; None when no count is, or when `good` says None (stop: the
+    trial failed, is no faster than float, or the budget is spent)."""
+    for count in range(1, min(limit, len(ranking)) + 1):
+        verdict = good(ranking[:count])
+        if verdict:
+            return ranking[:count]
+        if verdict is None:
+            return None
+    return None
+
+
+def sensitivity_report(ranking: list[dict[str, Any]], samples: int, began: float
+                       ) -> dict[str, Any]:
+    """What `sensitivity.json` holds: the method, the examples and the ranking."""
+    return {"method": "one layer at a time in emulated int8 (weights symmetric per output "
+                      "channel, inputs affine uint8 over the calibration range); score: KL "
+                      "divergence of the output distribution from the float model's",
+            "samples": samples, "seconds": round(time.perf_counter() - began, 2),
+            "ranking": [{**r, "kl": float(f"{r['kl']:.6g}")} for r in ranking]}

@@ -1,0 +1,1 @@
+"""The `compress` command line: thin click commands over the library."""

@@ -1,0 +1,1 @@
+"""Datasets: loading, splitting and batching a recipe's data."""

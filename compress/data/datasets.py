@@ -1,0 +1,199 @@
+"""Datasets: text tables (TSV/CSV/JSONL, the hub) and scikit-learn digits, split and batched.
+
+Text batches are tokenized per batch and padded to their longest item, not to a fixed length.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.errors import UserError
+from compress.recipe.chain import used_splits
+from compress.recipe.datasets import DataSource, split_file
+
+
+@dataclass
+class Examples:
+    """One split: texts (text tasks) or a tensor of inputs (image tasks), and label ids."""
+
+    labels: list[int]
+    texts: list[str] | None = None
+    inputs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.texts) if self.texts is not None else len(self.labels)
+
+    def head(self, n: int) -> Examples:
+        """The first `n` examples."""
+        return Examples(labels=self.labels[:n],
+                        texts=None if self.texts is None else self.texts[:n],
+                        inputs=None if self.inputs is None else self.inputs[:n])
+
+
+@dataclass
+class DataBundle:
+    """The splits a recipe uses, with the label names and any string-label mapping."""
+
+    task: str  # "text" or "image"
+    splits: dict[str, Examples]
+    label_names: list[str]
+    label_mapping: dict[str, int] | None = None
+    max_length: int = 128
+    input_shape: list[int] = field(default_factory=list)
+    prompts: list[Any] = field(default_factory=list)  # causal LMs: str or chat messages
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.label_names)
+
+
+def load_data(recipe, source: DataSource) -> DataBundle:
+    """Load every split the recipe uses (eval always; train/calibration when a stage needs them)."""
+    cfg = recipe.data
+    names = used_splits(recipe)
+    if source.kind == "digits":
+        return _load_digits(recipe, names)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for name in names:
+        split = getattr(cfg, name)
+        if source.kind == "files":
+            table = _read_table(split_file(source.location, split.split))
+        else:
+            table = _read_hub(source.location, split.split)
+        _check_row_columns(table, cfg, name)
+        rows[name] = _subset(table, split.max_samples, recipe.seed)
+    raw_labels = [r[cfg.label_column] for name in names for r in rows[name]]
+    mapping, label_names = _label_ids(raw_labels, cfg.label_names)
+    splits = {}
+    for name in names:
+        labels = [_to_id(r[cfg.label_column], mapping) for r in rows[name]]
+        texts = [str(r[cfg.text_column]) for r in rows[name]]
+        splits[name] = Examples(labels=labels, texts=texts)
+    return DataBundle("text", splits, label_names, mapping, cfg.max_length)
+
+
+def _read_table(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8", newline="") as fh:
+        if path.suffix == ".jsonl":
+            try:
+                return [json.loads(line) for line in fh if line.strip()]
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{exc.lineno}: not a JSON object per line") from None
+        if path.suffix == ".tsv":
+            return list(csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE))
+        return list(csv.DictReader(fh))
+
+
+def _read_hub(dataset_id: str, split: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+
+        return list(datasets.load_dataset(dataset_id, split=split))
+    except Exception as exc:  # network, unknown id, unknown split
+        raise UserError(
+            f"data.source: dataset '{dataset_id}' split '{split}' not found in "
+            f"COMPRESS_DATA_DIR nor on the hub ({type(exc).__name__}); point "
+            "COMPRESS_DATA_DIR at a folder holding <id>/<split>.tsv"
+        ) from None
+
+
+def _check_row_columns(table: list[dict[str, Any]], cfg, split_name: str) -> None:
+    if not table:
+        raise UserError(f"data.{split_name}: split '{getattr(cfg, split_name).split}' is empty")
+    for option in ("text_column", "label_column"):
+        column = getattr(cfg, option)
+        if column not in table[0]:
+            raise UserError(
+                f"data.{option}: column '{column}' not found (columns: {', '.join(table[0])})"
+            )
+
+
+def _subset(rows: list[Any], max_samples: int | None, seed: int) -> list[Any]:
+    if max_samples is None or max_samples >= len(rows):
+        return rows
+    picked = sorted(random.Random(seed).sample(range(len(rows)), max_samples))
+    return [rows[i] for i in picked]
+
+
+def _label_ids(raw: list[Any], names: list[str] | None) -> tuple[dict[str, int] | None, list[str]]:
+    """Integer labels stay as they are; string labels map to ids (by `names` or sorted)."""
+    if all(_is_int(v) for v in raw):
+        count = max(int(v) for v in raw) + 1
+        if names is not None and len(names) < count:
+            raise UserError(
+                f"data.label_names: {len(names)} names for labels 0..{count - 1}; give {count}"
+            )
+        return None, list(names) if names else [str(i) for i in range(count)]
+    values = sorted({str(v) for v in raw})
+    order = list(names) if names else values
+    unknown = [v for v in values if v not in order]
+    if unknown:
+        raise UserError(f"data.label_names: labels {unknown} are not among {order}")
+    return {name: i for i, name in enumerate(order)}, order
+
+
+def _is_int(value: Any) -> bool:
+    try:
+        return int(value) == float(value) and int(value) >= 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _to_id(value: Any, mapping: dict[str, int] | None) -> int:
+    return int(value) if mapping is None else mapping[str(value)]
+
+
+def _load_digits(recipe, names: list[str]) -> DataBundle:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    cfg = recipe.data
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = [int(v) for v in digits.target]
+    train_idx, held_idx = train_test_split(
+        list(range(len(y))), test_size=cfg.holdout_fraction, random_state=recipe.seed,
+        stratify=y,
+    )
+    parts = {"train": train_idx}
+    for alias in ("test", "validation", "eval", "holdout"):
+        parts[alias] = held_idx
+    splits = {}
+    for name in names:
+        split = getattr(cfg, name)
+        if split.split not in parts:
+            raise UserError(
+                f"data.{name}.split: digits has splits 'train' and 'test', not '{split.split}'"
+            )
+        idx = _subset(parts[split.split], split.max_samples, recipe.seed)
+        splits[name] = Examples(labels=[y[i] for i in idx], inputs=x[idx])
+    label_names = cfg.label_names or [str(i) for i in range(10)]
+    return DataBundle("image", splits, label_names, None, cfg.max_length, [1, 8, 8])
+
+
+def collate(examples: Examples, idx: list[int], tokenizer, max_length: int) -> tuple[Any, Any]:
+    """Inputs and label tensor for the examples at `idx` (text padded to the batch's longest)."""
+    labels = torch.tensor([examples.labels[i] for i in idx], dtype=torch.long)
+    if examples.texts is None:
+        return examples.inputs[idx], labels
+    encoded = tokenizer(
+        [examples.texts[i] for i in idx], padding=True, truncation=True,
+        max_length=max_length, return_tensors="pt",
+    )
+    return dict(encoded), labels
+
+
+def iterate(examples: Examples, batch_size: int, tokenizer, max_length: int,
+            order: list[int] | None = None) -> Iterator[tuple[Any, Any]]:
+    """Batches over `examples` in `order` (default: as stored)."""
+    order = list(range(len(examples))) if order is None else order
+    for start in range(0, len(order), batch_size):
+        yield collate(examples, order[start:start + batch_size], tokenizer, max_length)

@@ -1,0 +1,1 @@
+"""More than one process: torchrun launches, the process group and FSDP sharding."""

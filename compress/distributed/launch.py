@@ -1,0 +1,121 @@
+"""`compress run --nproc N`: the same command under torchrun (one process per rank)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+
+from compress.errors import UserError
+
+# Restarted ranks must not share the rendezvous store of the round before: there they read
+# the dead rank's gloo address and fail to connect (pytorch/pytorch#135712). Every torchrun
+# compress starts, or has TorchServe start, gets this.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def torchrun(args: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
+             master_addr: str | None = None, master_port: int = 29500,
+             echo: Callable[[str], None] = print, max_restarts: int = 0,
+             oversubscribe: bool = False) -> int:
+    """Run `compress run ARGS` on `nproc` local processes (x `nnodes` machines) through
+    torchrun; return its exit code. A dead rank stops every rank; torchrun's elastic agent
+    then starts them all again, up to `max_restarts` times, and the run resumes (finished
+    stages from the cache, a training stage from its last checkpoint)."""
+    if nnodes > 1 and not master_addr:
+        raise UserError("--nnodes > 1 needs --master-addr (the address of node 0) and the "
+                        "same --master-port on every node")
+    if node_rank >= nnodes:
+        raise UserError(f"--node-rank {node_rank}: must be below --nnodes {nnodes}")
+    devices = _devices()
+    if nproc > devices[0] and not oversubscribe:
+        raise UserError(f"--nproc {nproc} is more than the {devices[0]} {devices[1]} of this "
+                        f"machine: processes would share them and each run slower; use "
+                        f"--nproc {devices[0]} or fewer, or add --oversubscribe to run anyway")
+    if nproc > devices[0]:
+        echo(f"warning: --nproc {nproc} is more than the {devices[0]} {devices[1]} of this "
+             f"machine; processes will share them and run slower")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--max-restarts", str(max_restarts)]
+    if nnodes == 1:
+        command.append("--standalone")
+    else:
+        command += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                    "--master-addr", master_addr, "--master-port", str(master_port)]
+    command += ["-m", "compress", "run", *args]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env = {**TORCHRUN_ENV, **env}
+    echo(f"launching {nproc * nnodes} processes with torchrun ({nproc} on this machine, "
+         f"{env['OMP_NUM_THREADS']} thread(s) each)")
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    try:
+        failures = _relay(process.stderr, sys.stderr)
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.wait()
+        return 130
+    if code and failures:
+        echo("error: the job stopped: " + "; ".join(failures) + ". The run folder is "
+             "consistent: re-run the same command to resume (training from its last "
+             "checkpoint)")
+    return code
+
+
+_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):")
+_AGENT_ERROR = re.compile(r"^E\d{4} .*elastic/(multiprocessing|agent)/")
+_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def _relay(source, sink) -> list[str]:
+    """Copy the job's stderr as it comes (progress bars included, and the ranks' output
+    after a restart) but hold back torchrun's own error lines and its final failure report;
+    return the failures they name, in short."""
+    failures: list[str] = []
+    held = b""
+    swallowing = False  # inside torchrun's final report, which runs to the end
+    rank = None
+    while chunk := os.read(source.fileno(), 65536):
+        held += chunk
+        while True:
+            cut = max(held.rfind(b"\n"), held.rfind(b"\r"))
+            if cut < 0:
+                break
+            lines, held = held[:cut + 1], held[cut + 1:]
+            for line in lines.splitlines(keepends=True):
+                text = line.decode(errors="replace")
+                swallowing = swallowing or bool(_TRACEBACK.match(text))
+                if _AGENT_ERROR.match(text):
+                    failed = _WORKER_FAILED.search(text)
+                    if failed:
+                        failures.append(f"rank {failed.group(2)} exited with {failed.group(1)}")
+                    continue
+                if not swallowing:
+                    sink.buffer.write(line)
+                    continue
+                field = text.strip().split(":", 1)
+                if field[0].strip() == "rank":
+                    rank = field[1].split("(")[0].strip()
+                elif field[0].strip() == "exitcode" and rank is not None:
+                    failures.append(f"rank {rank} exited with {field[1].strip()}")
+                    rank = None
+            sink.flush()
+    if held and not swallowing:
+        sink.buffer.write(held)
+        sink.flush()
+    unique = list(dict.fromkeys(failures))  # the report's fuller lines over the short ones
+    return [f for f in unique if not any(g != f and g.startswith(f) for g in unique)]
+
+
+def _devices() -> tuple[int, str]:
+    """(how many, what): CUDA GPUs when there are any, else CPU cores."""
+    from compress.recipe.registry import cuda_device_present
+
+    if cuda_device_present():
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), "GPUs"
+    return os.cpu_count() or 1, "CPU cores"

@@ -1,0 +1,51 @@
+"""The model passed between stages (`ModelBundle`: the model, tokenizer, labels, input
+shape) and the figures read off any model's tensors: parameters, sparsity, bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass
+class ModelBundle:
+    """The current model with what it needs to run: tokenizer, labels, input shape."""
+
+    model: nn.Module
+    kind: str  # "hf" or "factory"
+    label_names: list[str]
+    tokenizer: Any = None
+    factory: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    input_shape: list[int] = field(default_factory=list)
+    structure: dict[str, Any] | None = None  # shapes after structured pruning (to rebuild)
+    lm: dict[str, Any] | None = None  # causal LMs: weight scheme, dtype, provenance
+
+    @property
+    def is_text(self) -> bool:
+        return self.tokenizer is not None
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameters, with the packed weights that modules keep as `qweight` buffers
+    (int8_grouped's)."""
+    packed = sum(b.numel() for name, b in model.named_buffers() if name.endswith("qweight"))
+    return sum(p.numel() for p in model.parameters()) + packed
+
+
+def sparsity(model: nn.Module) -> float:
+    """Share of exact zeros over the weight matrices and kernels (tensors with 2+ dims)."""
+    zeros = total = 0
+    for p in model.parameters():
+        if p.dim() >= 2:
+            zeros += int((p == 0).sum())
+            total += p.numel()
+    return zeros / total if total else 0.0
+
+
+def state_bytes(model: nn.Module) -> int:
+    """Bytes of the model's tensors (its size as a weights file, give or take the header)."""
+    sizes = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    return sum(sizes.values())

@@ -1,0 +1,109 @@
+"""Model families: how a kind of model loads, what data it takes and what is measured.
+
+A family is the stage spec idea one level up. Its traits live here (no torch import); its
+work lives in one module (`compress.families.classifier`, `compress.families.causal_lm`) that
+defines the same functions:
+
+- `load_data(recipe, source) -> DataBundle`
+- `load_model(recipe, source, data) -> ModelBundle`
+- `measure(bundle, data, recipe, known, run_dir) -> metrics`
+- `latency(bundle, data, recipe) -> metrics` (the input model, re-timed beside a stage)
+- `compare(metrics, input_latency, input_metrics) -> metrics` (ratios and deltas)
+
+Stage kinds run on a family through their spec (`StageSpec.runners`), so the classifier
+code does not grow branches for other families.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from compress.recipe.registry import spec_of
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything compress knows about one model family, torch-free."""
+
+    task: str  # the recipe's `model.task`
+    noun: str  # "a classifier", "a causal LM": for messages
+    module: str  # where its functions live
+    headline: tuple[str, ...]  # metrics of a stage's progress line, in order
+    only_options: tuple[str, ...]  # recipe options no other family takes (dotted)
+
+
+FAMILIES = {
+    "classification": Family(
+        "classification", "a classifier", "compress.families.classifier",
+        ("accuracy", "accuracy_delta_vs_input", "macro_f1", "latency_ms_b1", "latency_ms_b8",
+         "latency_ratio_b8", "size_mb", "sparsity"),
+        ("model.num_labels", "data.label_column", "data.label_names",
+         "data.holdout_fraction"),
+    ),
+    "causal-lm": Family(
+        "causal-lm", "a causal LM", "compress.families.causal_lm",
+        ("perplexity", "perplexity_delta_pct", "decode_tok_s_b1", "decode_speedup_b1",
+         "ttft_ms", "agreement", "next_token_agreement", "size_mb"),
+        ("data.prompts", "data.chat_template", "evaluation.generation"),
+    ),
+}
+
+
+def family(task: str) -> Family:
+    """The family of a `model.task` value."""
+    return FAMILIES[task]
+
+
+def functions(task: str) -> ModuleType:
+    """The module with the family's functions (imports torch)."""
+    return importlib.import_module(FAMILIES[task].module)
+
+
+def runner_of(kind: str, task: str) -> str | None:
+    """`module:function` that runs stage `kind` on a model of family `task` (None: the kind
+    does not take that family)."""
+    spec = spec_of(kind)
+    if task == "classification":
+        return spec.runner
+    return spec.runners.get(task)
+
+
+def family_problems(recipe: Any, task: str) -> list[str]:
+    """One line per recipe option or stage that does not fit the model's family."""
+    own = FAMILIES[task]
+    problems = []
+    for other in FAMILIES.values():
+        if other.task == task:
+            continue
+        for option in other.only_options:
+            if _is_set(recipe, option):
+                problems.append(f"{option}: only {other.noun} takes this option, and this "
+                                f"model is {own.noun} (model.task: {task}); remove it")
+    for i, stage in enumerate(recipe.stages):
+        if runner_of(stage.kind, task) is None:
+            takes = [k for k in _kinds() if runner_of(k, task) is not None]
+            problems.append(f"stages.{i} ({stage.kind}): this stage kind does not take "
+                            f"{own.noun} yet (kinds that do: {', '.join(takes)})")
+            continue
+        hook = spec_of(stage.kind).check_task
+        if hook is not None:
+            problems += hook(stage, task, i)
+    return problems
+
+
+def _kinds() -> list[str]:
+    from compress.recipe.registry import all_specs
+
+    return list(all_specs())
+
+
+def _is_set(recipe: Any, dotted: str) -> bool:
+    """Whether the recipe sets `dotted` itself (a default does not count)."""
+    node = recipe
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = getattr(node, part)
+    return leaf in node.model_fields_set

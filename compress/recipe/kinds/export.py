@@ -1,0 +1,188 @@
+"""Stage kind `export`: its config and spec (no torch import; run module: export.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from compress.recipe.options import CalibrationOptions, StageName, StrictModel
+from compress.recipe.registry import StageSpec, register
+from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_problems
+
+ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
+TENSORRT_ONLY = ("precision", "shapes")
+AOTI_ONLY = ("autocast",)
+RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
+            "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
+LM_FORMAT = "transformers"  # the one format of a causal LM
+LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples",
+              "tensor_parallel", "tolerance")
+
+
+class TensorRTShapes(StrictModel):
+    """TensorRT optimisation profile: [batch, sequence] (or [batch] for images) at min/opt/max."""
+
+    min: list[int] = Field(default_factory=lambda: [1, 8])
+    opt: list[int] = Field(default_factory=lambda: [8, 128])
+    max: list[int] = Field(default_factory=lambda: [32, 256])
+
+
+class ExportConfig(StrictModel):
+    """Export to TorchScript, ONNX (+ ONNX Runtime int8), AOTInductor or TensorRT (a causal
+    LM: its folder with a standalone runtime), loaded back and checked against the model.
+
+    An export is a leaf: the stage after it continues from the model before it."""
+
+    kind: Literal["export"] = "export"
+    name: StageName = None
+    format: Literal["torchscript", "onnx", "aoti", "tensorrt", "transformers"] = Field(
+        description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package), "
+        "tensorrt (torch-tensorrt, CUDA only); causal LMs: transformers (the model folder "
+        "that plain transformers + torchao load, with lm_runtime.py to decode it).")
+    source: str | int | None = Field(
+        None, description="Export the model of this earlier stage (name, kind or index) "
+        "instead of the current one.")
+    tolerance: float | None = Field(
+        None, gt=0, description="Largest max-abs logit difference accepted (default: "
+        "torchscript 1e-5, onnx and aoti 1e-4; none when the export quantizes).")
+    min_agreement: float | None = Field(
+        None, gt=0, le=1, description="Smallest share of equal argmax accepted (default: "
+        "0.995, or 0.90 when the export itself quantizes; causal LMs: of equal greedy "
+        "tokens on the prompts, default 1.0).")
+    max_accuracy_drop: float | None = Field(
+        None, ge=0, le=100, description="Largest accuracy loss in points against the source "
+        "model (default: 1.5 when the export itself quantizes, else unchecked).")
+    parity_samples: int | None = Field(
+        None, ge=1, description="Eval examples (causal LMs: prompts) compared with the source "
+        "model (default: all).")
+    threads: int | None = Field(
+        None, ge=1, le=4096,
+        description="Intra-op threads of the runtime (default: the latency threads).")
+    opset: int = Field(18, ge=17, le=23, description="ONNX opset.")
+    exporter: Literal["auto", "dynamo", "torchscript"] = Field(
+        "auto", description="ONNX exporter: auto tries the TorchScript-based one (the graph "
+        "ONNX Runtime runs fastest), then dynamo.")
+    optimize: bool = Field(
+        False, description="ONNX: fuse attention and layer norms with ONNX Runtime's "
+        "transformer optimizer.")
+    quantize: Literal["dynamic", "static"] | None = Field(
+        None, description="ONNX: int8 with ONNX Runtime (dynamic, or static QDQ calibrated "
+        "on the calibration split).")
+    keep_float: list[str] = Field(
+        default_factory=list, description="ONNX Runtime int8: module name patterns (fnmatch) "
+        "whose MatMul and Gemm nodes stay in float.")
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    precision: Literal["fp32", "fp16", "int8"] = Field("fp32", description="TensorRT precision.")
+    autocast: Literal["bf16"] | None = Field(
+        None, description="AOTInductor: compile the graph's float ops in bfloat16 (for a "
+        "PT2E int8 model: int8 layers, everything else in bf16). Needs a bf16 CPU.")
+    shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
+    tensor_parallel: int | None = Field(
+        None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
+        "across N torchrun processes (torch DTensor tensor parallelism; lm_tensor_parallel.py "
+        "in the folder) and check its logits against one process (tolerance, default 1e-4).")
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the export itself changes the precision (its logits cannot match)."""
+        return (self.format == "onnx" and self.quantize is not None) or (
+            self.format == "tensorrt" and self.precision != "fp32") or (
+            self.format == "aoti" and self.autocast is not None)
+
+    @model_validator(mode="after")
+    def _options_fit_the_format(self) -> ExportConfig:
+        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY, "aoti": AOTI_ONLY}.get(
+            self.format, ())
+        stray = [k for k in (*ONNX_ONLY, *TENSORRT_ONLY, *AOTI_ONLY, "calibration")
+                 if k in self.model_fields_set and k not in own
+                 and not (k == "calibration" and self.format in ("onnx", "tensorrt"))]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} do not apply to format {self.format}")
+        if self.keep_float and not self.quantize:
+            raise ValueError("keep_float applies to ONNX Runtime int8 only; set quantize")
+        if self.optimize and self.quantize:
+            raise ValueError("optimize works on float ONNX models only (ONNX Runtime's "
+                             "quantizers fail on fused graphs); drop it: the session still "
+                             "applies its own graph optimizations when it loads")
+        return self
+
+
+def _splits(cfg: ExportConfig) -> tuple[str, ...]:
+    calibrated = (cfg.format == "onnx" and cfg.quantize == "static") or (
+        cfg.format == "tensorrt" and cfg.precision == "int8")
+    return ("eval", "calibration") if calibrated else ("eval",)
+
+
+def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
+    fmt = config.get("format") or metrics.get("runtime") or "?"
+    extra = {"onnx": f" int8 {config['quantize']}" if config.get("quantize") else "",
+             "tensorrt": f" {config.get('precision', 'fp32')}",
+             "aoti": f" {config['autocast']} autocast" if config.get("autocast") else ""
+             }.get(fmt, "")
+    return RUNTIMES.get(fmt, fmt) + extra
+
+
+def _file_precision(cfg: ExportConfig) -> str | None:
+    """The precision of the written file when the export itself changes it."""
+    if cfg.format == "onnx" and cfg.quantize:
+        return "int8"
+    if cfg.format == "aoti" and cfg.autocast:
+        return cfg.autocast
+    return cfg.precision if cfg.format == "tensorrt" and cfg.precision != "fp32" else None
+
+
+def _fits_the_model(recipe: Any, i: int) -> list[str]:
+    """The format can hold the model it exports (TorchScript and ONNX cannot hold PT2E int8,
+    TensorRT takes a float model)."""
+    from compress.recipe.chain import chain_precision, model_chain
+
+    stage = recipe.stages[i]
+    if chain_precision(recipe, i) != "int8" or stage.format == LM_FORMAT or any(
+            getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)):
+        return []  # a causal LM's weight scheme: the family check speaks for it
+    if stage.format in ("torchscript", "onnx"):
+        return [f"stages.{i}.format: {stage.format} cannot hold the PT2E int8 model it would "
+                f"export; use format aoti for it, or set source to a stage before the "
+                f"quantize stage to export the float model"]
+    if stage.format == "tensorrt":
+        return [f"stages.{i}.format: tensorrt takes a float model; set source to a stage "
+                f"before the quantize stage"]
+    return []
+
+
+def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
+    """A causal LM exports with format transformers and only its options; a classifier with
+    any other format."""
+    where = f"stages.{index}"
+    if task != "causal-lm":
+        if cfg.tensor_parallel:
+            return [f"{where}.tensor_parallel: splits a causal LM's decoder layers across "
+                    "processes; a classifier exports whole"]
+        if cfg.format == LM_FORMAT:
+            return [f"{where}.format: transformers exports a causal LM (its folder with a "
+                    "standalone decoding runtime); a classifier exports with torchscript, "
+                    "onnx, aoti or tensorrt"]
+        return []
+    if cfg.format != LM_FORMAT:
+        return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
+                f"LM exports with format: {LM_FORMAT} (its folder with lm_runtime.py, which "
+                "decodes it with torch, transformers and torchao alone)"]
+    return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
+            "greedy token agreement on the prompts (min_agreement, parity_samples)"
+            for o in sorted(cfg.model_fields_set - set(LM_OPTIONS))]
+
+
+SPEC = register(StageSpec(
+    kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
+    makes_model=False, splits=_splits, runtime=_runtime,
+    check=lambda recipe, i: _fits_the_model(recipe, i) + split_problems(recipe, i),
+    check_model=split_fits_the_config,
+    reload="compress.stages.export:reload", precision=_file_precision,
+    needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
+        ("bf16_cpu",) if cfg.autocast else ()),
+    export_formats=lambda cfg: (cfg.format,),
+    runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
+    runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode",
+                               "serve.lm_tensor_parallel")},
+))

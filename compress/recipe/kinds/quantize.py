@@ -1,0 +1,113 @@
+"""Stage kind `quantize`: its config and spec (no torch import; run module: quantize.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from compress.recipe.options import CalibrationOptions, StageName, StrictModel, TrainOptions
+from compress.recipe.registry import StageSpec, register
+
+WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_grouped")
+PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile")
+LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
+
+
+class QuantizeConfig(StrictModel):
+    """int8 quantization: PT2E (X86InductorQuantizer) for classifiers, torchao `quantize_`
+    weight schemes for causal LMs."""
+
+    kind: Literal["quantize"] = "quantize"
+    name: StageName = None
+    scheme: Literal["int8_weight_only", "int4_weight_only", "int8_dynamic",
+                    "int8_grouped"] | None = Field(
+        None, description="Causal LMs: weight scheme. torchao's: int8 or int4 weights with "
+        "float activations, or int8 weights and per-token int8 activations; compress's "
+        "int8_grouped: int8 weights with a float32 scale and offset per group of "
+        "`group_size` inputs and float32 activations (serve/lm_grouped_int8.py), which "
+        "keeps greedy tokens where bfloat16 activations flip near-ties.")
+    group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
+                            "scale group (int8_grouped: it must divide every Linear's inputs).")
+    head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
+                         "int8_grouped", "float"] = Field(
+        "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
+        "weight-only under int4, else the model's scheme; float keeps it in float).")
+    activations: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
+        "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
+        "a CPU that computes bf16 natively; else float32; int8_grouped takes float32 only).")
+    equalize: bool = Field(
+        False, description="Causal LMs, weight-only schemes: activation-aware scaling (AWQ) "
+        "before quantizing: each Linear's input channels scaled by mean|x|^alpha (alpha searched "
+        "per layer on train text) and the inverse folded into the norm or Linear before it, so "
+        "the float model is unchanged and salient channels get more of the grid.")
+    mode: Literal["dynamic", "static", "qat"] = Field(
+        "static", description="dynamic activations, static (calibrated), or quantization-aware "
+        "training (a causal LM takes qat only: its weights trained on the scheme's grid "
+        "against the entering model's next-token distributions).")
+    per_channel: bool = Field(True, description="Per-channel weight scales.")
+    keep_float: list[str] = Field(
+        default_factory=list, description="Module name patterns left in float (fnmatch).")
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    qat: TrainOptions = Field(
+        default_factory=lambda: TrainOptions(max_steps=100, learning_rate=2e-5),
+        description="Training options of mode qat.")
+    compile: bool = Field(True, description="Evaluate through torch.compile with freezing.")
+
+
+def _splits(cfg: QuantizeConfig) -> tuple[str, ...]:
+    if cfg.scheme is not None:
+        return ("train",) if cfg.mode == "qat" or cfg.equalize else ()
+    return {"dynamic": (), "static": ("calibration",), "qat": ("train", "calibration")}[cfg.mode]
+
+
+def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
+    """PT2E options on a causal LM, or a weight scheme on a classifier."""
+    where = f"stages.{index}"
+    if task == "causal-lm":
+        wrong = [o for o in PT2E_OPTIONS if o in cfg.model_fields_set]
+        problems = [f"{where}.{o}: a PT2E option for classifiers; a causal LM is quantized by "
+                    f"`scheme` ({', '.join(WEIGHT_SCHEMES)})" for o in wrong]
+        if "mode" in cfg.model_fields_set and cfg.mode != "qat":
+            problems.append(f"{where}.mode: {cfg.mode} is a PT2E mode for classifiers; a "
+                            "causal LM takes `mode: qat` or no mode (post-training)")
+        if cfg.scheme is None:
+            problems.append(f"{where}.scheme: a causal LM needs a weight scheme: "
+                            f"{', '.join(WEIGHT_SCHEMES)}")
+        if cfg.equalize and cfg.scheme == "int8_dynamic":
+            problems.append(f"{where}.equalize: activation-aware scaling is for the weight-only "
+                            "schemes (it enlarges the activations int8_dynamic quantizes)")
+        if cfg.scheme == "int8_grouped" and cfg.activations == "bfloat16":
+            problems.append(f"{where}.activations: int8_grouped computes in float32 (its point "
+                            "is float32 activations); drop `activations` or use int8_weight_only")
+        if cfg.group_size < 1:
+            problems.append(f"{where}.group_size: {cfg.group_size} must be positive")
+        if cfg.scheme == "int4_weight_only" and cfg.group_size not in (32, 64, 128, 256):
+            problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
+                            "128, 256 (torchao's int4 CPU packing)")
+        return problems
+    lm_only = [o for o in LM_ONLY_OPTIONS if o in cfg.model_fields_set]
+    return [f"{where}.{o}: only a causal LM takes this option; a classifier is quantized "
+            "through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
+
+
+def _precision(cfg: QuantizeConfig) -> str:
+    return "int4" if cfg.scheme == "int4_weight_only" else "int8"
+
+
+def _runtime(config: dict, metrics: dict) -> str:
+    if config.get("scheme") == "int8_grouped":
+        return "int8_grouped (compress, float32 activations), compiled decode"
+    if config.get("scheme"):
+        return f"torchao {config['scheme']}, compiled decode"
+    compiled = ", torch.compile" if config.get("compile", True) else ""
+    return f"PT2E int8 {config.get('mode', 'static')}{compiled}"
+
+
+SPEC = register(StageSpec(
+    kind="quantize", config=QuantizeConfig, runner="compress.stages.quantize:run", order=40,
+    splits=_splits, refused_before=("quantize", "precision"), precision=_precision,
+    runtime=_runtime, reload="compress.stages.quantize:reload",
+    runners={"causal-lm": "compress.stages.quantize_lm:run"}, check_task=_check_task,
+))

@@ -1,0 +1,141 @@
+"""Stage kind `search`: its config and spec (no torch import; run module: search.py).
+
+The candidates: each is a way to serve the model (a precision and a runtime), built from
+the stages compress already has (quantize, precision, export) into an export folder the
+package stage can archive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from compress.recipe.options import CalibrationOptions, StageName, StrictModel
+from compress.recipe.registry import StageSpec, register
+
+# name -> (what it is, file format, needs a Hugging Face model, needs a bf16 CPU, quantizes)
+CANDIDATES: dict[str, tuple[str, str, bool, bool, bool]] = {
+    "pt2e_static_aoti": ("PT2E int8 static (calibrated) as an AOTInductor package", "aoti",
+                         False, False, True),
+    "pt2e_dynamic_aoti": ("PT2E int8 dynamic activations as an AOTInductor package", "aoti",
+                          False, False, True),
+    "pt2e_static_bf16_aoti": ("PT2E int8 static with the float ops in bf16 as an "
+                              "AOTInductor package", "aoti", False, True, True),
+    "bf16_aoti": ("bfloat16 as an AOTInductor package", "aoti", True, True, False),
+    "ort_dynamic_int8": ("ONNX Runtime dynamic int8 (every MatMul)", "onnx", False, False,
+                         True),
+    "ort_static_int8": ("ONNX Runtime static int8 (QDQ, calibrated)", "onnx", False, False,
+                        True),
+    "onnx_fp32": ("float32 in ONNX Runtime", "onnx", False, False, False),
+    "aoti_fp32": ("float32 as an AOTInductor package", "aoti", False, False, False),
+}
+Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "pt2e_static_bf16_aoti",
+                    "bf16_aoti", "ort_dynamic_int8",
+                    "ort_static_int8", "onnx_fp32", "aoti_fp32"]
+OBJECTIVES = {"latency_b1": "latency_ms_b1", "latency_b8": "latency_ms_b8",
+              "latency_real": "latency_ms_b8_real", "size": "bytes"}
+
+
+class SearchConfig(StrictModel):
+    """The fastest (or smallest) servable artifact within an accuracy loss: every candidate
+    precision and runtime built, measured and, when it loses too much, given float
+    fallback layers by sensitivity. The winner is an export the package stage archives."""
+
+    kind: Literal["search"] = "search"
+    name: StageName = None
+    max_accuracy_drop: float = Field(
+        ge=0, le=100, description="Largest accuracy loss in points against the model that "
+        "enters the stage.")
+    objective: Literal["latency_b1", "latency_b8", "latency_real", "size"] = Field(
+        "latency_b8", description="What the winner minimises: median latency at batch 1 or "
+        "8 (seq_len of evaluation.latency), at batch 8 on the eval split's own sentences "
+        "(latency_real), or file size.")
+    candidates: list[Candidate] | None = Field(
+        None, min_length=1, description="Candidates to try (default: every one that applies "
+        "to the model and this CPU).")
+    max_trials: int | None = Field(
+        None, ge=1, le=10_000, description="Most trials to run, fallbacks included (default: "
+        "no limit).")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="Start no new trial after this many seconds (cached trials "
+        "cost nothing).")
+    max_fallback_layers: int = Field(
+        8, ge=0, le=1000, description="Most layers kept in float for one candidate.")
+    sensitivity_samples: int = Field(
+        128, ge=1, le=100_000, description="Calibration examples the layer ranking uses.")
+    final_rounds: int = Field(
+        3, ge=0, le=100, description="Rounds re-timing the finalists in one process, "
+        "alternating, before the winner is chosen (0: pick from the trials' own timings).")
+    threads: int | None = Field(
+        None, ge=1, le=4096, description="Intra-op threads of every runtime (default: the "
+        "latency threads).")
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+
+    @field_validator("candidates")
+    @classmethod
+    def _unique(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("a candidate is listed twice")
+        return value
+
+
+def not_applicable(name: str, hugging_face: bool, bf16_cpu: bool | None) -> str | None:
+    """Why candidate `name` cannot serve the model (None: it can). `bf16_cpu` None: not
+    known yet (validation does not probe the CPU)."""
+    _, _, needs_hf, needs_bf16, _ = CANDIDATES[name]
+    if needs_hf and not hugging_face:
+        return "casts Hugging Face models only"
+    if needs_bf16 and bf16_cpu is False:
+        return "needs a CPU that computes bfloat16 natively (AVX512-BF16 or AMX)"
+    return None
+
+
+def _candidates_apply(recipe: Any, i: int) -> list[str]:
+    """Listed candidates that cannot serve the recipe's model, and objectives it lacks."""
+    from compress.recipe.sources import is_factory  # sources imports the spec registry
+
+    cfg = recipe.stages[i]
+    hugging_face = not is_factory(recipe.model.source)
+    problems = []
+    if cfg.objective == "latency_real" and not hugging_face:
+        problems.append(f"stages.{i}.objective: latency_real times the eval split's sentences "
+                        f"and model.source {recipe.model.source} is not a text model; use "
+                        f"latency_b1, latency_b8 or size")
+    if cfg.candidates is not None:
+        reasons = {c: not_applicable(c, hugging_face, None) for c in cfg.candidates}
+        if all(reasons.values()):
+            why = "; ".join(f"{c} {r}" for c, r in reasons.items())
+            problems.append(f"stages.{i}.candidates: none applies to model.source "
+                            f"{recipe.model.source} ({why}); list others or leave candidates "
+                            f"out for every one that applies")
+    return problems
+
+
+def _splits(cfg: SearchConfig) -> tuple[str, ...]:
+    return ("eval", "calibration")
+
+
+def export_formats(cfg: SearchConfig) -> tuple[str, ...]:
+    """The formats the winner can be in."""
+    names = cfg.candidates or list(CANDIDATES)
+    return tuple(dict.fromkeys(CANDIDATES[n][1] for n in names))
+
+
+def _needs(cfg: SearchConfig) -> tuple[str, ...]:
+    """A bf16 CPU when every listed candidate needs one (else those are only skipped)."""
+    listed = cfg.candidates or []
+    return ("bf16_cpu",) if listed and all(CANDIDATES[n][3] for n in listed) else ()
+
+
+def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
+    winner = metrics.get("search_winner")
+    return f"search winner: {CANDIDATES[winner][0]}" if winner in CANDIDATES else "search"
+
+
+SPEC = register(StageSpec(
+    kind="search", config=SearchConfig, runner="compress.search.stage:run", order=65,
+    makes_model=False, splits=_splits, runtime=_runtime,
+    refused_before=("quantize", "precision"), check=_candidates_apply,
+    reload="compress.stages.export:reload", export_formats=export_formats, needs=_needs,
+))

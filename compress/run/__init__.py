@@ -1,0 +1,3 @@
+"""Running a recipe: the stage loop, one stage at a time with its cache key, and the
+fingerprints of a run's inputs.
+"""

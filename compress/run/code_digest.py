@@ -1,0 +1,76 @@
+"""The code a stage runs, as digests for its cache key: its run module and every module of
+this project that it imports, directly or through others, lazily inside functions included.
+
+The imports are read from the sources (`ast`), never executed, so keying a cached stage
+imports nothing. A change to any of that code runs the stage again instead of reporting it
+cached; code the stage cannot reach (the CLI, the reports) leaves its cache alone."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+from compress.runfolder.files import sha256_file
+
+PROJECT = ("compress", "export", "serve")  # the packages whose code is part of the key
+
+
+@cache
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of a project module (`a.b` -> a/b.py or a/b/__init__.py), if any."""
+    top, *rest = name.split(".")
+    root = _package_dir(top) if top in PROJECT else None
+    if root is None:
+        return None
+    base = root.joinpath(*rest)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(name: str, path: Path) -> set[str]:
+    """Project modules named by the import statements of one source file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .x import y
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # submodules
+    return {m for m in found if m.split(".")[0] in PROJECT and module_file(m)}
+
+
+def module_closure(roots: Iterable[str]) -> list[str]:
+    """`roots` and every project module they import, transitively, sorted."""
+    seen: set[str] = set()
+    todo = [r for r in roots if module_file(r)]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")  # importing a.b.c runs a/__init__ and a/b/__init__ too
+        todo += [p for p in (".".join(parts[:k]) for k in range(1, len(parts))) if module_file(p)]
+        todo += sorted(_imported(name, module_file(name)) - seen)
+    return sorted(seen)
+
+
+def code_digests(roots: Iterable[str]) -> list[str]:
+    """"module sha256" for each module of `roots`' closure: what a stage's key includes."""
+    return [f"{m} {sha256_file(module_file(m))}" for m in module_closure(roots)]

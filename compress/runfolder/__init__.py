@@ -1,0 +1,3 @@
+"""The run folder on disk: atomic writes, digests, the run lock, and the typed manifest records
+(no torch).
+"""

@@ -1,0 +1,233 @@
+"""Stage `search`: the fastest servable artifact within `max_accuracy_drop` points.
+
+Every candidate that applies is built into `trials/<id>/` and measured the same way
+(search_trials.py). A quantizing candidate that loses too much gets float fallback
+layers, the most int8-sensitive first (sensitivity.py, `sensitivity.json`), one more per
+trial, until it is within the tolerance or no faster than the float model. The finalists
+are timed again in alternating rounds in this process (search_choice.py), and the
+winner's export folder becomes the stage's output; `search.json`, `section.md` and
+`search.png` say why it won and why every other trial lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from compress.algorithms.sensitivity import fallback_layers
+from compress.errors import CompressError, UserError
+from compress.recipe.kinds.search import CANDIDATES, OBJECTIVES, SearchConfig, not_applicable
+from compress.runfolder.files import atomic_write_json, bf16_supported, sha256_json
+from compress.runfolder.records import artifact_record
+from compress.search.candidates import build, candidate_stages
+from compress.search.choice import decide, describe, retime_finalists
+from compress.search.report import write_search_files
+from compress.search.trials import Measurer, cached_trial, run_trial, trial_id, trial_key
+from compress.stages.context import StageContext, State
+
+
+class Search:
+    """The trials of one search stage, in its folder."""
+
+    def __init__(self, state: State, cfg: SearchConfig, ctx: StageContext):
+        self.bundle, self.cfg, self.ctx = state.bundle, cfg, ctx
+        lat = ctx.recipe.evaluation.latency
+        self.threads = cfg.threads or lat.threads or os.cpu_count() or 1
+        self.measurer = Measurer(ctx.data, ctx.recipe, self.threads)
+        self.metric = OBJECTIVES[cfg.objective]
+        self.trials: list[dict[str, Any]] = []
+        self.not_run: list[dict[str, Any]] = []
+        self.ran = 0
+        self.began = time.perf_counter()
+        self.reference: dict[str, Any] = {}
+        self.planned = 0  # candidates without fallback layers, for the progress lines
+        self.built_s: list[float] = []  # how long each trial built here took
+
+    def log(self, message: str) -> None:
+        self.ctx.log(f"{self.ctx.name}: {message}")
+
+    def measure_reference(self) -> None:
+        """The entering (float, eager) model measured like a trial: the accuracy the
+        tolerance counts from and the predictions agreement counts against."""
+        path = self.ctx.folder / "reference.json"
+        key = sha256_json(["reference", self.ctx.input_sha, self.measurer.settings()])
+        cached = _read_json(path)
+        if cached.get("key") != key:
+            self.log("measuring the entering model (PyTorch eager) as the reference")
+            from compress.models.bundle import state_bytes
+
+            cached = {"key": key, **self.measurer.measure(self.bundle, None),
+                      "bytes": state_bytes(self.bundle.model)}
+            atomic_write_json(path, cached)
+        self.reference = cached
+
+    def budget_spent(self) -> str | None:
+        """Why no new trial may start (None: it may)."""
+        if self.cfg.max_trials is not None and len(self.trials) >= self.cfg.max_trials:
+            return f"max_trials {self.cfg.max_trials} reached"
+        spent = time.perf_counter() - self.began
+        if self.cfg.time_budget_s is not None and spent >= self.cfg.time_budget_s:
+            return f"time_budget_s {self.cfg.time_budget_s:g} spent"
+        return None
+
+    def trial(self, name: str, float_layers: list[str]) -> dict[str, Any] | None:
+        """The trial of `name` with `float_layers`, from the cache or built and measured
+        now (None when the budget is spent)."""
+        stages = candidate_stages(name, float_layers, self.cfg.calibration)
+        key = trial_key(name, stages, float_layers, self.ctx.input_sha, self.measurer.settings())
+        tid = trial_id(name, float_layers, key)
+        folder = self.ctx.folder / "trials" / tid
+        record = cached_trial(folder, key)
+        if record is not None:
+            record["cached"] = True
+        else:
+            if (spent := self.budget_spent()) is not None:
+                self.not_run.append({"id": tid, "candidate": name, "float_layers": float_layers,
+                                     "status": "not run", "lost": spent})
+                self.log(f"{tid}: not run ({spent})")
+                return None
+            self.log(f"trial {len(self.trials) + 1} {tid}: building {CANDIDATES[name][0]}"
+                     + (f", {len(float_layers)} layers in float" if float_layers else "")
+                     + f" ({self._progress()})")
+            record = {"id": tid, "key": key, "candidate": name, "float_layers": float_layers,
+                      "stages": [s.model_dump(mode="json", exclude_unset=True) for s in stages]}
+            data = self.ctx.data
+            record = run_trial(folder, record, lambda out: build(
+                self.bundle, stages, out, data.splits.get("calibration"), data.max_length,
+                lambda m: None), self.measurer, self.reference["preds"])
+            record["cached"] = False
+            self.ran += 1
+            self.built_s.append(record["trial_s"])
+        record["folder"] = str(folder.relative_to(self.ctx.run_dir))
+        if record["status"] == "ok":
+            record["drop"] = round(100 * (self.reference["accuracy"] - record["accuracy"]), 3)
+            record["within"] = record["drop"] <= self.cfg.max_accuracy_drop + 1e-9
+        self.trials.append(record)
+        self.log(describe(record, self.metric, self.cfg.max_accuracy_drop))
+        return record
+
+    def _progress(self) -> str:
+        """Elapsed time and, while candidates are left, an estimate of what they need."""
+        elapsed = time.perf_counter() - self.began
+        left = self.planned - len(self.trials)
+        if left <= 0 or not self.built_s:
+            return f"{elapsed:.0f} s into the search"
+        eta = left * sum(self.built_s) / len(self.built_s)
+        return f"{elapsed:.0f} s into the search, about {eta:.0f} s for the {left} candidates left"
+
+    def float_objective(self) -> float:
+        """The objective of the fastest float candidate measured (else the eager model)."""
+        floats = [t[self.metric] for t in self.trials if t["status"] == "ok"
+                  and not CANDIDATES[t["candidate"]][4] and self.metric in t]
+        return min(floats, default=self.reference.get(self.metric, float("inf")))
+
+    def bar(self) -> tuple[float, str]:
+        """What a fallback trial must beat, and what it is: float layers only add time
+        (and bytes), so a trial no better than the float model or than the best trial
+        already within the tolerance cannot win."""
+        within = [t[self.metric] for t in self.trials if t["status"] == "ok" and t["within"]]
+        best = min(within, default=float("inf"))
+        if best < self.float_objective():
+            return best, "no better than the best trial within the tolerance"
+        return self.float_objective(), "no better than the float model"
+
+    def fall_back(self, name: str, ranking: list[str]) -> None:
+        """Trials of `name` with the top 1, 2, ... layers of `ranking` in float, until one
+        is within the tolerance, is no faster than the float model, or fails."""
+
+        def good(layers: list[str]) -> bool | None:
+            record = self.trial(name, layers)
+            if record is None or record["status"] != "ok":
+                return None
+            bar, what = self.bar()
+            if not record["within"] and record[self.metric] >= bar:
+                record["stopped"] = f"{what}: fallback stopped"
+                self.log(f"{record['id']}: {record['stopped']}")
+                return None
+            return record["within"]
+
+        fallback_layers(ranking, good, self.cfg.max_fallback_layers)
+
+    def sensitivity(self) -> list[str]:
+        """Layer names, most int8-sensitive first (`sensitivity.json`, cached)."""
+        from compress.algorithms.sensitivity import rank_layers, sensitivity_report
+        from compress.data.datasets import iterate
+
+        path = self.ctx.folder / "sensitivity.json"
+        calibration = self.ctx.data.splits["calibration"]
+        count = min(self.cfg.sensitivity_samples, len(calibration))
+        key = sha256_json(["sensitivity", self.ctx.input_sha, count,
+                           self.cfg.calibration.batch_size, self.measurer.settings()])
+        cached = _read_json(path)
+        if cached.get("key") != key:
+            self.log(f"ranking layers by int8 sensitivity on {count} calibration examples")
+            began = time.perf_counter()
+            batches = [inputs for inputs, _ in iterate(
+                calibration, self.cfg.calibration.batch_size, self.bundle.tokenizer,
+                self.ctx.data.max_length, list(range(count)))]
+            ranking = rank_layers(self.bundle.model, batches)
+            cached = {"key": key, **sensitivity_report(ranking, count, began)}
+            atomic_write_json(path, cached)
+        top = ", ".join(f"{r['layer']} ({r['kl']:.3g})" for r in cached["ranking"][:3])
+        self.log(f"most int8-sensitive layers (KL): {top}")
+        return [r["layer"] for r in cached["ranking"]]
+
+
+def _read_json(path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def candidates(bundle, cfg: SearchConfig) -> tuple[list[str], dict[str, str]]:
+    """(the candidates to try, {candidate: why it is skipped})."""
+    names = cfg.candidates or list(CANDIDATES)
+    bf16 = bf16_supported()
+    skipped = {n: why for n in names
+               if (why := not_applicable(n, bundle.kind == "hf", bf16)) is not None}
+    return [n for n in names if n not in skipped], skipped
+
+
+def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:
+    """Search, write the record and the plot, and hand on the winner's export."""
+    from compress.models.folders import load_export
+
+    search = Search(state, cfg, ctx)
+    names, skipped = candidates(state.bundle, cfg)
+    for name, why in skipped.items():
+        search.log(f"{name} skipped: it {why}")
+    if not names:
+        raise UserError(f"stages.{ctx.index}.candidates: none applies to this model on this "
+                        f"machine ({'; '.join(f'{n} {w}' for n, w in skipped.items())})")
+    search.measure_reference()
+    search.planned = len(names)
+    for name in names:
+        search.trial(name, [])
+    missed = sorted((t for t in search.trials if t["status"] == "ok" and not t["within"]
+                     and CANDIDATES[t["candidate"]][4]), key=lambda t: t[search.metric])
+    ranking: list[str] | None = None
+    for record in missed:
+        bar, what = search.bar()
+        if record[search.metric] >= bar:
+            record["stopped"] = f"{what}: no fallback tried"
+            search.log(f"{record['id']}: {record['stopped']}")
+        elif cfg.max_fallback_layers and search.budget_spent() is None:
+            ranking = ranking or search.sensitivity()
+            search.fall_back(record["candidate"], ranking)
+    retime_finalists(search.trials, cfg, search.metric, search.measurer, ctx.run_dir, search.log)
+    outcome = decide(search.trials, search.metric, cfg.max_accuracy_drop)
+    summary = write_search_files(ctx.folder, ctx.run_dir, cfg, search, skipped, outcome)
+    ctx.metrics.update(summary)
+    winner = outcome["winner"]
+    if winner is None:
+        raise CompressError(outcome["verdict"])
+    folder = ctx.run_dir / winner["folder"] / winner["export_dir"]
+    ctx.metrics.update(accuracy=winner["accuracy"], macro_f1=winner["macro_f1"])
+    ctx.add_output(artifact_record(folder / winner["file"], ctx.run_dir, winner["export_dir"],
+                                   export_dir=str(folder.relative_to(ctx.run_dir)),
+                                   trial=winner["id"]))
+    search.log(outcome["verdict"])
+    return State(load_export(folder, search.threads))

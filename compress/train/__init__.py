@@ -1,0 +1,1 @@
+"""The one training loop (finetune, distill, QAT): the step, checkpoints and telemetry."""

@@ -1,7 +1,7 @@
 """compress's TorchServe handler: one batched forward pass per TorchServe batch.
 
 Packed into every `.mar` by the package stage and loaded by TorchServe's workers, so it
-imports nothing from compress: the archive holds the exported file, its `export.json`
+imports no compress code: the archive holds the exported file, its `export.json`
 (format, inputs, labels), the tokenizer files, `index_to_name.json` and
 `model-config.yaml` (whose `handler:` section holds threads, max_length, max_text_chars).
 

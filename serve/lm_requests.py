@@ -1,7 +1,7 @@
 """Requests to a served causal LM: parsing and limits, and the text each answer streams.
 
 Shipped in the causal-LM TorchServe archive beside `lm_handler.py` (which may define only
-one class) and `lm_runtime.py`; imports nothing from compress, and no torch.
+one class) and `lm_runtime.py`; imports no compress code, and no torch.
 
 A request is a JSON object: `prompt` (a string) or `messages` (chat messages, through the
 tokenizer's chat template), and optionally `max_new_tokens`, `temperature` (0: greedy),

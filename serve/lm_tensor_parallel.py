@@ -1,5 +1,5 @@
 """Tensor-parallel inference of a causal-LM folder across the ranks of a torchrun job, with
-torch's DTensor engine (`torch.distributed.tensor.parallel`) and nothing from compress
+torch's DTensor engine (`torch.distributed.tensor.parallel`) and no compress code
 (shipped beside `lm_runtime.py` in a causal-LM export).
 
 Every decoder layer is split by `parallelize_module`: the query, key, value, gate and up

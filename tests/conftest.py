@@ -260,6 +260,29 @@ SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",
                "evaluation.latency.warmup=1", "evaluation.latency.batch_sizes=[8]"]
 
 
+def import_alone(folder: Path, modules: str, then: str = "") -> list:
+    """Import `modules` (comma-separated) from `folder` in a fresh Python that cannot reach
+    the repository (no path to it, no editable-install finder), run `then`, and return the
+    printed JSON: first the project packages still findable and imported (both must be
+    empty), then whatever `then` prints with `out(...)`."""
+    code = ("import importlib.util, json, sys; "
+            "sys.meta_path[:] = [f for f in sys.meta_path "
+            "if '__editable__' not in getattr(f, '__module__', '')]; "
+            "sys.path[:] = [sys.argv[1]] + [p for p in sys.path if 'site-packages' in p "
+            "or 'python3' in p]; "
+            "reach = [m for m in ('compress', 'serve', 'export') if importlib.util.find_spec(m)]; "
+            f"import {modules}; "
+            "project = sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('compress', 'serve', 'export')); "
+            "shown = []; out = shown.append; "
+            f"{then}; "
+            "print(json.dumps([reach, project, shown]))")
+    done = subprocess.run([sys.executable, "-I", "-c", code, str(folder)], capture_output=True,
+                          text=True, cwd=folder, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="session")
 def bert_int8_run(tmp_path_factory, data_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
     """recipes/bert_int8.yaml shrunk (real MiniLM, 800 SST-2 sentences): fine-tune, static

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import cli, write_recipe
+from conftest import cli, import_alone, write_recipe
 
 from compress.recipe.kinds.quantize import WEIGHT_SCHEMES
 from compress.recipe.schema import load_recipe
@@ -148,20 +148,9 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     # editable-install finder, so `import compress` or `import serve` would fail
     with zipfile.ZipFile(mar) as archive:
         archive.extractall(tmp_path / "unpacked")
-    alone = ("import importlib.util, sys; "
-             "sys.meta_path[:] = [f for f in sys.meta_path "
-             "if '__editable__' not in getattr(f, '__module__', '')]; "
-             "sys.path[:] = [sys.argv[1]] + [p for p in sys.path if 'site-packages' in p "
-             "or 'python3' in p]; "
-             "reach = [m for m in ('compress', 'serve', 'export') "
-             "if importlib.util.find_spec(m)]; "
-             "import lm_handler, lm_runtime, worker_threads; "
-             "print(reach, sorted(m for m in sys.modules "
-             "if m.split('.')[0] in ('compress', 'serve', 'export')))")
-    done = subprocess.run([sys.executable, "-I", "-c", alone, str(tmp_path / "unpacked")],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[] []"
+    reach, project, _ = import_alone(tmp_path / "unpacked",
+                                     "lm_handler, lm_runtime, worker_threads")
+    assert reach == [] and project == []
 
 
 @pytest.mark.parametrize(("stage", "line"), [

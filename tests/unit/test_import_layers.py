@@ -1,0 +1,80 @@
+"""The project's import graph (grimp, import-linter's engine) has no circle between two of
+its modules, lazy imports inside functions included, and keeps the layers of pyproject.toml."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+grimp = pytest.importorskip("grimp")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def circles(graph) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(
+                        child)))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = grimp.build_graph("compress", "export", "serve")
+    assert len(graph.modules) > 100
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = grimp.ImportGraph()
+    for module in ("a", "a.x", "a.y", "a.z"):
+        graph.add_module(module)
+    graph.add_import(importer="a.x", imported="a.y")
+    graph.add_import(importer="a.y", imported="a.x")
+    graph.add_import(importer="a.z", imported="a.x")
+    assert circles(graph) == [["a.x", "a.y"]]
+
+
+def test_the_layer_contracts_hold() -> None:
+    done = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "0 broken" in done.stdout and "2 kept" in done.stdout

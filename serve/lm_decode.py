@@ -2,19 +2,23 @@
 `lm_runtime.py` in every causal-LM export and TorchServe archive: it imports nothing from
 compress). `StaticDecoder` decodes prompts of any lengths left-padded under an attention
 mask; each row stops on its own, greedy or top-p sampled; its decode step compiles into one
-Inductor graph, with its own attention for one new token per row (`decode_attention`)."""
+Inductor graph, with its own attention for one new token per row (`lm_attention.py`)."""
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+try:  # in an export folder or an archive, lm_attention.py lies beside this file
+    from lm_attention import DECODE_ATTENTION, attention, register_decode_attention
+except ImportError:  # in the compress repository
+    from serve.lm_attention import DECODE_ATTENTION, attention, register_decode_attention
 
 
 @dataclass
@@ -35,68 +39,6 @@ class Generation:
     decode_tokens_per_s: float  # the tokens after each row's first, every row counted
     rows: list[list[int]] = field(default_factory=list)  # every row's tokens
     finish: list[str] = field(default_factory=list)  # per row: "stop" or "length"
-
-
-DECODE_ATTENTION = "compress_decode"  # the attention a StaticDecoder runs its model with
-
-
-def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask: torch.Tensor | None,
-                     dropout: float = 0.0, scaling: float | None = None,
-                     decode_window: torch.Tensor | None = None,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention of one new token per row over a static cache, in float32, each key-value
-    head read once for its whole group of query heads (B x 1 x heads x dim out), over the
-    first `len(decode_window)` cache positions only when that is given (the positions
-    written so far: a dynamic size, so one compiled graph serves every length); longer
-    queries (the prefill) go to transformers' SDPA attention.
-
-    Compiled, this is a few fused loops. With SDPA the decode step called aten's CPU flash
-    attention kernel, made for long queries: 378 us a layer for one query over 512 cached
-    positions on SmolLM2, 11 of the 23 ms of an int8 decode step (torch.profiler)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.shape[2] != 1 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    rows, heads, _, dim = query.shape
-    groups = key.shape[1]
-    scale = scaling if scaling is not None else dim ** -0.5
-    if decode_window is not None:
-        key, value = key[:, :, :decode_window.shape[0]], value[:, :, :decode_window.shape[0]]
-    grouped = query.view(rows, groups, heads // groups, 1, dim).float()
-    scores = (grouped * key[:, :, None].float()).sum(-1) * scale  # rows, groups, per group, L
-    if attention_mask is not None:
-        mask = attention_mask[..., -1, :key.shape[2]].reshape(rows, 1, 1, -1)
-        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
-                  else scores + mask.float())
-    weights = scores.softmax(-1)
-    out = (weights[..., None] * value[:, :, None].float()).sum(-2)  # rows, groups, per group, dim
-    return out.to(query.dtype).reshape(rows, 1, heads, dim), None
-
-
-def _register_decode_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-
-
-@contextmanager
-def attention(model: nn.Module, implementation: str | None) -> Iterator[None]:
-    """Run `model` with another registered attention implementation (None: its own) for
-    the duration, then give it back its own."""
-    config = getattr(model, "config", None)
-    own = getattr(config, "_attn_implementation", None)
-    if implementation is None or config is None or own == implementation:
-        yield
-        return
-    config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        config._attn_implementation = own
 
 
 # on_tokens(the token each row just produced, None for rows already finished) -> rows to
@@ -133,7 +75,7 @@ class StaticDecoder:
         own = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self.attention = DECODE_ATTENTION if own in ("sdpa", "eager") else None
         if self.attention:
-            _register_decode_attention()
+            register_decode_attention()
         self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache: Any = None
         self.cache_rows = 0

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -228,28 +229,31 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
                           text=True, env=full_env, cwd=cwd, timeout=timeout)
 
 
-def start_and_kill_rank_1(recipe: Path, checkpoint: Path, *args: str
-                          ) -> subprocess.CompletedProcess:
-    """Start `compress run RECIPE --nproc 2 ARGS`, SIGKILL rank 1 once `checkpoint` exists,
-    wait for the job."""
-    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe),
-                                "--nproc", "2", *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not checkpoint.is_file() and time.monotonic() < deadline:
+def start_and_kill(recipe: Path, ready: Callable[[], bool], *args: str, rank: int | None = None,
+                   timeout: float = 120) -> subprocess.CompletedProcess:
+    """Start `compress run RECIPE ARGS`; once `ready()` holds, SIGKILL the run (or only the
+    torchrun worker of `rank`), wait for it and return what it printed."""
+    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, f"not ready to kill within {timeout:.0f} s"
         time.sleep(0.05)
-    assert checkpoint.is_file(), "no checkpoint within 2 minutes"
-    killed = 0
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, NotADirectoryError):
-            continue
-        if str(recipe) in cmdline and b"RANK=1" in environ:
-            os.kill(int(entry.name), signal.SIGKILL)
-            killed += 1
-    assert killed == 1
+    if rank is None:
+        os.kill(process.pid, signal.SIGKILL)
+    else:
+        killed = 0
+        for entry in Path("/proc").iterdir():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, NotADirectoryError):
+                continue
+            if str(recipe) in cmdline and f"RANK={rank}".encode() in environ:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        assert killed == 1
     out, err = process.communicate(timeout=180)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
@@ -281,6 +285,24 @@ def import_alone(folder: Path, modules: str, then: str = "") -> list:
                           text=True, cwd=folder, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+@pytest.fixture(scope="session")
+def exported_text_run(tiny_bert: Path, tmp_path_factory) -> tuple[Path, dict]:
+    """A tiny BERT fine-tuned, then exported four ways: torchscript, onnx (optimized), onnx
+    dynamic int8, onnx static QDQ int8 (run in this process once per session)."""
+    from builders import export_text_recipe, run_in_process
+
+    tmp = tmp_path_factory.mktemp("export")
+    data = write_sentiment_tables(tmp / "sentiment")
+    raw = export_text_recipe(tiny_bert, data, tmp / "runs", [
+        {"kind": "export", "format": "torchscript"},
+        {"kind": "export", "format": "onnx", "name": "onnx_fp32", "optimize": True},
+        {"kind": "export", "format": "onnx", "name": "onnx_dynamic", "quantize": "dynamic"},
+        {"kind": "export", "format": "onnx", "name": "onnx_static", "quantize": "static",
+         "calibration": {"samples": 64, "batch_size": 16}},
+    ])
+    return tmp / "runs" / "tiny_export", run_in_process(write_recipe(tmp / "r.yaml", raw))
+
 
 
 @pytest.fixture(scope="session")

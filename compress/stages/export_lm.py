@@ -2,11 +2,11 @@
 transformers + torchao load, with `lm_runtime.py` beside it to decode it, proven by decoding.
 
 The folder (`<stage>/transformers/`, built under a temporary name and renamed when
-complete) holds what `compress.models.lm_folder.save_lm` writes (config, tokenizer, safetensors or
-a torchao state dict, `causal_lm.json`), `lm_runtime.py` and `lm_decode.py` (torch,
-transformers and torchao only), `export.json` and `parity.json`. Parity: the exported
-folder, read back through lm_runtime, encodes the recipe's prompts and decodes them
-greedily, and must give the in-process model's token ids (`min_agreement` of the positions,
+complete) holds what `compress.models.lm_folder.save_lm` writes (config, tokenizer,
+safetensors or a torchao state dict, `causal_lm.json`), `lm_runtime.py`, `lm_decode.py` and
+`lm_attention.py` (torch, transformers and torchao only), `export.json` and `parity.json`.
+Parity: the exported folder, read back through lm_runtime, encodes the recipe's prompts and
+decodes them greedily, and must give the in-process model's token ids (`min_agreement` of the positions,
 default all). Both decode the same way: eager, in batches of up to `PARITY_BATCH`
 left-padded prompts, with no stop token, so every position is compared."""
 
@@ -29,10 +29,10 @@ from compress.models.lm_folder import save_lm
 from compress.recipe.kinds.export import LM_FORMAT, ExportConfig
 from compress.runfolder.records import artifact_record
 from compress.stages.context import StageContext, State
-from serve import lm_decode, lm_grouped_int8, lm_runtime, lm_tensor_parallel
+from serve import lm_attention, lm_decode, lm_grouped_int8, lm_runtime, lm_tensor_parallel
 
 RUNTIME = Path(lm_runtime.__file__)
-RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__),  # lm_runtime imports these beside it
+RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__), Path(lm_attention.__file__),  # beside it
                  Path(lm_grouped_int8.__file__), Path(lm_tensor_parallel.__file__))
 PARITY_BATCH = 8
 

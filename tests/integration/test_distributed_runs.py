@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import REPO, digits_recipe, run_cli, start_and_kill_rank_1, write_recipe
+from conftest import REPO, digits_recipe, run_cli, start_and_kill, write_recipe
 
 from compress.distributed.process_group import param_digest
 from compress.models.folders import load_saved
@@ -55,7 +55,7 @@ def _long_recipe(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_a_killed_rank_stops_the_job_and_a_rerun_resumes_under_ddp(tmp_path: Path) -> None:
     recipe, checkpoint = _long_recipe(tmp_path)
-    stopped = start_and_kill_rank_1(recipe, checkpoint)
+    stopped = start_and_kill(recipe, checkpoint.is_file, "--nproc", "2", rank=1)
     assert stopped.returncode != 0
     assert "rank 1 exited with -9" in stopped.stderr and "Traceback" not in stopped.stderr
     assert "re-run the same command to resume" in stopped.stderr
@@ -74,7 +74,7 @@ def test_a_killed_rank_stops_the_job_and_a_rerun_resumes_under_ddp(tmp_path: Pat
 
 def test_a_ddp_checkpoint_resumes_on_one_process_and_says_so(tmp_path: Path) -> None:
     recipe, checkpoint = _long_recipe(tmp_path)
-    assert start_and_kill_rank_1(recipe, checkpoint).returncode != 0
+    assert start_and_kill(recipe, checkpoint.is_file, "--nproc", "2", rank=1).returncode != 0
     single = run_cli("run", str(recipe))
     assert single.returncode == 0, single.stderr[-3000:]
     assert "was written by 2 process(es) and resumes with 1" in single.stderr
@@ -85,7 +85,8 @@ def test_a_ddp_checkpoint_resumes_on_one_process_and_says_so(tmp_path: Path) -> 
 def test_max_restarts_restarts_a_killed_rank_and_ends_with_the_uninterrupted_weights(
         tmp_path: Path) -> None:
     recipe, checkpoint = _long_recipe(tmp_path)
-    restarted = start_and_kill_rank_1(recipe, checkpoint, "--max-restarts", "1")
+    restarted = start_and_kill(recipe, checkpoint.is_file, "--nproc", "2", "--max-restarts", "1",
+                               rank=1)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "restart 1: resuming the run" in restarted.stderr
     m = _manifest(tmp_path / "runs/tiny_digits")["stages"][0]["metrics"]

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
-from conftest import digits_recipe, run_cli, write_recipe
+from conftest import digits_recipe, run_cli, start_and_kill, write_recipe
 from safetensors.torch import load_file
 
 from compress.runfolder.files import sha256_file
@@ -132,14 +127,7 @@ def test_kill_9_mid_training_then_rerun_resumes_to_the_same_weights(tmp_path: Pa
     path = write_recipe(tmp_path / "r.yaml", digits_recipe(tmp_path / "runs", **long_run))
     run_dir = tmp_path / "runs" / "tiny_digits"
     checkpoint = run_dir / "00-finetune/checkpoints/checkpoint.pt"
-    proc = subprocess.Popen([sys.executable, "-m", "compress", "run", str(path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    start_and_kill(path, checkpoint.exists)
     manifest = _manifest(run_dir)
     assert manifest["stages"][0]["status"] == "running"  # consistent, and honest about it
 

@@ -6,43 +6,19 @@ import json
 from pathlib import Path
 
 import torch
+from builders import chosen, input_ids, logits, random_bert
 from conftest import digits_recipe, minilm_folder, run_cli, write_recipe
-from torch import nn
 
-from compress.algorithms.pruning import prune_structured, select_layers
+from compress.algorithms.pruning import prune_structured
 from compress.models.bundle import ModelBundle
 from compress.models.folders import load_saved, save_model
-
-EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]
-
-
-def tiny_bert(vocab_size: int = 100) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64, num_labels=2)
-    return BertForSequenceClassification(config).eval()
-
-
-def input_ids(vocab_size: int = 100) -> torch.Tensor:
-    return torch.randint(0, vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
-
-
-def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def chosen(model: nn.Module) -> dict[str, nn.Module]:
-    return select_layers(model, ["*"], EXCLUDE)
 
 
 def test_hf_structure_round_trips_through_save_and_load(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    model = tiny_bert(tokenizer.vocab_size)
+    model = random_bert(tokenizer.vocab_size)
     bundle = ModelBundle(model, "hf", ["neg", "pos"], tokenizer=tokenizer)
     _, bundle.structure = prune_structured(model, chosen(model), "ffn+heads", 0.5)
     save_model(bundle, tmp_path / "model")

@@ -7,45 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import SENTENCES, digits_like, image_bundle, stage_context, stage_quantize
 from torch import nn
 
-from compress.algorithms.quantization import quantize
 from compress.data.datasets import DataBundle, Examples
 from compress.measure.evaluate import logits_of
 from compress.models.bundle import ModelBundle
 from compress.models.folders import load_saved, save_model
 from compress.models.graph_model import load_quantized
 from compress.recipe.kinds.quantize import QuantizeConfig
-from compress.stages.context import StageContext
-
-SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",
-             "superb", "warm and happy and brilliant, a lovely story", "cold",
-             "fine", "the plot is poor but the actors are great", "sad"]
-
-
-def _quantize(bundle, cfg, ctx):
-    """The library call as the quantize stage makes it, from a stage context."""
-    return quantize(bundle, cfg, ctx.data.splits.get("calibration"),
-                    setup=ctx.training() if cfg.mode == "qat" else None,
-                    max_length=ctx.data.max_length)
-
-
-def _context(tmp_path: Path, data: DataBundle) -> StageContext:
-    return StageContext(0, "quantize", tmp_path / "stage", tmp_path, None, data, "key", 0,
-                        log=lambda _: None)
-
-
-def _digits_like(n: int = 64, seed: int = 0) -> DataBundle:
-    gen = torch.Generator().manual_seed(seed)
-    examples = Examples(labels=[i % 10 for i in range(n)],
-                        inputs=torch.rand(n, 1, 8, 8, generator=gen))
-    splits = {"calibration": examples, "train": examples}
-    return DataBundle("image", splits, [str(i) for i in range(10)], input_shape=[1, 8, 8])
-
-
-def _image_bundle(model: nn.Module) -> ModelBundle:
-    return ModelBundle(model.eval(), "factory", [str(i) for i in range(10)],
-                       factory="compress.models.zoo:mlp", input_shape=[1, 8, 8])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +37,7 @@ def text_data() -> DataBundle:
 def static_text(text_bundle, text_data, tmp_path_factory) -> tuple[ModelBundle, dict]:
     cfg = QuantizeConfig(mode="static", compile=False,
                          calibration={"samples": 16, "batch_size": 8})
-    return _quantize(text_bundle, cfg, _context(tmp_path_factory.mktemp("q"), text_data))
+    return stage_quantize(text_bundle, cfg, stage_context(tmp_path_factory.mktemp("q"), text_data))
 
 
 def _encode(tokenizer, texts: list[str], length: int | None = None) -> dict:
@@ -92,7 +62,7 @@ def test_static_text_int8_stays_close_to_fp32(text_bundle, static_text) -> None:
         got = logits_of(quantized.model, inputs)
         assert got.shape == ref.shape == (inputs["input_ids"].shape[0], 2)
         # measured with torchao 0.18 on held-out digits: mean |error| 0.45 against mean |logit|
-    # 3.6 (issue 13 is about int8 accuracy); this bound catches a broken lowering (errors of
+    # 3.6 this bound catches a broken lowering (errors of
     # the logits' own size), not a small precision loss
     assert (got - ref).abs().mean() <= 0.2 * ref.abs().mean()
     graph_ops = {str(node.target) for node in quantized.model.graph.graph.nodes}
@@ -123,7 +93,8 @@ def test_qat_trains_a_few_steps_and_converts(tmp_path: Path) -> None:
                           nn.Linear(32, 10))
     cfg = QuantizeConfig(mode="qat", compile=False,
                          qat={"max_steps": 3, "batch_size": 16, "learning_rate": 1e-3})
-    quantized, metrics = _quantize(_image_bundle(model), cfg, _context(tmp_path, _digits_like()))
+    quantized, metrics = stage_quantize(image_bundle(model), cfg,
+                                        stage_context(tmp_path, digits_like()))
     assert metrics["quant_mode"] == "qat" and metrics["qat_steps"] == 3
     with torch.inference_mode():
         out = logits_of(quantized.model, torch.rand(1, 1, 8, 8))
@@ -132,19 +103,5 @@ def test_qat_trains_a_few_steps_and_converts(tmp_path: Path) -> None:
         assert torch.equal(logits_of(quantized.model, x), logits_of(quantized.model, x))  # eval
     ops = {str(node.target) for node in quantized.model.graph.graph.nodes}
     assert "quantized_decomposed.quantize_per_tensor.default" in ops
-
-
-class _DataDependent(nn.Module):
-    """Branches on a tensor's value: torch.export cannot capture it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.flatten(1)
-        if x.sum() > 0:
-            return self.linear(x)
-        return -self.linear(x)
 
 

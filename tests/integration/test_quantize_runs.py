@@ -6,27 +6,7 @@ import json
 import re
 from pathlib import Path
 
-import torch
 from conftest import digits_recipe, run_cli, write_recipe
-from torch import nn
-
-SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",
-             "superb", "warm and happy and brilliant, a lovely story", "cold",
-             "fine", "the plot is poor but the actors are great", "sad"]
-
-
-class _DataDependent(nn.Module):
-    """Branches on a tensor's value: torch.export cannot capture it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.flatten(1)
-        if x.sum() > 0:
-            return self.linear(x)
-        return -self.linear(x)
 
 
 def test_cli_finetune_then_static_quantize_is_accurate_and_cached(tmp_path: Path) -> None:

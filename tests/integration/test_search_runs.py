@@ -5,16 +5,18 @@ finished trials, a wider tolerance reuses every trial, and recipes/bert_search.y
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SHRUNK_SST2, run_cli, write_recipe, write_sentiment_tables
+from conftest import (
+    REPO,
+    SHRUNK_SST2,
+    run_cli,
+    start_and_kill,
+    write_recipe,
+    write_sentiment_tables,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +41,8 @@ def test_a_killed_search_resumes_and_a_wider_tolerance_reuses_every_trial(
         "output_dir": str(tmp_path / "runs")})
     run_dir = tmp_path / "runs/killed"
     trials = run_dir / "00-search/trials"
-    job = subprocess.Popen([sys.executable, "-m", "compress", "run", str(path)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not list(trials.glob("*/trial.json")) and time.monotonic() < deadline:
-        assert job.poll() is None, "the search ended before a trial was finished"
-        time.sleep(0.05)
-    os.kill(job.pid, signal.SIGKILL)  # the AOTInductor trial is being compiled
-    job.wait()
+    # killed while the AOTInductor trial is being compiled
+    start_and_kill(path, lambda: bool(list(trials.glob("*/trial.json"))), timeout=300)
     finished = {p.parent.name: p.stat().st_mtime_ns for p in trials.glob("*/trial.json")}
     assert len(finished) == 1 and next(iter(finished)).startswith("onnx_fp32-")
     manifest = json.loads((run_dir / "manifest.json").read_text())

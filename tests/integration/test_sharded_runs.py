@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, start_and_kill_rank_1, write_recipe
+from conftest import run_cli, start_and_kill, write_recipe
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
 
@@ -56,18 +52,6 @@ def test_fsdp_on_two_ranks_trains_like_one_process_with_half_the_state_per_rank(
     assert m2["train_grad_norm_final"] > 0 and m2["train_step_s_median"] > 0
 
 
-def _kill_single(recipe: Path, checkpoint: Path) -> None:
-    """Start a one-process run and SIGKILL it once `checkpoint` exists."""
-    process = subprocess.Popen([sys.executable, "-m", "compress", "run", str(recipe)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not checkpoint.is_file() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert checkpoint.is_file(), "no checkpoint within 2 minutes"
-    process.send_signal(signal.SIGKILL)
-    process.communicate(timeout=60)
-
-
 @pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 1), (1, 2)])
 def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(
         tmp_path: Path, tiny_llama_folder: Path, before: int, after: int) -> None:
@@ -75,9 +59,9 @@ def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(
     recipe = _recipe(tmp_path, tiny_llama_folder, name, max_steps=80, checkpoint_every=10)
     checkpoint = tmp_path / "runs" / name / "00-finetune/checkpoints/sharded/meta.json"
     if before == 2:
-        assert start_and_kill_rank_1(recipe, checkpoint).returncode != 0
+        assert start_and_kill(recipe, checkpoint.is_file, "--nproc", "2", rank=1).returncode != 0
     else:
-        _kill_single(recipe, checkpoint)
+        start_and_kill(recipe, checkpoint.is_file)
     step = json.loads(checkpoint.read_text())["step"]
     assert 10 <= step < 80 and step % 10 == 0
     again = run_cli("run", str(recipe), *(["--nproc", "2"] if after == 2 else []))

@@ -107,7 +107,7 @@ def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
     first `len(decode_window)` positions changes nothing when the rest are masked."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from serve.lm_decode import decode_attention
+    from serve.lm_attention import decode_attention
 
     torch.manual_seed(0)
     rows, heads, groups, length, dim = 2, 6, 2, 16, 8

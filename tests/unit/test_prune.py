@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import EXCLUDE, chosen, input_ids, logits, random_bert
 from torch import nn
 
 import compress.stages.prune as prune_stage
@@ -30,33 +31,9 @@ from compress.recipe.kinds.prune import PruneConfig
 from compress.recipe.sources import resolve_model
 from compress.stages.context import StageContext, State
 
-EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]
-
-
-def tiny_bert(vocab_size: int = 100) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=64, num_labels=2)
-    return BertForSequenceClassification(config).eval()
-
-
-def input_ids(vocab_size: int = 100) -> torch.Tensor:
-    return torch.randint(0, vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
-
-
-def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def chosen(model: nn.Module) -> dict[str, nn.Module]:
-    return select_layers(model, ["*"], EXCLUDE)
-
 
 def test_selection_follows_include_and_exclude() -> None:
-    model = tiny_bert()
+    model = random_bert()
     names = set(chosen(model))
     assert len(names) == 12 and "bert.encoder.layer.1.output.dense" in names
     assert not any("classifier" in n or "pooler" in n for n in names)
@@ -66,7 +43,7 @@ def test_selection_follows_include_and_exclude() -> None:
 
 
 def test_unstructured_prunes_every_chosen_layer_to_the_amount() -> None:
-    model = tiny_bert()
+    model = random_bert()
     untouched = {k: v.clone() for k, v in model.state_dict().items()
                  if "embeddings" in k or "classifier" in k or "pooler" in k}
     layers = chosen(model)
@@ -82,7 +59,7 @@ def test_unstructured_prunes_every_chosen_layer_to_the_amount() -> None:
 
 
 def test_global_uses_one_threshold_across_layers() -> None:
-    model = tiny_bert()
+    model = random_bert()
     layers = chosen(model)
     with torch.no_grad():
         layers["bert.encoder.layer.0.intermediate.dense"].weight.mul_(10)  # clearly larger
@@ -106,7 +83,7 @@ def test_cubic_schedule_rises_from_zero_to_the_amount() -> None:
 
 
 def test_structured_ffn_halves_the_intermediate_size() -> None:
-    model = tiny_bert()
+    model = random_bert()
     params, macs = count_params(model), count_macs(model, {"input_ids": input_ids()})
     pruned, shapes = prune_structured(model, chosen(model), "ffn", 0.5)
     assert len(pruned) == 2
@@ -140,7 +117,7 @@ def zero_heads_and_neurons(model: nn.Module, heads: dict[int, list[int]],
 
 
 def test_removing_zeroed_heads_and_neurons_keeps_the_logits() -> None:
-    model = tiny_bert()
+    model = random_bert()
     zero_heads_and_neurons(model, {0: [1, 3], 1: [0, 2]},
                            {0: list(range(0, 64, 2)), 1: list(range(32, 64))})
     ids = input_ids()
@@ -156,7 +133,7 @@ def test_removing_zeroed_heads_and_neurons_keeps_the_logits() -> None:
 
 
 def test_structured_prunes_only_chosen_layers() -> None:
-    model = tiny_bert()
+    model = random_bert()
     layers = select_layers(model, ["*layer.1.*"], EXCLUDE)
     prune_structured(model, layers, "heads", 0.5)
     heads = [layer.attention.self.num_attention_heads for layer in model.bert.encoder.layer]
@@ -336,7 +313,7 @@ def test_the_api_loads_a_pruned_classifier_folder_at_its_pruned_shapes(tmp_path:
     from compress.api import load_model as api_load_model
 
     torch.manual_seed(0)
-    model = tiny_bert(vocab_size=AutoTokenizer.from_pretrained(minilm_folder()).vocab_size)
+    model = random_bert(vocab_size=AutoTokenizer.from_pretrained(minilm_folder()).vocab_size)
     _, structure = prune_structured(model, chosen(model), "ffn", 0.5)
     bundle = ModelBundle(model.eval(), "hf", ["negative", "positive"],
                          tokenizer=AutoTokenizer.from_pretrained(minilm_folder()),

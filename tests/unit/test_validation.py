@@ -1,4 +1,4 @@
-"""Every bad input named in issue 12 is one `error:` line with exit 2 (in-process through
+"""Every bad input a user can make is one `error:` line with exit 2 (in-process through
 `compress.cli.main.main`), all mistakes of a recipe are reported together, and an unexpected
 exception is one line plus a log, never a traceback."""
 

@@ -183,6 +183,6 @@ SPEC = register(StageSpec(
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
     runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
-    runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode",
+    runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode", "serve.lm_attention",
                                "serve.lm_tensor_parallel")},
 ))

@@ -147,5 +147,6 @@ SPEC = register(StageSpec(
     check_model=split_fits_the_config,
     runners={"causal-lm": "compress.stages.package_lm:run"}, check_task=_check_task,
     runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_runtime",
-                                "serve.lm_decode", "serve.lm_tensor_parallel")},
+                                "serve.lm_decode", "serve.lm_attention",
+                                "serve.lm_tensor_parallel")},
 ))

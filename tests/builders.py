@@ -1,0 +1,114 @@
+"""Small models, data and stage contexts that the unit and integration tests share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.algorithms.pruning import select_layers
+from compress.algorithms.quantization import quantize
+from compress.data.datasets import DataBundle, Examples
+from compress.models.bundle import ModelBundle
+from compress.recipe.schema import load_recipe
+from compress.run.pipeline import run_recipe
+from compress.stages.context import StageContext
+
+SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",
+             "superb", "warm and happy and brilliant, a lovely story", "cold",
+             "fine", "the plot is poor but the actors are great", "sad"]
+EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]  # what structured pruning leaves
+
+
+def run_in_process(recipe_path: Path) -> dict:
+    """Run a recipe file in this process (quietly); return its manifest."""
+    run_dir = run_recipe(load_recipe(recipe_path), echo=lambda _: None)
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def export_text_recipe(model: Path, sentiment_dir: Path, out: Path, exports: list[dict]) -> dict:
+    """A tiny BERT fine-tuned on a sentiment table, then the given export stages."""
+    return {
+        "name": "tiny_export",
+        "model": {"source": str(model)},
+        "data": {"source": str(sentiment_dir), "text_column": "sentence", "max_length": 32,
+                 "calibration": {"split": "train", "max_samples": 64}},
+        "stages": [{"kind": "finetune", "epochs": 6, "batch_size": 16, "learning_rate": 1e-3},
+                   *exports],
+        "evaluation": {"latency": {"batch_sizes": [1, 8], "seq_len": 16, "iters": 2,
+                                   "warmup": 1}},
+        "output_dir": str(out),
+    }
+
+
+# ---- quantization ----------------------------------------------------------------------------
+
+def stage_quantize(bundle: ModelBundle, cfg, ctx: StageContext):
+    """The library call as the quantize stage makes it, from a stage context."""
+    return quantize(bundle, cfg, ctx.data.splits.get("calibration"),
+                    setup=ctx.training() if cfg.mode == "qat" else None,
+                    max_length=ctx.data.max_length)
+
+
+def stage_context(tmp_path: Path, data: DataBundle, kind: str = "quantize") -> StageContext:
+    """A quiet context for stage 0 of a run in `tmp_path`."""
+    return StageContext(0, kind, tmp_path / "stage", tmp_path, None, data, "key", 0,
+                        log=lambda _: None)
+
+
+def digits_like(n: int = 64, seed: int = 0) -> DataBundle:
+    """`n` random 8x8 images with labels 0-9 as the train and calibration splits."""
+    gen = torch.Generator().manual_seed(seed)
+    examples = Examples(labels=[i % 10 for i in range(n)],
+                        inputs=torch.rand(n, 1, 8, 8, generator=gen))
+    splits = {"calibration": examples, "train": examples}
+    return DataBundle("image", splits, [str(i) for i in range(10)], input_shape=[1, 8, 8])
+
+
+def image_bundle(model: nn.Module) -> ModelBundle:
+    """An 8x8 image classifier as the `compress.models.zoo:mlp` factory bundle."""
+    return ModelBundle(model.eval(), "factory", [str(i) for i in range(10)],
+                       factory="compress.models.zoo:mlp", input_shape=[1, 8, 8])
+
+
+class DataDependent(nn.Module):
+    """Branches on a tensor's value: torch.export cannot capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        if x.sum() > 0:
+            return self.linear(x)
+        return -self.linear(x)
+
+
+# ---- pruning ---------------------------------------------------------------------------------
+
+def random_bert(vocab_size: int = 100) -> nn.Module:
+    """A 2-layer BERT classifier (hidden 32, 4 heads, FFN 64) with seeded random weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, num_labels=2)
+    return BertForSequenceClassification(config).eval()
+
+
+def input_ids(vocab_size: int = 100) -> torch.Tensor:
+    """Three seeded rows of 12 token ids."""
+    return torch.randint(0, vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def chosen(model: nn.Module) -> dict[str, nn.Module]:
+    """Every prunable layer but the embeddings, classifier and pooler."""
+    return select_layers(model, ["*"], EXCLUDE)

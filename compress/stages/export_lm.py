@@ -6,8 +6,8 @@ complete) holds what `compress.models.lm_folder.save_lm` writes (config, tokeniz
 safetensors or a torchao state dict, `causal_lm.json`), `lm_runtime.py`, `lm_decode.py` and
 `lm_attention.py` (torch, transformers and torchao only), `export.json` and `parity.json`.
 Parity: the exported folder, read back through lm_runtime, encodes the recipe's prompts and
-decodes them greedily, and must give the in-process model's token ids (`min_agreement` of the positions,
-default all). Both decode the same way: eager, in batches of up to `PARITY_BATCH`
+decodes them greedily, and must give the in-process model's token ids (`min_agreement` of
+the positions, default all). Both decode the same way: eager, in batches of up to `PARITY_BATCH`
 left-padded prompts, with no stop token, so every position is compared."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any
 
 from compress.errors import UserError, one_line
 from compress.recipe.datasets import resolve_data
-from compress.report.rebench import _settings, artifacts_of, run_json_child
+from compress.report.rebench import artifacts_of, latency_settings, run_json_child
 from compress.runfolder.files import atomic_write_json, atomic_write_text, now, run_lock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
@@ -151,7 +151,7 @@ def _main(args: argparse.Namespace) -> int:
     if not artifacts_of(run_dir):
         raise UserError(f"{run_dir}: no finished stage saved a model or an export to time")
     resolve_data(eval_recipe(run_dir).data.source)  # the children read its eval split
-    latency = {**_settings(run_dir, args.iters, args.warmup, None),
+    latency = {**latency_settings(run_dir, args.iters, args.warmup, None),
                "batch_sizes": list(BATCHES), "seq_len": SEQ_LEN, "seq_lens": None}
     with run_lock(run_dir, "a compress run is using this folder; time it when the run "
                   "has finished"):

@@ -14,7 +14,7 @@ from peers_table import FLOPS_BATCH, SEQ_LEN, forward_flops
 
 from compress.errors import UserError
 from compress.recipe.kinds.export import SPEC as EXPORT_SPEC
-from compress.report.rebench import _select, artifacts_of
+from compress.report.rebench import artifacts_of, select_artifacts
 from compress.report.runtimes import producer, reference_index, runtime_label
 from compress.runfolder.records import Manifest, require_manifest
 
@@ -84,7 +84,7 @@ def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
              ) -> list[dict[str, Any]]:
     """The compress artifacts to time: name, folder, kind, config, label, size, FLOPs."""
     items = []
-    for art in _select(artifacts_of(run_dir), names):
+    for art in select_artifacts(artifacts_of(run_dir), names):
         entry = manifest.stages[art["index"]]
         flops, source = flops_of(run_dir, manifest, art["index"])
         items.append({**art, "runtime": runtime_label(manifest, art["index"], art["config"]),

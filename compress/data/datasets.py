@@ -65,11 +65,11 @@ def load_data(recipe, source: DataSource) -> DataBundle:
     for name in names:
         split = getattr(cfg, name)
         if source.kind == "files":
-            table = _read_table(split_file(source.location, split.split))
+            table = read_table(split_file(source.location, split.split))
         else:
-            table = _read_hub(source.location, split.split)
+            table = read_hub_split(source.location, split.split)
         _check_row_columns(table, cfg, name)
-        rows[name] = _subset(table, split.max_samples, recipe.seed)
+        rows[name] = seeded_subset(table, split.max_samples, recipe.seed)
     raw_labels = [r[cfg.label_column] for name in names for r in rows[name]]
     mapping, label_names = _label_ids(raw_labels, cfg.label_names)
     splits = {}
@@ -80,7 +80,8 @@ def load_data(recipe, source: DataSource) -> DataBundle:
     return DataBundle("text", splits, label_names, mapping, cfg.max_length)
 
 
-def _read_table(path: Path) -> list[dict[str, Any]]:
+def read_table(path: Path) -> list[dict[str, Any]]:
+    """The rows of a TSV, CSV or JSONL table."""
     with open(path, encoding="utf-8", newline="") as fh:
         if path.suffix == ".jsonl":
             try:
@@ -92,7 +93,8 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
         return list(csv.DictReader(fh))
 
 
-def _read_hub(dataset_id: str, split: str) -> list[dict[str, Any]]:
+def read_hub_split(dataset_id: str, split: str) -> list[dict[str, Any]]:
+    """The rows of one split of a Hugging Face hub dataset (the `datasets` package)."""
     try:
         import datasets
 
@@ -116,7 +118,8 @@ def _check_row_columns(table: list[dict[str, Any]], cfg, split_name: str) -> Non
             )
 
 
-def _subset(rows: list[Any], max_samples: int | None, seed: int) -> list[Any]:
+def seeded_subset(rows: list[Any], max_samples: int | None, seed: int) -> list[Any]:
+    """`max_samples` of `rows` picked with `seed`, in their order (all when None)."""
     if max_samples is None or max_samples >= len(rows):
         return rows
     picked = sorted(random.Random(seed).sample(range(len(rows)), max_samples))
@@ -173,7 +176,7 @@ def _load_digits(recipe, names: list[str]) -> DataBundle:
             raise UserError(
                 f"data.{name}.split: digits has splits 'train' and 'test', not '{split.split}'"
             )
-        idx = _subset(parts[split.split], split.max_samples, recipe.seed)
+        idx = seeded_subset(parts[split.split], split.max_samples, recipe.seed)
         splits[name] = Examples(labels=[y[i] for i in idx], inputs=x[idx])
     label_names = cfg.label_names or [str(i) for i in range(10)]
     return DataBundle("image", splits, label_names, None, cfg.max_length, [1, 8, 8])

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compress.data.datasets import DataBundle, Examples, _read_hub, _read_table, _subset
+from compress.data.datasets import DataBundle, Examples, read_hub_split, read_table, seeded_subset
 from compress.errors import UserError
 from compress.measure.generation import (
     agreement,
@@ -39,14 +39,14 @@ def load_data(recipe, source) -> DataBundle:
     for name in used_splits(recipe):
         split = getattr(cfg, name)
         if source.kind == "files":
-            table = _read_table(split_file(source.location, split.split))
+            table = read_table(split_file(source.location, split.split))
         else:
-            table = _read_hub(source.location, split.split)
+            table = read_hub_split(source.location, split.split)
         if table and cfg.text_column not in table[0]:
             raise UserError(f"data.text_column: column '{cfg.text_column}' not found "
                             f"(columns: {', '.join(table[0])})")
         texts = [str(r[cfg.text_column]).strip() for r in table]
-        texts = _subset([t for t in texts if t], split.max_samples, recipe.seed)
+        texts = seeded_subset([t for t in texts if t], split.max_samples, recipe.seed)
         if not texts:
             raise UserError(f"data.{name}: split '{split.split}' has no text")
         splits[name] = Examples(labels=[], texts=texts)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from compress.models.bundle import ModelBundle
-from compress.models.loading import _load_hf, build_factory, load_weights
+from compress.models.loading import build_factory, load_hf_classifier, load_weights
 from export.folder import load_export as load_export_folder
 
 STRUCTURE = "structure.json"
@@ -64,7 +64,7 @@ def load_saved(folder: Path) -> ModelBundle:
         labels = config.get("id2label") or {
             str(i): f"LABEL_{i}" for i in range(config.get("num_labels", 2))}
         names = [labels[k] for k in sorted(labels, key=int)]
-        bundle = _load_hf(str(folder), names, weights=structure is None)
+        bundle = load_hf_classifier(str(folder), names, weights=structure is None)
     if structure is not None:  # shrink the fresh model to the pruned shapes, then load
         from compress.models.structure import apply_structure
 

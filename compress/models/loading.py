@@ -31,13 +31,13 @@ def load_model(source: ModelSource, label_names: list[str], input_shape: list[in
         bundle = ModelBundle(model, "factory", label_names, factory=source.location,
                              kwargs=dict(kwargs or {}), input_shape=list(input_shape))
     else:
-        bundle = _load_hf(source.location, label_names)
+        bundle = load_hf_classifier(source.location, label_names)
     if checkpoint:
         load_weights(bundle.model, checkpoint)
     return bundle
 
 
-def _load_hf(location: str, label_names: list[str], weights: bool = True) -> ModelBundle:
+def load_hf_classifier(location: str, label_names: list[str], weights: bool = True) -> ModelBundle:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

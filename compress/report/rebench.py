@@ -73,8 +73,8 @@ def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int 
     if not available:
         raise UserError(f"{run_dir}: no finished stage saved a model or an export to time "
                         f"(run the recipe first: compress run RECIPE)")
-    chosen = _select(available, names)
-    latency = _settings(run_dir, iters, warmup, threads)
+    chosen = select_artifacts(available, names)
+    latency = latency_settings(run_dir, iters, warmup, threads)
     kept = {}
     if names and (run_dir / BENCH).is_file():  # timing some artifacts keeps the others'
         with contextlib.suppress(ValueError, OSError):
@@ -95,7 +95,8 @@ def bench_fresh(run_dir: Path | str, names: list[str] | None = None, iters: int 
     return result
 
 
-def _select(available: list[dict[str, Any]], names: list[str] | None) -> list[dict[str, Any]]:
+def select_artifacts(available: list[dict[str, Any]], names: list[str] | None
+                     ) -> list[dict[str, Any]]:
     """The artifacts `names` picks (by name, stage name or stage index), in stage order."""
     if not names:
         return available
@@ -114,7 +115,7 @@ def _select(available: list[dict[str, Any]], names: list[str] | None) -> list[di
     return [a for i, a in enumerate(available) if i in picked]
 
 
-def _settings(run_dir: Path, iters: int | None, warmup: int | None,
+def latency_settings(run_dir: Path, iters: int | None, warmup: int | None,
               threads: int | None) -> dict[str, Any]:
     """The run's `evaluation.latency` (manifest, else recipe.yaml) with the overrides."""
     from pydantic import ValidationError

@@ -28,7 +28,7 @@ from compress.serving.http_workers import (
     percentile,
     run_workers,
 )
-from compress.serving.loadtest import _check_args
+from compress.serving.loadtest import check_load_args
 
 SAMPLE_PROMPTS = (
     "What is the capital of France?",
@@ -100,7 +100,7 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
                         headers: dict[str, str] | None = None, timeout: float = 300.0,
                         warmup: int = 0) -> dict:
     """POST ``requests`` streamed generations with ``concurrency`` in flight; the numbers."""
-    _check_args(url, concurrency, requests, payloads, warmup, timeout)
+    check_load_args(url, concurrency, requests, payloads, warmup, timeout)
     parts = urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     send_headers = {"Content-Type": "application/json", **(headers or {})}

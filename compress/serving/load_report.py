@@ -9,7 +9,8 @@ from pathlib import Path
 from compress.errors import UserError
 
 
-def _ratio(runs: list[dict]) -> float | None:
+def concurrency_ratio(runs: list[dict]) -> float | None:
+    """Requests/s at the highest concurrency over requests/s at the lowest (None: no runs)."""
     if not runs:
         return None
     high = max(runs, key=lambda r: r["concurrency"])
@@ -44,7 +45,7 @@ def format_table(result: dict) -> str:
     if runs:
         high = max(run["concurrency"] for run in runs)
         low = min(run["concurrency"] for run in runs)
-        ratio = result["throughput_ratio"] if "throughput_ratio" in result else _ratio(runs)
+        ratio = result.get("throughput_ratio", concurrency_ratio(runs))
         shown = "n/a" if ratio is None else f"{ratio:.2f}x"
         lines.append(f"throughput at concurrency {high} / concurrency {low}: {shown}")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from compress.serving.http_workers import (
     percentile,
     run_workers,
 )
-from compress.serving.load_report import _ratio
+from compress.serving.load_report import concurrency_ratio
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MAX_CONCURRENCY = 256
@@ -58,7 +58,7 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
                         "pick a value in that range")
 
 
-def _check_args(url: str, concurrency: int, requests: int, payloads: list[bytes],
+def check_load_args(url: str, concurrency: int, requests: int, payloads: list[bytes],
                 warmup: int, timeout: float) -> None:
     check_loopback(url)
     _check_int("concurrency", concurrency, 1, MAX_CONCURRENCY)
@@ -81,7 +81,7 @@ def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
     is application/json unless ``headers`` sets it. Latency percentiles are nearest-rank over
     the successful (2xx) requests, in milliseconds.
     """
-    _check_args(url, concurrency, requests, payloads, warmup, timeout)
+    check_load_args(url, concurrency, requests, payloads, warmup, timeout)
     parts = urlsplit(url)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     send_headers = {"Content-Type": "application/json"}
@@ -138,10 +138,10 @@ def sweep(url: str, concurrencies: list[int], requests: int, payloads: list[byte
         raise UserError("concurrencies is empty: give at least one, e.g. [1, 4, 16]")
     for c in concurrencies:
         _check_int("concurrency", c, 1, MAX_CONCURRENCY)
-    _check_args(url, concurrencies[0], requests, payloads, warmup, timeout)
+    check_load_args(url, concurrencies[0], requests, payloads, warmup, timeout)
     runs = [run_load(url, c, requests, payloads, headers=headers, timeout=timeout,
                      warmup=warmup) for c in concurrencies]
-    return {"url": url, "runs": runs, "throughput_ratio": _ratio(runs)}
+    return {"url": url, "runs": runs, "throughput_ratio": concurrency_ratio(runs)}
 
 
 def failure_summary(result: dict, credentials: bool) -> str | None:

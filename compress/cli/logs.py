@@ -1,6 +1,6 @@
 """The log files the CLI writes, outside any run folder: a crash's traceback, and the
 warnings third-party libraries log as they load (torchao's optional CUDA extensions, torch's
-pytree deprecations), so that a command's output holds only compress's own lines.
+pytree deprecations), so that a command's output holds only compress's own lines and bars.
 
 Both live in $COMPRESS_STATE_DIR/logs, else ~/.local/state/compress/logs, else the temp
 folder."""
@@ -30,8 +30,10 @@ def log_dirs() -> list[Path]:
 
 def divert_library_warnings() -> Path | None:
     """Send LIBRARY_LOGGERS' records, Python warnings among them, to LIBRARY_LOG instead of
-    the terminal (the file is created at the first record); its path, or None when no
-    folder is writable."""
+    the terminal (the file is created at the first record), and turn off the Hugging Face
+    libraries' own progress bars (loading weights, converting a GGUF: compress shows its
+    own); the log's path, or None when no folder is writable."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by hub and transformers
     for folder in log_dirs():
         try:
             folder.mkdir(parents=True, exist_ok=True)

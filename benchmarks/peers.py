@@ -33,7 +33,7 @@ from compress.runfolder.files import atomic_write_json, atomic_write_text, now, 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
 import peers_optimum as optimum  # noqa: E402
 from peers_child import eval_recipe  # noqa: E402
-from peers_items import check_finished, items_of, other_run_items, peer_items  # noqa: E402
+from peers_contenders import check_finished, items_of, other_run_items, peer_items  # noqa: E402
 from peers_table import BATCHES, SEQ_LEN, render_markdown, render_text, table_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,6 +22,10 @@ SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at 
 EXCLUDE = ["*embeddings*", "*classifier*", "*pooler*"]  # what structured pruning leaves
 
 
+SST2 = "stanfordnlp/sst2"
+GENERATION = {"prompts": 3, "max_new_tokens": 6, "batch_sizes": [1, 2], "compile": "none"}
+
+
 def run_in_process(recipe_path: Path) -> dict:
     """Run a recipe file in this process (quietly); return its manifest."""
     run_dir = run_recipe(load_recipe(recipe_path), echo=lambda _: None)
@@ -112,3 +116,51 @@ def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def chosen(model: nn.Module) -> dict[str, nn.Module]:
     """Every prunable layer but the embeddings, classifier and pooler."""
     return select_layers(model, ["*"], EXCLUDE)
+
+
+# ---- causal LMs ------------------------------------------------------------------------------
+
+def lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,
+              **extra) -> Path:
+    """A recipe of `stages` on a tiny causal LM and SST-2 text (with `train_samples` train
+    sentences if any)."""
+    from conftest import write_recipe
+
+    train = {"train": {"split": "train", "max_samples": train_samples}} if train_samples else {}
+    raw = {"name": "tiny_lm", "model": {"source": str(model)},
+           "data": {"source": SST2, "text_column": "sentence", "max_length": 32, **train,
+                    "eval": {"split": "validation", "max_samples": 12}},
+           "evaluation": {"generation": GENERATION},
+           "stages": stages, "output_dir": str(tmp_path / "runs"), **extra}
+    return write_recipe(tmp_path / "lm.yaml", raw)
+
+
+def saved_lm(source: Path, folder: Path) -> Path:
+    """A causal LM folder as a stage saves it (causal_lm.json beside the HF files)."""
+    from compress.models.lm_folder import load_recipe_lm, save_lm
+
+    save_lm(load_recipe_lm(str(source)), folder)
+    return folder
+
+
+class Socket:
+    """Collects what a handler sends TorchServe's frontend between batches."""
+
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+
+    def sendall(self, message: bytes) -> None:
+        self.messages.append(bytes(message))
+
+
+def handler_batch(bodies: list[dict | bytes]):
+    """TorchServe's (data, Context, socket) for one batch of request bodies."""
+    from ts.context import Context, RequestProcessor
+
+    context = Context("tiny_lm", "", {}, len(bodies), None, "0.12.0")
+    context.request_ids = {i: f"request-{i}" for i in range(len(bodies))}
+    context.request_processor = [RequestProcessor({}) for _ in bodies]
+    socket = Socket()
+    context.cl_socket = socket
+    data = [{"body": b if isinstance(b, bytes) else json.dumps(b).encode()} for b in bodies]
+    return data, context, socket

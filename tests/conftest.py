@@ -279,7 +279,7 @@ def import_alone(folder: Path, modules: str, then: str = "") -> list:
             "project = sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('compress', 'serve', 'export')); "
             "shown = []; out = shown.append; "
-            f"{then}; "
+            f"{then or 'pass'}; "
             "print(json.dumps([reach, project, shown]))")
     done = subprocess.run([sys.executable, "-I", "-c", code, str(folder)], capture_output=True,
                           text=True, cwd=folder, timeout=300)

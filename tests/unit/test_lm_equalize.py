@@ -63,8 +63,8 @@ def test_the_quantize_stage_equalizes_then_quantizes_and_reloads(
         tmp_path, tiny_llama_folder, monkeypatch, capsys) -> None:
     import json
 
+    from builders import lm_recipe
     from conftest import cli
-    from test_lm_family import lm_recipe
 
     from compress.models.folders import load_saved
     from compress.recipe.schema import load_recipe

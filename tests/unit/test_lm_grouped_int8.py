@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
+from builders import lm_recipe
 from conftest import cli
-from test_lm_family import lm_recipe
 from torch import nn
 
 from compress.algorithms import lm_qat

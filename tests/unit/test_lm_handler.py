@@ -6,28 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ts")
 
-from ts.context import Context, RequestProcessor  # noqa: E402
+from builders import handler_batch, saved_lm  # noqa: E402
+from ts.context import Context  # noqa: E402
 
 from compress.models.lm_folder import load_lm  # noqa: E402
 from compress.stages.export_lm import export_lm  # noqa: E402
 from serve import lm_requests, lm_runtime  # noqa: E402
 from serve.lm_handler import CausalLMHandler, buckets, fitting_groups  # noqa: E402
-
-
-class Socket:
-    """Collects what the handler sends TorchServe's frontend between batches."""
-
-    def __init__(self) -> None:
-        self.messages: list[bytes] = []
-
-    def sendall(self, message: bytes) -> None:
-        self.messages.append(bytes(message))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +26,7 @@ def handler(varied_llama_folder, tmp_path_factory) -> CausalLMHandler:
     from serve.lm_runtime import load_folder
 
     folder = tmp_path_factory.mktemp("lm_export") / "transformers"
-    lm = load_folder(_saved(varied_llama_folder, tmp_path_factory.mktemp("saved")))
+    lm = load_folder(saved_lm(varied_llama_folder, tmp_path_factory.mktemp("saved")))
     export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts),
               folder)
     config = {"batchSize": 4, "maxWorkers": 1,
@@ -49,31 +39,13 @@ def handler(varied_llama_folder, tmp_path_factory) -> CausalLMHandler:
     return handler
 
 
-def _saved(source: Path, folder: Path) -> Path:
-    """The tiny Llama as a stage saves it (causal_lm.json beside the HF files)."""
-    from compress.models.lm_folder import load_recipe_lm, save_lm
-
-    save_lm(load_recipe_lm(str(source)), folder)
-    return folder
-
-
-def _batch(bodies: list[dict | bytes]) -> tuple[list[dict], Context, Socket]:
-    context = Context("tiny_lm", "", {}, len(bodies), None, "0.12.0")
-    context.request_ids = {i: f"request-{i}" for i in range(len(bodies))}
-    context.request_processor = [RequestProcessor({}) for _ in bodies]
-    socket = Socket()
-    context.cl_socket = socket
-    data = [{"body": b if isinstance(b, bytes) else json.dumps(b).encode()} for b in bodies]
-    return data, context, socket
-
-
 def test_a_batch_streams_each_answer_and_refuses_the_bad_one_alone(handler) -> None:
     prompts = ["the film was", "a much longer prompt about a movie that goes on and on", "hi"]
     bodies: list[dict | bytes] = [{"prompt": prompts[0], "max_new_tokens": 12},
                                   {"prompt": "   "},
                                   {"prompt": prompts[1], "max_new_tokens": 5, "stream": False},
                                   {"messages": [{"role": "user", "content": prompts[2]}]}]
-    data, context, socket = _batch(bodies)
+    data, context, socket = handler_batch(bodies)
     answers = [json.loads(a) for a in handler.handle(data, context)]
     assert len(answers) == 4
     assert context.get_response_status(1) == (400, "empty prompt: send a non-empty string")
@@ -114,7 +86,7 @@ def test_a_batch_streams_each_answer_and_refuses_the_bad_one_alone(handler) -> N
     ({"prompt": "x", "temprature": 1}, "unknown field 'temprature'"),
 ])
 def test_bad_requests_get_a_400_that_says_why(handler, body, message) -> None:
-    data, context, _ = _batch([body, {"prompt": "fine"}])
+    data, context, _ = handler_batch([body, {"prompt": "fine"}])
     answers = [json.loads(a) for a in handler.handle(data, context)]
     assert context.get_response_status(0)[0] == 400
     assert answers[0]["error"].startswith(message), answers[0]
@@ -127,7 +99,7 @@ def test_stop_strings_end_the_text_and_are_never_streamed(handler) -> None:
     tokens = lm_runtime.StaticDecoder(lm.model, 48).generate([ids], 12).tokens
     full = lm.tokenizer.decode(tokens, skip_special_tokens=True)
     stop = full.split()[3]  # a word in the middle of the greedy text
-    data, context, socket = _batch([{"prompt": "the film was", "max_new_tokens": 12,
+    data, context, socket = handler_batch([{"prompt": "the film was", "max_new_tokens": 12,
                                      "stop": [stop]}])
     answer = json.loads(handler.handle(data, context)[0])
     assert answer["text"] == full[:full.index(stop)] and answer["finish_reason"] == "stop"
@@ -146,76 +118,8 @@ def test_buckets_and_groups_keep_shapes_and_the_cache() -> None:
 
 def test_a_saved_folder_loads_the_same_through_compress_and_the_runtime(
         varied_llama_folder, tmp_path) -> None:
-    folder = _saved(varied_llama_folder, tmp_path / "saved")
+    folder = saved_lm(varied_llama_folder, tmp_path / "saved")
     ours, theirs = load_lm(folder), lm_runtime.load_folder(folder)
     assert ours.lm == theirs.facts
     assert all((a == b).all() for a, b in zip(ours.model.state_dict().values(),
                                                theirs.model.state_dict().values(), strict=True))
-
-
-def _architecture(kind: str, folder: Path) -> Path:
-    """A random causal LM saved with MiniLM's tokenizer, shaped so that model dimensions
-    equal batch buckets (1, 2, 4): Qwen2 with 2 key-value heads (q/k/v biases, untied
-    head); Llama with 4 key-value heads of dimension 4 in 2 layers."""
-    import torch
-    from conftest import minilm_folder
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    shape = {"vocab_size": tokenizer.vocab_size, "max_position_embeddings": 256,
-             "tie_word_embeddings": False, "initializer_range": 0.1}
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, **shape))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(
-            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, **shape))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_compiled_buckets_each_decode_generates_greedy_tokens(kind, tmp_path) -> None:
-    """Every bucket's compiled decoder warms up (where a 2-key-value-head Qwen2 crashed its
-    worker: the size-4 bucket ran the size-2 decoder's graph on that decoder's cache) and
-    decodes a full batch of its size to the tokens `generate` gives each prompt alone."""
-    import torch
-
-    from compress.models.bundle import ModelBundle
-    from serve.lm_runtime import load_folder
-
-    lm = load_folder(_saved(_architecture(kind, tmp_path / "hf"), tmp_path / "saved"))
-    export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts),
-              tmp_path / "export")
-    config = {"batchSize": 4, "maxWorkers": 1,
-              "handler": {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
-                          "cache_len": 48, "compile": "default", "chat_template": False}}
-    handler = CausalLMHandler()
-    handler.initialize(Context("tiny_lm", str(tmp_path / "export"), {}, 4, None, "0.12.0",
-                               model_yaml_config=config))
-    assert sorted(handler.decoders) == [1, 2, 4]
-    assert all(d.compiled for d in handler.decoders.values())
-    prompts = ["the film was", "a much longer prompt about a movie", "hi", "one two three"]
-    tokenizer, model = handler.lm.tokenizer, handler.lm.model
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([lm_runtime.prompt_ids(tokenizer, prompt, chat_template=False)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                             do_sample=False, pad_token_id=0)
-        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-    assert len(set(expected)) == len(prompts)  # the tokens vary: the check cannot pass idly
-    for rows in (1, 2, 4):
-        data, context, _ = _batch([{"prompt": p, "stream": False} for p in prompts[:rows]])
-        answers = [json.loads(a) for a in handler.handle(data, context)]
-        assert [a["text"] for a in answers] == expected[:rows], rows
-        assert context.get_response_headers(0)["X-Batch-Size"] == str(rows)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import torch
-from test_lm_family import lm_recipe
+from builders import lm_recipe
 
 from compress.algorithms.lm_pruning import prune_kv_groups, prune_lm
 from compress.recipe.schema import load_recipe

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from test_lm_family import lm_recipe
+from builders import lm_recipe
 from torch import nn
 
 from compress.algorithms import lm_qat

@@ -8,27 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import SST2, lm_recipe
 from conftest import cli, write_recipe
 
 from compress.models.causal_lm import quantize_weights
 from compress.models.folders import load_saved
 from compress.recipe.schema import load_recipe
 from compress.run.pipeline import run_recipe
-
-SST2 = "stanfordnlp/sst2"
-GENERATION = {"prompts": 3, "max_new_tokens": 6, "batch_sizes": [1, 2], "compile": "none"}
-
-
-def lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,
-              **extra) -> Path:
-    """A recipe of `stages` on the tiny Llama (with `train_samples` train sentences if any)."""
-    train = {"train": {"split": "train", "max_samples": train_samples}} if train_samples else {}
-    raw = {"name": "tiny_lm", "model": {"source": str(model)},
-           "data": {"source": SST2, "text_column": "sentence", "max_length": 32, **train,
-                    "eval": {"split": "validation", "max_samples": 12}},
-           "evaluation": {"generation": GENERATION},
-           "stages": stages, "output_dir": str(tmp_path / "runs"), **extra}
-    return write_recipe(tmp_path / "lm.yaml", raw)
 
 
 @pytest.fixture(autouse=True)

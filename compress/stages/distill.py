@@ -5,6 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from compress.algorithms.distill import build_student, encoder_layers, make_kd_loss_fn
+from compress.algorithms.layerwise_distill import (
+    attach_projections,
+    detach_projections,
+    layer_map,
+    make_layerwise_loss_fn,
+    matching_attention,
+)
 from compress.errors import CompressError
 from compress.models.bundle import ModelBundle, count_params
 from compress.recipe.kinds.distill import DistillConfig
@@ -21,10 +28,26 @@ def distill(teacher: ModelBundle, cfg: DistillConfig, setup: TrainSetup
         student = build_student(teacher, cfg.student)
     except ValueError as exc:
         raise CompressError(str(exc)) from None
-    result = setup.run(student.model, cfg, student.tokenizer,
-                       loss_fn=make_kd_loss_fn(teacher.model, cfg.temperature, cfg.alpha))
+    if cfg.layerwise is None:
+        loss_fn = make_kd_loss_fn(teacher.model, cfg.temperature, cfg.alpha)
+        layerwise: dict[str, Any] = {}
+    else:
+        if student.kind != "hf" or teacher.kind != "hf":
+            raise CompressError("layerwise distillation needs a Hugging Face teacher and student")
+        kept = (list(cfg.student.layer_indices) if cfg.student.layer_indices is not None else
+                None)
+        mapping = layer_map(len(encoder_layers(student.model)),
+                            len(encoder_layers(teacher.model)), kept)
+        attach_projections(student.model, teacher.model, len(mapping) + 1)
+        loss_fn = make_layerwise_loss_fn(teacher.model, cfg, mapping)
+        layerwise = {"layerwise_map": mapping, **{
+            f"layerwise_{k}": v for k, v in cfg.layerwise.model_dump().items()}}
+    with matching_attention(teacher.model, student.model,
+                            cfg.layerwise is not None and cfg.layerwise.attention_weight > 0):
+        result = setup.run(student.model, cfg, student.tokenizer, loss_fn=loss_fn)
+    detach_projections(student.model)
     metrics = {"teacher_params": count_params(teacher.model), "temperature": cfg.temperature,
-               "alpha": cfg.alpha, **result.figures(), **result.parallel_metrics()}
+               "alpha": cfg.alpha, **layerwise, **result.figures(), **result.parallel_metrics()}
     if student.kind == "hf":
         metrics.update(teacher_layers=len(encoder_layers(teacher.model)),
                        student_layers=len(encoder_layers(student.model)))

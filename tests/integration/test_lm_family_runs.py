@@ -89,6 +89,9 @@ def test_a_causal_lm_runs_quantize_and_compile_with_its_own_figures(
      "stages.0.target: channels are a CNN's; a causal LM takes ffn, heads or ffn+heads"),
     ([{"kind": "compile", "dynamic": True}], {},
      "stages.0.dynamic: a causal LM's decode step has static shapes"),
+    ([{"kind": "distill", "student": {"layers": 1}, "layerwise": {}}], {},
+     "stages.0.layerwise: a classifier's option; a causal LM's student is distilled on "
+     "next-token distributions"),
     ([], {"model_task": "classification"}, None),
 ])
 def test_a_classifier_option_on_a_causal_lm_is_one_line(

@@ -36,6 +36,12 @@ BAD_OVERRIDES = [
     (["stages=[{kind: prune, method: structured, target: channels}, "
       "{kind: distill, student: {layers: 1}}]"],
      "stages.1: distill cannot copy layers of the structurally pruned model of stages.0"),
+    (["stages=[{kind: distill, student: {factory: 'compress.models.zoo:mlp'}, "
+      "layerwise: {hidden_weight: 1}}]"],
+     "stages.0.layerwise: matches the layers of Hugging Face encoders; a student.factory "
+     "model has none (drop layerwise)"),
+    (["stages=[{kind: distill, student: {layers: 1}, layerwise: {hidden_loss: l1}}]"],
+     "stages.0.layerwise.hidden_loss: "),
 ]
 
 

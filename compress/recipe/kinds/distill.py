@@ -45,6 +45,19 @@ class GridSpec(StrictModel):
     group_size: int = Field(32, description="int4: weights per scale group.")
 
 
+class LayerwiseSpec(StrictModel):
+    """Match intermediate representations as well as logits (TinyBERT, MiniLM)."""
+
+    hidden_weight: float = Field(
+        1.0, ge=0, le=1000, description="Weight of the hidden-state loss (after the "
+        "embeddings and each student layer, against the teacher layer it maps to).")
+    hidden_loss: Literal["mse", "cosine"] = Field(
+        "mse", description="Distance of hidden states: mean squared error or cosine.")
+    attention_weight: float = Field(
+        0.0, ge=0, le=1000, description="Weight of KL(teacher || student) of the matched "
+        "layers' attention distributions (trains with the eager attention kernel: slower).")
+
+
 class DistillConfig(TrainOptions):
     """Knowledge distillation: the entering model is the frozen teacher of a smaller student."""
 
@@ -56,6 +69,9 @@ class DistillConfig(TrainOptions):
     alpha: float = Field(
         0.5, ge=0, le=1,
         description="Weight of cross-entropy; (1 - alpha) * T^2 weighs the KL term.")
+    layerwise: LayerwiseSpec | None = Field(
+        None, description="Classifiers from a Hugging Face teacher: also match hidden states "
+        "(and attention) layer by layer; unset: logits only (KL + CE).")
     quantization_aware: GridSpec | None = Field(
         None, description="Causal LMs: train the student's decoder Linears fake-quantized on "
         "this scheme's grid (straight-through gradients) and snap them onto it, so a later "
@@ -105,9 +121,16 @@ def _check_task(cfg: DistillConfig, task: str, index: int) -> list[str]:
     """A causal LM's student keeps some of its teacher's decoder layers."""
     where = f"stages.{index}"
     if task != "causal-lm":
-        return ([f"{where}.quantization_aware: only a causal LM takes this option; a "
-                 "classifier's student is quantized by a later `quantize` stage (mode: qat)"]
-                if cfg.quantization_aware is not None else [])
+        problems = ([f"{where}.quantization_aware: only a causal LM takes this option; a "
+                     "classifier's student is quantized by a later `quantize` stage (mode: qat)"]
+                    if cfg.quantization_aware is not None else [])
+        if cfg.layerwise is not None and cfg.student.factory is not None:
+            problems.append(f"{where}.layerwise: matches the layers of Hugging Face encoders; "
+                            "a student.factory model has none (drop layerwise)")
+        return problems
+    if cfg.layerwise is not None:
+        return [f"{where}.layerwise: a classifier's option; a causal LM's student is "
+                "distilled on next-token distributions"]
     grid = cfg.quantization_aware
     problems = []
     if grid is not None and grid.group_size not in (32, 64, 128, 256):

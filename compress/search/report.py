@@ -29,7 +29,7 @@ def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[s
               "trials_cached": sum(bool(t.get("cached")) for t in search.trials),
               "search_s": round(time.perf_counter() - search.began, 1),
               "sensitivity": "sensitivity.json" if (folder / "sensitivity.json").is_file()
-              else None, "trials": trials}
+              else None, "shapes": list(search.shapes), "trials": trials}
     atomic_write_json(folder / "search.json", record)
     plot = plot_search(record, folder / "search.png")
     atomic_write_text(folder / "section.md", section(record, folder, run_dir, plot))
@@ -41,6 +41,8 @@ def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[s
         summary.update(search_winner=winner["candidate"], search_winner_trial=winner["id"],
                        search_fallback_layers=winner["float_layers"],
                        search_accuracy_drop=winner["drop"])
+        if winner.get("shape"):
+            summary["search_winner_shape"] = winner["shape"]
     return summary
 
 
@@ -73,6 +75,14 @@ def section(record: dict[str, Any], folder: Path, run_dir: Path, plot: Path | No
     lines += ["", f"Reference (the entering model, PyTorch eager): b1 "
               f"{_ms(ref.get('latency_ms_b1'))} ms, b8 {_ms(ref.get('latency_ms_b8'))} ms, "
               f"b8 real {_ms(ref.get('latency_ms_b8_real'))} ms."]
+    for shape in record.get("shapes") or []:
+        if shape.get("status") == "not run":
+            lines.append(f"Shape {shape['label']}: not trained ({shape['lost']}).")
+            continue
+        lines.append(f"Shape {shape['label']}: {shape['layers']} of {shape['teacher_layers']} "
+                     f"layers, {shape['params'] / 1e6:.1f}M parameters, "
+                     + ("cached" if shape.get("cached") else f"trained in {shape['train_s']:g} s")
+                     + ".")
     for name, why in record["skipped"].items():
         lines.append(f"Skipped {name}: it {why}.")
     if record.get("sensitivity"):

@@ -18,14 +18,22 @@ from typing import Any
 
 from compress.algorithms.sensitivity import fallback_layers
 from compress.errors import CompressError, UserError
-from compress.recipe.kinds.search import CANDIDATES, OBJECTIVES, SearchConfig, not_applicable
+from compress.recipe.kinds.search import (
+    CANDIDATES,
+    OBJECTIVES,
+    SearchConfig,
+    ShapeSpec,
+    not_applicable,
+)
 from compress.runfolder.files import atomic_write_json, bf16_supported, sha256_json
 from compress.runfolder.records import artifact_record
 from compress.search.candidates import build, candidate_stages
 from compress.search.choice import decide, describe, retime_finalists
 from compress.search.report import write_search_files
+from compress.search.shapes import load_or_train, shape_key, training_cost
 from compress.search.trials import Measurer, cached_trial, run_trial, trial_id, trial_key
 from compress.stages.context import StageContext, State
+from compress.train.loop import TrainSetup
 
 
 class Search:
@@ -33,6 +41,7 @@ class Search:
 
     def __init__(self, state: State, cfg: SearchConfig, ctx: StageContext):
         self.bundle, self.cfg, self.ctx = state.bundle, cfg, ctx
+        self.entering = state.bundle  # the teacher of every shape
         lat = ctx.recipe.evaluation.latency
         self.threads = cfg.threads or lat.threads or os.cpu_count() or 1
         self.measurer = Measurer(ctx.data, ctx.recipe, self.threads)
@@ -44,6 +53,9 @@ class Search:
         self.reference: dict[str, Any] = {}
         self.planned = 0  # candidates without fallback layers, for the progress lines
         self.built_s: list[float] = []  # how long each trial built here took
+        self.input_sha = ctx.input_sha  # of the model the trials build from
+        self.shape: dict[str, Any] | None = None  # its shape record (None: the entering model)
+        self.shapes: list[dict[str, Any]] = []
 
     def log(self, message: str) -> None:
         self.ctx.log(f"{self.ctx.name}: {message}")
@@ -76,8 +88,10 @@ class Search:
         """The trial of `name` with `float_layers`, from the cache or built and measured
         now (None when the budget is spent)."""
         stages = candidate_stages(name, float_layers, self.cfg.calibration)
-        key = trial_key(name, stages, float_layers, self.ctx.input_sha, self.measurer.settings())
+        key = trial_key(name, stages, float_layers, self.input_sha, self.measurer.settings())
         tid = trial_id(name, float_layers, key)
+        if self.shape is not None:
+            tid = f"{self.shape['label']}-{tid}"
         folder = self.ctx.folder / "trials" / tid
         record = cached_trial(folder, key)
         if record is not None:
@@ -101,6 +115,7 @@ class Search:
             self.ran += 1
             self.built_s.append(record["trial_s"])
         record["folder"] = str(folder.relative_to(self.ctx.run_dir))
+        record["shape"] = None if self.shape is None else self.shape["label"]
         if record["status"] == "ok":
             record["drop"] = round(100 * (self.reference["accuracy"] - record["accuracy"]), 3)
             record["within"] = record["drop"] <= self.cfg.max_accuracy_drop + 1e-9
@@ -156,9 +171,11 @@ class Search:
         from compress.data.datasets import iterate
 
         path = self.ctx.folder / "sensitivity.json"
+        if self.shape is not None:
+            path = self.ctx.folder / "shapes" / self.shape["folder"] / "sensitivity.json"
         calibration = self.ctx.data.splits["calibration"]
         count = min(self.cfg.sensitivity_samples, len(calibration))
-        key = sha256_json(["sensitivity", self.ctx.input_sha, count,
+        key = sha256_json(["sensitivity", self.input_sha, count,
                            self.cfg.calibration.batch_size, self.measurer.settings()])
         cached = _read_json(path)
         if cached.get("key") != key:
@@ -173,6 +190,61 @@ class Search:
         top = ", ".join(f"{r['layer']} ({r['kl']:.3g})" for r in cached["ranking"][:3])
         self.log(f"most int8-sensitive layers (KL): {top}")
         return [r["layer"] for r in cached["ranking"]]
+
+
+    def use_shape(self, spec: ShapeSpec) -> bool:
+        """Train (or load) `spec` and make it the model the next trials build from; False
+        when the budget is spent before a shape that is not cached yet."""
+        cfg, ctx = self.cfg, self.ctx
+        key = shape_key(spec, cfg.shape_training, ctx.input_sha, ctx.seed)
+        folder = ctx.folder / "shapes" / f"{spec.label}-{key[:8]}"
+        if (folder / "model").is_dir() or (spent := self.budget_spent()) is None:
+            began = time.perf_counter()
+
+            def setup(checkpoints, desc: str) -> TrainSetup:
+                return TrainSetup(ctx.data.splits["train"], ctx.data.max_length, ctx.seed,
+                                  checkpoints, sha256_json([key, str(checkpoints.name)]), desc)
+
+            self.bundle, record = load_or_train(
+                self.entering, spec, cfg.shape_training, key, folder, setup,
+                lambda m: self.log(f"shape {spec.label}: {m}"))
+            record.update(folder=folder.name, train_s=round(time.perf_counter() - began, 1))
+            self.log(f"shape {spec.label}: {'cached' if record['cached'] else 'trained'}, "
+                     f"{record['layers']} layers, {record['params'] / 1e6:.1f}M parameters")
+            self.input_sha, self.shape = key, record
+            self.shapes.append(record)
+            return True
+        self.log(f"shape {spec.label}: not trained ({spent})")
+        self.shapes.append({"label": spec.label, "status": "not run", "lost": spent})
+        return False
+
+    def try_candidates(self, names: list[str]) -> None:
+        """Every candidate on the current model, then float fallbacks for the quantizing
+        ones that lost too much."""
+        for name in names:
+            self.trial(name, [])
+        mine = self.shape["label"] if self.shape else None
+        missed = sorted((t for t in self.trials if t["status"] == "ok" and not t["within"]
+                         and t.get("shape") == mine and CANDIDATES[t["candidate"]][4]),
+                        key=lambda t: t[self.metric])
+        ranking: list[str] | None = None
+        for record in missed:
+            bar, what = self.bar()
+            if record[self.metric] >= bar:
+                record["stopped"] = f"{what}: no fallback tried"
+                self.log(f"{record['id']}: {record['stopped']}")
+            elif self.cfg.max_fallback_layers and self.budget_spent() is None:
+                ranking = ranking or self.sensitivity()
+                self.fall_back(record["candidate"], ranking)
+
+
+def ordered_shapes(cfg: SearchConfig, bundle, train_examples: int) -> list[ShapeSpec]:
+    """The shapes, cheapest to train first."""
+    from compress.algorithms.distill import encoder_layers
+
+    layers = len(encoder_layers(bundle.model))
+    return sorted(cfg.shapes or [], key=lambda s: training_cost(
+        s, cfg.shape_training, layers, train_examples))
 
 
 def _read_json(path) -> dict[str, Any]:
@@ -203,20 +275,12 @@ def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:
         raise UserError(f"stages.{ctx.index}.candidates: none applies to this model on this "
                         f"machine ({'; '.join(f'{n} {w}' for n, w in skipped.items())})")
     search.measure_reference()
-    search.planned = len(names)
-    for name in names:
-        search.trial(name, [])
-    missed = sorted((t for t in search.trials if t["status"] == "ok" and not t["within"]
-                     and CANDIDATES[t["candidate"]][4]), key=lambda t: t[search.metric])
-    ranking: list[str] | None = None
-    for record in missed:
-        bar, what = search.bar()
-        if record[search.metric] >= bar:
-            record["stopped"] = f"{what}: no fallback tried"
-            search.log(f"{record['id']}: {record['stopped']}")
-        elif cfg.max_fallback_layers and search.budget_spent() is None:
-            ranking = ranking or search.sensitivity()
-            search.fall_back(record["candidate"], ranking)
+    shapes = ordered_shapes(cfg, state.bundle, len(ctx.data.splits.get("train") or []))
+    search.planned = len(names) * (1 + len(shapes))
+    search.try_candidates(names)
+    for spec in shapes:
+        if search.use_shape(spec):
+            search.try_candidates(names)
     retime_finalists(search.trials, cfg, search.metric, search.measurer, ctx.run_dir, search.log)
     outcome = decide(search.trials, search.metric, cfg.max_accuracy_drop)
     summary = write_search_files(ctx.folder, ctx.run_dir, cfg, search, skipped, outcome)

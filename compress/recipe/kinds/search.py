@@ -1,17 +1,20 @@
-"""Stage kind `search`: its config and spec (no torch import; run module: search.py).
+"""Stage kind `search`: its config and spec (no torch import; run module:
+compress/search/stage.py).
 
 The candidates: each is a way to serve the model (a precision and a runtime), built from
 the stages compress already has (quantize, precision, export) into an export folder the
-package stage can archive.
+package stage can archive. The shapes: smaller students (distilled layers, pruned neurons
+and heads) that every candidate is tried on as well.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from compress.recipe.options import CalibrationOptions, StageName, StrictModel
+from compress.recipe.kinds.distill import LayerwiseSpec
+from compress.recipe.options import CalibrationOptions, StageName, StrictModel, TrainOptions
 from compress.recipe.registry import StageSpec, register
 
 # name -> (what it is, file format, needs a Hugging Face model, needs a bf16 CPU, quantizes)
@@ -35,6 +38,52 @@ Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "pt2e_static_bf16_a
                     "ort_static_int8", "onnx_fp32", "aoti_fp32"]
 OBJECTIVES = {"latency_b1": "latency_ms_b1", "latency_b8": "latency_ms_b8",
               "latency_real": "latency_ms_b8_real", "size": "bytes"}
+
+
+class ShapeSpec(StrictModel):
+    """A smaller student the search trains once, then tries every candidate on."""
+
+    layers: int | None = Field(
+        None, ge=1, le=1000, description="Keep this many evenly spaced layers of the entering "
+        "model (unset: all of them).")
+    ffn: float = Field(0.0, ge=0, lt=1, description="Share of each layer's feed-forward "
+                       "neurons removed (structured pruning, then recovery training).")
+    heads: float = Field(0.0, ge=0, lt=1, description="Share of each layer's attention heads "
+                         "removed (structured pruning, then recovery training).")
+    teacher: bool = Field(
+        True, description="Distil the kept layers from the entering model; false: fine-tune "
+        "them on the labels alone (the baseline distillation has to beat).")
+
+    @model_validator(mode="after")
+    def _smaller(self) -> ShapeSpec:
+        if self.layers is None and not self.ffn and not self.heads:
+            raise ValueError("a shape keeps fewer layers or removes ffn or heads; give layers, "
+                             "ffn or heads")
+        if not self.teacher and self.layers is None:
+            raise ValueError("teacher: false fine-tunes kept layers on the labels; give layers")
+        return self
+
+    @property
+    def label(self) -> str:
+        """A short name: L3, L3-ffn50, L6-heads25, L3-direct."""
+        parts = [f"L{self.layers}" if self.layers else "all"]
+        parts += [f"ffn{round(100 * self.ffn)}"] if self.ffn else []
+        parts += [f"heads{round(100 * self.heads)}"] if self.heads else []
+        return "-".join(parts + ([] if self.teacher else ["direct"]))
+
+
+class ShapeTraining(TrainOptions):
+    """How each shape trains: distillation from the entering model with these options (or
+    fine-tuning, for `teacher: false`), then recovery after pruning."""
+
+    epochs: float = Field(1.0, gt=0, le=10_000, description="Passes over the train split.")
+    temperature: float = Field(2.0, gt=0, le=1000, description="KL temperature.")
+    alpha: float = Field(0.5, ge=0, le=1, description="Weight of cross-entropy in the KD loss.")
+    layerwise: LayerwiseSpec | None = Field(
+        None, description="Also match hidden states (and attention) layer by layer.")
+    recovery: TrainOptions = Field(
+        default_factory=lambda: TrainOptions(max_steps=150, learning_rate=5e-5),
+        description="Training after structured pruning.")
 
 
 class SearchConfig(StrictModel):
@@ -71,6 +120,18 @@ class SearchConfig(StrictModel):
         None, ge=1, le=4096, description="Intra-op threads of every runtime (default: the "
         "latency threads).")
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    shapes: list[ShapeSpec] | None = Field(
+        None, description="Smaller students (fewer layers, fewer neurons or heads) to train "
+        "and try every candidate on, cheapest to train first; the entering model is tried "
+        "too (Hugging Face encoders only; needs the train split).")
+    shape_training: ShapeTraining = Field(default_factory=ShapeTraining)
+
+    @field_validator("shapes")
+    @classmethod
+    def _distinct_shapes(cls, value: list[ShapeSpec] | None) -> list[ShapeSpec] | None:
+        if value is not None and len({s.label for s in value}) != len(value):
+            raise ValueError("a shape is listed twice")
+        return value
 
     @field_validator("candidates")
     @classmethod
@@ -102,6 +163,10 @@ def _candidates_apply(recipe: Any, i: int) -> list[str]:
         problems.append(f"stages.{i}.objective: latency_real times the eval split's sentences "
                         f"and model.source {recipe.model.source} is not a text model; use "
                         f"latency_b1, latency_b8 or size")
+    if cfg.shapes and not hugging_face:
+        problems.append(f"stages.{i}.shapes: smaller students are built from a Hugging Face "
+                        f"encoder's layers, and model.source {recipe.model.source} is not one; "
+                        f"drop shapes")
     if cfg.candidates is not None:
         reasons = {c: not_applicable(c, hugging_face, None) for c in cfg.candidates}
         if all(reasons.values()):
@@ -113,7 +178,7 @@ def _candidates_apply(recipe: Any, i: int) -> list[str]:
 
 
 def _splits(cfg: SearchConfig) -> tuple[str, ...]:
-    return ("eval", "calibration")
+    return ("eval", "calibration", "train") if cfg.shapes else ("eval", "calibration")
 
 
 def export_formats(cfg: SearchConfig) -> tuple[str, ...]:

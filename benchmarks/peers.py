@@ -33,7 +33,13 @@ from compress.runfolder.files import atomic_write_json, atomic_write_text, now, 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
 import peers_optimum as optimum  # noqa: E402
 from peers_child import eval_recipe  # noqa: E402
-from peers_contenders import check_finished, items_of, other_run_items, peer_items  # noqa: E402
+from peers_contenders import (  # noqa: E402
+    check_finished,
+    items_of,
+    other_run_items,
+    peer_items,
+    search_front_items,
+)
 from peers_table import BATCHES, SEQ_LEN, render_markdown, render_text, table_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,6 +162,7 @@ def _main(args: argparse.Namespace) -> int:
     with run_lock(run_dir, "a compress run is using this folder; time it when the run "
                   "has finished"):
         items, peer_facts = items_of(run_dir, manifest, args.artifacts), None
+        items += search_front_items(run_dir, manifest) if not args.artifacts else []
         items += other_run_items(args.with_run, items)
         if not args.no_peers:
             peers, peer_facts = peer_items(run_dir, manifest, echo)

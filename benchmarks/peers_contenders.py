@@ -14,6 +14,8 @@ from peers_table import FLOPS_BATCH, SEQ_LEN, forward_flops
 
 from compress.errors import UserError
 from compress.recipe.kinds.export import SPEC as EXPORT_SPEC
+from compress.recipe.kinds.search import CANDIDATES
+from compress.report.plot import pareto_front
 from compress.report.rebench import artifacts_of, select_artifacts
 from compress.report.runtimes import producer, reference_index, runtime_label
 from compress.runfolder.records import Manifest, require_manifest
@@ -92,6 +94,56 @@ def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
                       else None, "sha256": entry.outputs[0].sha256, "flops": flops,
                       "flops_source": source, "rounds": []})
     return items
+
+
+def shape_flops(stage_dir: Path, record: dict[str, Any], label: str | None
+                ) -> tuple[float | None, str]:
+    """FLOPs at 8 x 128 of a search shape's model, from its config.json."""
+    shape = next((s for s in record.get("shapes") or [] if s.get("label") == label), None)
+    if shape is None or "folder" not in shape:
+        return None, "no FLOPs: the shape's folder is not recorded"
+    path = stage_dir / "shapes" / shape["folder"] / "model" / "config.json"
+    if not path.is_file():
+        return None, f"no FLOPs: {path.name} missing"
+    flops = forward_flops(json.loads(path.read_text()))
+    note = f"FLOPs {flops / 1e9:.2f} G at {FLOPS_BATCH} x {SEQ_LEN} from the shape's config"
+    if (path.parent / "structure.json").is_file():
+        note += "; pruned units not subtracted, so % int8 peak is an upper bound"
+    return flops, note
+
+
+def search_front_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]]:
+    """The trials on each search stage's accuracy-latency front (its `search.json`), other
+    than the winner, which is the stage's own artifact: each named STAGE/TRIAL."""
+    found = []
+    for entry in manifest.stages:
+        record_path = run_dir / f"{entry.index:02d}-{entry.name}" / "search.json"
+        if entry.kind != "search" or not entry.finished_ok or not record_path.is_file():
+            continue
+        record = json.loads(record_path.read_text())
+        metric = record["metric"]
+        ok = {t["id"]: t for t in record["trials"] if t.get("status") == "ok" and t.get(metric)}
+        front = pareto_front([(t[metric], t["accuracy"], tid) for tid, t in ok.items()])
+        for _, _, tid in front:
+            if tid == record.get("winner"):
+                continue
+            trial = ok[tid]
+            folder = Path(trial["folder"]) / trial["export_dir"]
+            file = run_dir / folder / trial["file"]
+            flops, note = shape_flops(record_path.parent, record, trial.get("shape"))
+            if trial.get("shape") is None:
+                flops, note = flops_of(run_dir, manifest, entry.index)
+            shape = f" on shape {trial['shape']}" if trial.get("shape") else ""
+            found.append({"name": f"{entry.name}/{tid}", "kind": EXPORT_SPEC.kind,
+                          "folder": str(folder), "index": entry.index,
+                          "config": {"kind": EXPORT_SPEC.kind,
+                                     "format": CANDIDATES[trial["candidate"]][1]},
+                          "runtime": f"{CANDIDATES[trial['candidate']][0]}{shape} "
+                                     f"(search front)",
+                          "size_mb": file.stat().st_size / 1e6 if file.is_file() else None,
+                          "sha256": trial.get("sha256"), "flops": flops,
+                          "flops_source": note, "rounds": []})
+    return found
 
 
 def other_run_items(others: list[Path], items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,53 @@
+"""benchmarks/peers_contenders.py: the trials on a search stage's accuracy-latency front
+become rows of the peer table (the winner is already the stage's own artifact)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+from compress.runfolder.records import Manifest, StageRecord
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import peers_contenders  # noqa: E402
+
+CONFIG = {"num_hidden_layers": 3, "hidden_size": 384, "intermediate_size": 1536,
+          "num_attention_heads": 12, "model_type": "bert"}
+
+
+def _trial(tid: str, candidate: str, ms: float, accuracy: float, shape: str | None) -> dict:
+    return {"id": tid, "candidate": candidate, "status": "ok", "latency_ms_b8": ms,
+            "accuracy": accuracy, "shape": shape, "folder": f"00-search/trials/{tid}",
+            "export_dir": "onnx", "file": "model.onnx"}
+
+
+def test_front_trials_other_than_the_winner_are_rows(tmp_path: Path) -> None:
+    stage = tmp_path / "00-search"
+    shape = stage / "shapes" / "L3-abcd1234" / "model"
+    shape.mkdir(parents=True)
+    (shape / "config.json").write_text(json.dumps(CONFIG))
+    trials = [_trial("ort_dynamic_int8-1", "ort_dynamic_int8", 30.0, 0.87, None),  # front
+              _trial("onnx_fp32-2", "onnx_fp32", 60.0, 0.86, None),  # beaten on both
+              _trial("L3-ort_dynamic_int8-3", "ort_dynamic_int8", 12.0, 0.85, "L3"),  # won
+              _trial("L3-onnx_fp32-4", "onnx_fp32", 20.0, 0.86, "L3")]  # front
+    for t in trials:
+        folder = tmp_path / t["folder"] / "onnx"
+        folder.mkdir(parents=True)
+        (folder / "model.onnx").write_bytes(b"x" * 2_000_000)
+    (stage / "search.json").write_text(json.dumps({
+        "metric": "latency_ms_b8", "winner": "L3-ort_dynamic_int8-3",
+        "shapes": [{"label": "L3", "folder": "L3-abcd1234"}], "trials": trials}))
+    manifest = Manifest(stages=[StageRecord(index=0, name="search", kind="search",
+                                            status="done")])
+    items = peers_contenders.search_front_items(tmp_path, manifest)
+    assert [i["name"] for i in items] == ["search/L3-onnx_fp32-4", "search/ort_dynamic_int8-1"]
+    shaped = items[0]
+    assert shaped["folder"] == "00-search/trials/L3-onnx_fp32-4/onnx"
+    assert shaped["config"] == {"kind": "export", "format": "onnx"}
+    assert shaped["runtime"] == "float32 in ONNX Runtime on shape L3 (search front)"
+    assert shaped["size_mb"] == 2.0
+    assert shaped["flops"] == peers_contenders.forward_flops(CONFIG)
+    assert "from the shape's config" in shaped["flops_source"]

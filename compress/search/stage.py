@@ -1,12 +1,13 @@
 """Stage `search`: the fastest servable artifact within `max_accuracy_drop` points.
 
 Every candidate that applies is built into `trials/<id>/` and measured the same way
-(search_trials.py). A quantizing candidate that loses too much gets float fallback
+(trials.py). A quantizing candidate that loses too much gets float fallback
 layers, the most int8-sensitive first (sensitivity.py, `sensitivity.json`), one more per
 trial, until it is within the tolerance or no faster than the float model. The finalists
-are timed again in alternating rounds in this process (search_choice.py), and the
-winner's export folder becomes the stage's output; `search.json`, `section.md` and
-`search.png` say why it won and why every other trial lost.
+are timed again in alternating rounds in this process (choice.py), and the winner's export
+folder becomes the stage's output; `search.json`, `section.md` and `search.png` say why it
+won and why every other trial lost. With `shapes`, smaller students are trained too
+(shapes.py), cheapest first, and every candidate is tried on each of them as well.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from compress.recipe.schema import Recipe, load_recipe
 def run(recipe: Recipe | str | Path, overrides: list[str] | tuple[str, ...] = (),
         force: bool = False) -> Path:
     """Run a recipe (a `Recipe` or a file with `KEY=VALUE` overrides); its run folder."""
-    from compress.run.pipeline import run_recipe
+    from compress.pipeline.loop import run_recipe
 
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides, check_sources=True)

@@ -12,8 +12,8 @@ from compress.algorithms.pruning import select_layers
 from compress.algorithms.quantization import quantize
 from compress.data.datasets import DataBundle, Examples
 from compress.models.bundle import ModelBundle
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 from compress.stages.context import StageContext
 
 SENTENCES = ["a good movie", "an awful, dull and boring film that never ends at all",

@@ -71,7 +71,7 @@ def run(recipe: str, overrides: tuple[str, ...], output_dir: str | None, force: 
     """
     extra = [f"output_dir={output_dir}"] if output_dir else []
     parsed = load_recipe(recipe, list(overrides) + extra, check_sources=True)  # before torch
-    from compress.run.pipeline import check_hardware, run_recipe
+    from compress.pipeline.loop import check_hardware, run_recipe
 
     check_hardware(parsed)  # here too, so torchrun is not launched for a run that cannot go
     if max_restarts and not nproc:

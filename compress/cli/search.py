@@ -65,7 +65,7 @@ def search(recipe: str, overrides: tuple[str, ...], max_drop: float | None,
     extra += [f"stages.{index}.objective={objective}"] if objective else []
     extra += [f"output_dir={output_dir}"] if output_dir else []
     parsed = load_recipe(recipe, list(overrides) + extra, check_sources=True, edit=edit)
-    from compress.run.pipeline import run_recipe
+    from compress.pipeline.loop import run_recipe
 
     run_dir = run_recipe(parsed)
     click.echo(f"run folder: {run_dir}")

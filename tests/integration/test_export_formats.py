@@ -13,8 +13,8 @@ from builders import export_text_recipe, run_in_process
 from conftest import digits_recipe, write_recipe
 
 from compress.errors import StageError, UserError
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 
 pytest.importorskip("onnxruntime")
 

@@ -13,8 +13,8 @@ from conftest import write_recipe
 from compress.algorithms.lm_distill import drop_layers, pack_texts, recovery
 from compress.models.causal_lm import StaticDecoder
 from compress.models.folders import load_saved
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 
 
 @pytest.fixture(autouse=True)

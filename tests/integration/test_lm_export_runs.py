@@ -17,9 +17,9 @@ import torch
 import yaml
 from conftest import cli, import_alone, write_recipe
 
+from compress.pipeline.loop import run_recipe
 from compress.recipe.kinds.quantize import WEIGHT_SCHEMES
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 from serve import lm_runtime
 
 SST2 = "stanfordnlp/sst2"

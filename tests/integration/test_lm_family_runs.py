@@ -13,8 +13,8 @@ from conftest import cli, write_recipe
 
 from compress.models.causal_lm import quantize_weights
 from compress.models.folders import load_saved
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 
 
 @pytest.fixture(autouse=True)

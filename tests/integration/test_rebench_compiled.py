@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import write_recipe, write_sentiment_tables
 
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
 from compress.report.rebench import bench_fresh
-from compress.run.pipeline import run_recipe
 
 pytest.importorskip("onnxruntime")
 

@@ -26,12 +26,12 @@ def test_every_shipped_recipe_validates(path: Path, data_dir: Path, monkeypatch)
     monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
     recipe = load_recipe(path, check_sources=True)  # hardware is checked by `run`, not here
     if "format: tensorrt" in path.read_text() and not cuda_device_present():
-        from compress.run.pipeline import check_hardware
+        from compress.pipeline.loop import check_hardware
 
         with pytest.raises(UserError, match=r"stages.1: this stage needs a CUDA GPU"):
             check_hardware(recipe)
     if "kind: precision" in path.read_text() and not bf16_cpu_present():
-        from compress.run.pipeline import check_hardware
+        from compress.pipeline.loop import check_hardware
 
         with pytest.raises(UserError, match=r"stages.1: this stage needs a CPU that computes "
                                             r"bfloat16 natively"):

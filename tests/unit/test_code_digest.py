@@ -10,10 +10,10 @@ from pathlib import Path
 
 from conftest import digits_recipe, write_recipe
 
+from compress.pipeline import code_digest
+from compress.pipeline.code_digest import module_closure
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run import code_digest
-from compress.run.code_digest import module_closure
-from compress.run.pipeline import run_recipe
 
 
 def test_the_closure_follows_lazy_and_relative_imports_within_the_project() -> None:

@@ -3,6 +3,7 @@ its modules, lazy imports inside functions included, and keeps the layers of pyp
 
 from __future__ import annotations
 
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,13 @@ def test_the_layer_contracts_hold() -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "0 broken" in done.stdout and "2 kept" in done.stdout
+
+
+def test_no_sub_package_shadows_a_name_of_the_python_api() -> None:
+    """Importing a sub-package sets it as an attribute of `compress`: one named like an API
+    function (`compress.run`) would replace that function."""
+    import compress
+
+    packages = {info.name for info in pkgutil.iter_modules(compress.__path__)}
+    assert packages >= {"cli", "pipeline", "stages", "models", "recipe"}
+    assert packages.isdisjoint(compress.__all__), packages & set(compress.__all__)

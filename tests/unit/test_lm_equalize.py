@@ -67,8 +67,8 @@ def test_the_quantize_stage_equalizes_then_quantizes_and_reloads(
     from conftest import cli
 
     from compress.models.folders import load_saved
+    from compress.pipeline.loop import run_recipe
     from compress.recipe.schema import load_recipe
-    from compress.run.pipeline import run_recipe
 
     stages = [{"kind": "quantize", "scheme": "int4_weight_only", "equalize": True}]
     path = lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=200)

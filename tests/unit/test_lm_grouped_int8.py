@@ -12,8 +12,8 @@ from conftest import cli
 from torch import nn
 
 from compress.algorithms import lm_qat
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 from serve import lm_grouped_int8 as grouped
 from serve.lm_runtime import StaticDecoder, quantize_weights
 

@@ -11,8 +11,8 @@ import torch
 from builders import lm_recipe
 
 from compress.algorithms.lm_pruning import prune_kv_groups, prune_lm
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 
 
 def _llama(heads: int = 4, kv_heads: int = 2, width: int = 64, hidden: int = 32

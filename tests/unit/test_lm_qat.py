@@ -11,8 +11,8 @@ from torch import nn
 
 from compress.algorithms import lm_qat
 from compress.models.folders import load_saved
+from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from compress.run.pipeline import run_recipe
 from serve.lm_runtime import head_scheme_of, weight_config
 
 

@@ -14,11 +14,11 @@ from compress.errors import UserError
 from compress.measure.evaluate import logits_of
 from compress.models.folders import load_saved, save_model
 from compress.models.loading import load_model
+from compress.pipeline.loop import check_hardware
 from compress.recipe.kinds.precision import PrecisionConfig
 from compress.recipe.registry import HARDWARE
 from compress.recipe.schema import load_recipe
 from compress.recipe.sources import resolve_model
-from compress.run.pipeline import check_hardware
 from compress.stages.precision import cast
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from compress.distributed import process_group
 from compress.errors import CompressError, StageError, UserError, one_line
+from compress.pipeline.fingerprint import data_fingerprint, model_fingerprint
 from compress.recipe.chain import hardware_needed, model_stage_index
 from compress.recipe.registry import HARDWARE
 from compress.recipe.schema import Recipe
 from compress.recipe.sources import check_recipe_sources, model_task
-from compress.run.fingerprint import data_fingerprint, model_fingerprint
 from compress.runfolder.files import run_lock, sha256_json
 from compress.runfolder.records import read_manifest
 
@@ -32,8 +32,8 @@ def log(message: str) -> None:
 def run_recipe(recipe: Recipe, *, force: bool = False, from_stage: str | int | None = None,
                echo: Callable[[str], None] = log) -> Path:
     """Run a validated recipe; return its run folder. Raises UserError or StageError."""
+    from compress.pipeline.runner import Runner
     from compress.recipe.family_specs import functions
-    from compress.run.runner import Runner
 
     check_hardware(recipe)
     model_src, data_src = check_recipe_sources(recipe)
@@ -77,7 +77,7 @@ def check_hardware(recipe: Recipe) -> None:
 def _follow(recipe: Recipe, run_dir: Path, data, model_src, task: str) -> None:
     """A rank other than 0: train each data-parallel stage rank 0 announces, with the
     same input model, key and seed; write nothing (rank 0 owns the run folder)."""
-    from compress.run.runner import Runner, run_stage_function, stage_seed
+    from compress.pipeline.runner import Runner, run_stage_function, stage_seed
     from compress.stages.context import StageContext
 
     runner = Runner(recipe, run_dir, data, model_src, echo=lambda _: None, task=task)

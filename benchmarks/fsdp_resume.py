@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from compress.distributed.launch import kill_rank
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/llm_fsdp.yaml"
 CHECKPOINT = "00-finetune/checkpoints/sharded/meta.json"
@@ -49,14 +51,7 @@ def kill_after_checkpoint(process: subprocess.Popen, run: Path, rank: int | None
         while _alive(process.pid):  # the ranks hold the run folder's lock until they are gone
             time.sleep(0.2)
         return step
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, NotADirectoryError):
-            continue
-        if str(run.parent) in cmdline and f"RANK={rank}".encode() in environ:
-            os.kill(int(entry.name), signal.SIGKILL)
+    kill_rank(str(run.parent), rank)
     return step
 
 

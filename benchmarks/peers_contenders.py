@@ -123,6 +123,7 @@ def search_front_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]
         record = json.loads(record_path.read_text())
         metric = record["metric"]
         ok = {t["id"]: t for t in record["trials"] if t.get("status") == "ok" and t.get(metric)}
+        entering = flops_of(run_dir, manifest, entry.index)  # trials of the entering model
         front = pareto_front([(t[metric], t["accuracy"], tid) for tid, t in ok.items()])
         for _, _, tid in front:
             if tid == record.get("winner"):
@@ -130,9 +131,8 @@ def search_front_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]
             trial = ok[tid]
             folder = Path(trial["folder"]) / trial["export_dir"]
             file = run_dir / folder / trial["file"]
-            flops, note = shape_flops(record_path.parent, record, trial.get("shape"))
-            if trial.get("shape") is None:
-                flops, note = flops_of(run_dir, manifest, entry.index)
+            flops, note = (shape_flops(record_path.parent, record, trial["shape"])
+                           if trial.get("shape") else entering)
             shape = f" on shape {trial['shape']}" if trial.get("shape") else ""
             found.append({"name": f"{entry.name}/{tid}", "kind": EXPORT_SPEC.kind,
                           "folder": str(folder), "index": entry.index,

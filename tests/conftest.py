@@ -243,17 +243,9 @@ def start_and_kill(recipe: Path, ready: Callable[[], bool], *args: str, rank: in
     if rank is None:
         os.kill(process.pid, signal.SIGKILL)
     else:
-        killed = 0
-        for entry in Path("/proc").iterdir():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().decode()
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, NotADirectoryError):
-                continue
-            if str(recipe) in cmdline and f"RANK={rank}".encode() in environ:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed += 1
-        assert killed == 1
+        from compress.distributed.launch import kill_rank
+
+        assert kill_rank(str(recipe), rank) == 1
     out, err = process.communicate(timeout=180)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from compress.errors import UserError
 
@@ -119,3 +121,19 @@ def _devices() -> tuple[int, str]:
         if torch.cuda.is_available():
             return torch.cuda.device_count(), "GPUs"
     return os.cpu_count() or 1, "CPU cores"
+
+
+def kill_rank(marker: str, rank: int) -> int:
+    """SIGKILL the torchrun workers of `rank` whose command line holds `marker` (a recipe
+    or run path); how many were killed (for fault-injection tests and benchmarks)."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, NotADirectoryError):
+            continue
+        if marker in cmdline and f"RANK={rank}".encode() in environ:
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed += 1
+    return killed

@@ -1,16 +1,20 @@
-"""compress's artifacts next to Optimum's fp32 and int8 ONNX of the same fine-tuned model,
-all timed in one invocation on this machine. From the repository root:
+"""compress's artifacts next to the peers a user would run instead, all timed in one
+invocation on this machine: Optimum's fp32 and int8 ONNX of the same fine-tuned model,
+Optimum's int8 of every student a search fine-tuned on the labels alone, and OpenVINO's
+int8 (NNCF) of the fine-tuned model. From the repository root:
 
     COMPRESS_DATA_DIR=../shared/data python benchmarks/peers.py runs/bert_int8
     python benchmarks/peers.py runs/bert_int8 --with-run runs/bert_bf16
     python benchmarks/peers.py runs/bert_int8 --rounds 3 --artifacts int8_aoti fp32_onnx
     python benchmarks/peers.py RUN --no-peers --rounds 1 --iters 2 --real-limit 16
 
-Builds (once, cached in `<run>/peers/`) Optimum's ONNX of the run's fine-tuned model in
-Optimum's own environment (benchmarks/peers_optimum.py), then measures every artifact in a
+Builds (once, cached in `<run>/peers/`) the peers' files in their own environment
+(benchmarks/peers_optimum.py, peers_openvino.py), then measures every artifact in a
 fresh process per round (benchmarks/peers_child.py): accuracy on the full eval split (first
 round), b1 and b8 x 128 (the recipe's harness), b1 and b8 on the eval sentences padded per
-batch. Rounds alternate order; a figure is the median over rounds of each round's median.
+batch (OpenVINO's file by the same protocol in its own environment,
+peers_openvino_child.py). Rounds alternate order; a figure is the median over rounds of
+each round's median.
 A GEMM microbenchmark runs in its own process before and after the rounds (the better of
 the two is the peak). Prints one table, writes it as Markdown (`--markdown`) and JSON
 (`--json`). Exit 2: a missing or unfinished run folder; 1: an artifact, GEMM or peer failed.
@@ -28,6 +32,7 @@ from typing import Any
 from compress.errors import UserError, one_line
 from compress.recipe.datasets import resolve_data
 from compress.report.rebench import artifacts_of, latency_settings, run_json_child
+from compress.report.runtimes import reference_index
 from compress.runfolder.files import atomic_write_json, atomic_write_text, now, run_lock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
@@ -39,7 +44,9 @@ from peers_contenders import (  # noqa: E402
     other_run_items,
     peer_items,
     search_front_items,
+    search_records,
 )
+from peers_plot import plot_front  # noqa: E402
 from peers_table import BATCHES, SEQ_LEN, render_markdown, render_text, table_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,12 +80,16 @@ def measure(run_dir: Path, items: list[dict[str, Any]], latency: dict[str, Any],
         for item in items if r % 2 == 0 else items[::-1]:
             if item.get("error"):
                 continue
-            spec = {"mode": "artifact", "run_dir": item.get("run_dir", str(run_dir)),
-                    "folder": item["folder"],
-                    "kind": item["kind"], "config": item["config"], "latency": latency,
-                    "accuracy": r == 0, "real_limit": args.real_limit,
-                    "sys_path": [p for p in sys.path if p]}
-            figures = run_child(spec)
+            if "python" in item:  # a peer measured in its own environment (OpenVINO)
+                figures = run_json_child([item["python"], item["child"], json.dumps({
+                    "mode": "measure", "folder": item["folder"], "source": item["source"],
+                    "latency": latency, "accuracy": r == 0, "real_limit": args.real_limit})])
+            else:
+                figures = run_child({
+                    "mode": "artifact", "run_dir": item.get("run_dir", str(run_dir)),
+                    "folder": item["folder"], "kind": item["kind"], "config": item["config"],
+                    "latency": latency, "accuracy": r == 0, "real_limit": args.real_limit,
+                    "sys_path": [p for p in sys.path if p]})
             if "error" in figures:
                 item["error"] = figures["error"]
             else:
@@ -185,9 +196,19 @@ def _main(args: argparse.Namespace) -> int:
               "real_limit": args.real_limit, "gemm": peaks}
     if peer_facts is not None:
         header["versions"]["optimum-onnx"] = peer_facts.get("optimum-onnx")
+        for item in items:
+            header["versions"].update(item.get("versions") or {})  # openvino, nncf
     print(render_text(rows), end="")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.markdown, render_markdown(rows, header))
+    searches = [record for _, _, record in search_records(run_dir, manifest)]
+    first = reference_index(manifest)
+    picture = plot_front(rows, args.markdown.with_suffix(".png"),
+                         next((i["name"] for i in items if i.get("index") == first), None),
+                         searches[0]["max_accuracy_drop"] if searches else None)
+    markdown = render_markdown(rows, header)
+    if picture is not None:
+        markdown += f"\n![accuracy against b8 x 128 latency]({picture.name})\n"
+    atomic_write_text(args.markdown, markdown)
     atomic_write_json(args.json or run_dir / "peers.json",
                       {"header": header, "settings": latency, "gemm_runs": gemm,
                        "artifacts": items, "rows": rows})

@@ -59,12 +59,21 @@ def eval_recipe(run_dir: Path) -> Any:
     evaluation settings, so `load_data` reads the eval split alone. (The stages are left
     out also because the recipe.yaml of runs made before compress wrote it as given, with
     every default filled in, does not validate again when it has export stages.)"""
+    return _recipe(run_dir, with_stages=False)
+
+
+def full_recipe(run_dir: Path) -> Any:
+    """The run's recipe (recipe.yaml) with its stages, so `load_data` reads every split."""
+    return _recipe(run_dir, with_stages=True)
+
+
+def _recipe(run_dir: Path, with_stages: bool) -> Any:
     from compress.errors import UserError
     from compress.recipe.files import read_yaml
     from compress.recipe.schema import validate_raw
 
-    raw = {**read_yaml(run_dir / "recipe.yaml"), "stages": []}
-    recipe, problems = validate_raw(raw)
+    raw = read_yaml(run_dir / "recipe.yaml")
+    recipe, problems = validate_raw(raw if with_stages else {**raw, "stages": []})
     if recipe is None or problems:
         raise UserError([f"{run_dir / 'recipe.yaml'}: {p}" for p in problems or ["invalid"]])
     return recipe

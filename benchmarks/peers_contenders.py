@@ -5,10 +5,11 @@ Optimum's two files of the run's fine-tuned model, built or reused (peers_optimu
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import peers_openvino as openvino
 import peers_optimum as optimum
 from peers_table import FLOPS_BATCH, SEQ_LEN, forward_flops
 
@@ -18,6 +19,7 @@ from compress.recipe.kinds.search import CANDIDATES
 from compress.report.plot import pareto_front
 from compress.report.rebench import artifacts_of, select_artifacts
 from compress.report.runtimes import producer, reference_index, runtime_label
+from compress.runfolder.files import sha256_file
 from compress.runfolder.records import Manifest, require_manifest
 
 PEER_LABELS = {"optimum_fp32": "ONNX Runtime fp32 (Optimum)",
@@ -89,7 +91,15 @@ def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
     for art in select_artifacts(artifacts_of(run_dir), names):
         entry = manifest.stages[art["index"]]
         flops, source = flops_of(run_dir, manifest, art["index"])
-        items.append({**art, "runtime": runtime_label(manifest, art["index"], art["config"]),
+        runtime = runtime_label(manifest, art["index"], art["config"])
+        record_path = run_dir / f"{entry.index:02d}-{entry.name}" / "search.json"
+        if entry.kind == "search" and record_path.is_file():  # a winner on a smaller shape
+            record = json.loads(record_path.read_text())
+            won = next((t for t in record["trials"] if t["id"] == record.get("winner")), {})
+            if won.get("shape"):
+                flops, source = shape_flops(record_path.parent, record, won["shape"])
+                runtime += f" on shape {won['shape']}"
+        items.append({**art, "runtime": runtime,
                       "size_mb": entry.outputs[0].bytes / 1e6 if entry.outputs[0].bytes
                       else None, "sha256": entry.outputs[0].sha256, "flops": flops,
                       "flops_source": source, "rounds": []})
@@ -112,15 +122,20 @@ def shape_flops(stage_dir: Path, record: dict[str, Any], label: str | None
     return flops, note
 
 
+def search_records(run_dir: Path, manifest: Manifest
+                   ) -> Iterator[tuple[Any, Path, dict[str, Any]]]:
+    """(stage entry, stage folder, search.json) of each finished search stage."""
+    for entry in manifest.stages:
+        record_path = run_dir / f"{entry.index:02d}-{entry.name}" / "search.json"
+        if entry.kind == "search" and entry.finished_ok and record_path.is_file():
+            yield entry, record_path.parent, json.loads(record_path.read_text())
+
+
 def search_front_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]]:
     """The trials on each search stage's accuracy-latency front (its `search.json`), other
     than the winner, which is the stage's own artifact: each named STAGE/TRIAL."""
     found = []
-    for entry in manifest.stages:
-        record_path = run_dir / f"{entry.index:02d}-{entry.name}" / "search.json"
-        if entry.kind != "search" or not entry.finished_ok or not record_path.is_file():
-            continue
-        record = json.loads(record_path.read_text())
+    for entry, stage_dir, record in search_records(run_dir, manifest):
         metric = record["metric"]
         ok = {t["id"]: t for t in record["trials"] if t.get("status") == "ok" and t.get(metric)}
         entering = flops_of(run_dir, manifest, entry.index)  # trials of the entering model
@@ -131,7 +146,7 @@ def search_front_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]
             trial = ok[tid]
             folder = Path(trial["folder"]) / trial["export_dir"]
             file = run_dir / folder / trial["file"]
-            flops, note = (shape_flops(record_path.parent, record, trial["shape"])
+            flops, note = (shape_flops(stage_dir, record, trial["shape"])
                            if trial.get("shape") else entering)
             shape = f" on shape {trial['shape']}" if trial.get("shape") else ""
             found.append({"name": f"{entry.name}/{tid}", "kind": EXPORT_SPEC.kind,
@@ -163,20 +178,47 @@ def other_run_items(others: list[Path], items: list[dict[str, Any]]) -> list[dic
 
 def peer_items(run_dir: Path, manifest: Manifest, echo: Callable[[str], None]
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Build (or reuse) Optimum's two files; their items and the environment's facts."""
+    """Build (or reuse) the peers' files: Optimum's fp32 and int8 of the fine-tuned model,
+    Optimum's int8 of each student a search fine-tuned without a teacher, OpenVINO's int8
+    of the fine-tuned model; their items and the environment's facts."""
     index, source, sha = peer_source(run_dir, manifest)
-    facts = optimum.ensure_venv(optimum.venv_path(), echo)
+    venv = optimum.venv_path()
+    facts = optimum.ensure_venv(venv, echo)
     labels = list((manifest.labels or {}).get("names") or [])
     if not labels:
         config = json.loads((source / "config.json").read_text())
         id2label = config.get("id2label") or {}
         labels = [id2label[k] for k in sorted(id2label, key=int)]
-    folders = optimum.build_peers(run_dir, source, sha, labels, optimum.venv_path(), facts,
-                                  echo)
+    folders = optimum.build_peers(run_dir, source, sha, labels, venv, facts, echo)
     flops, note = flops_of(run_dir, manifest, index)
     note = note.replace("its own config", "the config of the model Optimum exported")
-    kind = EXPORT_SPEC.kind  # loaded by the export kind's reload, as compress's own ONNX
-    return [{"name": f.name, "kind": kind, "folder": str(f.relative_to(run_dir)),
-             "config": {"kind": kind, "format": "onnx"}, "runtime": PEER_LABELS[f.name],
-             "size_mb": (f / "model.onnx").stat().st_size / 1e6, "flops": flops,
-             "flops_source": note, "rounds": []} for f in folders], facts
+    items = [onnx_item(run_dir, f, f.name, PEER_LABELS[f.name], flops, note)
+             for f in folders]
+    for entry, stage_dir, record in search_records(run_dir, manifest):
+        for shape in record.get("shapes") or []:
+            model = stage_dir / "shapes" / str(shape.get("folder")) / "model"
+            if ((shape.get("shape") or {}).get("teacher") is not False
+                    or not (model / "config.json").is_file()
+                    or (model / "structure.json").is_file()):
+                continue  # distilled or pruned: not what a user fine-tunes by hand
+            weights = sorted(model.glob("*.safetensors")) or sorted(model.glob("*.bin"))
+            student = optimum.build_peers(
+                run_dir, model, sha256_file(weights[0]), labels, venv, facts, echo,
+                under=f"{optimum.PEERS_DIR}/{entry.name}-{shape['label']}")[1]
+            s_flops, s_note = shape_flops(stage_dir, record, shape["label"])
+            items.append(onnx_item(
+                run_dir, student, f"{entry.name}/{shape['label']}/optimum_int8",
+                f"{PEER_LABELS['optimum_int8']} of shape {shape['label']}, fine-tuned on "
+                f"the labels alone", s_flops, s_note))
+    items.append(openvino.openvino_item(run_dir, folders[0], sha, venv, flops, note, echo))
+    return items, facts
+
+
+def onnx_item(run_dir: Path, folder: Path, name: str, runtime: str, flops: float | None,
+              note: str) -> dict[str, Any]:
+    """A peer's ONNX folder as a table item, loaded as compress loads its own ONNX."""
+    kind = EXPORT_SPEC.kind
+    return {"name": name, "kind": kind, "folder": str(folder.relative_to(run_dir)),
+            "config": {"kind": kind, "format": "onnx"}, "runtime": runtime,
+            "size_mb": (folder / "model.onnx").stat().st_size / 1e6, "flops": flops,
+            "flops_source": note, "peer": True, "rounds": []}

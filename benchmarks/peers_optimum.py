@@ -111,15 +111,17 @@ def is_current(folder: Path, source_sha: str) -> bool:
 
 
 def build_peers(run_dir: Path, source: Path, source_sha: str, label_names: list[str],
-                venv: Path, facts: dict[str, Any], echo: Callable[[str], None]) -> list[Path]:
-    """Optimum's fp32 export and its dynamic int8 of `source` under `<run>/peers/` (kept
-    while `source_sha`, the weights' sha256, is unchanged); the two folders."""
-    peers = run_dir / PEERS_DIR
+                venv: Path, facts: dict[str, Any], echo: Callable[[str], None],
+                under: str = PEERS_DIR) -> list[Path]:
+    """Optimum's fp32 export and its dynamic int8 of `source` under `<run>/<under>/`
+    (default `peers/`; kept while `source_sha`, the weights' sha256, is unchanged); the two
+    folders."""
+    peers = run_dir / under
     folders = [peers / name for name in NAMES]
     if all(is_current(folder, source_sha) for folder in folders):
         echo("peers: Optimum files up to date (cached)")
         return folders
-    peers.mkdir(exist_ok=True)
+    peers.mkdir(parents=True, exist_ok=True)
     log = peers / "optimum.log"
     log.write_text("")
     cli = str(venv / "bin" / "optimum-cli")

@@ -14,7 +14,7 @@ from typing import Any
 BATCHES = (1, 8)  # the fixed-length sweep: batch 1 and 8 ...
 SEQ_LEN = 128  # ... at 128 tokens
 FLOPS_BATCH = 8  # FLOPs and the share of the int8 peak are quoted at 8 x 128
-REFERENCE = "optimum_int8"  # the "x Optimum int8" column divides by this row's b8 x 128
+REFERENCE = "optimum_int8"  # the speed-up columns divide this row's latency by a row's
 
 # (heading, key of a row, decimals); a row's figures are its medians over the rounds
 COLUMNS: tuple[tuple[str, str, int], ...] = (
@@ -24,7 +24,8 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("b1 real ms", "latency_ms_b1_real", 1),
     ("accuracy %", "accuracy_pct", 2),
     ("size MB", "size_mb", 1),
-    ("x Optimum int8", "x_optimum_int8", 2),
+    ("x faster b8x128", "speedup_b8", 2),
+    ("x faster b8 real", "speedup_b8_real", 2),
     ("% int8 peak", "pct_int8_peak", 1),
 )
 
@@ -99,25 +100,28 @@ def _is_number(value: Any) -> bool:
 def table_rows(artifacts: list[dict[str, Any]], int8_peak_gops: float | None
                ) -> list[dict[str, Any]]:
     """One row per artifact, in order. Each artifact is {"name", "runtime", "rounds": [the
-    child's figures per round], "size_mb", "flops", "error"?}; a row holds the medians over
-    the rounds, accuracy in %, the b8 x 128 ratio to the `optimum_int8` artifact and the
-    share of the int8 peak."""
+    child's figures per round], "size_mb", "flops", "peer"?, "error"?}; a row holds the
+    medians over the rounds, accuracy in %, its speed-up over the `optimum_int8` artifact
+    (Optimum's ms / its ms) at 8 x 128 and at batch 8 real lengths, and the share of the
+    int8 peak."""
     rows = []
     for item in artifacts:
         medians = median_over_rounds(item.get("rounds") or [])
         row = {"artifact": item["name"], "runtime": item.get("runtime", ""),
                "size_mb": item.get("size_mb"), "flops": item.get("flops"),
                "flops_source": item.get("flops_source"), "error": item.get("error"),
+               "peer": bool(item.get("peer")),
                "rounds": len(item.get("rounds") or []), **medians}
         if row.get("accuracy") is not None:
             row["accuracy_pct"] = 100 * row["accuracy"]
         row["pct_int8_peak"] = _percent(peak_fraction(
             row["flops"], row.get(f"latency_ms_b{FLOPS_BATCH}"), int8_peak_gops))
         rows.append(row)
-    reference = next((r for r in rows if r["artifact"] == REFERENCE), None)
-    ref_ms = reference.get(f"latency_ms_b{FLOPS_BATCH}") if reference else None
-    for row in rows:
-        row["x_optimum_int8"] = ratio(row.get(f"latency_ms_b{FLOPS_BATCH}"), ref_ms)
+    reference = next((r for r in rows if r["artifact"] == REFERENCE), {})
+    for suffix in ("", "_real"):
+        key = f"latency_ms_b{FLOPS_BATCH}{suffix}"
+        for row in rows:
+            row[f"speedup_b{FLOPS_BATCH}{suffix}"] = ratio(reference.get(key), row.get(key))
     return rows
 
 
@@ -162,7 +166,7 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     peaks = header.get("gemm") or {}
     flags = header.get("isa") or {}
     lines = [
-        "# compress artifacts and Optimum ONNX, one invocation", "",
+        "# compress artifacts and their peers (Optimum, OpenVINO), one invocation", "",
         f"- date: {header.get('date', '?')}; run: `{header.get('run', '?')}`",
         f"- CPU: {header.get('cpu', '?')} ({header.get('cores', '?')} cores); "
         + ", ".join(f"{k} {'yes' if flags.get(k) else 'no'}"
@@ -183,9 +187,9 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", f"b1 / b8x128: batch 1 and 8 at {SEQ_LEN} tokens; real: the eval "
-              "sentences in order, each batch padded to its longest. x Optimum int8: b8x128 "
-              "ms / Optimum int8's. % int8 peak: FLOPs of one 8 x 128 forward / b8x128 "
-              "latency / int8 GEMM peak."]
+              "sentences in order, each batch padded to its longest. x faster: Optimum "
+              "int8's ms / the row's, at 8 x 128 and at batch 8 real lengths. % int8 peak: "
+              "FLOPs of one 8 x 128 forward / b8x128 latency / int8 GEMM peak."]
     if any((r.get("pct_int8_peak") or 0) > 100 for r in rows):
         lines.append("- above 100% of the int8 peak: attention's softmax and the layer norms "
                      "are not GEMMs, so only a model that skips work (pruned, or padded "

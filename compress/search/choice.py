@@ -1,6 +1,8 @@
 """How the search picks its winner: the finalists timed again in alternating rounds in
 one process (the machine's noise moves single timings 20-30%), then the best objective
-among the trials within the tolerance; every other trial is told why it lost."""
+among the trials within the tolerance; re-timed finalists within TIE_SPREAD of the fastest
+count as equally fast (the same shape in the same runtime) and the most accurate of them
+wins. Every other trial is told why it lost."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 FINALIST_SPREAD = 1.3  # trials within this factor of the best objective are timed again
 MAX_FINALISTS = 4
+TIE_SPREAD = 1.03  # re-timed finalists this close to the fastest are as fast: accuracy decides
 
 
 def describe(record: dict[str, Any], metric: str, max_drop: float) -> str:
@@ -93,13 +96,23 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
                            f"entering model{near}; raise max_accuracy_drop or add "
                            f"candidates (every trial is in search.json)"}
     finals = [t for t in eligible if "final_ms" in t]
-    winner = (min(finals, key=lambda t: t["final_ms"]) if finals
-              else min(eligible, key=lambda t: t[metric]))
+    if finals:
+        fastest = min(t["final_ms"] for t in finals)
+        tied = [t for t in finals if t["final_ms"] <= TIE_SPREAD * fastest]
+        winner = max(tied, key=lambda t: (t["accuracy"], -t["final_ms"]))
+    else:
+        winner = min(eligible, key=lambda t: t[metric])
     winner["won"] = True
     for trial in eligible:
         if trial is winner:
             continue
-        if "final_ms" in trial:
+        if "final_ms" in trial and trial["final_ms"] <= TIE_SPREAD * winner["final_ms"]:
+            trial["lost"] = (f"as fast when re-timed ({_fmt(trial['final_ms'], metric)} "
+                             f"against {_fmt(winner['final_ms'], metric)}, within "
+                             f"{100 * (TIE_SPREAD - 1):.0f}%) and less accurate "
+                             f"({100 * trial['accuracy']:.2f}% against "
+                             f"{100 * winner['accuracy']:.2f}%)")
+        elif "final_ms" in trial:
             trial["lost"] = (f"slower when re-timed: {_fmt(trial['final_ms'], metric)} against "
                              f"the winner's {_fmt(winner['final_ms'], metric)}")
         else:

@@ -75,7 +75,7 @@ def test_every_artifact_gets_a_row(tiny_int8_run: Path, tmp_path: Path) -> None:
                     "latency_ms_b8_real", "size_mb", "flops", "pct_int8_peak"):
             assert math.isfinite(row[key]) and row[key] > 0, (name, key)
         assert row["real_tokens_b8"] <= 32  # the eval sentences, padded per batch
-        assert row["x_optimum_int8"] is None  # no Optimum row to divide by
+        assert row["speedup_b8"] is None  # no Optimum row to divide by
     pids = {item["rounds"][0]["pid"] for item in result["artifacts"]}
     assert len(pids) == 4  # a fresh process each
     gemm = result["header"]["gemm"]

@@ -73,9 +73,10 @@ def _artifacts() -> list[dict]:
 def test_rows_divide_by_optimum_int8_and_the_int8_peak() -> None:
     rows = {r["artifact"]: r for r in peers_table.table_rows(_artifacts(), 775.0)}
     assert rows["optimum_int8"]["latency_ms_b8"] == 54.0
-    assert rows["optimum_int8"]["x_optimum_int8"] == 1.0
-    assert rows["fp32_onnx"]["x_optimum_int8"] == pytest.approx(160.0 / 54.0)
-    assert rows["int8_aoti"]["x_optimum_int8"] == pytest.approx(58.0 / 54.0)
+    assert rows["optimum_int8"]["speedup_b8"] == 1.0
+    assert rows["fp32_onnx"]["speedup_b8"] == pytest.approx(54.0 / 160.0)
+    assert rows["int8_aoti"]["speedup_b8"] == pytest.approx(54.0 / 58.0)
+    assert rows["int8_aoti"]["speedup_b8_real"] == pytest.approx(54.0 / 58.0)
     flops = peers_table.forward_flops(MINILM)
     assert rows["int8_aoti"]["pct_int8_peak"] == pytest.approx(
         100 * flops / 0.058 / 775e9)
@@ -83,7 +84,7 @@ def test_rows_divide_by_optimum_int8_and_the_int8_peak() -> None:
     assert rows["fp32_onnx"]["latency_ms_b1"] == 6.0
     assert rows["broken"]["error"] and rows["broken"]["pct_int8_peak"] is None
     without = peers_table.table_rows(_artifacts()[:2], None)  # no Optimum row, no peak
-    assert all(r["x_optimum_int8"] is None and r["pct_int8_peak"] is None for r in without)
+    assert all(r["speedup_b8"] is None and r["pct_int8_peak"] is None for r in without)
 
 
 def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
@@ -101,7 +102,8 @@ def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
     cells = [c.strip() for c in by_name["fp32_onnx"].strip("|").split("|")]
     flops = peers_table.forward_flops(MINILM)
     assert cells == ["fp32_onnx", "rt fp32_onnx", "6.0", "160.0", "40.0", "3.5", "86.81",
-                     "22.0", f"{160 / 54:.2f}", f"{100 * flops / 0.16 / 775e9:.1f}"]
+                     "22.0", f"{54 / 160:.2f}", f"{13.5 / 40:.2f}",
+                     f"{100 * flops / 0.16 / 775e9:.1f}"]
     assert "| broken | rt | failed |" in text and "broken: failed: RuntimeError: boom" in text
     assert "avx512_vnni yes, avx512_bf16 yes, amx no" in text
     assert "int8 (the better kernel) 775.0 GOP/s" in text

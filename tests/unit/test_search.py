@@ -101,6 +101,20 @@ def test_the_winner_is_the_fastest_trial_within_the_tolerance() -> None:
     assert decide(trials, "latency_ms_b8", 0.5)["winner"]["id"] == "within_slow"
 
 
+def test_finalists_as_fast_within_noise_are_decided_by_accuracy() -> None:
+    trials = [trial("distilled", 0.8589, 33.8, 0.92, True, final_ms=32.98),
+              trial("direct", 0.8670, 28.0, 0.12, True, final_ms=33.44),  # 1.4% slower
+              trial("other", 0.8700, 40.0, 0.0, True, final_ms=34.5)]  # 4.6% slower
+    outcome = decide(trials, "latency_ms_b8", 1.0)
+    assert outcome["winner"]["id"] == "direct"
+    lost = {t["id"]: t.get("lost") for t in trials}
+    assert lost["distilled"] == ("as fast when re-timed (32.98 ms against 33.44 ms, within "
+                                 "3%) and less accurate (85.89% against 86.70%)")
+    assert lost["other"] == "slower when re-timed: 34.50 ms against the winner's 33.44 ms"
+    trials[0]["final_ms"] = 30.0  # clearly faster: speed decides again
+    assert decide(trials, "latency_ms_b8", 1.0)["winner"]["id"] == "distilled"
+
+
 def test_no_trial_within_names_the_closest() -> None:
     trials = [trial("a", 0.80, 10.0, 6.0, False), trial("b", 0.84, 12.0, 2.0, False)]
     outcome = decide(trials, "latency_ms_b8", 0.1)

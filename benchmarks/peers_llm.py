@@ -1,6 +1,6 @@
-"""SmolLM2-135M-Instruct: compress's float, int8_grouped and int4 decode against llama.cpp on
-the same GGUF weights (the shipped Q4_1 file, and Q8_0 and Q4_0 made from it by llama.cpp's
-quantize), every row in a fresh process per round, in one invocation. From the repository
+"""SmolLM2-135M-Instruct: compress's float, int8_grouped, int4_grouped and torchao int4 decode
+against llama.cpp on the same GGUF weights (the shipped Q4_1 file, and Q8_0 and Q4_0 made
+from it by llama.cpp's quantize), every row in a fresh process per round, in one invocation. From the repository
 root:
 
     COMPRESS_DATA_DIR=../shared/data python benchmarks/peers_llm.py            # 2 rounds
@@ -43,7 +43,8 @@ from compress.runfolder.files import atomic_write_json, atomic_write_text, now  
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("peers_llm_child.py")
 DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers_llm.md"
-LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4": "int4_weight_only"}
+LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int4_grouped",
+          "int4": "int4_weight_only"}
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
 MAX_LENGTH = 256  # perplexity's truncation (compress.models.causal_lm.perplexity)
 
@@ -100,7 +101,8 @@ def spec_of(item: dict[str, Any], args: argparse.Namespace, inputs: Path, first:
     if item["runtime"] == "llama.cpp":
         return {**common, "mode": "measure", "model": item["file"]}
     return {**common, "mode": "compress", "source": item["source"],
-            "variant": item["variant"], "compile": args.compile}
+            "variant": item["variant"], "compile": args.compile,
+            "cpp_step": args.step == "cpp"}
 
 
 def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
@@ -147,6 +149,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-llama", action="store_true", help="compress's rows alone")
     parser.add_argument("--compile", choices=["max-autotune", "default", "none"],
                         default="max-autotune", help="compress's decode step (max-autotune)")
+    parser.add_argument("--step", choices=["cpp", "python"], default="cpp",
+                        help="compress's compiled step: cpp (Inductor's C++ wrapper, guards "
+                        "checked once a generation; the default) or python (its Python "
+                        "wrapper, guards checked every token)")
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default: the Markdown path with .json)")
@@ -217,7 +223,7 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
               "rounds": args.rounds, "tokens": args.tokens, "ttft_tokens": args.ttft_tokens,
               "ppl_texts": len(inputs["texts"]), "prompts": len(inputs["prompts"]),
               "greedy_tokens": args.greedy_tokens, "bandwidth_gbs": bandwidth,
-              "source_gguf": gguf.name,
+              "source_gguf": gguf.name, "compress_step": f"{args.compile}, {args.step}",
               "llama_build": f"CMAKE_ARGS={facts.get('cmake_args')}: "
                              f"{facts.get('system_info')}" if facts else None}
     print(render_text(rows), end="")

@@ -36,7 +36,7 @@ from compress.stages.quantize_lm import activation_dtype
 from serve.lm_runtime import DTYPES, load_folder
 
 FLOAT, INT4 = "float", "int4_weight_only"
-VARIANTS = (FLOAT, "int8_grouped", INT4)  # compress's rows: float and two weight schemes
+VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4)  # compress's rows: float, schemes
 TRIAD_FLOATS = 1 << 25  # 128 MiB an array, three arrays: far past any L3
 
 
@@ -86,9 +86,13 @@ def load_variant(source: str, variant: str) -> tuple[nn.Module, Any]:
     return lm.model, lm.tokenizer
 
 
-def _decoder(model: nn.Module, longest: int, mode: str) -> StaticDecoder:
+def _decoder(model: nn.Module, longest: int, mode: str, cpp_step: bool) -> StaticDecoder:
+    """A decoder compiled in `mode`; with `cpp_step`, Inductor's C++ wrapper and guards
+    checked on each generation's first step only (`StaticDecoder.compile`)."""
     decoder = StaticDecoder(model, max_cache_len=max(512, longest + 8))
-    return decoder.compile(mode) if mode != "none" else decoder
+    if mode == "none":
+        return decoder
+    return decoder.compile(mode, cpp_wrapper=cpp_step, skip_guards=cpp_step)
 
 
 def compress(spec: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +106,8 @@ def compress(spec: dict[str, Any]) -> dict[str, Any]:
                                "threads": torch.get_num_threads()}
     tokens, repeats, prompts = spec["tokens"], spec.get("repeats", 3), inputs["prompts"]
     longest = max(len(p) for p in [*prompts, inputs["ttft_prompt"]]) + tokens
-    decoder = _decoder(model, longest, spec.get("compile", "max-autotune"))
+    mode, cpp_step = spec.get("compile", "max-autotune"), spec.get("cpp_step", False)
+    decoder = _decoder(model, longest, mode, cpp_step)
     if spec.get("quality"):
         figures.update(perplexity(model, tokenizer, inputs["texts"]))
         if figures["eval_tokens"] != inputs["eval_tokens"]:
@@ -117,7 +122,7 @@ def compress(spec: dict[str, Any]) -> dict[str, Any]:
     figures["ttft_ms"] = 1000 * statistics.median(
         decoder.generate([inputs["ttft_prompt"]], 1).ttft_s for _ in range(repeats))
     batch = prompts[:spec.get("batch", 8)]
-    decoder = _decoder(model, longest, spec.get("compile", "max-autotune"))
+    decoder = _decoder(model, longest, mode, cpp_step)
     decoder.generate(batch, 4)  # warm-up
     runs = [decoder.generate(batch, tokens) for _ in range(repeats)]
     figures["tok_s_b8"] = statistics.median(r.decode_tokens_per_s for r in runs)

@@ -18,7 +18,8 @@ from compress.models.causal_lm import greedy_agreement
 
 FLOAT = "compress float"  # the greedy-agreement reference
 # each compress row against llama.cpp on the file with comparable weights
-PAIRS = {"compress int8_grouped": "llama.cpp Q8_0", "compress int4": "llama.cpp Q4_1"}
+PAIRS = {"compress int8_grouped": "llama.cpp Q8_0", "compress int4_grouped": "llama.cpp Q4_1",
+         "compress int4": "llama.cpp Q4_1"}
 MEASURED = ("tok_s_", "ttft_ms", "load_s")  # figures that vary by round: medians
 
 # (heading, key of a row, decimals)
@@ -146,6 +147,9 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"-token prompt; perplexity on {header.get('ppl_texts', '?')} SST-2 validation "
         f"sentences; agreement on {header.get('prompts', '?')} chat prompts x "
         f"{header.get('greedy_tokens', '?')} greedy tokens",
+        *([f"- compress's decode step: torch.compile {header['compress_step']} (cpp: "
+           "Inductor's C++ wrapper, Dynamo's guards checked on each generation's first step)"]
+          if header.get("compress_step") else []),
         *([f"- llama.cpp ({header['llama_build']})"] if header.get("llama_build") else []),
         f"- memory bandwidth (triad a = b + s*c, best of before and after the rounds): "
         f"{cell(header.get('bandwidth_gbs'), 1)} GB/s",

@@ -6,6 +6,7 @@ Inductor graph, with its own attention for one new token per row (`lm_attention.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -82,6 +83,7 @@ class StaticDecoder:
         self.step: Callable[..., torch.Tensor] = self._forward
         self.compiled = False
         self.inductor: dict[str, Any] = {}  # Inductor settings while the step compiles
+        self.skip_guards = False  # see `_stance`
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
                  position_ids: torch.Tensor | None = None,
@@ -95,11 +97,17 @@ class StaticDecoder:
                          **extra)
         return out.logits[:, -1]
 
-    def compile(self, mode: str = "default") -> StaticDecoder:
+    def compile(self, mode: str = "default", cpp_wrapper: bool = False,
+                skip_guards: bool = False) -> StaticDecoder:
         """Run the decode step through torch.compile (fullgraph, Inductor freezing, and
         max-autotune's C++ GEMM templates when `mode` is `max-autotune`) from now on. No
         freezing where a module says `freeze_weights = False` (its packed weights would be
         folded into float constants).
+
+        Less Python between tokens: `cpp_wrapper` has Inductor write the graph's wrapper in
+        C++ (the calls of its ~250 kernels; compiling takes about 3x longer), and
+        `skip_guards` checks Dynamo's guards on the first step of each generation only
+        (`_stance`).
 
         The Inductor settings are set around each call of the step, where it compiles:
         passed as torch.compile `options`, max-autotune was not applied (no template was
@@ -109,10 +117,22 @@ class StaticDecoder:
         earlier decoder still in use compiles again on its next call."""
         torch._dynamo.reset()
         freeze = all(getattr(m, "freeze_weights", True) for m in self.model.modules())
-        self.inductor = {"freezing": freeze, "max_autotune": mode == "max-autotune"}
+        self.inductor = {"freezing": freeze, "max_autotune": mode == "max-autotune",
+                         "cpp_wrapper": cpp_wrapper}
+        self.skip_guards = skip_guards
         self.step = torch.compile(self._forward, fullgraph=True)
         self.compiled = True
         return self
+
+    def _stance(self, step: int) -> Any:
+        """Dynamo's stance for decode step `step` of a generation: after the first, with
+        `skip_guards`, only the guards that tell cached graphs apart are checked. Safe here
+        because the first step ran the full check, which picked or compiled this decoder's
+        graph for this cache, and later steps change only values and the window's length,
+        which is dynamic (tests/unit/test_lm_grouped.py decodes two decoders in turn)."""
+        if self.skip_guards and self.compiled and step > 0:
+            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        return contextlib.nullcontext()
 
     def _window(self, filled: int) -> torch.Tensor | None:
         """A tensor as long as the cache positions the decode attention reads, its size
@@ -180,9 +200,10 @@ class StaticDecoder:
             if all(finish):
                 break
             # Inductor's settings apply where the step compiles (its first call, or a
-            # recompile); Dynamo's full guard check stays on (skipping it ran a graph
-            # compiled for another decoder's cache: an out-of-bounds cache index)
-            with torch._inductor.config.patch(self.inductor):
+            # recompile); the first step of a generation runs Dynamo's full guard check,
+            # which picks (or compiles) this decoder's graph; later steps only differ in
+            # values and the window's dynamic length (`skip_guards`)
+            with torch._inductor.config.patch(self.inductor), self._stance(i):
                 where = torch.tensor([length + i])
                 logits = self.step(token.view(rows, 1), where,
                                    (where - pads)[:, None] if padded else None, mask,

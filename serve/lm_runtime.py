@@ -4,8 +4,8 @@ compress). A folder, as `compress.models.lm_folder.save_lm` writes it: a Hugging
 tokenizer, `model.safetensors` (float) or `model.pt` (a torchao-quantized state dict, loaded
 into the architecture after the same `quantize_` config), and `causal_lm.json`.
 
-`int8_grouped` weights are `lm_grouped_int8.py`'s modules (float32 activations), beside it
-too.
+`int8_grouped` and `int4_grouped` weights are `lm_grouped.py`'s modules (float32 activations,
+with `lm_grouped_kernels.py`'s operator), beside it too.
 
 Decoding lives beside it in `lm_decode.py` (`StaticDecoder`, `Sampling`, `Generation`), whose
 names this module re-exports. From a shell:
@@ -26,19 +26,19 @@ from torch import nn
 
 try:  # in an export folder or an archive, lm_decode.py lies beside this file
     from lm_decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
-    from lm_grouped_int8 import SCHEME as GROUPED
-    from lm_grouped_int8 import quantize_embedding, quantize_grouped
+    from lm_grouped import BITS as GROUPED_BITS
+    from lm_grouped import quantize_embedding, quantize_grouped
 except ImportError:  # in the compress repository
     from serve.lm_decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
-    from serve.lm_grouped_int8 import SCHEME as GROUPED
-    from serve.lm_grouped_int8 import quantize_embedding, quantize_grouped
+    from serve.lm_grouped import BITS as GROUPED_BITS
+    from serve.lm_grouped import quantize_embedding, quantize_grouped
 
 __all__ = ["DTYPES", "LM_FILE", "SCHEMES", "Generation", "LoadedLM", "OnTokens", "Sampling",
            "StaticDecoder", "head_scheme_of", "left_pad", "load_folder", "prompt_ids",
            "quantize_weights", "stop_ids", "untie_head", "weight_config"]
 
 LM_FILE = "causal_lm.json"
-SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", GROUPED)
+SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", *GROUPED_BITS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -72,16 +72,18 @@ def weight_config(scheme: str, group_size: int = 32) -> Any:
     if scheme == "int8_dynamic":
         return Int8DynamicActivationInt8WeightConfig()
     raise ValueError(f"scheme {scheme!r} has no torchao config (those with one: "
-                     f"{', '.join(x for x in SCHEMES if x != GROUPED)})")
+                     f"{', '.join(x for x in SCHEMES if x not in GROUPED_BITS)})")
 
 
 def head_scheme_of(scheme: str, head_scheme: str | None = None) -> str:
     """The scheme of the output projection: `head_scheme` when given and not "auto", else
-    int8 weight-only under int4 (the tied head of a small LM is the layer int4 hurts most,
-    as llama.cpp's Q4 files keep theirs at 6-8 bits) and `scheme` otherwise."""
+    int8 under int4 (the tied head of a small LM is the layer int4 hurts most, as llama.cpp's
+    Q4 files keep theirs at 6-8 bits: int8 weight-only under torchao's int4, int8_grouped
+    under int4_grouped) and `scheme` otherwise."""
     if head_scheme and head_scheme != "auto":
         return head_scheme
-    return "int8_weight_only" if scheme == "int4_weight_only" else scheme
+    return {"int4_weight_only": "int8_weight_only",
+            "int4_grouped": "int8_grouped"}.get(scheme, scheme)
 
 
 def untie_head(model: nn.Module) -> nn.Module | None:
@@ -97,10 +99,10 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      head_scheme: str | None = None) -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float, except under
-    int8_grouped, which stores it as int8 groups too)."""
+    the grouped schemes, which store it as int8 groups too)."""
     head = untie_head(model)
     _apply(model, scheme, group_size, head=False)
-    if scheme == GROUPED:  # its float32 activations leave a float32 table otherwise
+    if scheme in GROUPED_BITS:  # its float32 activations leave a float32 table otherwise
         quantize_embedding(model, group_size)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
@@ -114,8 +116,8 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool) -> None:
         return (name == "lm_head") if head else (isinstance(module, nn.Linear)
                                                   and name != "lm_head")
 
-    if scheme == GROUPED:
-        quantize_grouped(model, group_size, chosen)
+    if scheme in GROUPED_BITS:
+        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme])
         return
     from torchao.quantization import quantize_
 

@@ -3,7 +3,7 @@
 Each quantized Linear's weight is replaced in the forward pass by its quantize-dequantize
 image on the grid the real scheme will use (int4: asymmetric min/max groups of
 `group_size` along the input, as torchao's int4 CPU packing chooses them; int8: symmetric
-per output channel; int8_grouped: `fit_groups`'s per-group grids), with a straight-through
+per output channel; int8_grouped and int4_grouped: `fit_groups`'s per-group grids), with a straight-through
 gradient. After training the weights are snapped onto that grid, so the real `quantize_`
 afterwards reproduces them (up to the bfloat16 rounding of the scales) and the quantized
 model is the one that was trained.
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from serve.lm_grouped_int8 import dequantize_groups, fit_groups
+from serve.lm_grouped import BITS, dequantize_groups, fit_groups
 from serve.lm_runtime import head_scheme_of, untie_head
 
 
@@ -30,8 +30,9 @@ def fake_quantize(weight: torch.Tensor, scheme: str, group_size: int) -> torch.T
     if scheme in ("int8_weight_only", "int8_dynamic"):
         scale = (weight.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
         return torch.clamp(torch.round(weight / scale), -128, 127) * scale
-    if scheme == "int8_grouped":
-        return dequantize_groups(*fit_groups(weight.detach(), group_size)).to(weight.dtype)
+    if scheme in BITS:
+        fitted = fit_groups(weight.detach(), group_size, BITS[scheme])
+        return dequantize_groups(*fitted).to(weight.dtype)
     raise ValueError(f"no fake quantization for scheme {scheme!r}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -30,8 +31,9 @@ class ModelBundle:
 
 def count_params(model: nn.Module) -> int:
     """Number of parameters, with the packed weights that modules keep as `qweight` buffers
-    (int8_grouped's)."""
-    packed = sum(b.numel() for name, b in model.named_buffers() if name.endswith("qweight"))
+    (the grouped schemes': int8 codes one a byte, 4-bit codes two a byte)."""
+    packed = sum(b.numel() * (2 if b.dtype == torch.uint8 else 1)
+                 for name, b in model.named_buffers() if name.endswith("qweight"))
     return sum(p.numel() for p in model.parameters()) + packed
 
 

@@ -29,11 +29,19 @@ from compress.models.lm_folder import save_lm
 from compress.recipe.kinds.export import LM_FORMAT, ExportConfig
 from compress.runfolder.records import artifact_record
 from compress.stages.context import StageContext, State
-from serve import lm_attention, lm_decode, lm_grouped_int8, lm_runtime, lm_tensor_parallel
+from serve import (
+    lm_attention,
+    lm_decode,
+    lm_grouped,
+    lm_grouped_kernels,
+    lm_runtime,
+    lm_tensor_parallel,
+)
 
 RUNTIME = Path(lm_runtime.__file__)
 RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__), Path(lm_attention.__file__),  # beside it
-                 Path(lm_grouped_int8.__file__), Path(lm_tensor_parallel.__file__))
+                 Path(lm_grouped.__file__), Path(lm_grouped_kernels.__file__),
+                 lm_grouped_kernels.SOURCE, Path(lm_tensor_parallel.__file__))
 PARITY_BATCH = 8
 
 

@@ -29,10 +29,10 @@ def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
     with bfloat16 inputs: compiled SmolLM2 int8 decode ran 92 tok/s with bf16 activations
     and 41 with float32 ones on an AVX2-only EPYC; the int4 kernels are several times
     faster with bf16 inputs too), and for int8_dynamic only where the CPU computes bf16
-    natively (AVX512-BF16 or AMX); int8_grouped always float32."""
+    natively (AVX512-BF16 or AMX); the grouped schemes always float32."""
     if choice != "auto":
         return choice
-    if scheme == "int8_grouped":
+    if scheme in ("int8_grouped", "int4_grouped"):
         return "float32"
     from compress.runfolder.files import bf16_supported
 

@@ -114,7 +114,7 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     folder = run_dir / export["outputs"][0]["export_dir"]
     names = {p.name for p in folder.iterdir()}
     assert {"model.pt", "config.json", "causal_lm.json", "lm_runtime.py", "lm_decode.py",
-            "lm_attention.py", "lm_grouped_int8.py", "export.json", "parity.json",
+            "lm_attention.py", "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "export.json", "parity.json",
             "tokenizer.json"} <= names
     assert json.loads((folder / "parity.json").read_text())["parity_first_difference"] is None
 
@@ -140,7 +140,7 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
         inside = set(archive.namelist())
         config = yaml.safe_load(archive.read("model-config.yaml"))
     assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_attention.py",
-            "lm_grouped_int8.py", "lm_requests.py", "model.pt", "causal_lm.json",
+            "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "lm_requests.py", "model.pt", "causal_lm.json",
             "tokenizer.json"} <= inside
     assert "index_to_name.json" not in inside
     assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"

@@ -9,7 +9,9 @@ from pydantic import Field
 from compress.recipe.options import CalibrationOptions, StageName, StrictModel, TrainOptions
 from compress.recipe.registry import StageSpec, register
 
-WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_grouped")
+WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_grouped",
+                  "int4_grouped")
+GROUPED = ("int8_grouped", "int4_grouped")
 PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile")
 LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
 
@@ -21,12 +23,13 @@ class QuantizeConfig(StrictModel):
     kind: Literal["quantize"] = "quantize"
     name: StageName = None
     scheme: Literal["int8_weight_only", "int4_weight_only", "int8_dynamic",
-                    "int8_grouped"] | None = Field(
+                    "int8_grouped", "int4_grouped"] | None = Field(
         None, description="Causal LMs: weight scheme. torchao's: int8 or int4 weights with "
         "float activations, or int8 weights and per-token int8 activations; compress's "
         "int8_grouped: int8 weights with a float32 scale and offset per group of "
-        "`group_size` inputs and float32 activations (serve/lm_grouped_int8.py), which "
-        "keeps greedy tokens where bfloat16 activations flip near-ties.")
+        "`group_size` inputs and float32 activations (serve/lm_grouped.py), which "
+        "keeps greedy tokens where bfloat16 activations flip near-ties; int4_grouped: the "
+        "same with 4-bit codes on 16 affine levels per 32 inputs (a GGUF's Q4_1 exactly).")
     group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
                             "scale group (int8_grouped: it must divide every Linear's inputs).")
     head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
@@ -78,9 +81,12 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
         if cfg.equalize and cfg.scheme == "int8_dynamic":
             problems.append(f"{where}.equalize: activation-aware scaling is for the weight-only "
                             "schemes (it enlarges the activations int8_dynamic quantizes)")
-        if cfg.scheme == "int8_grouped" and cfg.activations == "bfloat16":
-            problems.append(f"{where}.activations: int8_grouped computes in float32 (its point "
+        if cfg.scheme in GROUPED and cfg.activations == "bfloat16":
+            problems.append(f"{where}.activations: {cfg.scheme} computes in float32 (its point "
                             "is float32 activations); drop `activations` or use int8_weight_only")
+        if cfg.scheme == "int4_grouped" and cfg.group_size != 32:
+            problems.append(f"{where}.group_size: int4_grouped packs groups of 32 (a GGUF's Q4 "
+                            f"blocks), not {cfg.group_size}; drop group_size")
         if cfg.group_size < 1:
             problems.append(f"{where}.group_size: {cfg.group_size} must be positive")
         if cfg.scheme == "int4_weight_only" and cfg.group_size not in (32, 64, 128, 256):
@@ -93,12 +99,12 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
 
 
 def _precision(cfg: QuantizeConfig) -> str:
-    return "int4" if cfg.scheme == "int4_weight_only" else "int8"
+    return "int4" if cfg.scheme in ("int4_weight_only", "int4_grouped") else "int8"
 
 
 def _runtime(config: dict, metrics: dict) -> str:
-    if config.get("scheme") == "int8_grouped":
-        return "int8_grouped (compress, float32 activations), compiled decode"
+    if config.get("scheme") in GROUPED:
+        return f"{config['scheme']} (compress, float32 activations), compiled decode"
     if config.get("scheme"):
         return f"torchao {config['scheme']}, compiled decode"
     compiled = ", torch.compile" if config.get("compile", True) else ""

@@ -1,5 +1,6 @@
-"""The int8_grouped weight scheme (serve/lm_grouped_int8.py) on random weights and a tiny
-random Llama whose weights sit on a GGUF's grids (Q4_1 body, Q8_0 head), as SmolLM2's do."""
+"""The grouped weight schemes (serve/lm_grouped.py, int8_grouped and int4_grouped) and their
+kernel (serve/lm_grouped_kernels.cpp) on random weights and a tiny random Llama whose
+weights sit on a GGUF's grids (Q4_1 body, Q8_0 head), as SmolLM2's do."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch import nn
 from compress.algorithms import lm_qat
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from serve import lm_grouped_int8 as grouped
+from serve import lm_grouped as grouped
+from serve.lm_grouped_kernels import build_error, grouped_mm_available
 from serve.lm_runtime import StaticDecoder, quantize_weights
 
 
@@ -53,23 +55,65 @@ def test_weights_on_a_gguf_grid_are_kept_and_others_rounded_within_half_a_step()
     assert torch.equal(lm_qat.fake_quantize(weight, "int8_grouped", 32), back)
 
 
-@pytest.mark.parametrize("rows", [1, 3, grouped.DECODE_ROWS + 5])
-def test_the_decode_and_prefill_paths_compute_the_dequantized_product(rows) -> None:
-    torch.manual_seed(1)
-    linear = nn.Linear(64, 48)
-    module = grouped.GroupedInt8Linear.from_linear(linear, 32)
-    x = torch.randn(rows, 1, 64)
+def test_the_kernel_is_built_here() -> None:
+    assert grouped_mm_available(), build_error()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 40])
+def test_the_kernel_computes_the_dequantized_product(rows, bits) -> None:
+    """Every row count the kernel treats apart (1-2 rows four weight rows at a time, up to 8
+    two at a time, more in chunks of 8 over blocks), odd output counts included."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 77)
+    module = grouped.GroupedLinear.from_linear(linear, 32, bits)
+    x = torch.randn(rows, 1, 96)
     want = nn.functional.linear(x, module.dequantize(), linear.bias.detach())
-    assert torch.allclose(module(x), want, atol=1e-5, rtol=1e-5)
-    assert module(x).shape == (rows, 1, 48)
+    got = module(x)
+    assert got.shape == (rows, 1, 77)
+    assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    # the fallback without the kernel (another group size takes it) agrees
+    fallback = grouped.GroupedLinear.from_linear(linear, 16, bits) if bits == 8 else None
+    if fallback is not None:
+        assert torch.allclose(fallback(x), nn.functional.linear(
+            x, fallback.dequantize(), linear.bias.detach()), atol=1e-5)
+
+
+def test_4_bit_codes_pack_two_a_byte_in_the_gguf_layout() -> None:
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = grouped.pack_nibbles(codes)
+    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
+    assert torch.equal(packed[:, 0] & 15, codes[:, 0]) and torch.equal(packed[:, 0] >> 4,
+                                                                       codes[:, 16])
+    assert torch.equal(packed[:, 16] & 15, codes[:, 32])
+    assert torch.equal(grouped.unpack_nibbles(packed), codes)
+
+
+def test_q4_1_weights_are_kept_by_4_bit_groups_to_float32_rounding() -> None:
+    torch.manual_seed(2)
+    weight = q4_1(torch.randn(64, 128) * 0.05)
+    module = grouped.GroupedLinear.from_weight(weight, None, 32, bits=4)
+    assert module.qweight.shape == (64, 64) and module.qweight.dtype == torch.uint8
+    assert (module.dequantize() - weight).abs().max() < 1e-6 * weight.abs().max()
+    rough = torch.randn(64, 128)  # off the grid: within half a step of 15 per group, give or
+    module = grouped.GroupedLinear.from_weight(rough, None, 32, bits=4)  # take float16's
+    steps = module.scale.repeat_interleave(32, dim=1)  # rounding of the step and minimum
+    assert ((module.dequantize() - rough).abs() <= 0.52 * steps).all()
+    assert torch.equal(module.scale.half().float(), module.scale)
+    assert torch.equal(module.offset.half().float(), module.offset)
+    assert torch.equal(lm_qat.fake_quantize(rough, "int4_grouped", 32), module.dequantize())
 
 
 def test_a_group_size_that_does_not_divide_the_inputs_is_one_line() -> None:
     with pytest.raises(ValueError, match="group_size 48 does not divide a Linear's 64 input"):
-        grouped.GroupedInt8Linear.from_linear(nn.Linear(64, 8), 48)
+        grouped.GroupedLinear.from_linear(nn.Linear(64, 8), 48)
+    with pytest.raises(ValueError, match="int4_grouped: group_size must be 32"):
+        grouped.GroupedLinear.from_linear(nn.Linear(64, 8), 16, bits=4)
 
 
-def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_folder) -> None:
+@pytest.mark.parametrize("scheme", ["int8_grouped", "int4_grouped"])
+def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_folder,
+                                                                 scheme) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(varied_llama_folder).eval()
@@ -80,21 +124,30 @@ def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_fo
     table.data = q8_0(table.data)
     packed = AutoModelForCausalLM.from_pretrained(varied_llama_folder).eval()
     packed.load_state_dict(model.state_dict())
-    quantize_weights(packed, "int8_grouped", 32)
-    linears = [m for m in packed.modules() if isinstance(m, grouped.GroupedInt8Linear)]
+    quantize_weights(packed, scheme, 32)
+    linears = [m for m in packed.modules() if isinstance(m, grouped.GroupedLinear)]
+    assert [m.bits for m in linears].count(grouped.BITS[scheme]) >= 14
     assert len(linears) == 16  # 14 in the layers, the head, the embedding's table
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
-    assert isinstance(packed.get_input_embeddings(), grouped.GroupedInt8Embedding)
+    assert isinstance(packed.get_input_embeddings(), grouped.GroupedEmbedding)
     ids = torch.tensor([[101, 2023, 3185, 2001, 2204, 102, 7592, 2088]])
     with torch.inference_mode():
         want, got = model(input_ids=ids).logits, packed(input_ids=ids).logits
     assert (got - want).abs().max() < 1e-5 * want.abs().max()
     prompts = [[101, 2023, 3185, 2001], [101, 7592, 2088, 999, 2054]]
     reference = StaticDecoder(model, 64).generate(prompts, 12).rows
-    decoder = StaticDecoder(packed, 64).compile()
+    # the C++ wrapper, and guards checked on each generation's first step only
+    decoder = StaticDecoder(packed, 64).compile(cpp_wrapper=scheme == "int4_grouped",
+                                                skip_guards=True)
     assert decoder.inductor["freezing"] is False  # freezing would fold the int8 to float
     assert decoder.generate(prompts, 12).rows == reference
-    assert packed.lm_head.qweight.dtype == torch.int8
+    assert packed.lm_head.qweight.dtype == torch.int8  # the head stays 8-bit (Q8_0)
+    # batched: eight rows of different lengths, left padded, give each row's own tokens;
+    # two decoders in turn, guards skipped after each first step, keep to their own graphs
+    eight = [[101, 2023 + i, 3185, 2001][: 2 + i % 3] for i in range(8)]
+    alone = [StaticDecoder(model, 64).generate([p], 6).rows[0] for p in eight]
+    assert StaticDecoder(packed, 64).compile(skip_guards=True).generate(eight, 6).rows == alone
+    assert decoder.generate(prompts, 12).rows == reference
 
 
 def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
@@ -110,7 +163,7 @@ def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
     from compress.models.folders import load_saved
 
     saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
-    assert isinstance(saved.model.lm_head, grouped.GroupedInt8Linear)
+    assert isinstance(saved.model.lm_head, grouped.GroupedLinear)
     # the untied head and the embedding table each count, beside the layers' weights
     config = saved.model.config
     vocab, hidden = config.vocab_size, config.hidden_size

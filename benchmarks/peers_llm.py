@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct: compress's float, int8_grouped, int4_grouped and torchao int4 decode
 against llama.cpp on the same GGUF weights (the shipped Q4_1 file, and Q8_0 and Q4_0 made
-from it by llama.cpp's quantize), every row in a fresh process per round, in one invocation. From the repository
-root:
+from it by llama.cpp's quantize), every row in a fresh process per round, in one invocation.
+From the repository root:
 
     COMPRESS_DATA_DIR=../shared/data python benchmarks/peers_llm.py            # 2 rounds
     python benchmarks/peers_llm.py --rounds 1 --tokens 8 --prompts 8 --ppl-texts 8 \

@@ -3,10 +3,10 @@
 Each quantized Linear's weight is replaced in the forward pass by its quantize-dequantize
 image on the grid the real scheme will use (int4: asymmetric min/max groups of
 `group_size` along the input, as torchao's int4 CPU packing chooses them; int8: symmetric
-per output channel; int8_grouped and int4_grouped: `fit_groups`'s per-group grids), with a straight-through
-gradient. After training the weights are snapped onto that grid, so the real `quantize_`
-afterwards reproduces them (up to the bfloat16 rounding of the scales) and the quantized
-model is the one that was trained.
+per output channel; int8_grouped and int4_grouped: `fit_groups`'s per-group grids), with a
+straight-through gradient. After training the weights are snapped onto that grid, so the
+real `quantize_` afterwards reproduces them (up to the bfloat16 rounding of the scales) and
+the quantized model is the one that was trained.
 """
 
 from __future__ import annotations

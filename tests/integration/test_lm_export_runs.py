@@ -114,8 +114,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     folder = run_dir / export["outputs"][0]["export_dir"]
     names = {p.name for p in folder.iterdir()}
     assert {"model.pt", "config.json", "causal_lm.json", "lm_runtime.py", "lm_decode.py",
-            "lm_attention.py", "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "export.json", "parity.json",
-            "tokenizer.json"} <= names
+            "lm_attention.py", "lm_grouped.py", "lm_grouped_kernels.py",
+            "lm_grouped_kernels.cpp", "export.json", "parity.json", "tokenizer.json"} <= names
     assert json.loads((folder / "parity.json").read_text())["parity_first_difference"] is None
 
     # the folder decodes without compress: a fresh interpreter imports its lm_runtime.py
@@ -140,8 +140,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
         inside = set(archive.namelist())
         config = yaml.safe_load(archive.read("model-config.yaml"))
     assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_attention.py",
-            "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "lm_requests.py", "model.pt", "causal_lm.json",
-            "tokenizer.json"} <= inside
+            "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "lm_requests.py",
+            "model.pt", "causal_lm.json", "tokenizer.json"} <= inside
     assert "index_to_name.json" not in inside
     assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"
     assert config["handler"]["max_new_tokens"] == 16 and config["handler"]["cache_len"] == 64

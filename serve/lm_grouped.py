@@ -63,6 +63,7 @@ class GroupedLinear(nn.Module):
         self.register_buffer("offset", torch.zeros(out_features, groups))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
+        self.half = False  # whether `packed` holds float16 scales and offsets
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -79,10 +80,12 @@ class GroupedLinear(nn.Module):
         return module
 
     def pack(self) -> None:
-        """Lay the weight out for the kernel (`packed`), where the kernel is at hand."""
+        """Lay the weight out for the kernel (`packed`), where the kernel is at hand, with
+        float16 scales and offsets where they all are float16 values (`half`)."""
         if self.group_size == GROUP and grouped_mm_available():
+            self.half = all(torch.equal(t.half().float(), t) for t in (self.scale, self.offset))
             self.packed = torch.ops.compress_lm.grouped_pack(self.qweight, self.scale,
-                                                             self.offset, self.bits)
+                                                             self.offset, self.bits, self.half)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super()._load_from_state_dict(*args, **kwargs)
@@ -104,7 +107,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out = torch.ops.compress_lm.grouped_mm(x.float(), self.packed, self.out_features,
-                                                   self.bits)
+                                                   self.bits, self.half)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias
@@ -159,7 +162,10 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scale, offset) of a float32 weight. 8 bits: int8 codes, per group of
     `group_size` input channels the affine grid (255 steps over [min, max]) or the symmetric
-    one (amax / 127, no offset), whichever has the smaller largest rounding error. 4 bits:
+    one (amax / 127, no offset), whichever has the smaller largest rounding error, except
+    that a group a float16 grid reproduces to float32 rounding keeps that grid (a GGUF's
+    Q4_1 group: 16 steps of a float16 size from a float16 minimum; Q8_0: amax / 127 in
+    float16), so the kernel can hold its scales in float16 (`GroupedLinear.pack`). 4 bits:
     codes 0..15 (uint8, unpacked) on the affine grid of 15 steps from the group's minimum,
     step and minimum rounded to float16 first (as a GGUF's Q4_1 stores them, so its groups
     are kept exactly and the kernel's float16 copy loses nothing)."""
@@ -184,10 +190,21 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
 
     symmetric = (worst(symmetric_q, symmetric_scale, zero)
                  < worst(affine_q, affine_scale, affine_offset))
-    q = torch.where(symmetric[..., None], symmetric_q, affine_q).to(torch.int8)
+    q = torch.where(symmetric[..., None], symmetric_q, affine_q)
     scale = torch.where(symmetric, symmetric_scale, affine_scale)
     offset = torch.where(symmetric, zero, affine_offset)
-    return q.reshape(rows, cols), scale, offset
+    # float16 grids where they reproduce a group to float32 rounding
+    tolerance = 2 ** -20 * groups.abs().amax(-1)
+    q4, step4, low4 = fit_groups(weight, group_size, 4)
+    q4 = q4.view(groups.shape).float()
+    half_scale = symmetric_scale.half().float().clamp_min(2 ** -24)
+    half_q = torch.round(groups / half_scale[..., None]).clamp(-127, 127)
+    for grid_q, grid_scale, grid_offset in ((half_q, half_scale, zero), (q4, step4, low4)):
+        exact = worst(grid_q, grid_scale, grid_offset) <= tolerance
+        q = torch.where(exact[..., None], grid_q, q)
+        scale = torch.where(exact, grid_scale, scale)
+        offset = torch.where(exact, grid_offset, offset)
+    return q.to(torch.int8).reshape(rows, cols), scale, offset
 
 
 def quantize_grouped(model: nn.Module, group_size: int,

@@ -13,9 +13,9 @@
 // `grouped_pack` lays a weight out for the product: output features in tiles of 16, and per
 // tile and group one record: the codes input by input (16 outputs' codes of input i side by
 // side; at 4 bits inputs 2p and 2p + 1 share a byte, low and high nibble), then the 16
-// scales and 16 offsets (float32 at 8 bits; float16 at 4 bits, as in a GGUF's Q4_1, where
-// `fit_groups` puts them on float16 values, so nothing is lost). A thread reads one
-// contiguous stream, which the hardware prefetcher follows.
+// scales and 16 offsets: float16 (`half`, as a GGUF stores them) where every scale and
+// offset of the weight is a float16 value, else float32. A thread reads one contiguous
+// stream, which the hardware prefetcher follows.
 //
 // `grouped_mm` multiplies in outer-product form: per input, the 16 codes are widened to
 // float32 once and multiplied with every activation row's value of that input (a
@@ -44,18 +44,17 @@ constexpr int64_t TILE = 16;  // output features per record
 constexpr int64_t ROWS = 8;   // activation rows per pass over a tile
 
 constexpr int64_t code_bytes(int64_t bits) { return TILE * GROUP * bits / 8; }
-constexpr int64_t scale_bytes(int64_t bits) { return bits == 8 ? 4 : 2; }  // float32 / 16
-constexpr int64_t record_bytes(int64_t bits) {
-  return code_bytes(bits) + 2 * TILE * scale_bytes(bits);
+constexpr int64_t record_bytes(int64_t bits, bool half) {
+  return code_bytes(bits) + 2 * TILE * (half ? 2 : 4);
 }
 
 #if defined(__AVX512F__)
 
 // R activation rows against one tile: out[r, 0..15] for this tile
-template <int BITS, int R>
+template <int BITS, bool HALF, int R>
 inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
                       const float* xsum, float* out, int64_t n_out, int64_t valid) {
-  constexpr int64_t RB = record_bytes(BITS);
+  constexpr int64_t RB = record_bytes(BITS, HALF);
   constexpr int P = R >= 4 ? 1 : (R >= 2 ? 2 : 4);  // partial sums per row
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -67,6 +66,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
     const float* xg = x + g * GROUP;
     if constexpr (BITS == 8) {
       const __m128i* codes = reinterpret_cast<const __m128i*>(rec);
+#pragma GCC unroll 32
       for (int i = 0; i < GROUP; ++i) {
         const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + i)));
         for (int r = 0; r < R; ++r)
@@ -75,6 +75,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
     } else {
       const __m128i* codes = reinterpret_cast<const __m128i*>(rec);
       const __m512i mask = _mm512_set1_epi32(15);
+#pragma GCC unroll 16
       for (int i = 0; i < GROUP; i += 2) {
         const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes + i / 2));
         const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(both, mask));
@@ -87,7 +88,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
       }
     }
     __m512 s, o;
-    if constexpr (BITS == 8) {
+    if constexpr (!HALF) {
       const float* scale = reinterpret_cast<const float*>(rec + code_bytes(BITS));
       s = _mm512_loadu_ps(scale);
       o = _mm512_loadu_ps(scale + TILE);
@@ -109,10 +110,10 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 
 #else  // portable: the same arithmetic, left to the compiler to vectorize
 
-template <int BITS, int R>
+template <int BITS, bool HALF, int R>
 inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
                       const float* xsum, float* out, int64_t n_out, int64_t valid) {
-  constexpr int64_t RB = record_bytes(BITS);
+  constexpr int64_t RB = record_bytes(BITS, HALF);
   float acc[R][TILE] = {};
   for (int64_t g = 0; g < groups; ++g, rec += RB) {
     float part[R][TILE] = {};
@@ -131,7 +132,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
         for (int j = 0; j < TILE; ++j) part[r][j] += w[j] * xg[r * k + i];
     }
     float scale[2 * TILE];
-    if constexpr (BITS == 8) {
+    if constexpr (!HALF) {
       std::memcpy(scale, rec + code_bytes(BITS), sizeof(scale));
     } else {
       const at::Half* half = reinterpret_cast<const at::Half*>(rec + code_bytes(BITS));
@@ -147,31 +148,31 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 
 #endif
 
-template <int BITS>
+template <int BITS, bool HALF>
 void chunk(int64_t r, const uint8_t* rec, int64_t groups, const float* x, int64_t k,
            const float* xsum, float* out, int64_t n_out, int64_t valid) {
   switch (r) {
-    case 1: tile_rows<BITS, 1>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 2: tile_rows<BITS, 2>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 3: tile_rows<BITS, 3>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 4: tile_rows<BITS, 4>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 5: tile_rows<BITS, 5>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 6: tile_rows<BITS, 6>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 7: tile_rows<BITS, 7>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    default: tile_rows<BITS, 8>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 1: tile_rows<BITS, HALF, 1>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 2: tile_rows<BITS, HALF, 2>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 3: tile_rows<BITS, HALF, 3>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 4: tile_rows<BITS, HALF, 4>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 5: tile_rows<BITS, HALF, 5>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 6: tile_rows<BITS, HALF, 6>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    case 7: tile_rows<BITS, HALF, 7>(rec, groups, x, k, xsum, out, n_out, valid); break;
+    default: tile_rows<BITS, HALF, 8>(rec, groups, x, k, xsum, out, n_out, valid); break;
   }
 }
 
-template <int BITS>
+template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
   const int64_t groups = k / GROUP;
-  const int64_t tile_bytes = groups * record_bytes(BITS);
+  const int64_t tile_bytes = groups * record_bytes(BITS, HALF);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
     for (int64_t m = 0; m < rows; m += ROWS)
-      chunk<BITS>(std::min(ROWS, rows - m), packed + t * tile_bytes, groups, x + m * k, k,
-                  xsum + m * groups, out + m * n + n0, n, valid);
+      chunk<BITS, HALF>(std::min(ROWS, rows - m), packed + t * tile_bytes, groups, x + m * k,
+                        k, xsum + m * groups, out + m * n + n0, n, valid);
   }
 }
 
@@ -184,14 +185,14 @@ inline int code_at(const uint8_t* codes, int64_t k, int64_t bits, int64_t row, i
 }
 
 at::Tensor grouped_pack(const at::Tensor& codes, const at::Tensor& scale,
-                        const at::Tensor& offset, int64_t bits) {
+                        const at::Tensor& offset, int64_t bits, bool half) {
   TORCH_CHECK(bits == 8 || bits == 4, "grouped_pack: bits must be 8 or 4, not ", bits);
   const int64_t n = scale.size(0), groups = scale.size(1), k = groups * GROUP;
   TORCH_CHECK(codes.size(0) == n && codes.size(1) * 8 == k * bits &&
                   offset.sizes() == scale.sizes(),
               "grouped_pack: codes ", codes.sizes(), " and scale ", scale.sizes(),
               " do not describe groups of ", GROUP, " at ", bits, " bits");
-  const int64_t tiles = (n + TILE - 1) / TILE, rb = record_bytes(bits);
+  const int64_t tiles = (n + TILE - 1) / TILE, rb = record_bytes(bits, half);
   at::Tensor packed = at::zeros({tiles * groups * rb}, codes.options().dtype(at::kByte));
   const at::Tensor c = codes.contiguous(), s = scale.contiguous().to(at::kFloat),
                    o = offset.contiguous().to(at::kFloat);
@@ -210,7 +211,7 @@ at::Tensor grouped_pack(const at::Tensor& codes, const at::Tensor& scale,
         else
           rec[(i / 2) * TILE + j] |= static_cast<uint8_t>(i % 2 ? code << 4 : code);
       }
-      if (bits == 8) {
+      if (!half) {
         float* sr = reinterpret_cast<float*>(rec + code_bytes(bits));
         sr[j] = sp[row * groups + g];
         sr[TILE + j] = op[row * groups + g];
@@ -224,11 +225,12 @@ at::Tensor grouped_pack(const at::Tensor& codes, const at::Tensor& scale,
   return packed;
 }
 
-at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits) {
+at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
+                      bool half) {
   TORCH_CHECK(bits == 8 || bits == 4, "grouped_mm: bits must be 8 or 4, not ", bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "grouped_mm: activations must be float32");
   const int64_t k = x.size(-1), groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
-  TORCH_CHECK(k % GROUP == 0 && packed.numel() == tiles * groups * record_bytes(bits),
+  TORCH_CHECK(k % GROUP == 0 && packed.numel() == tiles * groups * record_bytes(bits, half),
               "grouped_mm: ", packed.numel(), " packed bytes do not hold ", n, " x ", k,
               " at ", bits, " bits");
   auto out_shape = x.sizes().vec();
@@ -249,10 +251,14 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   const float* xs = xsum.data();
   // tiles split across threads; each thread streams its tiles' records once
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    if (bits == 8)
-      tiles_pass<8>(xp, xs, rows, k, n, pp, yp, begin, end);
+    if (bits == 8 && half)
+      tiles_pass<8, true>(xp, xs, rows, k, n, pp, yp, begin, end);
+    else if (bits == 8)
+      tiles_pass<8, false>(xp, xs, rows, k, n, pp, yp, begin, end);
+    else if (half)
+      tiles_pass<4, true>(xp, xs, rows, k, n, pp, yp, begin, end);
     else
-      tiles_pass<4>(xp, xs, rows, k, n, pp, yp, begin, end);
+      tiles_pass<4, false>(xp, xs, rows, k, n, pp, yp, begin, end);
   });
   return out.view(out_shape);
 }
@@ -260,8 +266,8 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
 }  // namespace
 
 TORCH_LIBRARY(compress_lm, m) {
-  m.def("grouped_pack(Tensor codes, Tensor scale, Tensor offset, int bits) -> Tensor");
-  m.def("grouped_mm(Tensor x, Tensor packed, int n, int bits) -> Tensor");
+  m.def("grouped_pack(Tensor codes, Tensor scale, Tensor offset, int bits, bool half) -> Tensor");
+  m.def("grouped_mm(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(compress_lm, CPU, m) {

@@ -1,7 +1,8 @@
 """The grouped-weight kernels of `lm_grouped_kernels.cpp` as torch operators, compiled on
 first use for this CPU (shipped beside `lm_runtime.py`; imports torch only):
-`torch.ops.compress_lm.grouped_pack(codes, scale, offset, bits)` lays a weight out for
-`torch.ops.compress_lm.grouped_mm(x, packed, out_features, bits)`.
+`torch.ops.compress_lm.grouped_pack(codes, scale, offset, bits, half)` lays a weight out for
+`torch.ops.compress_lm.grouped_mm(x, packed, out_features, bits, half)` (`half`: scales and
+offsets stored as float16, where they all are float16 values).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the CPU's vector flags, so a
@@ -73,5 +74,6 @@ def _load() -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("compress_lm::grouped_mm")
-    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
+          ) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], n)

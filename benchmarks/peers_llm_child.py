@@ -52,14 +52,20 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 def weight_bytes_per_token(model: nn.Module) -> int:
     """Weight bytes one decode step reads: every tensor of the state dict once (a tied
     tensor once), except the input embedding's, of which one row is read, unless the
-    output projection shares them."""
+    output projection shares them; a grouped Linear that the kernel multiplies counts its
+    kernel records (`packed`: codes, scales and offsets as the kernel reads them) instead
+    of its codes, scales and offsets."""
     embed = model.get_input_embeddings()
+    in_embed = {id(m) for m in embed.modules()}  # a grouped table is read a row, not packed
+    kernel = [m for m in model.modules()
+              if getattr(m, "packed", None) is not None and id(m) not in in_embed]
+    replaced = {id(t) for m in kernel for t in (m.qweight, m.scale, m.offset)}
     head = model.get_output_embeddings()
     head_ids = {id(t) for t in (head.state_dict(keep_vars=True).values() if head else [])}
     embed_tensors = list(embed.state_dict(keep_vars=True).values())
     rows = max((t.shape[0] for t in embed_tensors if t.dim() > 1), default=1)
     own = {id(t) for t in embed_tensors} - head_ids  # the embedding's alone: one row read
-    seen, total = set(), 0
+    seen, total = set(replaced), sum(tensor_bytes(m.packed) for m in kernel)
     for tensor in model.state_dict(keep_vars=True).values():
         if id(tensor) in seen:
             continue

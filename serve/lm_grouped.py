@@ -63,7 +63,7 @@ class GroupedLinear(nn.Module):
         self.register_buffer("offset", torch.zeros(out_features, groups))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
-        self.half = False  # whether `packed` holds float16 scales and offsets
+        self.half_scales = False  # whether `packed` holds float16 scales and offsets
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -81,11 +81,12 @@ class GroupedLinear(nn.Module):
 
     def pack(self) -> None:
         """Lay the weight out for the kernel (`packed`), where the kernel is at hand, with
-        float16 scales and offsets where they all are float16 values (`half`)."""
+        float16 scales and offsets where they all are float16 values (`half_scales`)."""
         if self.group_size == GROUP and grouped_mm_available():
-            self.half = all(torch.equal(t.half().float(), t) for t in (self.scale, self.offset))
-            self.packed = torch.ops.compress_lm.grouped_pack(self.qweight, self.scale,
-                                                             self.offset, self.bits, self.half)
+            self.half_scales = all(torch.equal(t.half().float(), t)
+                                   for t in (self.scale, self.offset))
+            self.packed = torch.ops.compress_lm.grouped_pack(
+                self.qweight, self.scale, self.offset, self.bits, self.half_scales)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super()._load_from_state_dict(*args, **kwargs)
@@ -107,7 +108,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             out = torch.ops.compress_lm.grouped_mm(x.float(), self.packed, self.out_features,
-                                                   self.bits, self.half)
+                                                   self.bits, self.half_scales)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias

@@ -127,7 +127,7 @@ def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_fo
     quantize_weights(packed, scheme, 32)
     linears = [m for m in packed.modules() if isinstance(m, grouped.GroupedLinear)]
     assert [m.bits for m in linears].count(grouped.BITS[scheme]) >= 14
-    assert all(m.half for m in linears)  # GGUF grids: float16 scales in the kernel's records
+    assert all(m.half_scales for m in linears)  # GGUF grids: float16 scales in the kernel's records
     assert len(linears) == 16  # 14 in the layers, the head, the embedding's table
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     assert isinstance(packed.get_input_embeddings(), grouped.GroupedEmbedding)

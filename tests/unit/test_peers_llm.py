@@ -48,13 +48,15 @@ def test_a_tied_embedding_is_read_whole_an_untied_one_a_row_a_token() -> None:
     assert child.weight_bytes_per_token(tiny(tied=False)) == 4 * (LAYER + EMBED + 32) == 75776
 
 
-def test_int8_grouped_weights_count_their_scales_and_offsets() -> None:
+def test_int8_grouped_weights_count_the_kernel_records() -> None:
     model = quantize_weights(tiny(tied=True), "int8_grouped")  # head untied, table int8 too
-    # a weight of `out` rows in groups of 32: 1 byte a weight + 2 float32 (scale, offset)
-    # a group; down_proj has 2 groups a row
+    # the kernel's records: per tile of 16 outputs and group of 32 inputs, 1 byte a weight +
+    # 16 float32 scales and offsets (random weights: not float16 values); down_proj has 2
+    # groups a row; the head's 300 rows make 19 tiles (304 rows)
     linears = 40 * (32 + 16 + 16 + 32 + 64 + 64) + 80 * 32
-    head, one_row = 300 * 40, 40
-    assert child.weight_bytes_per_token(model) == linears + 3 * 32 * 4 + head + one_row == 23944
+    head, one_row = 304 * 40, 40  # the embedding: one row of codes, its scale and offset
+    assert child.weight_bytes_per_token(model) == linears + 3 * 32 * 4 + head + one_row == 24104
+    assert not any(getattr(m, "half_scales", False) for m in model.modules())
 
 
 def test_gguf_bytes_per_token_reads_the_file_tensor_sizes(tmp_path: Path) -> None:

@@ -6,14 +6,17 @@ offsets stored as float16, where they all are float16 values).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the CPU's vector flags, so a
-cache moved to another CPU builds again. Where no compiler is at hand, `grouped_mm_available`
-says False (with the reason in `build_error`) and the modules fall back to torch operations.
+cache moved to another CPU builds again; it needs a C++ compiler and ninja (`pip install
+ninja`, in the `llm` extra). Where they are not at hand, `grouped_mm_available` says False
+(with the reason in `build_error`) and the modules fall back to torch operations.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -61,6 +64,9 @@ def _load() -> bool:
         return False
     from torch.utils.cpp_extension import load
 
+    scripts = Path(sys.executable).parent  # pip's ninja, where this environment is not on PATH
+    if shutil.which("ninja") is None and (scripts / "ninja").exists():
+        os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
     name, cflags = _build_name(_cpu_flags())
     try:
         load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],

@@ -13,7 +13,6 @@ temporary folder and renamed into `$COMPRESS_LLAMA_GGUF`, default
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Any
 from peers_optimum import PeerError, _call
 
 from compress.report.rebench import run_json_child
+from compress.runfolder.files import sha256_file
 
 VENV_VAR, DEFAULT_VENV = "COMPRESS_LLAMA_VENV", "~/.cache/compress/llama-venv"
 GGUF_VAR, DEFAULT_GGUF = "COMPRESS_LLAMA_GGUF", "~/.cache/compress/llama-gguf"
@@ -90,14 +90,6 @@ def llama_child(venv: Path, spec: dict[str, Any], what: str) -> dict[str, Any]:
     return answer
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def target_path(folder: Path, source: Path, quant: str) -> Path:
     """`<folder>/<source name with its quantization replaced by quant>.gguf`."""
     stem = source.name.removesuffix(".gguf")
@@ -110,7 +102,7 @@ def build_ggufs(source: Path, venv: Path, folder: Path, echo: Callable[[str], No
     """{quantization: path} of the GGUFs of `source`'s weights that llama.cpp's quantize
     makes (requantized from the source's types), kept while the source's sha256 is
     unchanged."""
-    sha = sha256_of(source)
+    sha = sha256_file(source)
     paths = {quant: target_path(folder, source, quant) for quant in targets}
     try:
         made = json.loads((folder / SOURCE_FILE).read_text())

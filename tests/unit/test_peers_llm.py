@@ -24,6 +24,7 @@ import peers_llm_llama as llama  # noqa: E402
 import peers_llm_table as table  # noqa: E402
 from peers_optimum import PeerError  # noqa: E402
 
+from compress.runfolder.files import sha256_file  # noqa: E402
 from serve.lm_runtime import quantize_weights  # noqa: E402
 
 # the tiny model's weights: 1 layer, 32 wide, 4 query / 2 key-value heads (8 each), 64 in
@@ -192,7 +193,7 @@ def test_cached_ggufs_are_reused_until_the_source_changes(tmp_path: Path) -> Non
     for quant in env.TARGETS:
         assert env.target_path(folder, source, quant).name == f"Model-135M.{quant}.gguf"
         env.target_path(folder, source, quant).write_bytes(b"x")
-    (folder / env.SOURCE_FILE).write_text(json.dumps({"sha256": env.sha256_of(source)}))
+    (folder / env.SOURCE_FILE).write_text(json.dumps({"sha256": sha256_file(source)}))
     said: list[str] = []
     paths = env.build_ggufs(source, tmp_path / "no-venv", folder, said.append)
     assert paths == {q: folder / f"Model-135M.{q}.gguf" for q in env.TARGETS}

@@ -3,7 +3,8 @@
 Packed into every `.mar` by the package stage and loaded by TorchServe's workers, so it
 imports no compress code: the archive holds the exported file, its `export.json`
 (format, inputs, labels), the tokenizer files, `index_to_name.json` and
-`model-config.yaml` (whose `handler:` section holds threads, max_length, max_text_chars).
+`model-config.yaml` (whose `handler:` section holds threads, max_length, max_text_chars
+and max_items: texts or arrays in one request, 64 by default).
 
 Requests: `{"text": "..."}`, `{"texts": ["...", ...]}`, a plain-text body, or for image
 models `{"input": nested array}` / `{"inputs": [...]}` / a bare nested array. Each request
@@ -36,10 +37,13 @@ PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker 
 # TorchServe wants exactly one class in a handler module: a request this handler cannot
 # answer raises ValueError from `parse`, and its message goes back with a 400.
 DEFAULT_MAX_CHARS = 10_000
+DEFAULT_MAX_ITEMS = 64  # texts (or arrays) in one request: each is a row of the batch
 
 
 class CompressHandler(BaseHandler):
     """Loads an exported model in its own runtime and answers requests in batches."""
+
+    max_items = DEFAULT_MAX_ITEMS
 
     def initialize(self, context) -> None:
         """Load the exported file with a fixed intra-op thread count and the tokenizer."""
@@ -56,6 +60,7 @@ class CompressHandler(BaseHandler):
         self.text = bool(self.meta["text"])
         self.max_length = int(settings.get("max_length", 128))
         self.max_chars = int(settings.get("max_text_chars", DEFAULT_MAX_CHARS))
+        self.max_items = int(settings.get("max_items", DEFAULT_MAX_ITEMS))
         self.input_shape = self.meta.get("input_shape")
         self.tokenizer = None
         if self.text:
@@ -134,6 +139,9 @@ class CompressHandler(BaseHandler):
                 isinstance(t, str) and t.strip() for t in texts):
             raise ValueError('no text: send {"text": "..."}, {"texts": ["...", ...]} or a '
                              "plain-text body")
+        if len(texts) > self.max_items:
+            raise ValueError(f"too many texts: {len(texts)}, at most {self.max_items} in one "
+                             f"request")
         longest = max(len(t) for t in texts)
         if longest > self.max_chars:
             raise ValueError(f"text too long: {longest} characters, at most {self.max_chars}")
@@ -145,6 +153,9 @@ class CompressHandler(BaseHandler):
         arrays = (body.get("inputs") if many else body.get("input")) if isinstance(
             body, dict) else body
         arrays = arrays if many else [arrays]
+        if isinstance(arrays, list) and len(arrays) > self.max_items:
+            raise ValueError(f"too many inputs: {len(arrays)}, at most {self.max_items} in one "
+                             f"request")
         shape = list(self.input_shape or [])
         tensors = []
         for array in arrays if isinstance(arrays, list) and arrays else [None]:

@@ -18,6 +18,9 @@ from typing import Any
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "stop", "seed",
           "stream")
 MAX_STOPS = 8
+MAX_STOP_CHARS = 64  # bounds the text a stop check looks at on every token
+MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow to inf and sampling fails
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ def read_body(request: dict[str, Any]) -> dict[str, Any]:
             body = json.loads(body) if body.strip() else None
         except json.JSONDecodeError as exc:
             raise ValueError(f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("malformed JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ValueError('send a JSON object: {"prompt": "..."} or {"messages": [{"role": '
                          '"user", "content": "..."}]}, with optional max_new_tokens, '
@@ -83,25 +88,45 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
     new = _number(body, "max_new_tokens", limits.default_new_tokens, 1,
                   limits.max_new_tokens, integer=True)
     temperature = _number(body, "temperature", 0.0, 0.0, 10.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature: 0 (greedy) or from {MIN_TEMPERATURE:g} to 10, got "
+                         f"{temperature!r}")
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise ValueError("top_p: must be above 0 (1 keeps every token)")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(
-            isinstance(s, str) and s for s in stop):
-        raise ValueError(f"stop: a string or a list of at most {MAX_STOPS} non-empty strings")
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ValueError(f"stop: a string or a list of at most {MAX_STOPS} non-empty strings "
+                         f"of at most {MAX_STOP_CHARS} characters")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError("seed: a non-negative integer")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"seed: an integer from 0 to 2**64 - 1, got {seed!r}")
     if not isinstance(body.get("stream", True), bool):
         raise ValueError("stream: true or false")
-    ids = encode(prompt)
+    ids = _encoded(encode, prompt)
     if len(ids) + new > limits.cache_len:
         raise ValueError(f"prompt too long: {len(ids)} tokens + max_new_tokens {new} exceed "
                          f"the context of {limits.cache_len} tokens")
     return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
                              seed, body.get("stream", True))
+
+
+def _encoded(encode, prompt: str | list[dict[str, str]]) -> list[int]:
+    """`encode(prompt)`; whatever it raises (a chat template's own error, say) is a
+    ValueError, so the request fails alone with a 400."""
+    try:
+        ids = list(encode(prompt))
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's errors are the request's
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ValueError(f"the prompt could not be encoded: {lines[0]}") from None
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    return ids
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float,
@@ -116,10 +141,16 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
 
 class TextStream:
     """The text of one row as its tokens come: what may be sent now (never a part that a
-    stop string could still claim, nor half a UTF-8 character), and where it ends."""
+    stop string could still claim, nor half a UTF-8 character), and where it ends.
+
+    Each token's check looks only at the text not yet sent and `longest` characters
+    before it (what could begin a stop string is never sent), so it does not grow with
+    the text."""
 
     def __init__(self, tokenizer: Any, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer, self.stop = tokenizer, list(dict.fromkeys(stop))
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.firsts = {s[0] for s in self.stop}
         self.tokens: list[int] = []
         self.text = ""  # all of it so far, cut at a stop string
         self.sent = 0  # characters of `text` already streamed
@@ -129,17 +160,24 @@ class TextStream:
         """Take one token; the text that may be streamed now ("" when none)."""
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        start = max(0, self.sent - self.longest)
+        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.stopped = text[:cut], True
             return self._take(len(self.text))
         self.text = text
-        held = max((k for s in self.stop for k in range(1, len(s))
-                    if text.endswith(s[:k])), default=0)
-        end = len(text) - held
+        end = len(text) - self._held(text)
         while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete character
             end -= 1
         return self._take(end)
+
+    def _held(self, text: str) -> int:
+        """Length of the longest end of `text` that begins a stop string (shorter than
+        it: a whole one was cut already)."""
+        for i in range(max(len(text) - self.longest + 1, 0), len(text)):
+            if text[i] in self.firsts and any(s.startswith(text[i:]) for s in self.stop):
+                return len(text) - i
+        return 0
 
     def _take(self, end: int) -> str:
         if end <= self.sent:

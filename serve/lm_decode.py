@@ -134,6 +134,25 @@ class StaticDecoder:
             return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
 
+    def decode_step(self, tokens: torch.Tensor, cursor: int,
+                    position_ids: torch.Tensor | None, mask: torch.Tensor | None,
+                    first: bool = True) -> torch.Tensor:
+        """Next-token logits (rows x vocab) of one token per row (rows x 1) written at cache
+        position `cursor`: the compiled step where `compile` was called. Run inside
+        `attention(self.model, self.attention)` (as `generate` does); `first`: the first step
+        of a generation (where Dynamo's guards are checked in full, see `_stance`)."""
+        # Inductor's settings apply where the step compiles (its first call, or a recompile)
+        with torch._inductor.config.patch(self.inductor), self._stance(0 if first else 1):
+            return self.step(tokens, torch.tensor([cursor]), position_ids, mask,
+                             self._window(cursor + 1))
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """The last position's logits (1 x vocab) of one prompt, its keys and values written
+        to positions 0..len-1 of this decoder's one-row cache (eager; run inside
+        `attention(self.model, self.attention)`)."""
+        self._fresh_cache(1)
+        return self._forward(torch.tensor([list(ids)]), torch.arange(len(ids)))
+
     def _window(self, filled: int) -> torch.Tensor | None:
         """A tensor as long as the cache positions the decode attention reads, its size
         dynamic to Dynamo (None where the model runs another attention)."""
@@ -187,7 +206,7 @@ class StaticDecoder:
         positions = torch.arange(length)
         logits = self._forward(ids, positions,
                                (positions - pads[:, None]).clamp(min=0) if padded else None, mask)
-        token = _pick(logits, picks, generators)
+        token = pick_tokens(logits, picks, generators)
         ttft = time.perf_counter() - began
         _tie_graphs_to(self.cache)
         out: list[list[int]] = [[] for _ in range(rows)]
@@ -199,16 +218,13 @@ class StaticDecoder:
                 finish[row] = finish[row] or "stop"
             if all(finish):
                 break
-            # Inductor's settings apply where the step compiles (its first call, or a
-            # recompile); the first step of a generation runs Dynamo's full guard check,
-            # which picks (or compiles) this decoder's graph; later steps only differ in
-            # values and the window's dynamic length (`skip_guards`)
-            with torch._inductor.config.patch(self.inductor), self._stance(i):
-                where = torch.tensor([length + i])
-                logits = self.step(token.view(rows, 1), where,
-                                   (where - pads)[:, None] if padded else None, mask,
-                                   self._window(length + i + 1))
-            token = _pick(logits, picks, generators)
+            # the first step of a generation runs Dynamo's full guard check, which picks (or
+            # compiles) this decoder's graph; later steps only differ in values and the
+            # window's dynamic length (`skip_guards`)
+            logits = self.decode_step(token.view(rows, 1), length + i,
+                                      (length + i - pads)[:, None] if padded else None,
+                                      mask, first=i == 0)
+            token = pick_tokens(logits, picks, generators)
             i += 1
         spent = time.perf_counter() - began
         later = sum(max(len(r) - 1, 0) for r in out)
@@ -248,7 +264,7 @@ def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],
     return produced
 
 
-def _pick(logits: torch.Tensor, picks: list[Sampling | None],
+def pick_tokens(logits: torch.Tensor, picks: list[Sampling | None],
           generators: list[torch.Generator | None]) -> torch.Tensor:
     """The next token of every row: argmax, or a top-p sample at the row's temperature."""
     greedy = logits.argmax(-1)

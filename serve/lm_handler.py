@@ -19,6 +19,7 @@ largest max_new_tokens would not fit is decoded in parts), run at the next bucke
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -30,12 +31,14 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
+    import lm_batcher
+    import lm_openai
     import lm_requests
     import lm_runtime
     import lm_tensor_parallel
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
-    from serve import lm_requests, lm_runtime, lm_tensor_parallel
+    from serve import lm_batcher, lm_openai, lm_requests, lm_runtime, lm_tensor_parallel
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
@@ -68,7 +71,13 @@ class CausalLMHandler(BaseHandler):
             int(settings.get("cache_len", 512)), bool(settings.get("chat_template", True)))
         self.decoders = {}
         mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
-        sizes = buckets(int(config.get("batchSize", 1)))
+        # asyncCommunication: each request reaches `handle` as it arrives and joins the
+        # running decode (lm_batcher); otherwise one decode per TorchServe batch
+        self.continuous = bool(config.get("asyncCommunication")) and self.ranks == 1
+        self.model_name = context.model_name
+        rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
+                if self.continuous else int(config.get("batchSize", 1)))
+        sizes = buckets(rows)
         # every bucket's decoder compiles the same step function: one graph each
         torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
         for rows in sizes:
@@ -77,10 +86,18 @@ class CausalLMHandler(BaseHandler):
             self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
         # compiling a decoder drops the graphs of those before it (StaticDecoder.compile):
         # warm them up only once all are built, so each compiles once, now, not on a request
-        for n, (rows, decoder) in enumerate(self.decoders.items(), 1):
+        # (the largest first: the others' caches are views of its cache when continuous)
+        for n, rows in enumerate(sorted(self.decoders, reverse=True), 1):
+            decoder = self.decoders[rows]
             logger.info("%s%s bucket %d of %d (%d rows)", PROGRESS,
                         "compiling" if decoder.compiled else "warming up", n, len(sizes), rows)
             decoder.generate([[0]] * rows, 2)
+            if self.continuous and n == 1:
+                lm_batcher.shared_caches(self.decoders)
+        self.batcher = None
+        if self.continuous:
+            prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
+            self.batcher = lm_batcher.ContinuousBatcher(self.decoders, prefill, self.stop)
         self.initialized = True
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),
@@ -91,7 +108,82 @@ class CausalLMHandler(BaseHandler):
         chat = isinstance(prompt, list) or self.limits.chat_template
         return lm_runtime.prompt_ids(self.lm.tokenizer, prompt, chat)
 
-    def handle(self, data: list[dict[str, Any]], context) -> list[str]:
+    def handle(self, data: list[dict[str, Any]], context) -> Any:
+        """Answer the requests: with continuous batching a coroutine that TorchServe's
+        asynchronous worker awaits (each request joins the running decode), else the batch's
+        answers, the good requests decoded together."""
+        if self.batcher is not None:
+            return self._handle_joining(data, context)
+        return self._handle_batch(data, context)
+
+    async def _handle_joining(self, data: list[dict[str, Any]], context) -> list[str]:
+        answers = [self._answer(i, request, context) for i, request in enumerate(data)]
+        return list(await asyncio.gather(*answers))
+
+    async def _answer(self, i: int, request: dict[str, Any], context) -> str:
+        """One request through the continuous batch: its chunks sent as they come (native
+        NDJSON, or OpenAI's server-sent events on its routes); its last answer returned."""
+        try:
+            route = lm_openai.route_of(context.get_request_header(i, "url_path"))
+        except lm_openai.RouteError as exc:
+            return _error(context, i, str(exc), 404, openai=True)
+        if route == lm_openai.MODELS:
+            context.set_response_content_type(i, "application/json")
+            return json.dumps(lm_openai.models(self.model_name))
+        try:
+            body = lm_requests.read_body(request)
+            usage_in_stream = True
+            if route is not None:
+                body, usage_in_stream = lm_openai.native_body(route, body)
+            encode = self.encode if route != lm_openai.COMPLETIONS else self.encode_raw
+            parsed = lm_requests.parse(body, encode, self.limits)
+        except ValueError as exc:
+            return _error(context, i, str(exc), 400, openai=route is not None)
+        answer = lm_openai.Answer(route, self.model_name) if route else None
+        context.set_response_content_type(i, (lm_openai.STREAM_TYPE if answer else STREAM_TYPE)
+                                          if parsed.stream else "application/json")
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        sampling = (lm_runtime.Sampling(parsed.temperature, parsed.top_p, parsed.seed)
+                    if parsed.temperature > 0 else None)
+        row = self.batcher.submit(lm_batcher.Row(
+            parsed.ids, parsed.max_new_tokens,
+            lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
+            sampling))
+        stream = lm_requests.TextStream(self.lm.tokenizer, parsed.stop)
+        finish = "stop"
+        while True:
+            token, end = await queue.get()
+            if token is None:
+                finish = end or "stop"
+                break
+            if stream.stopped:
+                continue
+            if len(stream.tokens) == 0:
+                context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))
+            piece = stream.add(token)
+            if stream.stopped:
+                self.batcher.cancel(row)
+            if piece and parsed.stream:
+                chunk = answer.chunk(piece) if answer else json.dumps(
+                    {"delta": piece, "tokens": len(stream.tokens)}) + "\n"
+                _send(context, i, chunk)
+        if finish.startswith("error"):
+            return _error(context, i, finish, 500, openai=answer is not None)
+        finish = "stop" if stream.stopped else finish
+        counts = {"prompt_tokens": len(parsed.ids), "completion_tokens": len(stream.tokens)}
+        if answer is None:
+            return json.dumps({"text": stream.text, "usage": counts,
+                               "finish_reason": finish}) + "\n"
+        usage = lm_openai.usage(**counts)
+        if parsed.stream:
+            return answer.last_chunk(finish, usage if usage_in_stream else None)
+        return json.dumps(answer.whole(stream.text, finish, usage))
+
+    def encode_raw(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt as it is (OpenAI's completions: no chat template)."""
+        return lm_runtime.prompt_ids(self.lm.tokenizer, prompt, isinstance(prompt, list))
+
+    def _handle_batch(self, data: list[dict[str, Any]], context) -> list[str]:
         """Answer every request of the batch: the good ones decoded together, streamed."""
         results: list[Any] = [None] * len(data)
         parsed: dict[int, lm_requests.GenerationRequest] = {}
@@ -148,6 +240,20 @@ class CausalLMHandler(BaseHandler):
                     "usage": {"prompt_tokens": len(rows[k].ids),
                               "completion_tokens": len(out.rows[k])},
                     "finish_reason": out.finish[k]} for k, i in enumerate(group)}
+
+
+def _send(context, i: int, chunk: str) -> None:
+    """One intermediate response (a streamed chunk) for request `i` alone."""
+    send_intermediate_predict_response([""] * i + [chunk], {i: context.request_ids[i]},
+                                       "Intermediate Prediction success", 200, context)
+
+
+def _error(context, i: int, message: str, status: int, openai: bool) -> str:
+    """Request `i`'s error answer: OpenAI's error object on its routes."""
+    context.set_response_status(status, message, idx=i)
+    context.set_response_content_type(i, "application/json")
+    body = lm_openai.error(message, status) if openai else {"error": message, "status": status}
+    return json.dumps(body)
 
 
 def buckets(batch_size: int) -> list[int]:

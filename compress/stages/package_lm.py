@@ -14,7 +14,8 @@ from compress.stages.package import archive
 from serve.worker_threads import worker_threads
 
 LM_HANDLER = HANDLER.with_name("lm_handler.py")  # imports TorchServe: not imported here
-LM_MODULES = (HANDLER.with_name("lm_requests.py"),)
+LM_MODULES = tuple(HANDLER.with_name(f"{name}.py")
+                   for name in ("lm_requests", "lm_openai", "lm_batcher"))
 DEFAULT_NEW_TOKENS = 64
 LM_SERVED_METRICS = ("perplexity", "perplexity_delta_vs_float_pct", "agreement",
                      "next_token_agreement", "decode_tok_s_b1", "ttft_ms",
@@ -37,11 +38,16 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the causal-LM export entering the stage with the generation handler."""
     export_dir = ctx.run_dir / state.source.outputs[0].export_dir
     handler = handler_settings(cfg, ctx, export_dir)
-    settings = {}
     if cfg.tensor_parallel:  # TorchServe starts each worker as a torchrun job of N ranks
         settings = {"parallelType": "tp", "torchrun": {"nproc-per-node": cfg.tensor_parallel}}
         handler["compile"] = "none"
         ctx.metrics.update(tensor_parallel=cfg.tensor_parallel)
+    else:  # continuous batching: TorchServe's asynchronous worker passes each request to
+        # the handler as it arrives, which joins it to the running decode (serve/lm_batcher)
+        # (one request a message; the handler's `rows` slots decode together)
+        settings = {"asyncCommunication": True, "batchSize": 1}
+        handler["rows"] = cfg.batch_size
+        ctx.metrics.update(continuous_batching=True)
     ctx.metrics.update(max_new_tokens=handler["max_new_tokens"],
                        cache_len=handler["cache_len"], decode_compile=handler["compile"])
     return archive(state, cfg, ctx, handler, LM_HANDLER, LM_MODULES, LM_SERVED_METRICS,

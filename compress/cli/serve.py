@@ -20,7 +20,8 @@ from compress.errors import CompressError, UserError
               help="Milliseconds TorchServe waits to fill a batch (default: the archive's).")
 @click.option("--no-auth", is_flag=True, help="Turn TorchServe's token authorization off.")
 @click.option("--enable-model-api", is_flag=True,
-              help="Allow registering and scaling models through the management API.")
+              help="Allow registering and scaling models through the management API "
+              "(not with --no-auth).")
 @click.option("--timeout", default=900, show_default=True, type=click.IntRange(1),
               help="Seconds to wait for a READY worker.")
 @click.option("--stop", is_flag=True, help="Stop the server of TARGET (or every server "
@@ -32,8 +33,9 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
 
     \b
     Every listener binds 127.0.0.1; token authorization is on unless --no-auth. The
-    server's files (config, logs, pid, tokens) live in <run>/serve/. Returns once a
-    worker is READY and prints a curl command; stop it with --stop.
+    server's files (config, logs, pid, tokens) live in <run>/serve/; the token is kept in
+    files only its owner reads. Returns once a worker is READY and prints a curl command;
+    stop it with --stop.
 
     \b
     Examples:
@@ -44,7 +46,7 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
     from compress.serving import server
 
     if stop:
-        stopped = server.stop_servers(target)
+        stopped = server.stop_servers(target, echo=click.echo)
         click.echo(f"stopped {len(stopped)} server(s)" + "".join(f"\n  {s}" for s in stopped))
         return
     if target is None:
@@ -59,7 +61,8 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
                f"threads, batch size {settings['batchSize']}, max batch delay "
                f"{settings['maxBatchDelay']} ms; logs in {info['serve_dir']}/logs")
     if info.get("token"):
-        click.echo(f"  token (also in {info['serve_dir']}/key_file.json): {info['token']}")
+        click.echo(f"  token: in {info['serve_dir']}/{server.SERVER_INFO} (mode 0600); "
+                   f"read it with: {server.token_command(info)}")
     click.echo(f"  try: {server.curl_example(info)}")
     click.echo(f"  stop: compress serve --stop {target}")
 

@@ -29,12 +29,14 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename."""
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+    """Write `text` to `path` through a temporary file and a rename, both on disk (the file
+    and its folder fsynced) when this returns. `mode`: the file's permissions (default
+    0666 less the umask; 0o600 for a secret)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.chmod(tmp, 0o666 & ~_UMASK if mode is None else mode)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -43,11 +45,43 @@ def atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_folder(path.parent)
 
 
-def atomic_write_json(path: Path, data: Any) -> None:
+def atomic_write_json(path: Path, data: Any, mode: int | None = None) -> None:
     """Atomically write `data` as indented JSON."""
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n", mode)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Put a folder's entries (a rename into it) on disk; where a file system cannot fsync
+    a folder, nothing."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Put a file, or a folder and everything in it, on disk with the folder holding it."""
+    path = Path(path)
+    if path.is_dir():
+        for child in sorted(path.rglob("*")):
+            if child.is_file() and not child.is_symlink():
+                _fsync_file(child)
+            elif child.is_dir():
+                fsync_folder(child)
+        fsync_folder(path)
+    elif path.is_file():
+        _fsync_file(path)
+    fsync_folder(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def sha256_file(path: Path) -> str:

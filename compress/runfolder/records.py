@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from compress.errors import UserError
-from compress.runfolder.files import atomic_write_json, sha256_file
+from compress.runfolder.files import atomic_write_json, fsync_tree, sha256_file
 
 MANIFEST = "manifest.json"
 FINISHED = ("done", "cached")  # a stage in one of these states has its outputs on disk
@@ -42,7 +42,13 @@ class Artifact(Record):
 
 
 def artifact_record(path: Path, run_dir: Path, fmt: str, **extra: Any) -> Artifact:
-    """The record of a file inside the run folder: path, format, sha256, bytes."""
+    """The record of a file inside the run folder: path, format, sha256, bytes. The file
+    (and its `model_dir` / `export_dir` folder) is fsynced first: a manifest that names
+    an artifact is never on disk before the artifact itself."""
+    for folder in (extra.get("model_dir"), extra.get("export_dir")):
+        if folder:
+            fsync_tree(run_dir / folder)
+    fsync_tree(path)
     return Artifact(path=str(path.relative_to(run_dir)), format=fmt, sha256=sha256_file(path),
                     bytes=path.stat().st_size, **extra)
 

@@ -9,8 +9,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-SERVER_INFO = "server.json"
+SERVER_INFO = "server.json"  # mode 0600: it holds the inference token
 KEY_FILE = "key_file.json"
+PID_FILE = ".model_server.pid"
 
 
 def registry_dir() -> Path:
@@ -41,9 +42,19 @@ def read_info(serve_dir: Path) -> dict[str, Any] | None:
 
 
 def write_info(serve_dir: Path, info: dict[str, Any]) -> None:
+    """Write server.json readable by its owner only (like TorchServe's key file)."""
     from compress.runfolder.files import atomic_write_json
 
-    atomic_write_json(serve_dir / SERVER_INFO, info)
+    atomic_write_json(serve_dir / SERVER_INFO, info, mode=0o600)
+
+
+def token_command(info: dict[str, Any]) -> str:
+    """A shell line that puts the server's inference token into $TOKEN."""
+    import shlex
+
+    path = Path(info["serve_dir"]) / SERVER_INFO
+    return ("TOKEN=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))"
+            f"[\"token\"])' {shlex.quote(str(path))})")
 
 
 def process_alive(pid: int) -> bool:

@@ -8,11 +8,10 @@ Every listener binds 127.0.0.1; only the inference port is chosen by the user.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,9 +27,12 @@ import yaml
 
 from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import UserError
+from compress.runfolder.files import sha256_file
 from compress.runfolder.records import MANIFEST, require_manifest
+from compress.serving import server_process
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
+    PID_FILE,
     SERVER_INFO,
     free_ports,
     port_in_use,
@@ -38,16 +40,20 @@ from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     read_info,
     read_keys,
     registry_dir,
+    token_command,
     token_of,
     write_info,
 )
+from compress.serving.server_process import stop, stop_servers  # noqa: F401 (the API)
 from compress.serving.worker_log import WorkerLog
 from serve.worker_threads import worker_threads
 
-PID_FILE = ".model_server.pid"
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
 JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubuntu: "
              "apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
+OPEN_MODEL_API = ("--no-auth with --enable-model-api would let any local process register "
+                  "an archive whose handler runs code: keep the token, or the model API off")
+MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,8 @@ def resolve_target(path: str | Path) -> ServeTarget:
     manifest, so a corrupt manifest is a one-line UserError)."""
     path = Path(path)
     if path.is_file() and path.suffix == ".mar":
-        return ServeTarget(path.resolve(), _mar_model_name(path), path.resolve().with_suffix(
-            ".serve"))
+        return ServeTarget(path.resolve(), _checked_name(_mar_model_name(path), path),
+                           path.resolve().with_suffix(".serve"))
     if not (path / MANIFEST).is_file():
         raise UserError(f"{path}: neither a run folder (no {MANIFEST}) nor a .mar file")
     manifest = require_manifest(path)
@@ -80,8 +86,20 @@ def resolve_target(path: str | Path) -> ServeTarget:
     if not record.path or not mar.is_file():
         raise UserError(f"{mar}: the archive of stage {stage.name} (stages.{stage.index}) is "
                         f"missing; run the recipe again to make it")
-    model_name = getattr(record, "model_name", None)
-    return ServeTarget(mar, model_name or _mar_model_name(mar), path.resolve() / "serve")
+    if sha256_file(mar) != record.sha256:
+        raise UserError(f"{mar}: the archive changed since the run packaged it (its sha256 is "
+                        f"not the manifest's); package it again: compress run RECIPE "
+                        f"--from-stage {stage.index}")
+    model_name = getattr(record, "model_name", None) or _mar_model_name(mar)
+    return ServeTarget(mar, _checked_name(model_name, mar), path.resolve() / "serve")
+
+
+def _checked_name(name: Any, mar: Path) -> str:
+    """`name` when it is safe as a file name and a URL part, else a UserError."""
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name) or name in (".", ".."):
+        raise UserError(f"{mar}: model name {name!r} is not allowed: use letters, digits, "
+                        f"'_', '-' and '.' only")
+    return name
 
 
 def _mar_model_name(mar: Path) -> str:
@@ -101,9 +119,11 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
 
     Batch and worker options override the archive's model-config.yaml. On any failure the
     server is stopped before the error is raised."""
+    if not auth and model_api:
+        raise UserError(OPEN_MODEL_API)
     check_prerequisites()
     running = read_info(target.serve_dir)
-    if running and process_alive(running["pid"]):
+    if server_process.serving(running):
         raise UserError(f"{target.serve_dir.parent}: already served at {running['url']}; stop "
                         f"it first with: compress serve --stop {_shown(target)}")
     if port_in_use(port):
@@ -132,8 +152,10 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         command.append("--disable-token-auth")
     if model_api:
         command.append("--enable-model-api")
-    # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's
+    # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's;
+    # an inherited TS_CONFIG_FILE would replace `config` (addresses, auth): ours wins
     env = {**os.environ, "TMPDIR": str(serve_dir), "LOG_LOCATION": str(serve_dir / "logs"),
+           "TS_CONFIG_FILE": str(config), server_process.SERVE_DIR_ENV: str(serve_dir),
            "METRICS_LOCATION": str(serve_dir / "logs"),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                     os.environ.get("PATH", "")]),
@@ -145,7 +167,8 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     pid_file = serve_dir / PID_FILE
     if not pid_file.is_file():
         raise UserError(f"TorchServe did not start: {_log_tail(serve_dir)}")
-    info = {"pid": int(pid_file.read_text().split()[0]), "pgid": launcher.pid,
+    pid = int(pid_file.read_text().split()[0])
+    info = {"pid": pid, "pgid": launcher.pid, **server_process.identity(pid),
             "model_name": target.model_name, "mar": str(target.mar),
             "url": f"http://127.0.0.1:{port}/predictions/{target.model_name}",
             "port": port, "management_port": management, "metrics_port": metrics,
@@ -234,40 +257,10 @@ def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
     raise UserError(f"no READY worker after {timeout_s:.0f} s: {_log_tail(serve_dir)}")
 
 
-def stop(serve_dir: Path, grace_s: float = 30) -> bool:
-    """Stop the server of `serve_dir` and every process it started; True if one ran."""
-    info = read_info(serve_dir)
-    if not info:
-        return False
-    ran = process_alive(info["pid"])
-    if ran:
-        os.kill(info["pid"], signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while process_alive(info["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(info["pgid"], signal.SIGKILL)  # workers left behind, if any
-    for name in (SERVER_INFO, PID_FILE, KEY_FILE):
-        (serve_dir / name).unlink(missing_ok=True)
-    (registry_dir() / f"{info['pid']}.json").unlink(missing_ok=True)
-    return ran
-
-
-def stop_servers(target: str | None) -> list[str]:
-    """Stop the server of `target` (a run folder or .mar), or every server compress started
-    on this machine; return the serve folders that were running."""
-    if target is not None:
-        path = Path(target).resolve()
-        folders = [path.with_suffix(".serve") if path.suffix == ".mar" else path / "serve"]
-    else:
-        folders = [Path(json.loads(f.read_text())["serve_dir"])
-                   for f in sorted(registry_dir().glob("*.json"))]
-    return [str(folder) for folder in folders if stop(folder)]
-
-
 def curl_example(info: dict[str, Any], text: str = "a gripping, beautiful film") -> str:
-    """A ready-to-paste curl command for the served model (a causal LM's streams: -N)."""
-    auth = f"-H 'Authorization: Bearer {info['token']}' " if info.get("token") else ""
+    """A ready-to-paste curl command for the served model (a causal LM's streams: -N); the
+    token comes from $TOKEN (`token_command`), never printed."""
+    auth = '-H "Authorization: Bearer $TOKEN" ' if info.get("token") else ""
     if (info.get("settings") or {}).get("task") == "causal-lm":
         body = json.dumps({"prompt": "What is the capital of France?", "max_new_tokens": 32})
         return (f"curl -sN {auth}-H 'Content-Type: application/json' -d '{body}' "

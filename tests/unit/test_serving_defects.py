@@ -198,8 +198,7 @@ def test_stop_checks_the_recorded_start_time_and_boot(tmp_path: Path, monkeypatc
     from compress.serving import server_process
 
     monkeypatch.setenv("COMPRESS_STATE_DIR", str(tmp_path / "state"))
-    marker = server_process.MARKERS[0]
-    ours = _sleeper(marker)
+    ours = _sleeper(server_process.MARKERS[0], "-f", str(tmp_path / "serve/config.properties"))
     try:
         identity = server_process.identity(ours.pid)
         for wrong in ({"pid_start": identity["pid_start"] + 1},

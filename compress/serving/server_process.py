@@ -1,0 +1,152 @@
+"""Whether a recorded TorchServe is still the one compress started, and stopping it.
+
+`server.json` records the pid of TorchServe's Java frontend, its process group and what
+identifies that process: the boot it ran in (/proc/sys/kernel/random/boot_id) and its
+start time (field 22 of /proc/<pid>/stat). A pid is signalled only while these match and
+its command line is TorchServe's with this serve folder's config; a record that no longer
+matches (written before a restart, or its pid now another program's) is stale: it is
+removed and nothing is signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from compress.serving.serve_folder import (
+    KEY_FILE,
+    PID_FILE,
+    SERVER_INFO,
+    process_alive,
+    read_info,
+    registry_dir,
+)
+
+MARKERS = ("org.pytorch.serve.ModelServer",)  # in the command line of TorchServe's frontend
+SERVE_DIR_ENV = "COMPRESS_SERVE_DIR"  # set for the launch: the server's processes inherit it
+
+
+def boot_id() -> str | None:
+    """This boot's id (None where /proc does not say)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def identity(pid: int) -> dict[str, Any]:
+    """What identifies process `pid` across pid reuse and restarts, for server.json."""
+    stat = _stat(pid)
+    return {"boot_id": boot_id(), "pid_start": int(stat[19]) if stat else None}
+
+
+def stale_reason(info: dict[str, Any]) -> str | None:
+    """Why the record `info` no longer describes the server compress started (None: it
+    does, or its server is gone and left nothing to identify)."""
+    pid, recorded_boot, now_boot = int(info["pid"]), info.get("boot_id"), boot_id()
+    if recorded_boot and now_boot and recorded_boot != now_boot:
+        return "written before the machine restarted"
+    if not process_alive(pid):
+        return None
+    stat = _stat(pid)
+    if info.get("pid_start") is not None and (stat is None or int(stat[19]) != info["pid_start"]):
+        return f"pid {pid} is now another process"
+    command = _cmdline(pid)
+    if not any(m in command for m in MARKERS) or str(info.get("serve_dir")) not in command:
+        return f"pid {pid} is not this folder's TorchServe"
+    if stat is not None and info.get("pgid") is not None and int(stat[2]) != info["pgid"]:
+        return f"pid {pid} left its process group"
+    return None
+
+
+def serving(info: dict[str, Any] | None) -> bool:
+    """Whether the record `info` names a live server that compress started."""
+    return bool(info) and process_alive(int(info["pid"])) and stale_reason(info) is None
+
+
+def stop(serve_dir: Path, grace_s: float = 30,
+         echo: Callable[[str], None] = print) -> bool:
+    """Stop the server of `serve_dir` and every process it started; True if one ran. A
+    stale record is removed, said through `echo`, and nothing is signalled."""
+    info = read_info(serve_dir)
+    if not info:
+        return False
+    info.setdefault("serve_dir", str(Path(serve_dir).resolve()))
+    reason = stale_reason(info)
+    if reason:
+        echo(f"{serve_dir}: stale server record ({reason}); removed it, signalled nothing")
+        _forget(serve_dir, info)
+        return False
+    ran = process_alive(info["pid"])
+    if ran:
+        os.kill(info["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while process_alive(info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if ran or _group_is_ours(info["pgid"], info["serve_dir"]):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(info["pgid"], signal.SIGKILL)  # workers left behind, if any
+    _forget(serve_dir, info)
+    return ran
+
+
+def stop_servers(target: str | None, echo: Callable[[str], None] = print) -> list[str]:
+    """Stop the server of `target` (a run folder or .mar), or every server compress started
+    on this machine; return the serve folders that were running."""
+    if target is not None:
+        path = Path(target).resolve()
+        folder = path.with_suffix(".serve") if path.suffix == ".mar" else path / "serve"
+        return [str(folder)] if stop(folder, echo=echo) else []
+    stopped = []
+    for entry in sorted(registry_dir().glob("*.json")):
+        try:
+            folder = Path(json.loads(entry.read_text())["serve_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            folder = None
+        if folder is not None and stop(folder, echo=echo):
+            stopped.append(str(folder))
+        entry.unlink(missing_ok=True)
+    return stopped
+
+
+def _group_is_ours(pgid: int, serve_dir: str) -> bool:
+    """Whether a process of group `pgid` is left by the server of `serve_dir` (its
+    frontend gone): one carries the folder in its command line or environment."""
+    mark = f"{SERVE_DIR_ENV}={serve_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is None or int(stat[2]) != pgid:
+            continue
+        with contextlib.suppress(OSError):
+            if serve_dir in _cmdline(int(entry.name)) or mark in (
+                    entry / "environ").read_bytes().split(b"\0"):
+                return True
+    return False
+
+
+def _forget(serve_dir: Path, info: dict[str, Any]) -> None:
+    for name in (SERVER_INFO, PID_FILE, KEY_FILE):
+        (Path(serve_dir) / name).unlink(missing_ok=True)
+    (registry_dir() / f"{info['pid']}.json").unlink(missing_ok=True)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (field 3 is [0]), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""

@@ -122,7 +122,9 @@ class CausalLMHandler(BaseHandler):
 
     async def _answer(self, i: int, request: dict[str, Any], context) -> str:
         """One request through the continuous batch: its chunks sent as they come (native
-        NDJSON, or OpenAI's server-sent events on its routes); its last answer returned."""
+        NDJSON, or OpenAI's server-sent events on its routes); its last answer returned.
+        `X-Batch-Size`: the rows decoding when its first token came (or when it arrived)."""
+        context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))
         try:
             route = lm_openai.route_of(context.get_request_header(i, "url_path"))
         except lm_openai.RouteError as exc:

@@ -134,6 +134,41 @@ def test_a_bad_request_in_a_batch_gets_the_only_400(served: dict, offline) -> No
             assert json.loads(lines[0][1])["text"] == offline_text(offline, body["prompt"], 8)
 
 
+def test_the_openai_client_streams_the_offline_text_and_gets_its_own_errors(
+        served: dict, offline) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served['url']}/1.0/v1",
+                           api_key=served.get("token") or "unused", max_retries=0)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    pieces, finish, usage = [], None, None
+    for chunk in client.chat.completions.create(model="tiny_lm", messages=messages,
+                                                max_tokens=24, temperature=0, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert len(pieces) > 5 and "".join(pieces) == offline_text(offline, PROMPTS[0], 24)
+    assert finish == "length" and usage.completion_tokens == 24
+    assert usage.prompt_tokens == len(lm_runtime.prompt_ids(offline.tokenizer, PROMPTS[0]))
+    whole = client.chat.completions.create(model="tiny_lm", messages=messages, max_tokens=24,
+                                           temperature=0)
+    assert whole.choices[0].message.content == "".join(pieces)
+    # completions: the prompt as it is, no chat template
+    ids = lm_runtime.prompt_ids(offline.tokenizer, PROMPTS[1], chat_template=False)
+    want = lm_runtime.StaticDecoder(offline.model, 256).generate(
+        [ids], 16, lm_runtime.stop_ids(offline.model, offline.tokenizer)).tokens
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny_lm", prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True)
+        if c.choices)
+    assert text == offline.tokenizer.decode(want, skip_special_tokens=True)
+    assert [m.id for m in client.models.list()] == ["tiny_lm"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny_lm", messages=[], max_tokens=4)
+    assert bad.value.status_code == 400 and "messages" in bad.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny_lm", messages=messages, max_tokens=10 ** 9)
+
+
 def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
                                                        served: dict) -> None:
     server.stop(Path(served["serve_dir"]))  # the module's server: one at a time here

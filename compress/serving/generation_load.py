@@ -133,6 +133,7 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "throughput_rps": round(len(rows) / wall, 2) if wall > 0 else 0.0,
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
+            "ttft_ms_p99": percentile(ttft, 99),
             "latency_ms_p50": percentile(latency, 50), "latency_ms_p90": percentile(latency, 90),
             "decode_tok_s_per_request": round(statistics.median(r["rate"] for r in rows), 2)
             if rows else None,
@@ -150,7 +151,10 @@ def sweep_generation(url: str, concurrencies: list[int], requests: int,
     high, low = runs[-1], runs[0]
     ratio = (round(high["tokens_per_s"] / low["tokens_per_s"], 2)
              if low["tokens_per_s"] else None)
-    return {"url": url, "task": "causal-lm", "runs": runs, "tokens_per_s_ratio": ratio}
+    ttft_ratio = (round(high["ttft_ms_p50"] / low["ttft_ms_p50"], 2)
+                  if low["ttft_ms_p50"] and high["ttft_ms_p50"] is not None else None)
+    return {"url": url, "task": "causal-lm", "runs": runs, "tokens_per_s_ratio": ratio,
+            "ttft_p50_ratio": ttft_ratio}
 
 
 def format_generation_table(result: dict) -> str:
@@ -158,7 +162,8 @@ def format_generation_table(result: dict) -> str:
     columns = [("concurrency", "concurrency"), ("requests", "requests"), ("ok", "ok"),
                ("errors", "errors"), ("tok/s", "tokens_per_s"),
                ("ttft p50 ms", "ttft_ms_p50"), ("ttft p90 ms", "ttft_ms_p90"),
-               ("p50 ms", "latency_ms_p50"), ("tok/s/req", "decode_tok_s_per_request"),
+               ("ttft p99 ms", "ttft_ms_p99"), ("p50 ms", "latency_ms_p50"),
+               ("tok/s/req", "decode_tok_s_per_request"),
                ("batch mean", "batch_size_mean"), ("batch max", "batch_size_max")]
     rows = [["-" if run.get(key) is None else str(run.get(key)) for _, key in columns]
             for run in result["runs"]]
@@ -171,4 +176,8 @@ def format_generation_table(result: dict) -> str:
     lines.append(f"tokens/s at concurrency {result['runs'][-1]['concurrency']} / concurrency "
                  f"{result['runs'][0]['concurrency']}: "
                  + ("n/a" if ratio is None else f"{ratio:.2f}x"))
+    ttft = result.get("ttft_p50_ratio")
+    if ttft is not None:
+        lines.append(f"time to first token p50 at concurrency {result['runs'][-1]['concurrency']}"
+                     f" / concurrency {result['runs'][0]['concurrency']}: {ttft:.2f}x")
     return "\n".join(lines)

@@ -169,6 +169,63 @@ def test_the_openai_client_streams_the_offline_text_and_gets_its_own_errors(
         client.chat.completions.create(model="tiny_lm", messages=messages, max_tokens=10 ** 9)
 
 
+def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline) -> None:
+    """50 streaming clients, 40 of them closing their connection after a random number of
+    chunks: the others get the offline text, and a full batch afterwards still works."""
+    import random
+
+    parts = urlsplit(served["url"])
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {served['token']}"}
+
+    def leave_after(chunks: int) -> int:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+        conn.request("POST", parts.path, body=json.dumps(
+            {"prompt": PROMPTS[chunks % 8], "max_new_tokens": 40}).encode(), headers=headers)
+        answer = conn.getresponse()
+        for _ in range(chunks):
+            answer.readline()
+        conn.close()
+        return answer.status
+
+    def stay(prompt: str) -> str:
+        _, _, lines = generate(served, {"prompt": prompt, "max_new_tokens": 40})
+        return json.loads(lines[-1][1])["text"]
+
+    rng = random.Random(0)
+    with ThreadPoolExecutor(16) as pool:
+        left = [pool.submit(leave_after, rng.randint(0, 20)) for _ in range(40)]
+        stayed = [(p, pool.submit(stay, p)) for p in PROMPTS + PROMPTS[:2]]
+        assert [f.result() for f in left] == [200] * 40
+        for prompt, text in stayed:
+            assert text.result() == offline_text(offline, prompt, 40), prompt
+    with ThreadPoolExecutor(8) as pool:
+        after = list(pool.map(stay, PROMPTS))
+    assert after == [offline_text(offline, p, 40) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{" * 10_000 + b"}" * 10_000, 400),  # JSON nested 10,000 deep
+    (b'{"prompt": "\xff\xfe"}', 400),  # not UTF-8
+    (json.dumps({"prompt": "hi", "max_new_tokens": 10 ** 9}).encode(), 400),
+    (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400),
+    (json.dumps({"messages": []}).encode(), 400),
+    (json.dumps({"prompt": "word " * 400}).encode(), 400),  # longer than the cache
+    (b"x" * (10 << 20), 413),  # 10 MB: TorchServe's own limit answers first
+])
+def test_named_bad_requests_get_one_4xx_and_the_server_stays(served: dict, body: bytes,
+                                                              status: int, offline) -> None:
+    parts = urlsplit(served["url"])
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    conn.request("POST", parts.path, body=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {served['token']}"})
+    answer = conn.getresponse()
+    answer.read()
+    conn.close()
+    assert answer.status == status
+    _, _, lines = generate(served, {"prompt": PROMPTS[2], "max_new_tokens": 8})
+    assert json.loads(lines[-1][1])["text"] == offline_text(offline, PROMPTS[2], 8)
+
+
 def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
                                                        served: dict) -> None:
     server.stop(Path(served["serve_dir"]))  # the module's server: one at a time here

@@ -222,11 +222,8 @@ class CausalLMHandler(BaseHandler):
                 if piece and rows[k].stream:
                     chunks[group[k]] = json.dumps(
                         {"delta": piece, "tokens": len(streams[k].tokens)}) + "\n"
-            if chunks:
-                ret = [chunks.get(i, "") for i in range(max(chunks) + 1)]
-                send_intermediate_predict_response(
-                    ret, {i: context.request_ids[i] for i in chunks},
-                    "Intermediate Prediction success", 200, context)
+            for i, chunk in chunks.items():
+                _send(context, i, chunk)
             return [k for k, s in enumerate(streams) if s.stopped]
 
         seeds = [r.seed for r in rows]
@@ -245,7 +242,13 @@ class CausalLMHandler(BaseHandler):
 
 
 def _send(context, i: int, chunk: str) -> None:
-    """One intermediate response (a streamed chunk) for request `i` alone."""
+    """One intermediate response (a streamed chunk) for request `i` alone: through the
+    context's `send_chunk(i, chunk)` where the serving engine gives one (compress's second
+    engine), else TorchServe's intermediate response."""
+    send_chunk = getattr(context, "send_chunk", None)
+    if send_chunk is not None:
+        send_chunk(i, chunk)
+        return
     send_intermediate_predict_response([""] * i + [chunk], {i: context.request_ids[i]},
                                        "Intermediate Prediction success", 200, context)
 

@@ -1,6 +1,6 @@
 """Checks of `tensor_parallel: N` (an export's or a package's), without torch: a float causal
 LM whose key-value heads and feed-forward neurons N divides, on no more processes than this
-machine has cores."""
+machine has cores unless `oversubscribe`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 def split_problems(recipe: Any, i: int) -> list[str]:
     """tensor_parallel on stage `i`: a float model, and no more processes than this
-    machine's cores."""
+    machine's cores unless `oversubscribe`."""
     from compress.recipe.chain import model_chain
 
     stage = recipe.stages[i]
@@ -24,9 +24,10 @@ def split_problems(recipe: Any, i: int) -> list[str]:
                         f"{stage.kind} follows the quantize stage {quantized[-1]}; take the "
                         f"model from a stage before it")
     cores = os.cpu_count() or 1
-    if ranks > cores:
+    if ranks > cores and not getattr(stage, "oversubscribe", False):
         problems.append(f"stages.{i}.tensor_parallel: {ranks} processes is more than the "
-                        f"{cores} CPU cores of this machine; use {cores} or fewer")
+                        f"{cores} CPU cores of this machine; use {cores} or fewer, or set "
+                        f"oversubscribe: true to run them anyway (slower)")
     return problems
 
 

@@ -34,6 +34,7 @@ from serve import (
     lm_decode,
     lm_grouped,
     lm_grouped_kernels,
+    lm_pipeline_parallel,
     lm_runtime,
     lm_tensor_parallel,
 )
@@ -41,7 +42,8 @@ from serve import (
 RUNTIME = Path(lm_runtime.__file__)
 RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__), Path(lm_attention.__file__),  # beside it
                  Path(lm_grouped.__file__), Path(lm_grouped_kernels.__file__),
-                 lm_grouped_kernels.SOURCE, Path(lm_tensor_parallel.__file__))
+                 lm_grouped_kernels.SOURCE, Path(lm_tensor_parallel.__file__),
+                 Path(lm_pipeline_parallel.__file__))
 PARITY_BATCH = 8
 
 
@@ -128,6 +130,10 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
         from compress.stages.export_lm_tp import check_tensor_parallel
 
         check_tensor_parallel(final, cfg, prompts, ctx)
+    if cfg.pipeline_parallel:
+        from compress.stages.export_lm_pp import check_pipeline_parallel
+
+        check_pipeline_parallel(final, cfg, prompts, ctx)
     ctx.add_output(artifact_record(path, ctx.run_dir, LM_FORMAT, export_dir=str(where)))
     return State(ModelBundle(exported.model, "causal-lm", [], tokenizer=exported.tokenizer,
                              lm=exported.facts))

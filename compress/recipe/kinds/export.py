@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from compress.recipe.options import CalibrationOptions, StageName, StrictModel
+from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register
 from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_problems
 
@@ -17,7 +18,8 @@ RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTIn
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
 LM_FORMAT = "transformers"  # the one format of a causal LM
 LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples",
-              "tensor_parallel", "tolerance")
+              "tensor_parallel", "pipeline_parallel", "oversubscribe", "tolerance")
+PARALLEL = ("tensor_parallel", "pipeline_parallel", "oversubscribe")
 
 
 class TensorRTShapes(StrictModel):
@@ -82,6 +84,15 @@ class ExportConfig(StrictModel):
         None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
         "across N torchrun processes (torch DTensor tensor parallelism; lm_tensor_parallel.py "
         "in the folder) and check its logits against one process (tolerance, default 1e-4).")
+    pipeline_parallel: int | None = Field(
+        None, ge=2, le=64, description="Causal LMs: also cut the model's decoder layers into "
+        "N pipeline stages on N torchrun processes (torch.distributed.pipelining, GPipe "
+        "micro-batches; lm_pipeline_parallel.py in the folder), check its logits against one "
+        "process (tolerance, default 1e-4) and its greedy tokens (min_agreement), and record "
+        "each rank's weight bytes and tokens/s at batch 8 with 1, 2 and 4 micro-batches.")
+    oversubscribe: bool = Field(
+        False, description="tensor_parallel, pipeline_parallel: allow more processes than "
+        "this machine has cores (they share them and run slower).")
 
     @property
     def quantizes(self) -> bool:
@@ -156,8 +167,9 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
     any other format."""
     where = f"stages.{index}"
     if task != "causal-lm":
-        if cfg.tensor_parallel:
-            return [f"{where}.tensor_parallel: splits a causal LM's decoder layers across "
+        split = [o for o in PARALLEL if o in cfg.model_fields_set]
+        if split:
+            return [f"{where}.{split[0]}: splits a causal LM's decoder layers across "
                     "processes; a classifier exports whole"]
         if cfg.format == LM_FORMAT:
             return [f"{where}.format: transformers exports a causal LM (its folder with a "
@@ -176,13 +188,15 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
 SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
     makes_model=False, splits=_splits, runtime=_runtime,
-    check=lambda recipe, i: _fits_the_model(recipe, i) + split_problems(recipe, i),
-    check_model=split_fits_the_config,
+    check=lambda recipe, i: (_fits_the_model(recipe, i) + split_problems(recipe, i)
+                             + pipeline_problems(recipe, i)),
+    check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
+                                           + stages_fit_the_config(recipe, i, config)),
     reload="compress.stages.export:reload", precision=_file_precision,
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
     runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
     runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode", "serve.lm_attention",
-                               "serve.lm_tensor_parallel")},
+                               "serve.lm_tensor_parallel", "serve.lm_pipeline_parallel")},
 ))

@@ -93,16 +93,17 @@ def tiny_bert(tmp_path_factory) -> Path:
 
 def http_post(url: str, body: bytes, token: str | None = None,
               content_type: str = "application/json") -> tuple[int, dict, object]:
-    """(status, headers, JSON answer) of one POST."""
+    """(status, headers, JSON answer) of one POST; the headers' names are case-insensitive,
+    as HTTP's are (TorchServe sends `X-Batch-Size`, uvicorn `x-batch-size`)."""
     headers = {"Content-Type": content_type}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, dict(answer.headers), json.loads(answer.read())
+            return answer.status, answer.headers, json.loads(answer.read())
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), json.loads(error.read() or b"null")
+        return error.code, error.headers, json.loads(error.read() or b"null")
 
 
 @pytest.fixture(scope="session")
@@ -341,26 +342,42 @@ def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
 TIERS = ("unit", "integration", "serving", "gpu")
 
 
-def serving_missing() -> list[str]:
-    """What the serving tests need and this machine lacks (Java 17, TorchServe)."""
+def serving_missing(engine: str = "torchserve") -> list[str]:
+    """What the serving tests of `engine` need and this machine lacks (Java 17 and
+    TorchServe; LitServe needs no Java, but the torchserve package for its handlers)."""
     import importlib.util
     import shutil
 
     return [what for what, present in (
-        ("java (TorchServe needs Java 17)", shutil.which("java") is not None),
+        ("java (TorchServe needs Java 17)",
+         engine == "litserve" or shutil.which("java") is not None),
         ("torchserve", importlib.util.find_spec("ts") is not None),
         ("torch-model-archiver", importlib.util.find_spec("model_archiver") is not None),
+        ("litserve", engine != "litserve" or importlib.util.find_spec("litserve") is not None),
     ) if not present]
+
+
+SERVING_ENGINES = ("torchserve", "litserve")
+
+
+@pytest.fixture(scope="module", params=SERVING_ENGINES)
+def engine(request) -> str:
+    """The serving engine of a serving test: its module's tests run against each in turn
+    (pytest groups them by engine, so a module-scoped server starts once per engine)."""
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`);
-    serving tests are skipped with the reason when Java or TorchServe is missing."""
-    missing = serving_missing()
+    serving tests are skipped with the reason when their engine's needs are missing."""
+    missing = {engine: serving_missing(engine) for engine in SERVING_ENGINES}
     for item in items:
         parts = Path(str(item.fspath)).parts
         for tier in TIERS:
             if tier in parts:
                 item.add_marker(getattr(pytest.mark, tier))
-        if "serving" in parts and missing:
-            item.add_marker(pytest.mark.skip(reason="serving tests need " + ", ".join(missing)))
+        callspec = getattr(item, "callspec", None)
+        lacking = missing[callspec.params.get("engine", "torchserve") if callspec
+                          else "torchserve"]
+        if "serving" in parts and lacking:
+            item.add_marker(pytest.mark.skip(reason="serving tests need " + ", ".join(lacking)))

@@ -26,10 +26,14 @@ from compress.errors import CompressError, UserError
               help="Seconds to wait for a READY worker.")
 @click.option("--stop", is_flag=True, help="Stop the server of TARGET (or every server "
               "compress started when TARGET is omitted).")
+@click.option("--engine", type=click.Choice(["torchserve", "litserve"]), default="torchserve",
+              show_default=True, help="The server: TorchServe (Java), or LitServe running "
+              "the archive's same handler (pip install litserve; no Java).")
 def serve(target: str | None, port: int, workers: int | None, batch_size: int | None,
           max_batch_delay: int | None, no_auth: bool, enable_model_api: bool, timeout: int,
-          stop: bool) -> None:
-    """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe.
+          stop: bool, engine: str) -> None:
+    """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe, or with
+    LitServe (--engine litserve: the same archive, handler, URLs and token).
 
     \b
     Every listener binds 127.0.0.1; token authorization is on unless --no-auth. The
@@ -41,6 +45,7 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
     Examples:
       compress serve runs/bert_int8
       compress serve runs/bert_int8 --port 8081 --batch-size 16 --max-batch-delay 10
+      compress serve runs/bert_int8 --engine litserve
       compress serve --stop runs/bert_int8
     """
     from compress.serving import server
@@ -54,9 +59,10 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
     info = server.start(server.resolve_target(target), port=port, workers=workers,
                         batch_size=batch_size, max_batch_delay_ms=max_batch_delay,
                         auth=not no_auth, model_api=enable_model_api, timeout_s=timeout,
-                        echo=lambda m: click.echo(m, err=True))
+                        echo=lambda m: click.echo(m, err=True), engine=engine)
     settings = info["settings"]
-    click.echo(f"serving {info['model_name']} at {info['url']}")
+    click.echo(f"serving {info['model_name']} at {info['url']} with "
+               f"{'LitServe' if engine == 'litserve' else 'TorchServe'}")
     click.echo(f"  workers {settings['maxWorkers']} x {settings['threads_per_worker']} "
                f"threads, batch size {settings['batchSize']}, max batch delay "
                f"{settings['maxBatchDelay']} ms; logs in {info['serve_dir']}/logs")

@@ -73,8 +73,11 @@ def process_alive(pid: int) -> bool:
 
 
 def port_in_use(port: int) -> bool:
-    """Whether something listens on (or holds) 127.0.0.1:`port`."""
+    """Whether something listens on (or holds) 127.0.0.1:`port`. Connections a stopped
+    server closed first (TIME_WAIT, as uvicorn's) do not count: servers bind with
+    SO_REUSEADDR, as this probe does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:

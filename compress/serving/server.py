@@ -1,4 +1,5 @@
-"""Start, wait for and stop a TorchServe serving one compress `.mar`.
+"""Start, wait for and stop a TorchServe (or LitServe: `engine="litserve"`, see
+compress.serving.litserve) serving one compress `.mar`.
 
 Each server lives in a serve folder (`<run>/serve/`, or `<name>.serve/` beside a bare
 `.mar`): `config.properties`, the unpacked model with its batch settings, `logs/`,
@@ -30,6 +31,7 @@ from compress.errors import UserError
 from compress.runfolder.files import sha256_file
 from compress.runfolder.records import MANIFEST, require_manifest
 from compress.serving import server_process
+from compress.serving.litserve import launch as litserve_launch
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     PID_FILE,
@@ -54,6 +56,7 @@ JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubunt
 OPEN_MODEL_API = ("--no-auth with --enable-model-api would let any local process register "
                   "an archive whose handler runs code: keep the token, or the model API off")
 MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+ENGINES = ("torchserve", litserve_launch.ENGINE)  # the first is the default
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,23 @@ def _mar_model_name(mar: Path) -> str:
 def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
           batch_size: int | None = None, max_batch_delay_ms: int | None = None,
           auth: bool = True, model_api: bool = False, timeout_s: float = 900,
-          echo: Callable[[str], None] = print) -> dict[str, Any]:
-    """Start TorchServe on 127.0.0.1:`port`, wait until a worker is READY; return server.json.
+          echo: Callable[[str], None] = print, engine: str = "torchserve") -> dict[str, Any]:
+    """Start `engine` (TorchServe, or LitServe serving the same unpacked archive) on
+    127.0.0.1:`port`, wait until a worker is ready; return server.json.
 
     Batch and worker options override the archive's model-config.yaml. On any failure the
     server is stopped before the error is raised."""
+    if engine not in ENGINES:
+        raise UserError(f"unknown serving engine {engine!r}: choose one of {', '.join(ENGINES)}")
     if not auth and model_api:
         raise UserError(OPEN_MODEL_API)
-    check_prerequisites()
+    if engine == litserve_launch.ENGINE:
+        if model_api:
+            raise UserError("--enable-model-api is TorchServe's management API: LitServe "
+                            "serves the archive it starts with, and no other")
+        litserve_launch.check_installed()
+    else:
+        check_prerequisites()
     running = read_info(target.serve_dir)
     if server_process.serving(running):
         raise UserError(f"{target.serve_dir.parent}: already served at {running['url']}; stop "
@@ -134,6 +146,9 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     (serve_dir / "logs").mkdir(parents=True)
     store = serve_dir / "model-store"
     settings = unpack_model(target, store, workers, batch_size, max_batch_delay_ms)
+    if engine == litserve_launch.ENGINE:
+        return litserve_launch.start(target.model_name, target.mar, store / target.model_name,
+                                     serve_dir, port, settings, auth, timeout_s, echo)
     management, metrics, grpc_i, grpc_m = free_ports(4, avoid={port})
     config = serve_dir / "config.properties"
     config.write_text("\n".join([

@@ -1,9 +1,11 @@
-"""Whether a recorded TorchServe is still the one compress started, and stopping it.
+"""Whether a recorded TorchServe (or LitServe) is still the one compress started, and
+stopping it.
 
-`server.json` records the pid of TorchServe's Java frontend, its process group and what
+`server.json` records the pid of TorchServe's Java frontend (or of compress's LitServe
+process, `compress.serving.litserve.main`), its process group and what
 identifies that process: the boot it ran in (/proc/sys/kernel/random/boot_id) and its
 start time (field 22 of /proc/<pid>/stat). A pid is signalled only while these match and
-its command line is TorchServe's with this serve folder's config; a record that no longer
+its command line is the server's with this serve folder in it; a record that no longer
 matches (written before a restart, or its pid now another program's) is stale: it is
 removed and nothing is signalled.
 """
@@ -28,7 +30,8 @@ from compress.serving.serve_folder import (
     registry_dir,
 )
 
-MARKERS = ("org.pytorch.serve.ModelServer",)  # in the command line of TorchServe's frontend
+# in the command line of TorchServe's frontend, or of compress's LitServe server
+MARKERS = ("org.pytorch.serve.ModelServer", "compress.serving.litserve.main")
 SERVE_DIR_ENV = "COMPRESS_SERVE_DIR"  # set for the launch: the server's processes inherit it
 
 
@@ -59,7 +62,7 @@ def stale_reason(info: dict[str, Any]) -> str | None:
         return f"pid {pid} is now another process"
     command = _cmdline(pid)
     if not any(m in command for m in MARKERS) or str(info.get("serve_dir")) not in command:
-        return f"pid {pid} is not this folder's TorchServe"
+        return f"pid {pid} is not this folder's server"
     if stat is not None and info.get("pgid") is not None and int(stat[2]) != info["pgid"]:
         return f"pid {pid} left its process group"
     return None
@@ -92,6 +95,7 @@ def stop(serve_dir: Path, grace_s: float = 30,
     if ran or _group_is_ours(info["pgid"], info["serve_dir"]):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(info["pgid"], signal.SIGKILL)  # workers left behind, if any
+        _wait_group_gone(info["pgid"])  # SIGKILL lands later: until then they hold the port
     _forget(serve_dir, info)
     return ran
 
@@ -128,6 +132,16 @@ def _group_is_ours(pgid: int, serve_dir: str) -> bool:
                     entry / "environ").read_bytes().split(b"\0"):
                 return True
     return False
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 10) -> None:
+    """Wait until no live (non-zombie) process is left in group `pgid`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = (_stat(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit())
+        if not any(s is not None and int(s[2]) == pgid and s[0] != "Z" for s in stats):
+            return
+        time.sleep(0.05)
 
 
 def _forget(serve_dir: Path, info: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""A real TorchServe on free loopback ports serving the tiny packaged BERT: predictions
-equal the exported file's offline ones, batching happens, a bad request is answered 400
-alone, tokens are enforced, and every server is stopped with nothing left running."""
+"""A real server on free loopback ports serving the tiny packaged BERT, TorchServe and then
+LitServe (the `engine` fixture): predictions equal the exported file's offline ones,
+batching happens, a bad request is answered 400 alone, tokens are enforced, and every
+server is stopped with nothing left running."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import http_post, run_cli
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
+from compress.serving.litserve import launch as litserve_launch  # noqa: E402
 from export.folder import load_export  # noqa: E402
 
 pytestmark = pytest.mark.serving
@@ -40,11 +42,11 @@ def _our_processes(info: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served(packaged_text_run: Path, state_dir) -> dict:
-    """tiny_onnx.mar behind TorchServe with token authorization (the default)."""
+def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
+    """tiny_onnx.mar behind `engine` with token authorization (the default)."""
     target = server.resolve_target(packaged_text_run / "03-package/tiny_onnx.mar")
     (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None)
+    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None, engine=engine)
     yield info
     server.stop(target.serve_dir)
     assert not server.process_alive(info["pid"])
@@ -115,23 +117,26 @@ def test_plain_text_and_lists_of_texts(served: dict) -> None:
     assert status == 400 and answer["error"] == "text too long: 500 characters, at most 200"
 
 
-def test_a_second_server_on_a_busy_port_fails_clearly(served: dict,
-                                                      packaged_text_run: Path) -> None:
-    result = run_cli("serve", str(packaged_text_run), "--port", str(served["port"]))
+def test_a_second_server_on_a_busy_port_fails_clearly(served: dict, packaged_text_run: Path,
+                                                      engine: str) -> None:
+    result = run_cli("serve", str(packaged_text_run), "--port", str(served["port"]),
+                     "--engine", engine)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (
         f"error: port {served['port']} on 127.0.0.1 is in use (another server?): choose "
         f"another with --port, or stop what holds it")
-    again = run_cli("serve", str(packaged_text_run / "03-package/tiny_onnx.mar"))
+    again = run_cli("serve", str(packaged_text_run / "03-package/tiny_onnx.mar"),
+                    "--engine", engine)
     assert again.returncode == 2 and "already served at" in again.stderr
     assert http_post(served["url"], b'{"text": "good"}', served["token"])[0] == 200
 
 
-def test_cli_serves_a_run_folder_and_stops_it(packaged_text_run: Path, state_dir) -> None:
+def test_cli_serves_a_run_folder_and_stops_it(packaged_text_run: Path, state_dir,
+                                              engine: str) -> None:
     (port,) = server.free_ports(1)
     env = {"COMPRESS_STATE_DIR": str(state_dir)}
     result = run_cli("serve", str(packaged_text_run), "--port", str(port), "--no-auth",
-                     "--batch-size", "2", env=env)
+                     "--batch-size", "2", "--engine", engine, env=env)
     try:
         assert result.returncode == 0, result.stderr[-2000:]
         url = f"http://127.0.0.1:{port}/predictions/tiny_ts"  # the run's latest package
@@ -139,10 +144,12 @@ def test_cli_serves_a_run_folder_and_stops_it(packaged_text_run: Path, state_dir
         assert "batch size 2" in result.stdout and "try: curl -s -H" in result.stdout
         info = server.read_info(packaged_text_run / "serve")
         assert info["auth"] is False and info["settings"]["batchSize"] == 2
-        config = (packaged_text_run / "serve/config.properties").read_text()
-        assert "enable_model_api=false" in config
-        assert all(line.split("=", 1)[1].startswith(("http://127.0.0.1:", "127.0.0.1"))
-                   for line in config.splitlines() if "_address=" in line)
+        assert info.get("engine", "torchserve") == engine
+        if engine == "torchserve":
+            config = (packaged_text_run / "serve/config.properties").read_text()
+            assert "enable_model_api=false" in config
+            assert all(line.split("=", 1)[1].startswith(("http://127.0.0.1:", "127.0.0.1"))
+                       for line in config.splitlines() if "_address=" in line)
         status, _, answer = http_post(url, b'{"text": "lovely warm movie"}')
         assert status == 200 and answer["label"] == "positive"
     finally:
@@ -157,6 +164,19 @@ def test_java_missing_is_explained(packaged_text_run: Path) -> None:
     env = {"PATH": "/nonexistent", "JAVA_HOME": ""}
     result = run_cli("serve", str(packaged_text_run), "--port", "1", env=env)
     assert result.returncode == 2 and result.stderr.strip() == f"error: {server.JAVA_HELP}"
+
+
+def test_litserve_missing_is_explained(packaged_text_run: Path, monkeypatch, capsys) -> None:
+    import importlib.util
+
+    from conftest import cli
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "litserve" else find_spec(name, *args))
+    code, _, err = cli(monkeypatch, capsys, "serve", str(packaged_text_run), "--engine",
+                       "litserve")
+    assert code == 2 and err.strip() == f"error: {litserve_launch.INSTALL_HELP}"
 
 
 def test_a_run_without_a_package_is_refused(tmp_path: Path) -> None:
@@ -185,9 +205,10 @@ class Broken(BaseHandler):
 
 
 def test_serve_stops_within_a_minute_when_the_worker_cannot_start(tmp_path: Path,
-                                                                   state_dir) -> None:
+                                                                   state_dir, engine) -> None:
     """A handler that raises in initialize: TorchServe would restart its worker for the
-    whole timeout; `compress serve` stops at the second death with the exception."""
+    whole timeout; `compress serve` stops at the second death with the exception (LitServe:
+    at the first)."""
     import subprocess
     import sys
     import time
@@ -200,7 +221,8 @@ def test_serve_stops_within_a_minute_when_the_worker_cannot_start(tmp_path: Path
     (port,) = server.free_ports(1)
     began = time.monotonic()
     result = run_cli("serve", str(tmp_path / "broken.mar"), "--port", str(port),
-                     "--timeout", "600", env={"COMPRESS_STATE_DIR": str(state_dir)})
+                     "--timeout", "600", "--engine", engine,
+                     env={"COMPRESS_STATE_DIR": str(state_dir)})
     spent = time.monotonic() - began
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and spent < 60, (spent, result.stderr[-2000:])

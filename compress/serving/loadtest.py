@@ -126,6 +126,7 @@ def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
         "latency_ms_p50": percentile(latencies, 50),
         "latency_ms_p90": percentile(latencies, 90),
         "latency_ms_p99": percentile(latencies, 99),
+        "latency_ms_max": round(latencies[-1], 2) if latencies else None,
         "batch_sizes": batch_sizes, "batch_size_mean": batch_mean, "batch_size_max": batch_max,
     }
 

@@ -24,9 +24,11 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
+    from handler_metrics import record
     from runtimes import load_runtime
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
+    from serve.handler_metrics import record
     from serve.runtimes import load_runtime
     from serve.worker_threads import worker_threads
 
@@ -85,6 +87,7 @@ class CompressHandler(BaseHandler):
         for i in range(len(data)):
             context.set_response_header(i, BATCH_HEADER, str(len(data)))
             context.set_response_content_type(i, "application/json")
+        record(context, "CompressBatchRows", len(data))
         return [json.dumps(r) for r in results]
 
     def preprocess(self, data: list[dict[str, Any]], context) -> tuple[list, list, list]:
@@ -98,6 +101,7 @@ class CompressHandler(BaseHandler):
                 parsed, many = self.parse(request, _content_type(context, i, request))
             except ValueError as exc:
                 context.set_response_status(400, str(exc), idx=i)
+                record(context, "CompressBadRequests", 1)
                 results.append({"error": str(exc), "status": 400})
                 continue
             results.append([] if many else None)

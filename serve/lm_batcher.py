@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ class Row:
     sampling: Sampling | None = None
     tokens: list[int] = field(default_factory=list)
     start: int = 0  # its first cache position
+    admitted: float = 0.0  # time.perf_counter() when its prefill began
     cancelled: bool = False  # set by `cancel`: the row leaves at the next step
     generator: torch.Generator | None = None
 
@@ -140,6 +142,7 @@ class ContinuousBatcher:
             with self.wake:
                 self.waiting.popleft()
             slot = self.slots.index(None)
+            row.admitted = time.perf_counter()
             logits = self.prefill.prefill(row.ids)
             length = len(row.ids)
             row.start = self.cursor - length

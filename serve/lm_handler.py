@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,22 @@ from ts.torch_handler.base_handler import BaseHandler
 try:  # inside the archive the modules lie beside this file
     import lm_batcher
     import lm_openai
+    import lm_pipeline_parallel
     import lm_requests
     import lm_runtime
     import lm_tensor_parallel
+    from handler_metrics import record
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
-    from serve import lm_batcher, lm_openai, lm_requests, lm_runtime, lm_tensor_parallel
+    from serve import (
+        lm_batcher,
+        lm_openai,
+        lm_pipeline_parallel,
+        lm_requests,
+        lm_runtime,
+        lm_tensor_parallel,
+    )
+    from serve.handler_metrics import record
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
@@ -63,7 +74,10 @@ class CausalLMHandler(BaseHandler):
                                              int(config.get("maxWorkers", 1)) * self.ranks))
         logger.info("%sloading %s", PROGRESS, model_dir.name)
         self.lm = lm_runtime.load_folder(model_dir)
-        if self.ranks > 1:
+        self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
+        if self.ranks > 1 and config.get("parallelType") == "pp":  # by every rank in step
+            self.pipe = lm_pipeline_parallel.join_and_split(self.lm.model)
+        elif self.ranks > 1:
             lm_tensor_parallel.join_and_split(self.lm.model)
         self.stop = lm_runtime.stop_ids(self.lm.model, self.lm.tokenizer)
         self.limits = lm_requests.Limits(
@@ -81,8 +95,13 @@ class CausalLMHandler(BaseHandler):
         # every bucket's decoder compiles the same step function: one graph each
         torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
         for rows in sizes:
-            decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
-                                               always_mask=True)
+            if self.pipe is not None:  # micro-batches: one a rank where the rows divide;
+                # rank 0 alone gets the requests and leads every generation
+                decoder = lm_pipeline_parallel.PipelineDecoder(self.pipe, self.limits.cache_len,
+                                                               self.ranks, lead=True)
+            else:
+                decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
+                                                   always_mask=True)
             self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
         # compiling a decoder drops the graphs of those before it (StaticDecoder.compile):
         # warm them up only once all are built, so each compiles once, now, not on a request
@@ -94,6 +113,8 @@ class CausalLMHandler(BaseHandler):
             decoder.generate([[0]] * rows, 2)
             if self.continuous and n == 1:
                 lm_batcher.shared_caches(self.decoders)
+        if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0
+            lm_pipeline_parallel.follow(self.decoders[max(self.decoders)])
         self.batcher = None
         if self.continuous:
             prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
@@ -125,6 +146,7 @@ class CausalLMHandler(BaseHandler):
         NDJSON, or OpenAI's server-sent events on its routes); its last answer returned.
         `X-Batch-Size`: the rows decoding when its first token came (or when it arrived)."""
         context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))
+        began = time.perf_counter()
         try:
             route = lm_openai.route_of(context.get_request_header(i, "url_path"))
         except lm_openai.RouteError as exc:
@@ -161,7 +183,11 @@ class CausalLMHandler(BaseHandler):
             if stream.stopped:
                 continue
             if len(stream.tokens) == 0:
-                context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))
+                busy = self.batcher.busy()
+                context.set_response_header(i, BATCH_HEADER, str(busy))
+                record(context, "CompressBatchRows", busy)
+                record(context, "CompressQueueTime", 1000 * (row.admitted - began))
+                record(context, "CompressTimeToFirstToken", 1000 * (time.perf_counter() - began))
             piece = stream.add(token)
             if stream.stopped:
                 self.batcher.cancel(row)
@@ -169,6 +195,7 @@ class CausalLMHandler(BaseHandler):
                 chunk = answer.chunk(piece) if answer else json.dumps(
                     {"delta": piece, "tokens": len(stream.tokens)}) + "\n"
                 _send(context, i, chunk)
+        record(context, "CompressGeneratedTokens", len(stream.tokens))
         if finish.startswith("error"):
             return _error(context, i, finish, 500, openai=answer is not None)
         finish = "stop" if stream.stopped else finish
@@ -227,8 +254,8 @@ class CausalLMHandler(BaseHandler):
             return [k for k, s in enumerate(streams) if s.stopped]
 
         seeds = [r.seed for r in rows]
-        if self.ranks > 1 and any(r.temperature > 0 for r in rows):
-            seeds = lm_tensor_parallel.shared_seeds(seeds)
+        if self.ranks > 1 and self.pipe is None and any(r.temperature > 0 for r in rows):
+            seeds = lm_tensor_parallel.shared_seeds(seeds)  # a pipeline samples on one rank
         sampling = [lm_runtime.Sampling(r.temperature, r.top_p, seed)
                     for r, seed in zip(rows, seeds, strict=True)]
         out = self.decoders[size].generate(
@@ -257,6 +284,7 @@ def _error(context, i: int, message: str, status: int, openai: bool) -> str:
     """Request `i`'s error answer: OpenAI's error object on its routes."""
     context.set_response_status(status, message, idx=i)
     context.set_response_content_type(i, "application/json")
+    record(context, "CompressBadRequests" if status < 500 else "CompressFailedRequests", 1)
     body = lm_openai.error(message, status) if openai else {"error": message, "status": status}
     return json.dumps(body)
 

@@ -69,6 +69,8 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
     if info.get("token"):
         click.echo(f"  token: in {info['serve_dir']}/{server.SERVER_INFO} (mode 0600); "
                    f"read it with: {server.token_command(info)}")
+    if info.get("metrics_url"):
+        click.echo(f"  metrics (Prometheus): {info['metrics_url']}")
     click.echo(f"  try: {server.curl_example(info)}")
     click.echo(f"  stop: compress serve --stop {target}")
 

@@ -32,6 +32,7 @@ from compress.runfolder.files import sha256_file
 from compress.runfolder.records import MANIFEST, require_manifest
 from compress.serving import server_process
 from compress.serving.litserve import launch as litserve_launch
+from compress.serving.metrics_config import metrics_url, write_metrics_config
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     PID_FILE,
@@ -159,7 +160,9 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         "grpc_management_address=127.0.0.1", f"grpc_management_port={grpc_m}",
         f"model_store={store}", f"token_expiration_min={TOKEN_MINUTES}",
         f"enable_model_api={'true' if model_api else 'false'}",
-        "disable_system_metrics=true", "install_py_dep_per_model=false", ""]))
+        "disable_system_metrics=true", "install_py_dep_per_model=false",
+        "metrics_mode=prometheus",
+        f"metrics_config={write_metrics_config(serve_dir / 'metrics.yaml')}", ""]))
     command = [sys.executable, "-m", "ts.model_server", "--start", "--ncs", "--ts-config",
                str(config), "--model-store", str(store), "--models",
                f"{target.model_name}={target.model_name}"]
@@ -187,6 +190,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
             "model_name": target.model_name, "mar": str(target.mar),
             "url": f"http://127.0.0.1:{port}/predictions/{target.model_name}",
             "port": port, "management_port": management, "metrics_port": metrics,
+            "metrics_url": metrics_url(metrics),
             "auth": auth, "model_api": model_api, "settings": settings,
             "serve_dir": str(serve_dir), "started": time.time()}
     write_info(serve_dir, info)

@@ -1,7 +1,8 @@
-"""A real TorchServe serving the tiny random Llama's .mar (export `format: transformers`,
-then package): tokens stream as they are generated, 8 concurrent requests are batched and
-answer the greedy text that lm_runtime gives offline, a bad request in a batch gets the only
-400, and `compress serve` / `compress loadtest` work on the run folder."""
+"""A real server, TorchServe and then LitServe (the `engine` fixture), serving the tiny
+random Llama's .mar (export `format: transformers`, then package): tokens stream as they
+are generated, 8 concurrent requests are batched and answer the greedy text that
+lm_runtime gives offline, a bad request in a batch gets the only 400, and `compress serve`
+/ `compress loadtest` work on the run folder."""
 
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def lm_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(lm_run: Path, state_dir) -> dict:
+def served(lm_run: Path, state_dir, engine: str) -> dict:
     target = server.resolve_target(lm_run)
     (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
+    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None, engine=engine)
     yield info
     server.stop(target.serve_dir)
     assert not server.process_alive(info["pid"])
@@ -52,7 +53,8 @@ def offline(lm_run: Path) -> lm_runtime.LoadedLM:
 
 
 def generate(info: dict, body: dict) -> tuple[int, dict, list[tuple[float, bytes]]]:
-    """(status, headers, [(arrival time, line)]) of one POST, read line by line."""
+    """(status, headers (names case-insensitive), [(arrival time, line)]) of one POST, read
+    line by line."""
     parts = urlsplit(info["url"])
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
     headers = {"Content-Type": "application/json"}
@@ -64,7 +66,7 @@ def generate(info: dict, body: dict) -> tuple[int, dict, list[tuple[float, bytes
     while line := answer.readline():
         lines.append((time.perf_counter(), line))
     conn.close()
-    return answer.status, dict(answer.getheaders()), lines
+    return answer.status, answer.headers, lines
 
 
 def offline_text(lm: lm_runtime.LoadedLM, prompt: str, tokens: int) -> str:
@@ -226,12 +228,32 @@ def test_named_bad_requests_get_one_4xx_and_the_server_stays(served: dict, body:
     assert json.loads(lines[-1][1])["text"] == offline_text(offline, PROMPTS[2], 8)
 
 
+def test_prometheus_metrics_show_the_models_batches_tokens_and_errors(served: dict,
+                                                                      engine: str) -> None:
+    import urllib.request
+
+    if engine != "torchserve":
+        pytest.skip("Prometheus metrics: TorchServe's metrics port only")
+    generate(served, {"prompt": PROMPTS[0], "max_new_tokens": 12})
+    generate(served, {"prompt": ""})
+    text = urllib.request.urlopen(served["metrics_url"], timeout=30).read().decode()
+    lines = {line.split("{")[0]: line for line in text.splitlines()
+             if line.startswith(("Compress", "ts_queue_latency", "Requests4XX"))}
+    for name in ("CompressTimeToFirstToken_count", "CompressQueueTime_count",
+                 "CompressBatchRows", "CompressGeneratedTokens", "CompressBadRequests",
+                 "ts_queue_latency_microseconds", "Requests4XX"):
+        assert name in lines, (name, sorted(lines))
+    assert 'ModelName="tiny_lm"' in lines["CompressGeneratedTokens"]
+    assert float(lines["CompressGeneratedTokens"].split()[-1]) >= 12
+    assert float(lines["CompressBadRequests"].split()[-1]) >= 1
+
+
 def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
-                                                       served: dict) -> None:
+                                                       served: dict, engine: str) -> None:
     server.stop(Path(served["serve_dir"]))  # the module's server: one at a time here
     (port,) = server.free_ports(1)
     env = {"COMPRESS_STATE_DIR": str(state_dir)}
-    started = run_cli("serve", str(lm_run), "--port", str(port), env=env)
+    started = run_cli("serve", str(lm_run), "--port", str(port), "--engine", engine, env=env)
     try:
         assert started.returncode == 0, started.stderr[-2000:]
         url = f"http://127.0.0.1:{port}/predictions/tiny_lm"

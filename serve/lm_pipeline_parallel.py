@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,14 +134,19 @@ class Pipe:
 
 
 class PipelineDecoder:
-    """`StaticDecoder.generate` through the pipeline (every rank calls it with the same
-    arguments and gets the same `Generation`): greedy or top-p sampled on the last rank,
-    each token broadcast from there; the whole sequence recomputed per token."""
+    """`StaticDecoder.generate` through the pipeline, the whole sequence recomputed per token:
+    greedy or top-p sampled on the last rank, each token broadcast from there, and the rows
+    rank 0's `on_tokens` finishes broadcast from rank 0. Every rank calls `generate` in
+    step and gets the same `Generation`; with `lead`, rank 0's arguments are broadcast to
+    the others first (TorchServe's `parallelType: pp` hands each request to rank 0 alone:
+    the other ranks `follow`)."""
 
     compiled = False
 
-    def __init__(self, pipe: Pipe, max_cache_len: int = 512, microbatches: int = 1):
+    def __init__(self, pipe: Pipe, max_cache_len: int = 512, microbatches: int = 1,
+                 lead: bool = False):
         self.pipe, self.max_cache_len, self.microbatches = pipe, max_cache_len, microbatches
+        self.lead = lead
 
     def _next(self, ids: torch.Tensor, mask: torch.Tensor, picks: list[Any],
               generators: list[Any]) -> torch.Tensor:
@@ -154,7 +161,13 @@ class PipelineDecoder:
                  max_new_tokens: int | Sequence[int], stop: set[int] | None = None,
                  sampling: Sequence[Any] | None = None,
                  on_tokens: lm_decode.OnTokens | None = None) -> lm_decode.Generation:
-        """Tokens after each prompt, as `StaticDecoder.generate` gives them."""
+        """Tokens after each prompt, as `StaticDecoder.generate` gives them (with `lead`,
+        rank 0's prompts and settings on every rank)."""
+        if self.lead:
+            call = [(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt,
+                     max_new_tokens, stop, sampling)]
+            dist.broadcast_object_list(call, src=0)
+            prompt, max_new_tokens, stop, sampling = call[0]
         ids, mask, _ = lm_decode.left_pad(prompt, always_mask=True)
         rows, length = ids.shape
         limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [
@@ -173,7 +186,11 @@ class PipelineDecoder:
         began = time.perf_counter()
         while True:
             produced = lm_decode._record(token, out, finish, limits, stop or set())
-            for row in (on_tokens(produced) if on_tokens else None) or ():
+            ended = torch.zeros(rows, dtype=torch.uint8)
+            if on_tokens is not None and self.pipe.rank == 0:
+                ended[list(on_tokens(produced) or ())] = 1
+            dist.broadcast(ended, src=0)
+            for row in ended.nonzero().flatten().tolist():
                 finish[row] = finish[row] or "stop"
             if all(finish):
                 break
@@ -184,6 +201,24 @@ class PipelineDecoder:
         later = sum(max(len(r) - 1, 0) for r in out)
         return lm_decode.Generation(out[0], ttft, later / spent if spent and later else 0.0,
                                     out, [str(f) for f in finish])
+
+
+def follow(decoder: PipelineDecoder) -> threading.Thread:
+    """On a rank other than 0 of a served pipeline: a daemon thread that runs every
+    generation rank 0's leading decoders announce, until the process group fails."""
+    def loop() -> None:
+        while True:
+            try:
+                decoder.generate([[0]], 1)  # the arguments come from rank 0
+            except ValueError:  # refused on every rank alike, before any token
+                continue
+            except Exception:  # noqa: BLE001 (the job is gone: TorchServe restarts it)
+                logging.getLogger(__name__).exception("pipeline follower stopped")
+                return
+
+    thread = threading.Thread(target=loop, name="pipeline-follower", daemon=True)
+    thread.start()
+    return thread
 
 
 def join_and_split(model: nn.Module) -> Pipe:

@@ -42,6 +42,11 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
         settings = {"parallelType": "tp", "torchrun": {"nproc-per-node": cfg.tensor_parallel}}
         handler["compile"] = "none"
         ctx.metrics.update(tensor_parallel=cfg.tensor_parallel)
+    elif cfg.pipeline_parallel:  # the same torchrun job; each rank holds a pipeline stage
+        settings = {"parallelType": "pp",
+                    "torchrun": {"nproc-per-node": cfg.pipeline_parallel}}
+        handler["compile"] = "none"
+        ctx.metrics.update(pipeline_parallel=cfg.pipeline_parallel)
     else:  # continuous batching: TorchServe's asynchronous worker passes each request to
         # the handler as it arrives, which joins it to the running decode (serve/lm_batcher)
         # (one request a message; the handler's `rows` slots decode together)

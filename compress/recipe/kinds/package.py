@@ -7,11 +7,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from compress.recipe.options import StageName, StrictModel
+from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register, spec_of
 from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_problems
 
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
-LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "tensor_parallel")
+LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "tensor_parallel",
+              "pipeline_parallel", "oversubscribe")
 
 
 class PackageConfig(StrictModel):
@@ -57,6 +59,14 @@ class PackageConfig(StrictModel):
         None, ge=2, le=64, description="Causal LMs: serve each worker as a torchrun job of N "
         "ranks (TorchServe's parallelType: tp); the handler splits the decoder layers across "
         "them with torch's tensor parallelism. Takes a float model; no compiled decode.")
+    pipeline_parallel: int | None = Field(
+        None, ge=2, le=64, description="Causal LMs: serve each worker as a torchrun job of N "
+        "ranks (TorchServe's parallelType: pp); the handler cuts the decoder layers into N "
+        "pipeline stages (torch.distributed.pipelining) and recomputes each token through "
+        "them (no KV cache). Takes a float32 model; no compiled decode.")
+    oversubscribe: bool = Field(
+        False, description="tensor_parallel, pipeline_parallel: allow more ranks than this "
+        "machine has cores (they share them and run slower).")
     decode_compile: Literal["none", "default", "max-autotune"] | None = Field(
         None, description="Causal LMs: torch.compile mode of the served decode step, each "
         "batch-size bucket compiled as the worker starts (default: the model's, set by a "
@@ -143,10 +153,11 @@ SPEC = register(StageSpec(
     runtime=_runtime,
     input_stage=export_stage_index,
     check=lambda recipe, i: (_servable(recipe, i) + _fits_the_cache(recipe, i)
-                             + split_problems(recipe, i)),
-    check_model=split_fits_the_config,
+                             + split_problems(recipe, i) + pipeline_problems(recipe, i)),
+    check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
+                                           + stages_fit_the_config(recipe, i, config)),
     runners={"causal-lm": "compress.stages.package_lm:run"}, check_task=_check_task,
     runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_runtime",
                                 "serve.lm_decode", "serve.lm_attention",
-                                "serve.lm_tensor_parallel")},
+                                "serve.lm_tensor_parallel", "serve.lm_pipeline_parallel")},
 ))

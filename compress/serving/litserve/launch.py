@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from compress.errors import UserError
 from compress.serving import server_process
 from compress.serving.serve_folder import KEY_FILE, process_alive, registry_dir, write_info
@@ -43,6 +45,11 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
           echo: Callable[[str], None]) -> dict[str, Any]:
     """Start the server of `model_dir` on 127.0.0.1:`port`; return server.json once it
     answers (on any failure it is stopped first)."""
+    config = yaml.safe_load((model_dir / "model-config.yaml").read_text()) or {}
+    if config.get("parallelType"):
+        raise UserError(f"{mar}: a parallelType: {config['parallelType']} archive runs each "
+                        f"worker as a torchrun job, which only TorchServe starts: serve it "
+                        f"with --engine torchserve")
     token = secrets.token_urlsafe(24) if auth else None
     if token:
         keys = {name: {"key": token} for name in ("management", "inference", "API")}

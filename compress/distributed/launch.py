@@ -44,8 +44,7 @@ def torchrun(args: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
     if nnodes == 1:
         command.append("--standalone")
     else:
-        command += ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
-                    "--master-addr", master_addr, "--master-port", str(master_port)]
+        command += rendezvous_args(nnodes, node_rank, master_addr, master_port)
     command += ["-m", "compress", "run", *args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -64,6 +63,18 @@ def torchrun(args: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,
              "consistent: re-run the same command to resume (training from its last "
              "checkpoint)")
     return code
+
+
+def rendezvous_args(nnodes: int, node_rank: int, master_addr: str, master_port: int
+                    ) -> list[str]:
+    """torchrun's c10d rendezvous at node 0's address and port, whose store node 0 hosts:
+    an agent that dies (a node killed) and is started again rejoins it, and every agent
+    then starts its ranks again together (`--max-restarts`). The rendezvous, not the node
+    rank, orders the global ranks, so rank 0 (the run folder's writer) may live on any
+    node: the run folder must be on storage every node sees."""
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{master_addr}:{master_port}", "--rdzv-id", "compress",
+            "--rdzv-conf", f"is_host={str(node_rank == 0).lower()}"]
 
 
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\):")

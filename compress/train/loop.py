@@ -179,11 +179,18 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
     store = Checkpoints(checkpoint_dir, key, world, is_sharded)
     start = store.resume(trained, optimizer, scheduler)
     schedule = Schedule(len(examples), opts.batch_size, seed, rank, world)
-    wrapped = trained
-    if world > 1 and not is_sharded:
-        from torch.nn.parallel import DistributedDataParallel
+    wrapped, meter = trained, None
+    if world > 1:
+        from compress.distributed import comm
 
-        wrapped = DistributedDataParallel(trained)  # copies rank 0's weights to every rank
+        meter = comm.meter_for_backend()
+        if is_sharded:
+            comm.watch_fsdp(trained, meter)
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            wrapped = DistributedDataParallel(trained)  # copies rank 0's weights to every rank
+            comm.watch_ddp(wrapped, meter)
     recompute = transformer_blocks(trained) if getattr(opts, "activation_checkpointing",
                                                        False) else []
     if getattr(opts, "activation_checkpointing", False) and not recompute:
@@ -222,7 +229,7 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
                 loss_value, stopping = agree_across_ranks(loss_value, stop.requested, world)
                 rate = seen * world / max(1e-9, time.perf_counter() - began)
                 telemetry.step(done, loss_value, scheduler.get_last_lr()[0], grad_norm, rate,
-                               time.perf_counter() - step_began)
+                               time.perf_counter() - step_began, meter.take() if meter else None)
                 bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{rate:.1f}", refresh=False)
                 bar.update(1)
                 if stopping or (done % opts.checkpoint_every == 0 and done < steps):

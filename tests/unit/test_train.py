@@ -120,3 +120,54 @@ def test_bf16_falls_back_to_fp32_without_bf16_instructions(flags, fallback, tmp_
                    seed=0, checkpoint_dir=tmp_path, key="k")
     assert used and all(flag is (not fallback) for flag in used)
     assert result.figures().get("bf16_fallback", False) is fallback
+
+
+def test_collectives_in_flight_together_count_once() -> None:
+    from compress.distributed.comm import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0)]) == pytest.approx(3.0)
+    assert busy_seconds([(0.0, 5.0), (1.0, 2.0)]) == pytest.approx(5.0)  # queued behind
+
+
+def test_the_meter_times_a_collective_until_its_future_completes() -> None:
+    from compress.distributed.comm import CommMeter
+
+    class Work:  # what torch.distributed returns for async_op=True
+        def __init__(self) -> None:
+            self.future: torch.futures.Future[None] = torch.futures.Future()
+
+        def get_future(self) -> torch.futures.Future[None]:
+            return self.future
+
+    meter = CommMeter()
+    work = Work()
+    assert meter.after("all_gather", meter.launched(4_000), work) is work
+    meter.after("reduce_scatter", meter.launched(1_000), None)  # ran synchronously
+    work.future.set_result(None)
+    step = meter.take()
+    assert step.nbytes == 5_000 and set(step.by_kind) == {"all_gather", "reduce_scatter"}
+    assert step.seconds is not None and step.seconds >= step.by_kind["all_gather"] > 0
+    assert meter.take().nbytes == 0  # the next step starts empty
+    assert CommMeter(timed=False).take().seconds is None  # NCCL: bytes only
+
+
+def test_communication_figures_per_step_and_for_the_manifest() -> None:
+    from compress.distributed.comm import StepComm
+    from compress.train.telemetry import comm_scalars, comm_summary
+
+    steps = [StepComm(0.1, 2_000_000, {"all_gather": 0.06, "reduce_scatter": 0.05}),
+             StepComm(0.3, 4_000_000, {"all_gather": 0.2, "reduce_scatter": 0.1})]
+    assert comm_scalars(steps[0], 0.4) == pytest.approx({
+        "train/comm_mb": 2.0, "train/comm_s": 0.1, "train/comm_share": 0.25,
+        "train/comm_all_gather_s": 0.06, "train/comm_reduce_scatter_s": 0.05})
+    assert comm_summary(steps, [0.4, 0.6]) == pytest.approx({
+        "train_comm_mb_per_step": 3.0, "train_comm_mb_total": 6.0,
+        "train_comm_s_total": 0.4, "train_comm_share": 0.4,  # 0.4 s of 1.0 s
+        "train_comm_share_median": 0.375,  # of 0.25 and 0.5
+        "train_comm_all_gather_s_total": 0.26, "train_comm_reduce_scatter_s_total": 0.15})
+    untimed = [StepComm(None, 1_000_000)]
+    assert comm_summary(untimed, [0.2]) == {"train_comm_mb_per_step": 1.0,
+                                            "train_comm_mb_total": 1.0}
+    assert comm_scalars(untimed[0], 0.2) == {"train/comm_mb": 1.0}
+    assert comm_summary([], []) == {}

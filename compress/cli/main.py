@@ -43,10 +43,12 @@ def cli() -> None:
 @click.option("--nnodes", type=click.IntRange(1), default=1, show_default=True,
               help="Machines in the job (with --nproc).")
 @click.option("--node-rank", type=click.IntRange(0), default=0, show_default=True,
-              help="This machine's index (with --nnodes > 1).")
-@click.option("--master-addr", help="Address of node 0 (with --nnodes > 1).")
+              help="This machine's index (with --nnodes > 1): node 0 hosts torchrun's "
+              "rendezvous.")
+@click.option("--master-addr",
+              help="Address of node 0, where the machines meet (with --nnodes > 1).")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500,
-              show_default=True, help="Port of node 0 (with --nnodes > 1).")
+              show_default=True, help="Port of the rendezvous on node 0 (with --nnodes > 1).")
 @click.option("--max-restarts", type=click.IntRange(0, 100), default=0, show_default=True,
               help="With --nproc: times torchrun starts every rank again after one dies; "
               "the run resumes from the last checkpoint.")

@@ -277,6 +277,7 @@ def pick_tokens(logits: torch.Tensor, picks: list[Sampling | None],
         probs = torch.softmax(logits[row].float() / how.temperature, dim=-1)
         ranked, order = probs.sort(descending=True)
         keep = (ranked.cumsum(-1) - ranked) < how.top_p  # the smallest set reaching top_p
+        keep[0] = True  # the likeliest token always (a top_p below float32's least: none)
         ranked = ranked * keep
         index = torch.multinomial(ranked / ranked.sum(), 1, generator=generators[row])
         chosen[row] = order[index[0]]

@@ -150,3 +150,14 @@ def test_a_request_longer_than_the_cache_is_refused(model) -> None:
     batcher = batcher_of(model, sizes=(1,))
     with pytest.raises(ValueError, match="exceeds the cache"):
         batcher.submit(lm_batcher.Row(prompt(40, 0), 30, Collect().emit))
+
+
+def test_a_top_p_below_float32s_least_picks_the_likeliest_token() -> None:
+    """Found by fuzzing the served routes: top_p 1e-300 (0 in float32) kept no token and
+    multinomial failed the whole decode."""
+    from serve.lm_decode import pick_tokens
+
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(0))
+    picked = pick_tokens(logits, [Sampling(10.0, 1e-300, 0), None],
+                         [torch.Generator().manual_seed(0), None])
+    assert picked.tolist() == logits.argmax(-1).tolist()

@@ -5,7 +5,11 @@ schemathesis with it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 ERROR = {"description": "the request is refused, one line says why",
          "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -69,3 +73,17 @@ def lm_openapi(model: str, version: str, max_new_tokens: int) -> dict[str, Any]:
                     "application/json": {"schema": {"type": "object"}}}}}}},
         },
     }
+
+
+def write_openapi(model_folder: Path, serve_dir: Path, model: str) -> Path | None:
+    """`<serve_dir>/openapi.json` for an unpacked causal-LM archive (None for others)."""
+    config = yaml.safe_load((model_folder / "model-config.yaml").read_text()) or {}
+    handler = config.get("handler") or {}
+    if handler.get("task") != "causal-lm":
+        return None
+    manifest = json.loads((model_folder / "MAR-INF" / "MANIFEST.json").read_text())
+    version = str(manifest.get("model", {}).get("modelVersion") or "1.0")
+    path = serve_dir / "openapi.json"
+    path.write_text(json.dumps(lm_openapi(model, version, int(handler["max_new_tokens"])),
+                               indent=2))
+    return path

@@ -33,6 +33,7 @@ from compress.runfolder.records import MANIFEST, require_manifest
 from compress.serving import server_process
 from compress.serving.litserve import launch as litserve_launch
 from compress.serving.metrics_config import metrics_url, write_metrics_config
+from compress.serving.openapi import write_openapi
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     PID_FILE,
@@ -147,6 +148,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     (serve_dir / "logs").mkdir(parents=True)
     store = serve_dir / "model-store"
     settings = unpack_model(target, store, workers, batch_size, max_batch_delay_ms)
+    write_openapi(store / target.model_name, serve_dir, target.model_name)
     if engine == litserve_launch.ENGINE:
         return litserve_launch.start(target.model_name, target.mar, store / target.model_name,
                                      serve_dir, port, settings, auth, timeout_s, echo)

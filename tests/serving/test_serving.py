@@ -135,6 +135,8 @@ def test_cli_serves_a_run_folder_and_stops_it(packaged_text_run: Path, state_dir
                                               engine: str) -> None:
     (port,) = server.free_ports(1)
     env = {"COMPRESS_STATE_DIR": str(state_dir)}
+    if engine == "litserve":  # no java to be found
+        env |= {"PATH": "/nonexistent", "JAVA_HOME": ""}
     result = run_cli("serve", str(packaged_text_run), "--port", str(port), "--no-auth",
                      "--batch-size", "2", "--engine", engine, env=env)
     try:

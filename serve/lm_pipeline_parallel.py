@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -148,9 +149,9 @@ class PipelineDecoder:
         self.pipe, self.max_cache_len, self.microbatches = pipe, max_cache_len, microbatches
         self.lead = lead
 
-    def _next(self, ids: torch.Tensor, mask: torch.Tensor, picks: list[Any],
+    def _next(self, ids: torch.Tensor, mask: torch.Tensor, chunks: int, picks: list[Any],
               generators: list[Any]) -> torch.Tensor:
-        logits = self.pipe.forward(ids, mask, self.microbatches)
+        logits = self.pipe.forward(ids, mask, chunks)
         token = torch.zeros(ids.shape[0], dtype=torch.long)
         if logits is not None:
             token = lm_decode.pick_tokens(logits, picks, generators)
@@ -163,11 +164,12 @@ class PipelineDecoder:
                  on_tokens: lm_decode.OnTokens | None = None) -> lm_decode.Generation:
         """Tokens after each prompt, as `StaticDecoder.generate` gives them (with `lead`,
         rank 0's prompts and settings on every rank)."""
+        chunks = self.microbatches
         if self.lead:
             call = [(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt,
-                     max_new_tokens, stop, sampling)]
+                     max_new_tokens, stop, sampling, chunks)]
             dist.broadcast_object_list(call, src=0)
-            prompt, max_new_tokens, stop, sampling = call[0]
+            prompt, max_new_tokens, stop, sampling, chunks = call[0]
         ids, mask, _ = lm_decode.left_pad(prompt, always_mask=True)
         rows, length = ids.shape
         limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [
@@ -179,7 +181,7 @@ class PipelineDecoder:
         generators = [torch.Generator().manual_seed(s.seed) if s and s.seed is not None
                       else None for s in picks]
         began = time.perf_counter()
-        token = self._next(ids, mask, picks, generators)
+        token = self._next(ids, mask, chunks, picks, generators)
         ttft = time.perf_counter() - began
         out: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
@@ -196,7 +198,7 @@ class PipelineDecoder:
                 break
             ids = torch.cat([ids, token[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
-            token = self._next(ids, mask, picks, generators)
+            token = self._next(ids, mask, chunks, picks, generators)
         spent = time.perf_counter() - began
         later = sum(max(len(r) - 1, 0) for r in out)
         return lm_decode.Generation(out[0], ttft, later / spent if spent and later else 0.0,
@@ -225,8 +227,10 @@ def join_and_split(model: nn.Module) -> Pipe:
     """In a rank of a torchrun job (TorchServe's `parallelType: pp` workers, or any other):
     join the process group (gloo on CPU, NCCL on GPUs) and keep this rank's stage of
     `model` (the other layers are dropped)."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():  # a follower waits for the next request as long as the
+        # server idles (past the default 30 min timeout, its broadcast would fail)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(days=365))
     return Pipe(model, dist.get_rank(), dist.get_world_size())
 
 

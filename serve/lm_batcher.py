@@ -11,6 +11,9 @@ free slot; its mask opens its own positions only, and its rotary positions count
 own first token, so rows of any lengths decode together. When the cursor would run past the
 cache, every row's positions move left by the oldest row's start (`_compact`); a prompt
 longer than the cursor moves them right. A request that cannot fit waits for rows to leave.
+
+Both of the handler's batching paths decode at bucket sizes (`buckets`: each compiles once);
+without continuous batching, a TorchServe batch decodes in `fitting_groups`.
 """
 
 from __future__ import annotations
@@ -239,3 +242,25 @@ class ContinuousBatcher:
 def rows_of(settings: dict[str, Any], batch_size: int) -> int:
     """Slots of the continuous batch: the handler's `rows`, else TorchServe's batchSize."""
     return max(1, int(settings.get("rows") or batch_size))
+
+
+def buckets(batch_size: int) -> list[int]:
+    """Decode batch sizes: powers of two below `batch_size`, and `batch_size`."""
+    sizes = [1 << k for k in range(max(batch_size, 1).bit_length()) if 1 << k < batch_size]
+    return sizes + [max(batch_size, 1)]
+
+
+def fitting_groups(parsed: dict[int, Any], cache_len: int, largest: int) -> list[list[int]]:
+    """The requests split, in order, into groups of at most `largest` whose longest prompt
+    plus largest max_new_tokens fits the cache (left padding aligns every row's end)."""
+    groups: list[list[int]] = []
+    for i, request in parsed.items():
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < largest:
+            prompt = max(len(request.ids), *(len(parsed[j].ids) for j in group))
+            new = max(request.max_new_tokens, *(parsed[j].max_new_tokens for j in group))
+            if prompt + new <= cache_len:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups

@@ -2,9 +2,9 @@
 every request's tokens streamed as they are produced.
 
 Packed into a causal-LM `.mar` by the package stage with `lm_runtime.py` (loading and the
-static-cache decoder) and `lm_requests.py` (parsing, streamed text); imports nothing from
-compress. `model-config.yaml`'s `handler:` section holds threads, max_new_tokens,
-default_new_tokens, cache_len, compile and chat_template.
+static-cache decoder), `lm_requests.py` (parsing, streamed text) and `lm_replies.py` (the
+answers it sends); imports nothing from compress. `model-config.yaml`'s `handler:` section
+holds threads, max_new_tokens, default_new_tokens, cache_len, compile and chat_template.
 
 Requests (see lm_requests): `{"prompt": "..."}` or `{"messages": [...]}` with optional
 `max_new_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`. A streamed answer is
@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
     import lm_batcher
     import lm_openai
-    import lm_pipeline_parallel
+    import lm_pipeline
+    import lm_replies
     import lm_requests
     import lm_runtime
     import lm_tensor_parallel
@@ -44,7 +44,8 @@ except ImportError:  # in the compress repository
     from serve import (
         lm_batcher,
         lm_openai,
-        lm_pipeline_parallel,
+        lm_pipeline,
+        lm_replies,
         lm_requests,
         lm_runtime,
         lm_tensor_parallel,
@@ -56,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 BATCH_HEADER = "X-Batch-Size"
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
-STREAM_TYPE = "application/x-ndjson"
 
 
 class CausalLMHandler(BaseHandler):
@@ -76,7 +76,7 @@ class CausalLMHandler(BaseHandler):
         self.lm = lm_runtime.load_folder(model_dir)
         self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
         if self.ranks > 1 and config.get("parallelType") == "pp":  # by every rank in step
-            self.pipe = lm_pipeline_parallel.join_and_split(self.lm.model)
+            self.pipe = lm_pipeline.join_and_split(self.lm.model)
         elif self.ranks > 1:
             lm_tensor_parallel.join_and_split(self.lm.model)
         self.stop = lm_runtime.stop_ids(self.lm.model, self.lm.tokenizer)
@@ -91,14 +91,14 @@ class CausalLMHandler(BaseHandler):
         self.model_name = context.model_name
         rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
                 if self.continuous else int(config.get("batchSize", 1)))
-        sizes = buckets(rows)
+        sizes = lm_batcher.buckets(rows)
         # every bucket's decoder compiles the same step function: one graph each
         torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
         for rows in sizes:
             if self.pipe is not None:  # micro-batches: one a rank where the rows divide;
                 # rank 0 alone gets the requests and leads every generation
-                decoder = lm_pipeline_parallel.PipelineDecoder(self.pipe, self.limits.cache_len,
-                                                               self.ranks, lead=True)
+                decoder = lm_pipeline.PipelineDecoder(self.pipe, self.limits.cache_len,
+                                                      self.ranks, lead=True)
             else:
                 decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
                                                    always_mask=True)
@@ -114,7 +114,7 @@ class CausalLMHandler(BaseHandler):
             if self.continuous and n == 1:
                 lm_batcher.shared_caches(self.decoders)
         if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0
-            lm_pipeline_parallel.follow(self.decoders[max(self.decoders)])
+            lm_pipeline.follow(self.decoders[max(self.decoders)])
         self.batcher = None
         if self.continuous:
             prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
@@ -150,7 +150,7 @@ class CausalLMHandler(BaseHandler):
         try:
             route = lm_openai.route_of(context.get_request_header(i, "url_path"))
         except lm_openai.RouteError as exc:
-            return _error(context, i, str(exc), 404, openai=True)
+            return lm_replies.error(context, i, str(exc), 404, openai=True)
         if route == lm_openai.MODELS:
             context.set_response_content_type(i, "application/json")
             return json.dumps(lm_openai.models(self.model_name))
@@ -162,10 +162,11 @@ class CausalLMHandler(BaseHandler):
             encode = self.encode if route != lm_openai.COMPLETIONS else self.encode_raw
             parsed = lm_requests.parse(body, encode, self.limits)
         except ValueError as exc:
-            return _error(context, i, str(exc), 400, openai=route is not None)
+            return lm_replies.error(context, i, str(exc), 400, openai=route is not None)
         answer = lm_openai.Answer(route, self.model_name) if route else None
-        context.set_response_content_type(i, (lm_openai.STREAM_TYPE if answer else STREAM_TYPE)
-                                          if parsed.stream else "application/json")
+        context.set_response_content_type(
+            i, (lm_openai.STREAM_TYPE if answer else lm_replies.STREAM_TYPE)
+            if parsed.stream else "application/json")
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         sampling = (lm_runtime.Sampling(parsed.temperature, parsed.top_p, parsed.seed)
                     if parsed.temperature > 0 else None)
@@ -192,21 +193,13 @@ class CausalLMHandler(BaseHandler):
             if stream.stopped:
                 self.batcher.cancel(row)
             if piece and parsed.stream:
-                chunk = answer.chunk(piece) if answer else json.dumps(
-                    {"delta": piece, "tokens": len(stream.tokens)}) + "\n"
-                _send(context, i, chunk)
+                lm_replies.send(context, i, lm_replies.chunk(answer, piece, len(stream.tokens)))
         record(context, "CompressGeneratedTokens", len(stream.tokens))
         if finish.startswith("error"):
-            return _error(context, i, finish, 500, openai=answer is not None)
+            return lm_replies.error(context, i, finish, 500, openai=answer is not None)
         finish = "stop" if stream.stopped else finish
-        counts = {"prompt_tokens": len(parsed.ids), "completion_tokens": len(stream.tokens)}
-        if answer is None:
-            return json.dumps({"text": stream.text, "usage": counts,
-                               "finish_reason": finish}) + "\n"
-        usage = lm_openai.usage(**counts)
-        if parsed.stream:
-            return answer.last_chunk(finish, usage if usage_in_stream else None)
-        return json.dumps(answer.whole(stream.text, finish, usage))
+        return lm_replies.last(answer, stream.text, len(parsed.ids), len(stream.tokens), finish,
+                               parsed.stream, usage_in_stream)
 
     def encode_raw(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt as it is (OpenAI's completions: no chat template)."""
@@ -226,9 +219,9 @@ class CausalLMHandler(BaseHandler):
                 context.set_response_content_type(i, "application/json")
                 results[i] = {"error": str(exc), "status": 400}
                 continue
-            context.set_response_content_type(i, STREAM_TYPE if parsed[i].stream
+            context.set_response_content_type(i, lm_replies.STREAM_TYPE if parsed[i].stream
                                               else "application/json")
-        for group in fitting_groups(parsed, self.limits.cache_len, max(self.decoders)):
+        for group in lm_batcher.fitting_groups(parsed, self.limits.cache_len, max(self.decoders)):
             for i, answer in self.generate(group, parsed, context).items():
                 results[i] = answer
         return [json.dumps(r) + "\n" for r in results]
@@ -247,10 +240,9 @@ class CausalLMHandler(BaseHandler):
                     continue
                 piece = streams[k].add(token)
                 if piece and rows[k].stream:
-                    chunks[group[k]] = json.dumps(
-                        {"delta": piece, "tokens": len(streams[k].tokens)}) + "\n"
+                    chunks[group[k]] = lm_replies.native_chunk(piece, len(streams[k].tokens))
             for i, chunk in chunks.items():
-                _send(context, i, chunk)
+                lm_replies.send(context, i, chunk)
             return [k for k, s in enumerate(streams) if s.stopped]
 
         seeds = [r.seed for r in rows]
@@ -262,50 +254,7 @@ class CausalLMHandler(BaseHandler):
             [r.ids for r in rows] + [rows[0].ids] * filler,
             [r.max_new_tokens for r in rows] + [1] * filler, self.stop,
             sampling + [None] * filler, on_tokens)
-        return {i: {"text": streams[k].text,
-                    "usage": {"prompt_tokens": len(rows[k].ids),
-                              "completion_tokens": len(out.rows[k])},
-                    "finish_reason": out.finish[k]} for k, i in enumerate(group)}
+        return {i: lm_replies.native_answer(streams[k].text, len(rows[k].ids),
+                                            len(out.rows[k]), out.finish[k])
+                for k, i in enumerate(group)}
 
-
-def _send(context, i: int, chunk: str) -> None:
-    """One intermediate response (a streamed chunk) for request `i` alone: through the
-    context's `send_chunk(i, chunk)` where the serving engine gives one (compress's second
-    engine), else TorchServe's intermediate response."""
-    send_chunk = getattr(context, "send_chunk", None)
-    if send_chunk is not None:
-        send_chunk(i, chunk)
-        return
-    send_intermediate_predict_response([""] * i + [chunk], {i: context.request_ids[i]},
-                                       "Intermediate Prediction success", 200, context)
-
-
-def _error(context, i: int, message: str, status: int, openai: bool) -> str:
-    """Request `i`'s error answer: OpenAI's error object on its routes."""
-    context.set_response_status(status, message, idx=i)
-    context.set_response_content_type(i, "application/json")
-    record(context, "CompressBadRequests" if status < 500 else "CompressFailedRequests", 1)
-    body = lm_openai.error(message, status) if openai else {"error": message, "status": status}
-    return json.dumps(body)
-
-
-def buckets(batch_size: int) -> list[int]:
-    """Decode batch sizes: powers of two below `batch_size`, and `batch_size`."""
-    sizes = [1 << k for k in range(max(batch_size, 1).bit_length()) if 1 << k < batch_size]
-    return sizes + [max(batch_size, 1)]
-
-
-def fitting_groups(parsed: dict[int, Any], cache_len: int, largest: int) -> list[list[int]]:
-    """The requests split, in order, into groups of at most `largest` whose longest prompt
-    plus largest max_new_tokens fits the cache (left padding aligns every row's end)."""
-    groups: list[list[int]] = []
-    for i, request in parsed.items():
-        group = groups[-1] if groups else None
-        if group is not None and len(group) < largest:
-            prompt = max(len(request.ids), *(len(parsed[j].ids) for j in group))
-            new = max(request.max_new_tokens, *(parsed[j].max_new_tokens for j in group))
-            if prompt + new <= cache_len:
-                group.append(i)
-                continue
-        groups.append([i])
-    return groups

@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import UserError
-from compress.runfolder.files import sha256_file
-from compress.runfolder.records import MANIFEST, require_manifest
 from compress.serving import server_process
 from compress.serving.litserve import launch as litserve_launch
 from compress.serving.metrics_config import metrics_url, write_metrics_config
@@ -48,72 +41,21 @@ from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     token_of,
     write_info,
 )
+from compress.serving.serve_target import (  # noqa: F401 (the server's API)
+    MODEL_NAME,
+    ServeTarget,
+    resolve_target,
+    unpack_model,
+)
 from compress.serving.server_process import stop, stop_servers  # noqa: F401 (the API)
 from compress.serving.worker_log import WorkerLog
-from serve.worker_threads import worker_threads
 
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
 JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubuntu: "
              "apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
 OPEN_MODEL_API = ("--no-auth with --enable-model-api would let any local process register "
                   "an archive whose handler runs code: keep the token, or the model API off")
-MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 ENGINES = ("torchserve", litserve_launch.ENGINE)  # the first is the default
-
-
-@dataclass(frozen=True)
-class ServeTarget:
-    """The archive to serve, its model name and the folder the server keeps its files in."""
-
-    mar: Path
-    model_name: str
-    serve_dir: Path
-
-
-def resolve_target(path: str | Path) -> ServeTarget:
-    """A run folder or a `.mar` file, as a ServeTarget. In a run folder it is the archive of
-    the latest finished stage whose first output is a `.mar` (read through the typed
-    manifest, so a corrupt manifest is a one-line UserError)."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".mar":
-        return ServeTarget(path.resolve(), _checked_name(_mar_model_name(path), path),
-                           path.resolve().with_suffix(".serve"))
-    if not (path / MANIFEST).is_file():
-        raise UserError(f"{path}: neither a run folder (no {MANIFEST}) nor a .mar file")
-    manifest = require_manifest(path)
-    archives = [(s, s.outputs[0]) for s in manifest.stages
-                if s.finished_ok and s.outputs and s.outputs[0].format == "mar"]
-    if not archives:
-        raise UserError(f"{path}: the run has no finished package stage; add "
-                        f"{{kind: package}} after an export stage and run the recipe again")
-    stage, record = archives[-1]
-    mar = (path / (record.path or "")).resolve()
-    if not record.path or not mar.is_file():
-        raise UserError(f"{mar}: the archive of stage {stage.name} (stages.{stage.index}) is "
-                        f"missing; run the recipe again to make it")
-    if sha256_file(mar) != record.sha256:
-        raise UserError(f"{mar}: the archive changed since the run packaged it (its sha256 is "
-                        f"not the manifest's); package it again: compress run RECIPE "
-                        f"--from-stage {stage.index}")
-    model_name = getattr(record, "model_name", None) or _mar_model_name(mar)
-    return ServeTarget(mar, _checked_name(model_name, mar), path.resolve() / "serve")
-
-
-def _checked_name(name: Any, mar: Path) -> str:
-    """`name` when it is safe as a file name and a URL part, else a UserError."""
-    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name) or name in (".", ".."):
-        raise UserError(f"{mar}: model name {name!r} is not allowed: use letters, digits, "
-                        f"'_', '-' and '.' only")
-    return name
-
-
-def _mar_model_name(mar: Path) -> str:
-    try:
-        with zipfile.ZipFile(mar) as archive:
-            manifest = json.loads(archive.read("MAR-INF/MANIFEST.json"))
-        return manifest["model"]["modelName"]
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
-        raise UserError(f"{mar}: not a TorchServe archive ({exc})") from None
 
 
 def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
@@ -220,30 +162,6 @@ def check_prerequisites() -> None:
     java = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
     if not java or not Path(java).exists():
         raise UserError(JAVA_HELP)
-
-
-def unpack_model(target: ServeTarget, store: Path, workers: int | None,
-                 batch_size: int | None, max_batch_delay_ms: int | None) -> dict[str, Any]:
-    """Unpack the archive into the model store and apply the command line's overrides to
-    its model-config.yaml; return the settings in force."""
-    folder = store / target.model_name
-    with zipfile.ZipFile(target.mar) as archive:
-        archive.extractall(folder)
-    config_file = folder / "model-config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
-    if workers is not None:
-        config["minWorkers"] = config["maxWorkers"] = workers
-    if batch_size is not None:
-        config["batchSize"] = batch_size
-    if max_batch_delay_ms is not None:
-        config["maxBatchDelay"] = max_batch_delay_ms
-    handler = config.setdefault("handler", {})
-    handler["threads"] = worker_threads(handler.get("threads"), int(config.get("maxWorkers", 1)))
-    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    return {k: config.get(k) for k in ("minWorkers", "maxWorkers", "batchSize",
-                                       "maxBatchDelay", "responseTimeout")} | {
-        "threads_per_worker": handler["threads"],
-        "task": handler.get("task", "classification")}
 
 
 def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,

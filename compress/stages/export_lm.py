@@ -34,6 +34,7 @@ from serve import (
     lm_decode,
     lm_grouped,
     lm_grouped_kernels,
+    lm_pipeline,
     lm_pipeline_parallel,
     lm_runtime,
     lm_tensor_parallel,
@@ -43,7 +44,7 @@ RUNTIME = Path(lm_runtime.__file__)
 RUNTIME_FILES = (RUNTIME, Path(lm_decode.__file__), Path(lm_attention.__file__),  # beside it
                  Path(lm_grouped.__file__), Path(lm_grouped_kernels.__file__),
                  lm_grouped_kernels.SOURCE, Path(lm_tensor_parallel.__file__),
-                 Path(lm_pipeline_parallel.__file__))
+                 Path(lm_pipeline.__file__), Path(lm_pipeline_parallel.__file__))
 PARITY_BATCH = 8
 
 

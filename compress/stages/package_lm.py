@@ -1,6 +1,6 @@
 """Stage `package` on a causal LM: a TorchServe `.mar` of a `format: transformers` export
-with the streaming generation handler (`serve/lm_handler.py`, with `lm_requests.py`; the
-export folder already holds `lm_runtime.py`), ready for `compress serve`."""
+with the streaming generation handler (`serve/lm_handler.py`, with `lm_requests.py` and
+`lm_replies.py`; the export folder already holds `lm_runtime.py`), ready for `compress serve`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from serve.worker_threads import worker_threads
 
 LM_HANDLER = HANDLER.with_name("lm_handler.py")  # imports TorchServe: not imported here
 LM_MODULES = tuple(HANDLER.with_name(f"{name}.py")
-                   for name in ("lm_requests", "lm_openai", "lm_batcher"))
+                   for name in ("lm_requests", "lm_replies", "lm_openai", "lm_batcher"))
 DEFAULT_NEW_TOKENS = 64
 LM_SERVED_METRICS = ("perplexity", "perplexity_delta_vs_float_pct", "agreement",
                      "next_token_agreement", "decode_tok_s_b1", "ttft_ms",

@@ -141,6 +141,7 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
         config = yaml.safe_load(archive.read("model-config.yaml"))
     assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_attention.py",
             "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "lm_requests.py",
+            "lm_replies.py", "lm_pipeline.py",
             "model.pt", "causal_lm.json", "tokenizer.json"} <= inside
     assert "index_to_name.json" not in inside
     assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"

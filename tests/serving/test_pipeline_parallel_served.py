@@ -39,7 +39,7 @@ def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
     mar = next((pp_run / "01-package").glob("*.mar"))
     with zipfile.ZipFile(mar) as archive:
         config = yaml.safe_load(archive.read("model-config.yaml"))
-        assert "lm_pipeline_parallel.py" in archive.namelist()
+        assert {"lm_pipeline.py", "lm_pipeline_parallel.py"} <= set(archive.namelist())
     assert config["parallelType"] == "pp" and config["torchrun"] == {"nproc-per-node": 2}
     assert config["handler"]["compile"] == "none"
     assert "asyncCommunication" not in config  # the synchronous batch path

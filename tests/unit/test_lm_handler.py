@@ -17,7 +17,8 @@ from ts.context import Context  # noqa: E402
 from compress.models.lm_folder import load_lm  # noqa: E402
 from compress.stages.export_lm import export_lm  # noqa: E402
 from serve import lm_requests, lm_runtime  # noqa: E402
-from serve.lm_handler import CausalLMHandler, buckets, fitting_groups  # noqa: E402
+from serve.lm_batcher import buckets, fitting_groups  # noqa: E402
+from serve.lm_handler import CausalLMHandler  # noqa: E402
 
 
 @pytest.fixture(scope="module")

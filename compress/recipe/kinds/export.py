@@ -198,5 +198,6 @@ SPEC = register(StageSpec(
     export_formats=lambda cfg: (cfg.format,),
     runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
     runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode", "serve.lm_attention",
-                               "serve.lm_tensor_parallel", "serve.lm_pipeline_parallel")},
+                               "serve.lm_tensor_parallel", "serve.lm_pipeline",
+                               "serve.lm_pipeline_parallel")},
 ))

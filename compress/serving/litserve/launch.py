@@ -1,5 +1,5 @@
 """Start the LitServe server of an unpacked archive in the background and wait until it
-answers: what `compress serve --engine litserve` does after `server.unpack_model`.
+answers: what `compress serve --engine litserve` does after `serve_target.unpack_model`.
 
 The serve folder holds the same files as TorchServe's (`model-store/MODEL/`, `logs/` with
 `model_log.log`, `key_file.json` and `server.json`, both mode 0600), so `--stop`, `compress

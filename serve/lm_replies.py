@@ -1,0 +1,79 @@
+"""How a served causal LM's answers leave its handler: each streamed chunk sent for one
+request alone, the error answers, and the bodies of compress's own NDJSON answers or of
+OpenAI's (through `lm_openai.Answer`).
+
+Shipped in the causal-LM TorchServe archive beside `lm_handler.py` (which may define only
+one class); imports no compress code. A native streamed answer is NDJSON: `{"delta": text,
+"tokens": n}` as the text grows, then `{"text", "usage": {"prompt_tokens",
+"completion_tokens"}, "finish_reason"}`; an error is `{"error", "status"}`, or OpenAI's
+error object on its routes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ts.handler_utils.utils import send_intermediate_predict_response
+
+try:  # inside the archive the modules lie beside this file
+    import lm_openai
+    from handler_metrics import record
+except ImportError:  # in the compress repository
+    from serve import lm_openai
+    from serve.handler_metrics import record
+
+STREAM_TYPE = "application/x-ndjson"
+
+
+def send(context, i: int, chunk: str) -> None:
+    """One intermediate response (a streamed chunk) for request `i` alone: through the
+    context's `send_chunk(i, chunk)` where the serving engine gives one (compress's second
+    engine), else TorchServe's intermediate response."""
+    send_chunk = getattr(context, "send_chunk", None)
+    if send_chunk is not None:
+        send_chunk(i, chunk)
+        return
+    send_intermediate_predict_response([""] * i + [chunk], {i: context.request_ids[i]},
+                                       "Intermediate Prediction success", 200, context)
+
+
+def error(context, i: int, message: str, status: int, openai: bool) -> str:
+    """Request `i`'s error answer: OpenAI's error object on its routes."""
+    context.set_response_status(status, message, idx=i)
+    context.set_response_content_type(i, "application/json")
+    record(context, "CompressBadRequests" if status < 500 else "CompressFailedRequests", 1)
+    body = lm_openai.error(message, status) if openai else {"error": message, "status": status}
+    return json.dumps(body)
+
+
+def native_chunk(piece: str, tokens: int) -> str:
+    """One NDJSON line of a native streamed answer: `piece` of the text, `tokens` so far."""
+    return json.dumps({"delta": piece, "tokens": tokens}) + "\n"
+
+
+def native_answer(text: str, prompt_tokens: int, completion_tokens: int,
+                  finish: str) -> dict[str, Any]:
+    """A native answer's last object: the whole text, the token counts, why it ended."""
+    return {"text": text, "usage": {"prompt_tokens": prompt_tokens,
+                                    "completion_tokens": completion_tokens},
+            "finish_reason": finish}
+
+
+def chunk(answer: lm_openai.Answer | None, piece: str, tokens: int) -> str:
+    """A streamed piece of the text: OpenAI's server-sent event on its routes (`answer`),
+    else a native NDJSON line."""
+    return answer.chunk(piece) if answer else native_chunk(piece, tokens)
+
+
+def last(answer: lm_openai.Answer | None, text: str, prompt_tokens: int,
+         completion_tokens: int, finish: str, stream: bool, usage_in_stream: bool) -> str:
+    """A request's last answer: the native NDJSON line, or on OpenAI's routes (`answer`) the
+    final event of a stream (with `usage` when the request asked for it) or the whole
+    completion."""
+    if answer is None:
+        return json.dumps(native_answer(text, prompt_tokens, completion_tokens, finish)) + "\n"
+    usage = lm_openai.usage(prompt_tokens, completion_tokens)
+    if stream:
+        return answer.last_chunk(finish, usage if usage_in_stream else None)
+    return json.dumps(answer.whole(text, finish, usage))

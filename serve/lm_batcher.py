@@ -79,7 +79,7 @@ class ContinuousBatcher:
     already shared (`shared_caches`); `prefill`: an uncompiled decoder of the same model."""
 
     def __init__(self, decoders: dict[int, StaticDecoder], prefill: StaticDecoder,
-                 stop: set[int]):
+                 stop: set[int], own_thread: bool = True):
         self.decoders, self.prefill, self.stop = decoders, prefill, stop
         self.rows = max(decoders)
         self.cache_len = prefill.max_cache_len
@@ -90,8 +90,8 @@ class ContinuousBatcher:
         self.waiting: collections.deque[Row] = collections.deque()
         self.wake = threading.Condition()
         self.steps = 0
-        self.thread = threading.Thread(target=self._run, name="compress-batcher", daemon=True)
-        self.thread.start()
+        if own_thread:  # else the caller runs `serve` on the thread that built the model
+            threading.Thread(target=self.serve, name="compress-batcher", daemon=True).start()
 
     def submit(self, row: Row) -> Row:
         """Queue a request; its tokens go to `row.emit` from the batcher's thread."""
@@ -117,7 +117,8 @@ class ContinuousBatcher:
         """Rows decoding now."""
         return sum(r is not None for r in self.slots)
 
-    def _run(self) -> None:
+    def serve(self) -> None:
+        """Decode forever: admit waiting requests, step the busy rows."""
         with torch.inference_mode(), attention(self.prefill.model, self.prefill.attention):
             while True:
                 with self.wake:

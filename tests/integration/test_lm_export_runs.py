@@ -144,7 +144,10 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
             "lm_replies.py", "lm_pipeline.py",
             "model.pt", "causal_lm.json", "tokenizer.json"} <= inside
     assert "index_to_name.json" not in inside
-    assert config["batchSize"] == 4 and config["handler"]["task"] == "causal-lm"
+    # continuous batching: TorchServe passes each request on as it comes (batchSize 1) to
+    # the handler's 4 rows
+    assert config["asyncCommunication"] is True and config["batchSize"] == 1
+    assert config["handler"]["rows"] == 4 and config["handler"]["task"] == "causal-lm"
     assert config["handler"]["max_new_tokens"] == 16 and config["handler"]["cache_len"] == 64
 
     # the archive's handler imports with the repository out of reach: no path to it, no

@@ -25,10 +25,12 @@ from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
     from handler_metrics import record
+    from http_answers import reason_phrase
     from runtimes import load_runtime
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
     from serve.handler_metrics import record
+    from serve.http_answers import reason_phrase
     from serve.runtimes import load_runtime
     from serve.worker_threads import worker_threads
 
@@ -100,7 +102,7 @@ class CompressHandler(BaseHandler):
             try:
                 parsed, many = self.parse(request, _content_type(context, i, request))
             except ValueError as exc:
-                context.set_response_status(400, str(exc), idx=i)
+                context.set_response_status(400, reason_phrase(str(exc)), idx=i)
                 record(context, "CompressBadRequests", 1)
                 results.append({"error": str(exc), "status": 400})
                 continue

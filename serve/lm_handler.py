@@ -40,6 +40,7 @@ try:  # inside the archive the modules lie beside this file
     import lm_runtime
     import lm_tensor_parallel
     from handler_metrics import record
+    from http_answers import reason_phrase
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
     from serve import (
@@ -52,6 +53,7 @@ except ImportError:  # in the compress repository
         lm_tensor_parallel,
     )
     from serve.handler_metrics import record
+    from serve.http_answers import reason_phrase
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class CausalLMHandler(BaseHandler):
         self.model_name = context.model_name
         self.batcher = None
         if self.continuous:
+            lm_replies.guard_async_worker_socket()
             self._torch_thread(context)
         else:
             self._prepare(context)
@@ -248,7 +251,7 @@ class CausalLMHandler(BaseHandler):
                 parsed[i] = lm_requests.parse(lm_requests.read_body(request), self.encode,
                                               self.limits)
             except ValueError as exc:
-                context.set_response_status(400, str(exc), idx=i)
+                context.set_response_status(400, reason_phrase(str(exc)), idx=i)
                 context.set_response_content_type(i, "application/json")
                 results[i] = {"error": str(exc), "status": 400}
                 continue

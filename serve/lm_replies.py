@@ -11,7 +11,9 @@ error object on its routes.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from typing import Any
 
 from ts.handler_utils.utils import send_intermediate_predict_response
@@ -19,11 +21,36 @@ from ts.handler_utils.utils import send_intermediate_predict_response
 try:  # inside the archive the modules lie beside this file
     import lm_openai
     from handler_metrics import record
+    from http_answers import reason_phrase
 except ImportError:  # in the compress repository
     from serve import lm_openai
     from serve.handler_metrics import record
+    from serve.http_answers import reason_phrase
 
 STREAM_TYPE = "application/x-ndjson"
+# TorchServe's asynchronous worker writes final answers from its sending thread while chunks
+# go out from the event loop: unguarded, two messages interleaved on the socket (seen under
+# fuzzing: the frontend read a 2 GB "message" and dropped the worker). Both write under it.
+SOCKET_LOCK = threading.Lock()
+
+
+def guard_async_worker_socket() -> None:
+    """Make TorchServe's asynchronous worker send its final answers under SOCKET_LOCK
+    (TorchServe 0.12's `AsyncService.send_responses`, guarded; its repository is archived)."""
+    from ts.async_service import AsyncService
+
+    if getattr(AsyncService.send_responses, "guarded", False):
+        return
+
+    def send_responses(self) -> None:
+        while True:
+            future = asyncio.run_coroutine_threadsafe(self.out_queue.get(), self.loop)
+            message = future.result()
+            with SOCKET_LOCK:
+                self.service.cl_socket.sendall(message)
+
+    send_responses.guarded = True
+    AsyncService.send_responses = send_responses
 
 
 def send(context, i: int, chunk: str) -> None:
@@ -34,13 +61,14 @@ def send(context, i: int, chunk: str) -> None:
     if send_chunk is not None:
         send_chunk(i, chunk)
         return
-    send_intermediate_predict_response([""] * i + [chunk], {i: context.request_ids[i]},
-                                       "Intermediate Prediction success", 200, context)
+    with SOCKET_LOCK:
+        send_intermediate_predict_response([""] * i + [chunk], {i: context.request_ids[i]},
+                                           "Intermediate Prediction success", 200, context)
 
 
 def error(context, i: int, message: str, status: int, openai: bool) -> str:
     """Request `i`'s error answer: OpenAI's error object on its routes."""
-    context.set_response_status(status, message, idx=i)
+    context.set_response_status(status, reason_phrase(message), idx=i)
     context.set_response_content_type(i, "application/json")
     record(context, "CompressBadRequests" if status < 500 else "CompressFailedRequests", 1)
     body = lm_openai.error(message, status) if openai else {"error": message, "status": status}

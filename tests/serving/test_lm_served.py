@@ -213,6 +213,8 @@ def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline) -> Non
     (json.dumps({"messages": []}).encode(), 400),
     (json.dumps({"prompt": "word " * 400}).encode(), 400),  # longer than the cache
     (b"x" * (10 << 20), 413),  # 10 MB: TorchServe's own limit answers first
+    # a non-ASCII field name, echoed in the 400's reason phrase (it broke TorchServe's frame)
+    (json.dumps({"prompt": "hi", "\u00e9\u00ff": 1}, ensure_ascii=False).encode(), 400),
 ])
 def test_named_bad_requests_get_one_4xx_and_the_server_stays(served: dict, body: bytes,
                                                               status: int, offline) -> None:

@@ -299,3 +299,13 @@ def test_an_unsafe_model_name_is_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(UserError, match="model name") as error:
         server.resolve_target(_mar(tmp_path / "x.mar", name))
     assert "\n" not in str(error.value)
+
+
+def test_a_reason_phrase_is_one_line_of_ascii() -> None:
+    """TorchServe frames the phrase by characters and writes UTF-8 bytes: a non-ASCII phrase
+    broke the worker's socket frame (found by fuzzing the served LM)."""
+    from serve.http_answers import MAX_PHRASE, reason_phrase
+
+    phrase = reason_phrase("unknown field 'é\u00ff'\nnext line" + "x" * 500)
+    assert phrase.isascii() and len(phrase.encode()) == len(phrase) <= MAX_PHRASE
+    assert "\n" not in phrase and phrase.startswith("unknown field '\\xe9\\xff' next line")

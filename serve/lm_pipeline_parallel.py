@@ -11,11 +11,8 @@ generation tokens/s at batch 8 with 1, 2 and 4 micro-batches.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,32 +112,15 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
 
 def main(argv: list[str] | None = None) -> None:
     """Compare the pipeline-parallel model with one process (run under torchrun)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder")
-    parser.add_argument("--prompts", required=True, help="a text file, one prompt a line (or "
-                        "a .json list of prompts and chat message lists)")
-    parser.add_argument("--no-chat-template", action="store_true",
-                        help="encode prompts as plain text")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--out", help="write the figures here (JSON)")
-    args = parser.parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:
-        parser.error("run it under torchrun: torchrun --nproc-per-node N "
-                     "lm_pipeline_parallel.py FOLDER --prompts FILE")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    text = Path(args.prompts).read_text()
-    prompts = json.loads(text) if args.prompts.endswith(".json") else [
-        line.strip() for line in text.splitlines() if line.strip()]
-    try:
-        figures = compare(args.folder, prompts, args.max_new_tokens,
-                          not args.no_chat_template)
-        if figures:
-            if args.out:
-                Path(args.out).write_text(json.dumps(figures))
-            print(json.dumps({k: v for k, v in figures.items() if not k.startswith("tokens")}))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _tensor_parallel().run_comparison(compare, "lm_pipeline_parallel.py", argv)
+
+
+def _tensor_parallel() -> Any:
+    try:  # in an export folder, lm_tensor_parallel.py lies beside this file
+        import lm_tensor_parallel
+    except ImportError:  # in the compress repository
+        from serve import lm_tensor_parallel
+    return lm_tensor_parallel
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,12 +179,16 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
             "shard_s": round(shard_s, 3), "tokens": split_tokens}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Compare the tensor-parallel model with one process (run under torchrun)."""
+def run_comparison(compare: Callable[[str, list[Any], int, bool], dict[str, Any] | None],
+                   script: str, argv: list[str] | None = None) -> None:
+    """The torchrun entry point of a comparison script (this file's, and
+    lm_pipeline_parallel.py's): read the arguments and prompts, run `compare(folder, prompts,
+    max_new_tokens, chat_template)` on every rank, and write (--out) and print the figures it
+    returns on rank 0 (printed without its token lists)."""
     import torch
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=f"{script}: compare with one process")
     parser.add_argument("folder")
     parser.add_argument("--prompts", required=True, help="a text file, one prompt a line (or "
                         "a .json list of prompts and chat message lists)")
@@ -193,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the figures here (JSON)")
     args = parser.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
-        parser.error("run it under torchrun: torchrun --nproc-per-node N "
-                     "lm_tensor_parallel.py FOLDER --prompts FILE")
+        parser.error(f"run it under torchrun: torchrun --nproc-per-node N {script} FOLDER "
+                     "--prompts FILE")
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     text = Path(args.prompts).read_text()
     prompts = json.loads(text) if args.prompts.endswith(".json") else [
@@ -203,13 +208,18 @@ def main(argv: list[str] | None = None) -> None:
         figures = compare(args.folder, prompts, args.max_new_tokens,
                           not args.no_chat_template)
         if figures:
-            text = json.dumps(figures)
             if args.out:
-                Path(args.out).write_text(text)
-            print(json.dumps({k: v for k, v in figures.items() if k != "tokens"}))
+                Path(args.out).write_text(json.dumps(figures))
+            print(json.dumps({k: v for k, v in figures.items()
+                              if not k.startswith("tokens")}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compare the tensor-parallel model with one process (run under torchrun)."""
+    run_comparison(compare, "lm_tensor_parallel.py", argv)
 
 
 if __name__ == "__main__":

@@ -77,9 +77,6 @@ class HandlerAPI(ls.LitAPI):
         return HandlerContext(self.model_name, self.model_dir, self.config, self.manifest,
                               request_ids, headers, send)
 
-    def predict(self, x: Any) -> Any:
-        raise NotImplementedError("HandlerLoop calls the handler's handle")
-
     def authorize(self, request: Request) -> None:
         """TorchServe's token check: `Authorization: Bearer <token>` (when auth is on)."""
         if self.token is None:

@@ -189,14 +189,8 @@ class StaticDecoder:
                   on_tokens: OnTokens | None) -> Generation:
         ids, mask, pads = left_pad(prompt, always_mask=self.always_mask)
         rows, length = ids.shape
-        limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [
-            max_new_tokens] * rows
-        if length + max(limits) > self.max_cache_len:
-            raise ValueError(f"prompt of {length} tokens + {max(limits)} new exceeds the "
-                             f"cache of {self.max_cache_len}")
-        picks = [s if s and s.temperature > 0 else None for s in (sampling or [None] * rows)]
-        generators = [torch.Generator().manual_seed(s.seed) if s and s.seed is not None
-                      else None for s in picks]
+        limits, picks, generators = plan_rows(rows, length, max_new_tokens, sampling,
+                                              self.max_cache_len)
         self._fresh_cache(rows)
         padded = mask is not None
         if padded:
@@ -230,6 +224,22 @@ class StaticDecoder:
         later = sum(max(len(r) - 1, 0) for r in out)
         rate = later / spent if spent > 0 and later else 0.0
         return Generation(out[0], ttft, rate, out, [str(f) for f in finish])
+
+
+def plan_rows(rows: int, length: int, max_new_tokens: int | Sequence[int],
+              sampling: Sequence[Sampling | None] | None, max_cache_len: int
+              ) -> tuple[list[int], list[Sampling | None], list[torch.Generator | None]]:
+    """Each row's token limit, sampling (None: greedy) and seeded generator, for prompts
+    left-padded to `length`; ValueError when the longest would not fit the cache."""
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [
+        max_new_tokens] * rows
+    if length + max(limits) > max_cache_len:
+        raise ValueError(f"prompt of {length} tokens + {max(limits)} new exceeds the "
+                         f"cache of {max_cache_len}")
+    picks = [s if s and s.temperature > 0 else None for s in (sampling or [None] * rows)]
+    generators = [torch.Generator().manual_seed(s.seed) if s and s.seed is not None
+                  else None for s in picks]
+    return limits, picks, generators
 
 
 def _tie_graphs_to(cache: Any) -> None:

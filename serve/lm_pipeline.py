@@ -161,14 +161,8 @@ class PipelineDecoder:
             prompt, max_new_tokens, stop, sampling, chunks = call[0]
         ids, mask, _ = lm_decode.left_pad(prompt, always_mask=True)
         rows, length = ids.shape
-        limits = list(max_new_tokens) if isinstance(max_new_tokens, Sequence) else [
-            max_new_tokens] * rows
-        if length + max(limits) > self.max_cache_len:
-            raise ValueError(f"prompt of {length} tokens + {max(limits)} new exceeds the "
-                             f"cache of {self.max_cache_len}")
-        picks = [s if s and s.temperature > 0 else None for s in (sampling or [None] * rows)]
-        generators = [torch.Generator().manual_seed(s.seed) if s and s.seed is not None
-                      else None for s in picks]
+        limits, picks, generators = lm_decode.plan_rows(rows, length, max_new_tokens,
+                                                        sampling, self.max_cache_len)
         began = time.perf_counter()
         token = self._next(ids, mask, chunks, picks, generators)
         ttft = time.perf_counter() - began

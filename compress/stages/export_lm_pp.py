@@ -8,48 +8,24 @@ the weight bytes each rank holds, and tokens/s at batch 8 with 1, 2 and 4 micro-
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import CompressError, ParityError
 from compress.recipe.kinds.export import ExportConfig
 from compress.recipe.pipeline_parallel_checks import split_problem
 from compress.stages.context import StageContext
+from compress.stages.export_lm_tp import run_comparison_script
 
 DEFAULT_TOLERANCE = 1e-4
-TIMEOUT_S = 1800
 
 
 def run_pipeline_script(folder: Path, ranks: int, prompts: list[Any], ctx: StageContext
                         ) -> dict[str, Any]:
     """The figures of the folder's `lm_pipeline_parallel.py` under torchrun on `ranks`
     processes (written to the stage folder's pipeline_parallel.json, tokens left out)."""
-    prompt_file, out = ctx.folder / "pp_prompts.json", ctx.folder / "pipeline_parallel.json"
-    prompt_file.write_text(json.dumps(prompts))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(ranks), str(folder / "lm_pipeline_parallel.py"),
-               str(folder), "--prompts", str(prompt_file), "--out", str(out),
-               "--max-new-tokens", str(ctx.recipe.evaluation.generation.max_new_tokens)]
-    if not ctx.recipe.data.chat_template:
-        command.append("--no-chat-template")
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-           **TORCHRUN_ENV}
-    ctx.log(f"{ctx.name}: pipeline parallel: torchrun on {ranks} processes")
-    done = subprocess.run(command, capture_output=True, text=True, env=env,
-                          timeout=TIMEOUT_S, check=False)
-    if done.returncode or not out.is_file():
-        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["?"]
-        raise CompressError(f"pipeline-parallel check failed on {ranks} processes: "
-                            f"{last[0][:240]}")
-    figures = json.loads(out.read_text())
-    figures.pop("tokens", None)
-    figures.pop("tokens_one_process", None)
-    out.write_text(json.dumps(figures, indent=2))
-    return figures
+    return run_comparison_script(folder, "lm_pipeline_parallel.py", "pipeline_parallel", ranks,
+                                 prompts, ctx)
 
 
 def check_pipeline_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],

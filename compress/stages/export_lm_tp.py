@@ -23,6 +23,35 @@ DEFAULT_TOLERANCE = 1e-4
 TIMEOUT_S = 1800
 
 
+def run_comparison_script(folder: Path, script: str, kind: str, ranks: int,
+                          prompts: list[Any], ctx: StageContext) -> dict[str, Any]:
+    """The figures of the folder's comparison `script` (lm_tensor_parallel.py or
+    lm_pipeline_parallel.py) under torchrun on `ranks` processes, written to the stage
+    folder's `<kind>.json` with their token lists left out."""
+    prompt_file, out = ctx.folder / f"{kind}_prompts.json", ctx.folder / f"{kind}.json"
+    prompt_file.write_text(json.dumps(prompts))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(ranks), str(folder / script), str(folder),
+               "--prompts", str(prompt_file), "--out", str(out),
+               "--max-new-tokens", str(ctx.recipe.evaluation.generation.max_new_tokens)]
+    if not ctx.recipe.data.chat_template:
+        command.append("--no-chat-template")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+           **TORCHRUN_ENV}
+    what = kind.replace("_", " ")
+    ctx.log(f"{ctx.name}: {what}: torchrun on {ranks} processes")
+    done = subprocess.run(command, capture_output=True, text=True, env=env,
+                          timeout=TIMEOUT_S, check=False)
+    if done.returncode or not out.is_file():
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["?"]
+        raise CompressError(f"{what.replace(' ', '-')} check failed on {ranks} processes: "
+                            f"{last[0][:240]}")
+    figures = {k: v for k, v in json.loads(out.read_text()).items()
+               if not k.startswith("tokens")}
+    out.write_text(json.dumps(figures, indent=2))
+    return figures
+
+
 def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
                           ctx: StageContext) -> dict[str, Any]:
     """Run the tensor-parallel comparison on the exported folder; record and check it."""
@@ -30,28 +59,8 @@ def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
     problem = split_problem(json.loads((folder / "config.json").read_text()), ranks)
     if problem:  # a GGUF source has no config.json to check before the run
         raise CompressError(problem)
-    script = folder / "lm_tensor_parallel.py"
-    prompt_file, out = ctx.folder / "tp_prompts.json", ctx.folder / "tensor_parallel.json"
-    prompt_file.write_text(json.dumps(prompts))
-    gen = ctx.recipe.evaluation.generation
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(ranks), str(script), str(folder),
-               "--prompts", str(prompt_file), "--out", str(out),
-               "--max-new-tokens", str(gen.max_new_tokens)]
-    if not ctx.recipe.data.chat_template:
-        command.append("--no-chat-template")
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-           **TORCHRUN_ENV}
-    ctx.log(f"{ctx.name}: tensor parallel: torchrun on {ranks} processes")
-    done = subprocess.run(command, capture_output=True, text=True, env=env,
-                          timeout=TIMEOUT_S, check=False)
-    if done.returncode or not out.is_file():
-        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["?"]
-        raise CompressError(f"tensor-parallel check failed on {ranks} processes: "
-                            f"{last[0][:240]}")
-    figures = json.loads(out.read_text())
-    figures.pop("tokens", None)
-    out.write_text(json.dumps(figures, indent=2))
+    figures = run_comparison_script(folder, "lm_tensor_parallel.py", "tensor_parallel", ranks,
+                                    prompts, ctx)
     held = figures["linear_weight_bytes_per_rank"]
     whole = figures["linear_weight_bytes_one_process"]
     ctx.metrics.update(
@@ -63,6 +72,7 @@ def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
         tp_decode_tok_s_b1_one_process=figures["decode_tok_s_b1_one_process"])
     tolerance = cfg.tolerance or DEFAULT_TOLERANCE
     if figures["max_logit_diff"] > tolerance:
-        raise ParityError(f"{out.relative_to(ctx.run_dir)}: tensor-parallel logits differ from "
+        out = (ctx.folder / "tensor_parallel.json").relative_to(ctx.run_dir)
+        raise ParityError(f"{out}: tensor-parallel logits differ from "
                           f"one process by {figures['max_logit_diff']:.3g} > {tolerance}")
     return figures

@@ -48,6 +48,13 @@ def write_info(serve_dir: Path, info: dict[str, Any]) -> None:
     atomic_write_json(serve_dir / SERVER_INFO, info, mode=0o600)
 
 
+def record_server(serve_dir: Path, info: dict[str, Any]) -> None:
+    """Write server.json and list the server in the registry (`compress serve --stop`)."""
+    write_info(serve_dir, info)
+    registry_dir().mkdir(parents=True, exist_ok=True)
+    (registry_dir() / f"{info['pid']}.json").write_text(json.dumps({"serve_dir": str(serve_dir)}))
+
+
 def token_command(info: dict[str, Any]) -> str:
     """A shell line that puts the server's inference token into $TOKEN."""
     import shlex

@@ -36,6 +36,7 @@ from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     process_alive,
     read_info,
     read_keys,
+    record_server,
     registry_dir,
     token_command,
     token_of,
@@ -137,9 +138,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
             "metrics_url": metrics_url(metrics),
             "auth": auth, "model_api": model_api, "settings": settings,
             "serve_dir": str(serve_dir), "started": time.time()}
-    write_info(serve_dir, info)
-    registry_dir().mkdir(parents=True, exist_ok=True)
-    (registry_dir() / f"{info['pid']}.json").write_text(json.dumps({"serve_dir": str(serve_dir)}))
+    record_server(serve_dir, info)
     try:
         wait_ready(info, serve_dir, timeout_s, echo)
     except BaseException:

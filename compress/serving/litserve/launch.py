@@ -25,7 +25,12 @@ import yaml
 
 from compress.errors import UserError
 from compress.serving import server_process
-from compress.serving.serve_folder import KEY_FILE, process_alive, registry_dir, write_info
+from compress.serving.serve_folder import (
+    KEY_FILE,
+    process_alive,
+    record_server,
+    write_info,
+)
 from compress.serving.worker_log import WorkerLog
 
 ENGINE = "litserve"
@@ -69,9 +74,7 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
             "mar": str(mar), "url": f"http://127.0.0.1:{port}/predictions/{model_name}",
             "port": port, "auth": auth, "model_api": False, "settings": settings,
             "serve_dir": str(serve_dir), "started": time.time()}
-    write_info(serve_dir, info)
-    registry_dir().mkdir(parents=True, exist_ok=True)
-    (registry_dir() / f"{process.pid}.json").write_text(json.dumps({"serve_dir": str(serve_dir)}))
+    record_server(serve_dir, info)
     try:
         wait_ready(info, serve_dir, timeout_s, echo)
     except BaseException:

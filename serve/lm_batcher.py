@@ -163,7 +163,7 @@ class ContinuousBatcher:
         fit after it (as do every busy row's); False if that cannot be done now."""
         busy = [r for r in self.slots if r is not None]
         if not busy:
-            self.cursor = length
+            self._set_cursor(length)
             return True
         left = [r.max_new_tokens - len(r.tokens) for r in busy]
         if self.cursor + max(left + [new]) > self.cache_len:
@@ -189,13 +189,18 @@ class ContinuousBatcher:
         for layer in self.cache.layers:
             for t in (layer.keys, layer.values):
                 t[:, :, begin + by:end + by] = t[:, :, begin:end].clone()
-        self.cursor += by
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(self.cursor)
+        self._set_cursor(self.cursor + by)
         for slot, row in enumerate(self.slots):
             if row is not None:
                 row.start += by
                 self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+
+    def _set_cursor(self, position: int) -> None:
+        """Every row writes at `position` next (each layer's write position with it; a step
+        advances both by one)."""
+        self.cursor = position
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(position)
 
     def _step(self) -> None:
         """One decode step of every busy row, at the smallest bucket holding them."""
@@ -204,8 +209,6 @@ class ContinuousBatcher:
         rows = self.slots[:size]
         tokens = torch.tensor([[r.tokens[-1] if r else 0] for r in rows])
         positions = torch.tensor([[self.cursor - r.start if r else 0] for r in rows])
-        for layer in self.cache.layers:  # the cursor every row writes at
-            layer.cumulative_length.fill_(self.cursor)
         logits = self.decoders[size].decode_step(tokens, self.cursor, positions,
                                                  self.mask[:size], first=self.steps == 0)
         self.cursor += 1

@@ -10,8 +10,11 @@ intervals, so collectives in flight together count once, and its share is that t
 the step's. Bytes follow nccl-tests' convention: the whole buffer of each collective (the
 all-reduced tensor, the gathered output, the scattered input), not the bytes on the wire.
 
-NCCL completes a future when its kernel is queued, not when it ends, so under NCCL only the
-bytes are recorded (`timed` is False).
+NCCL completes a future when its kernel is queued, not when it ends, so under NCCL the host
+clock says nothing: there each collective is timed by the CUDA events ProcessGroupNCCL records
+around its kernel (`TORCH_NCCL_ENABLE_TIMING=1`, set by `process_group.init`), read with
+`Work._get_duration()` once the step's work is done. One process group's collectives run on
+one NCCL stream, one after another, so their durations add up to the union.
 """
 
 from __future__ import annotations
@@ -59,12 +62,14 @@ class CommMeter:
     """What the watched collectives did since the last `take()` (thread-safe: completions
     arrive on the backend's threads)."""
 
-    def __init__(self, timed: bool = True):
-        self.timed = timed
+    def __init__(self, timed: bool = True, cuda_events: bool = False):
+        self.timed = timed or cuda_events
+        self.cuda_events = cuda_events  # NCCL: durations from the Work's own CUDA events
         self._lock = threading.Lock()
         self._spans: list[tuple[str, float, float]] = []
         self._bytes = 0
         self._pending: list[Any] = []  # futures whose completion may not be recorded yet
+        self._works: list[tuple[str, Any]] = []  # NCCL works to read durations from
 
     def launched(self, nbytes: int) -> float:
         """Note a collective of `nbytes` launched now; its start time."""
@@ -84,6 +89,10 @@ class CommMeter:
         if work is None:
             self.finished(kind, started)
             return None
+        if self.cuda_events:
+            with self._lock:
+                self._works.append((kind, work))
+            return work
         done = work.get_future().then(lambda _: self.finished(kind, started))
         with self._lock:
             self._pending.append(done)
@@ -93,31 +102,38 @@ class CommMeter:
         """The step's figures since the last call; starts the next step."""
         with self._lock:
             pending, self._pending = self._pending, []
+            works, self._works = self._works, []
         for future in pending:  # complete already (training waited on them): callbacks run
             future.wait()
+        if works:
+            torch.cuda.synchronize()  # the end events are recorded once the kernels ran
         with self._lock:
             spans, nbytes, self._spans, self._bytes = self._spans, self._bytes, [], 0
         if not self.timed:
             return StepComm(None, nbytes)
+        if self.cuda_events:
+            durations = [(kind, work._get_duration() / 1000) for kind, work in works]
+            by_kind = {k: sum(s for kind, s in durations if kind == k)
+                       for k in KINDS if any(kind == k for kind, _ in durations)}
+            return StepComm(sum(s for _, s in durations), nbytes, by_kind)
         by_kind = {k: busy_seconds((s, e) for kind, s, e in spans if kind == k)
                    for k in KINDS if any(kind == k for kind, _, _ in spans)}
         return StepComm(busy_seconds((s, e) for _, s, e in spans), nbytes, by_kind)
 
 
 def watch_ddp(ddp: nn.Module, meter: CommMeter) -> None:
-    """Time DDP's gradient all-reduce: its default hook, bucket by bucket."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    """Time DDP's gradient all-reduce, bucket by bucket: what its default hook does (divide
+    by the world size, all-reduce), with the collective's Work in hand for the meter."""
+    import torch.distributed as dist
 
     # no annotations: DDP checks them against the real classes, and here they are strings
     def hook(group, bucket):  # noqa: ANN001, ANN202
-        buffer = bucket.buffer()
+        group = group if group is not None else dist.group.WORLD
+        buffer = bucket.buffer().div_(group.size())
         started = meter.launched(buffer.numel() * buffer.element_size())
-
-        def done(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            meter.finished("all_reduce", started)
-            return future.value()
-
-        return allreduce_hook(group, bucket).then(done)
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        meter.after("all_reduce", started, work)
+        return work.get_future().then(lambda future: future.value()[0])
 
     ddp.register_comm_hook(None, hook)
 
@@ -177,7 +193,8 @@ def watch_fsdp(model: nn.Module, meter: CommMeter) -> int:
 
 
 def meter_for_backend() -> CommMeter:
-    """A meter that times collectives where their futures complete with the work (gloo)."""
+    """A meter for this process group's backend: the host clock where futures complete with
+    the work (gloo), the collectives' own CUDA events under NCCL."""
     import torch.distributed as dist
 
-    return CommMeter(timed=dist.get_backend() != "nccl")
+    return CommMeter(cuda_events=dist.get_backend() == "nccl")

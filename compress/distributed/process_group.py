@@ -76,6 +76,7 @@ def init() -> bool:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # comm.CommMeter reads it
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=TIMEOUT_MIN))
     signal.signal(signal.SIGTERM, _terminated)
     return True

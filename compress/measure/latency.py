@@ -26,18 +26,28 @@ def fixed_threads(threads: int | None) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-
-
 def time_call(fn: Callable[[], Any], warmup: int, iters: int) -> dict[str, float]:
-    """Median, p90, min and spread (ms) of `iters` calls of `fn` after `warmup` calls."""
+    """Median, p90, min and spread (ms) of `iters` calls of `fn` after `warmup` calls. Where
+    CUDA is in use, each call is timed from an idle GPU until its kernels have finished
+    (CUDA launches return before the work is done)."""
     for _ in range(warmup):
         fn()
+    sync = _synchronize()
     samples = []
     for _ in range(iters):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         samples.append((time.perf_counter() - start) * 1000)
     return summarize(samples)
+
+
+def _synchronize() -> Callable[[], None]:
+    """`torch.cuda.synchronize` once this process has used CUDA, else a no-op."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.synchronize
+    return lambda: None
 
 
 def summarize(samples: list[float]) -> dict[str, float]:

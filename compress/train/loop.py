@@ -144,6 +144,17 @@ class TrainSetup:
                      telemetry_dir=self.telemetry_dir, **kwargs)
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A collated batch (tensors, dicts and tuples of them) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {name: to_device(value, device) for name, value in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
 def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_dir: Path,
           key: str, tokenizer=None, max_length: int = 128, loss_fn: LossFn = cross_entropy,
           desc: str = "train", on_step: Callable[[int], None] | None = None,
@@ -159,8 +170,10 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
 
     world, rank = (process_group.world_size(), process_group.rank()) if process_group.active() \
         else (1, 0)
-    bf16 = opts.bf16 and bf16_supported()
-    if opts.bf16 and not bf16:
+    device = next(model.parameters()).device  # the model trains where its weights are
+    bf16 = opts.bf16 and (torch.cuda.is_bf16_supported() if device.type == "cuda"
+                          else bf16_supported())
+    if opts.bf16 and not bf16 and device.type == "cpu":
         say(f"{desc}: this CPU has no bf16 instructions (AVX512-BF16 or AMX), where bf16 "
             f"autocast runs 10-20x slower than fp32; training in fp32 instead")
     is_sharded = getattr(opts, "parallel", "ddp") == "fsdp"
@@ -209,12 +222,14 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
                 step_began, loss_value = time.perf_counter(), 0.0
                 for a in range(opts.grad_accum_steps):
                     idx = schedule.batch(step * opts.grad_accum_steps + a)
-                    inputs, labels = collate(examples, idx, tokenizer, max_length)
+                    inputs, labels = to_device(collate(examples, idx, tokenizer,
+                                                       max_length), device)
                     last = a == opts.grad_accum_steps - 1
                     sync = contextlib.nullcontext() if last or wrapped is trained \
                         else wrapped.no_sync()  # DDP all-reduces once per optimizer step
                     with sync:
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        with torch.autocast(device.type, dtype=torch.bfloat16,
+                                            enabled=bf16):
                             loss = loss_fn(wrapped, inputs, labels) / opts.grad_accum_steps
                         loss.backward()
                     loss_value += float(loss.detach())

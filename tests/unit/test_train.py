@@ -149,7 +149,7 @@ def test_the_meter_times_a_collective_until_its_future_completes() -> None:
     assert step.nbytes == 5_000 and set(step.by_kind) == {"all_gather", "reduce_scatter"}
     assert step.seconds is not None and step.seconds >= step.by_kind["all_gather"] > 0
     assert meter.take().nbytes == 0  # the next step starts empty
-    assert CommMeter(timed=False).take().seconds is None  # NCCL: bytes only
+    assert CommMeter(timed=False).take().seconds is None  # untimed: bytes only
 
 
 def test_communication_figures_per_step_and_for_the_manifest() -> None:

@@ -381,3 +381,23 @@ def pytest_collection_modifyitems(config, items) -> None:
                           else "torchserve"]
         if "serving" in parts and lacking:
             item.add_marker(pytest.mark.skip(reason="serving tests need " + ", ".join(lacking)))
+
+
+_TIER_SECONDS: dict[str, list[float]] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Add each test's setup, call and teardown time to its tier's."""
+    tier = next((t for t in TIERS if t in Path(str(report.fspath)).parts), "other")
+    spent = _TIER_SECONDS.setdefault(tier, [0.0, 0])
+    spent[0] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        spent[1] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line of each tier's wall time and test count (CI prints it on every run)."""
+    if _TIER_SECONDS:
+        terminalreporter.write_line("tier times: " + ", ".join(
+            f"{tier} {seconds:.0f} s ({int(count)} tests)"
+            for tier, (seconds, count) in sorted(_TIER_SECONDS.items())))

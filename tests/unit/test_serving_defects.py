@@ -309,3 +309,21 @@ def test_a_reason_phrase_is_one_line_of_ascii() -> None:
     phrase = reason_phrase("unknown field 'é\u00ff'\nnext line" + "x" * 500)
     assert phrase.isascii() and len(phrase.encode()) == len(phrase) <= MAX_PHRASE
     assert "\n" not in phrase and phrase.startswith("unknown field '\\xe9\\xff' next line")
+
+
+# 9. issue 39: a body is read alone (any failure a ValueError: a 400), answers strict JSON
+
+def test_reading_a_body_raises_only_value_errors_and_answers_are_strict_json() -> None:
+    from serve.http_answers import check_unicode, json_answer, load_json
+
+    for body, message in (("[" * 100_000 + "]" * 100_000, "malformed JSON: nested too deeply"),
+                          ("9" * 5000, "malformed JSON: Exceeds the limit"),
+                          ('{"text": ', "malformed JSON: Expecting value")):
+        with pytest.raises(ValueError, match=message):
+            load_json(body)
+    assert load_json(" \n") is None and load_json('"\\ud83d\\ude00"') == "\U0001f600"
+    with pytest.raises(ValueError, match=r"lone surrogate \\ud800 at character 3"):
+        check_unicode("ok " + load_json('"\\ud800"'))
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        json_answer({"probabilities": {"a": float("nan")}})
+    assert json_answer({"score": 0.5}) == '{"score": 0.5}'

@@ -1,54 +1,45 @@
 """TorchServe's inference URLs as a LitServe spec, so that clients (the tests, `compress
 loadtest`, the `openai` client) change only the base URL between engines.
 
-`POST|PUT|GET /predictions/MODEL[/VERSION[/PATH]]`: the body (at most `max_request_size`
-bytes, else 413) goes to the worker as TorchServe hands it to a handler, `{"body": bytes}`
-(an urlencoded form: one entry per field), with the request's headers, the body's content
-type and `url_path` (PATH, e.g. `v1/chat/completions`). The answer waits for the worker's
-first message: the whole answer, or the first chunk of a stream, whose status and headers
-are those the handler set before sending it (so a bad streamed request is still a 400).
-Errors outside the handler are TorchServe's JSON: `{"code", "type", "message"}`.
+`POST|PUT|GET /predictions/MODEL[/VERSION[/PATH]]`: the body (`body.read_body`: at most
+`max_request_size` bytes, else 413) goes to the worker as TorchServe hands it to a handler,
+`{"body": bytes}` (an urlencoded form: one entry per field, at most 1000), with the
+request's headers, the body's content type and `url_path` (PATH, e.g.
+`v1/chat/completions`). The answer waits for the worker's first message: the whole answer,
+or the first chunk of a stream, whose status and headers are those the handler set before
+sending it (so a bad streamed request is still a 400).
+
+A request ends whatever happens (`inflight`): past the archive's `responseTimeout` without
+a message it gets a 504, if its worker dies a 503 (an error line once a stream has begun);
+if its client leaves, or it times out, the worker is told to cancel it. Errors outside the
+handler are TorchServe's JSON: `{"code", "type", "message"}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
-from urllib.parse import parse_qsl
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from litserve.specs.base import LitSpec
-from litserve.utils import LitAPIStatus, ResponseBufferItem
+
+from compress.serving.litserve import inflight
+from compress.serving.litserve.body import form_fields, read_body
+from compress.serving.litserve.errors import error_body, http_error  # noqa: F401 (re-export)
+from compress.serving.litserve.inflight import JSON, Message, Pending
 
 TOKEN_FAILED = ("Token Authorization failed. Token either incorrect, expired, or not "
                 "provided correctly")
 MAX_REQUEST_SIZE = 6_553_500  # TorchServe's default max_request_size
-JSON = "application/json"
+RESPONSE_TIMEOUT_S = 120.0  # TorchServe's default responseTimeout
 FORM = "application/x-www-form-urlencoded"
-ERROR_TYPES = {400: "BadRequestException", 401: "InvalidKeyException",
-               404: "ModelNotFoundException", 405: "MethodNotAllowedException",
-               413: "RequestTooLargeException"}
-Message = tuple[str, int, dict[str, str], str | None, bytes]
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """TorchServe's error object."""
-    return {"code": status, "type": ERROR_TYPES.get(status, "InternalServerException"),
-            "message": message}
-
-
-async def http_error(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's HTTPException (a bad token, an unknown path) as TorchServe answers it."""
-    status = getattr(exc, "status_code", 500)
-    detail = getattr(exc, "detail", None) or "error"
-    return JSONResponse(error_body(status, str(detail)), status_code=status,
-                        headers=getattr(exc, "headers", None))
 
 
 async def ping(request: Request) -> JSONResponse:
@@ -56,14 +47,21 @@ async def ping(request: Request) -> JSONResponse:
     return JSONResponse({"status": "Healthy"})
 
 
+class ClientLeft(Exception):
+    """The client disconnected before its answer began."""
+
+
 class TorchServeRoutes(LitSpec):
     """The prediction routes of one model; answers come from `HandlerLoop` as messages."""
 
-    def __init__(self, model_name: str, version: str | None, max_request_size: int):
+    def __init__(self, model_name: str, version: str | None, max_request_size: int,
+                 timeout_s: float = RESPONSE_TIMEOUT_S):
         super().__init__()
         self.model_name, self.version = model_name, version
-        self.max_request_size = max_request_size
+        self.max_request_size, self.timeout_s = max_request_size, timeout_s
         self.api_path = f"/predictions/{model_name}"
+        self.controls: list[Any] | None = None  # each worker's cancel queue (main.Server)
+        self._watch: asyncio.Task | None = None
 
     @property
     def stream(self) -> bool:
@@ -89,62 +87,97 @@ class TorchServeRoutes(LitSpec):
         content_type = request.headers.get("content-type", "")
         data: dict[str, Any] = {"body": body}
         if content_type.startswith(FORM):
-            data = {k: v.encode() for k, v in parse_qsl(body.decode("utf-8", "replace"),
-                                                         keep_blank_values=True)} or data
+            data = await form_fields(body) or data
         headers = {k: v for k, v in request.headers.items() if k != "authorization"}
         headers |= {"body": {"content-type": content_type},
                     "url_path": request.path_params.get("path", "")}
-        uid, event, queue = str(uuid.uuid4()), asyncio.Event(), deque()
-        self.response_buffer[uid] = ResponseBufferItem(event=event, response_queue=queue)
-        messages = self._messages(uid, queue, event)
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(
+                inflight.watch(self.response_buffer))
+        uid = str(uuid.uuid4())
+        pending = Pending(event=asyncio.Event(), response_queue=deque(), uid=uid,
+                          controls=self.controls)
+        self.response_buffer[uid] = pending
+        messages = self._messages(pending)
         try:
             self.request_queue.put((self.response_queue_id, uid, time.monotonic(),
                                     (data, headers)))
-            kind, status, answer_headers, media, first = await anext(messages)
-        except BaseException:
+            kind, status, answer_headers, media, first = await _first(request, messages)
+        except (ClientLeft, TimeoutError) as exc:
+            pending.cancel()
             await messages.aclose()
-            self.response_buffer.pop(uid, None)
+            if isinstance(exc, ClientLeft):
+                return Response(status_code=499)  # nobody reads it
+            return JSONResponse(error_body(504, str(exc)), status_code=504)
+        except BaseException:
+            pending.cancel()
+            await messages.aclose()
             raise
-        if kind == "end":
+        if kind in (inflight.END, inflight.FAIL):
             await messages.aclose()
             return Response(first, status, answer_headers, media_type=media or JSON)
-        return StreamingResponse(_chain(first, messages), status, answer_headers,
-                                 media_type=media or JSON)
+        return Stream(_chain(first, messages, media), pending.cancel, status_code=status,
+                      headers=answer_headers, media_type=media or JSON)
 
-    async def _messages(self, uid: str, queue: deque, event: asyncio.Event
-                        ) -> AsyncIterator[Message]:
-        """The worker's messages for request `uid`, up to its "end"."""
+    async def _messages(self, pending: Pending) -> AsyncIterator[Message]:
         try:
-            while True:
-                await event.wait()
-                event.clear()
-                while queue:
-                    message, status = queue.popleft()
-                    if status == LitAPIStatus.ERROR:  # LitServe's own failure, not ours
-                        message = ("end", 500, {}, JSON,
-                                   json.dumps(error_body(500, "worker error")).encode())
-                    yield message
-                    if message[0] == "end":
-                        return
+            async for message in inflight.messages(pending, self.timeout_s):
+                yield message
         finally:
-            self.response_buffer.pop(uid, None)
+            self.response_buffer.pop(pending.uid, None)
 
 
-async def _chain(first: bytes, messages: AsyncIterator[Message]) -> AsyncIterator[bytes]:
+async def _first(request: Request, messages: AsyncIterator[Message]) -> Message:
+    """The worker's first message; ClientLeft if the client disconnects first."""
+    answer = asyncio.ensure_future(anext(messages))
+    left = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (left, answer):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+    if answer.cancelled():
+        raise ClientLeft
+    return answer.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has disconnected (its body was read in full before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _chain(first: bytes, messages: AsyncIterator[Message],
+                 media: str | None) -> AsyncIterator[bytes]:
+    """A stream's bytes; a timeout or the engine's failure ends it with an error line."""
     yield first
-    async for message in messages:
-        yield message[4]
+    try:
+        async for kind, status, _, _, data in messages:
+            if kind == inflight.FAIL:
+                message = json.loads(data).get("message", "failed")
+                yield inflight.error_line(media, status, message)
+                return
+            yield data
+    except TimeoutError as exc:
+        yield inflight.error_line(media, 504, str(exc))
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body; past `limit` bytes a 413 (once the body is read, so the client
-    gets the answer rather than a reset connection)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-    if size > limit:
-        raise HTTPException(413, f"request of {size} bytes: more than max_request_size "
-                                 f"({limit})")
-    return b"".join(chunks)
+class Stream(StreamingResponse):
+    """A streamed answer that calls `on_close` however it ends (the client left, the send
+    failed, it finished: `Pending.cancel` does nothing once the last message came)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            with contextlib.suppress(BaseException):
+                await self.body_iterator.aclose()

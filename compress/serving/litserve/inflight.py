@@ -1,0 +1,132 @@
+"""The API server's side of the requests in flight: what each waits for, and how it ends
+when the worker does not answer.
+
+A request's entry in the response buffer is a `Pending`: the worker's messages queue on it
+as LitServe delivers them. The worker's first message for a request is "take" (its worker
+index and pid): from then on `watch` ends the request with a 503 if that process dies, and
+`cancel` sends its id to that worker alone (before it, to every worker). `messages` raises
+TimeoutError when the worker sends nothing for `timeout_s` (the archive's responseTimeout,
+counted as TorchServe counts it: up to the first message, then between messages)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from litserve.utils import LitAPIStatus, ResponseBufferItem
+
+from compress.serving.litserve.errors import error_body
+
+logger = logging.getLogger(__name__)
+JSON = "application/json"
+SSE = "text/event-stream"
+TAKE, CHUNK, END, FAIL = "take", "chunk", "end", "fail"  # FAIL: the engine's own error
+WATCH_S = 0.25  # how often `watch` looks at the workers holding requests
+Message = tuple[str, int, dict[str, str], str | None, bytes]
+
+
+@dataclass
+class Pending(ResponseBufferItem):
+    """One request waiting on a worker: LitServe's buffer item, and who took it."""
+
+    uid: str = ""
+    worker: int | None = None
+    pid: int | None = None
+    ended: bool = False  # its last message came, or it was cancelled
+    controls: list[Any] | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """Tell the worker that holds it (any worker, before one took it) to drop it."""
+        if self.ended:
+            return
+        self.ended = True
+        queues = self.controls or []
+        if self.worker is not None and self.worker < len(queues):
+            queues = [queues[self.worker]]
+        for control in queues:
+            try:
+                control.put(self.uid)
+            except Exception:  # the manager is gone: the server is stopping
+                logger.warning("could not cancel request %s", self.uid)
+
+
+def failure(status: int, message: str) -> Message:
+    """The engine's own error for a request, as a message."""
+    return FAIL, status, {}, JSON, json.dumps(error_body(status, message)).encode()
+
+
+async def messages(pending: Pending, timeout_s: float) -> AsyncIterator[Message]:
+    """The worker's messages for `pending` up to its last ("end" or "fail")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        while not pending.response_queue:
+            pending.event.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no answer within responseTimeout ({timeout_s:g} s)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pending.event.wait(), remaining)
+        message, status = pending.response_queue.popleft()
+        if status == LitAPIStatus.ERROR:  # LitServe's own failure, not the handler's
+            message = failure(500, "worker error")
+        kind = message[0]
+        if kind == TAKE:
+            pending.worker, pending.pid = int(message[2]["worker"]), int(message[2]["pid"])
+            continue
+        deadline = time.monotonic() + timeout_s
+        if kind in (END, FAIL):
+            pending.ended = True
+        yield message
+        if kind in (END, FAIL):
+            return
+
+
+def error_line(media: str | None, status: int, message: str) -> bytes:
+    """An error written into a stream that has begun: an SSE event, else an NDJSON line."""
+    if media and media.startswith(SSE):
+        error = {"message": message, "type": "server_error", "code": status}
+        return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    return json.dumps({"error": message, "status": status}).encode() + b"\n"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state in ("Z", "X")
+    except (OSError, IndexError):
+        if Path("/proc/self").exists():
+            return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+async def watch(buffer: dict[str, Any]) -> None:
+    """Forever: end each request whose worker died with a 503 (LitServe restarts it)."""
+    while True:
+        await asyncio.sleep(WATCH_S)
+        gone: dict[int, bool] = {}
+        for pending in list(buffer.values()):
+            if not isinstance(pending, Pending) or pending.pid is None or pending.ended:
+                continue
+            if gone.setdefault(pending.pid, process_gone(pending.pid)):
+                logger.error("worker %s (pid %s) died holding request %s", pending.worker,
+                             pending.pid, pending.uid)
+                pending.pid = None
+                pending.response_queue.append((failure(
+                    503, "the model's worker died while answering; it is being restarted"),
+                    LitAPIStatus.OK))
+                pending.event.set()

@@ -36,7 +36,8 @@ def describe_kinds(kind: str | None = None) -> list[dict[str, Any]]:
 def options_of(model: type[BaseModel], prefix: str = "",
                section_default: BaseModel | None = None) -> list[dict[str, Any]]:
     """The fields of a config class, nested config sections flattened to dotted names
-    (a section's own line comes first, then its options). Inside a section whose default is
+    (a section's own line comes first, then its options; the options of each item of a list
+    of sections as `name[].option`). Inside a section whose default is
     built by a factory (quantize's `qat`), `default` is what applies when the section is left
     out and `default_in_section` what applies to a key left out of a written section, when
     the two differ."""
@@ -62,6 +63,8 @@ def options_of(model: type[BaseModel], prefix: str = "",
         if nested is not None:
             inner = value if isinstance(value, BaseModel) else None
             out += options_of(nested, f"{prefix}{name}.", inner)
+        elif (item := _item_model(field.annotation)) is not None:
+            out += options_of(item, f"{prefix}{name}[].")
     return out
 
 
@@ -150,9 +153,27 @@ def _nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _item_model(annotation: Any) -> type[BaseModel] | None:
+    """The config class of each item of a list of sections (search's `shapes`), else None."""
+    for arg in _members(annotation):
+        if typing.get_origin(arg) in (list, tuple, set, frozenset):
+            for inner in typing.get_args(arg):
+                found = _nested_model(inner)
+                if found is not None:
+                    return found
+    return None
+
+
 def _allowed(annotation: Any) -> list[Any]:
-    return [value for arg in _members(annotation) if typing.get_origin(arg) is Literal
-            for value in typing.get_args(arg)]
+    """The allowed values of a Literal, or of each item of a list of Literals."""
+    found: list[Any] = []
+    for arg in _members(annotation):
+        origin = typing.get_origin(arg)
+        if origin is Literal:
+            found += typing.get_args(arg)
+        elif origin in (list, tuple, set, frozenset):
+            found += [v for inner in typing.get_args(arg) for v in _allowed(inner)]
+    return list(dict.fromkeys(found))
 
 
 def _bounds(metadata: list[Any]) -> list[str]:

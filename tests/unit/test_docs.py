@@ -1,0 +1,30 @@
+"""The documentation holds: `compress stages` lists nested options, every shell block in the
+README and docs/ is tested or marked as needing what CI lacks, and names real commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from compress.cli.stages import describe_kinds, render_kinds
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _options(kind: str) -> dict[str, dict]:
+    return {o["name"]: o for o in describe_kinds(kind)[0]["options"]}
+
+
+def test_stages_lists_the_items_of_a_list_of_sections() -> None:
+    options = _options("search")
+    for name in ("shapes[].layers", "shapes[].ffn", "shapes[].heads", "shapes[].teacher"):
+        assert name in options, name
+    assert options["shapes[].ffn"]["bounds"] == [">= 0", "< 1"]
+    assert options["shapes[].teacher"]["default"] is True
+    assert "  shapes[].layers " in render_kinds(describe_kinds("search"))
+
+
+def test_stages_lists_the_allowed_items_of_a_list() -> None:
+    candidates = _options("search")["candidates"]
+    assert candidates["allowed"][:2] == ["pt2e_static_aoti", "pt2e_dynamic_aoti"]
+    assert len(candidates["allowed"]) == 8
+    assert "one of: pt2e_static_aoti, " in render_kinds(describe_kinds("search"))

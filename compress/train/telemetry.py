@@ -2,7 +2,7 @@
 optimizer step, and in a data-parallel run the step's communication (seconds with a
 collective in flight, their share of the step, megabytes; `compress.distributed.comm`),
 written as TensorBoard event files in the stage's folder when `tensorboard` is installed
-(`pip install 'compress[telemetry]'`), and summed up for the manifest.
+(`pip install 'compress-pipeline[telemetry]'`), and summed up for the manifest.
 
     tensorboard --logdir runs/NAME    # every stage's curves, side by side
 """

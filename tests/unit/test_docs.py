@@ -28,3 +28,26 @@ def test_stages_lists_the_allowed_items_of_a_list() -> None:
     assert candidates["allowed"][:2] == ["pt2e_static_aoti", "pt2e_dynamic_aoti"]
     assert len(candidates["allowed"]) == 8
     assert "one of: pt2e_static_aoti, " in render_kinds(describe_kinds("search"))
+
+
+def test_every_shipped_recipe_writes_under_compress_runs() -> None:
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        lines = [x for x in recipe.read_text().splitlines() if x.startswith("output_dir:")]
+        assert lines == ["output_dir: ${COMPRESS_RUNS:-runs}"], recipe.name
+
+
+def test_the_tensorrt_recipe_quotes_what_validate_prints(monkeypatch, data_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from compress.cli.main import cli
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
+    recipe = "recipes/bert_trt_fp16.yaml"
+    done = CliRunner().invoke(cli, ["validate", recipe])
+    comments = [x[1:].strip() for x in (REPO / recipe).read_text().splitlines()
+                if x.startswith("#")]
+    assert done.exit_code == 0, done.output
+    note = [x for x in done.output.splitlines() if ": note: " in x]
+    if note:  # a machine without a CUDA GPU: the comment quotes the note word for word
+        assert note[0] in comments

@@ -9,8 +9,14 @@ their next token at one cursor position. A new row is prefilled alone (its own o
 cache), and its keys and values are copied to the positions just before the cursor, in a
 free slot; its mask opens its own positions only, and its rotary positions count from its
 own first token, so rows of any lengths decode together. When the cursor would run past the
-cache, every row's positions move left by the oldest row's start (`_compact`); a prompt
-longer than the cursor moves them right. A request that cannot fit waits for rows to leave.
+cache, every row's positions move left by the oldest row's start; a prompt longer than the
+cursor moves them right. A request that cannot fit waits for rows to leave; the first
+waiting request that fits goes in, unless the oldest has waited `patience` steps: then none
+passes it. At most `max_waiting` requests wait (`submit` raises `QueueFull` past it).
+
+Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
+(max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
+prefill failed: that row alone; a decode step failed: every row in it).
 
 Both of the handler's batching paths decode at bucket sizes (`buckets`: each compiles once);
 without continuous batching, a TorchServe batch decodes in `fitting_groups`.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,8 +44,18 @@ except ImportError:  # in the compress repository
 
 logger = logging.getLogger(__name__)
 
-# emit(token, None) for each new token; emit(None, "stop" | "length" | "error: ...") once
+# emit(token, None) for each new token; then once emit(None, "stop" | "length" |
+# "cancelled" | "error: ...")
 Emit = Callable[[int | None, str | None], None]
+CANCELLED = "cancelled"
+
+
+class QueueFull(RuntimeError):
+    """`submit` past `max_waiting` waiting rows; `retry_after_s`: when to try again."""
+
+    def __init__(self, waiting: int, retry_after_s: int):
+        super().__init__(f"{waiting} requests are waiting: try again in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False)
@@ -54,6 +71,8 @@ class Row:
     admitted: float = 0.0  # time.perf_counter() when its prefill began
     cancelled: bool = False  # set by `cancel`: the row leaves at the next step
     generator: torch.Generator | None = None
+    queued: int = 0  # the batcher's step count when it was submitted
+    ended: bool = False  # its end was emitted
 
 
 def shared_caches(decoders: dict[int, StaticDecoder]) -> None:
@@ -76,11 +95,16 @@ def shared_caches(decoders: dict[int, StaticDecoder]) -> None:
 class ContinuousBatcher:
     """Decodes the rows of every submitted request on one thread, admitting new ones
     between steps. `decoders`: one per bucket size (compiled and warmed up), their caches
-    already shared (`shared_caches`); `prefill`: an uncompiled decoder of the same model."""
+    already shared (`shared_caches`); `prefill`: an uncompiled decoder of the same model;
+    `max_waiting`: the queue's bound; `patience`: decode steps the oldest waiting request
+    lets others that fit go first."""
 
     def __init__(self, decoders: dict[int, StaticDecoder], prefill: StaticDecoder,
-                 stop: set[int], own_thread: bool = True):
+                 stop: set[int], own_thread: bool = True, max_waiting: int = 64,
+                 patience: int = 32):
         self.decoders, self.prefill, self.stop = decoders, prefill, stop
+        self.max_waiting, self.patience = max(1, max_waiting), max(0, patience)
+        self.step_s = 0.05  # a decode step's time, averaged (`retry_after_s`)
         self.rows = max(decoders)
         self.cache_len = prefill.max_cache_len
         self.cache = decoders[self.rows].cache
@@ -103,15 +127,35 @@ class ContinuousBatcher:
         if row.sampling is not None and row.sampling.seed is not None:
             row.generator = torch.Generator().manual_seed(row.sampling.seed)
         with self.wake:
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(len(self.waiting), self._retry_after())
+            row.queued = self.steps
             self.waiting.append(row)
             self.wake.notify()
         return row
 
+    def _retry_after(self) -> int:
+        """Seconds until the queue has likely moved: the tokens still to decode (rows in
+        flight and waiting), spread over the slots, at the measured step time."""
+        left = sum(r.max_new_tokens - len(r.tokens) for r in self.slots if r is not None)
+        left += sum(r.max_new_tokens for r in self.waiting)
+        return max(1, min(60, math.ceil(left / self.rows * self.step_s)))
+
     def cancel(self, row: Row) -> None:
-        """Let a row go (its client left): it leaves at the next step, no more tokens."""
-        row.cancelled = True
+        """Let a row go (its client left), in any state; it ends "cancelled" (once): at
+        once where it waits, else at the batcher's next turn. Calling it again, or after the
+        row ended, does nothing."""
         with self.wake:
+            if row.cancelled or row.ended:
+                return
+            row.cancelled = True
+            queued = row in self.waiting
+            if queued:
+                self.waiting.remove(row)
+                row.ended = True
             self.wake.notify()
+        if queued:
+            _send(row, None, CANCELLED)
 
     def busy(self) -> int:
         """Rows decoding now."""
@@ -125,6 +169,7 @@ class ContinuousBatcher:
                     while not self.waiting and not any(self.slots):
                         self.wake.wait()
                 try:
+                    self._sweep()
                     self._admit()
                     if any(self.slots):
                         self._step()
@@ -132,21 +177,40 @@ class ContinuousBatcher:
                     logger.exception("compress batcher: a step failed")
                     self._fail_all(f"error: {type(exc).__name__}: {exc}")
 
+    def _sweep(self) -> None:
+        """Free the slots of cancelled rows."""
+        for slot, row in enumerate(self.slots):
+            if row is not None and row.cancelled:
+                self._leave(slot, CANCELLED)
+
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots, oldest first, while they fit."""
-        while True:
+        """Prefill waiting requests into free slots while any fits: the oldest that fits
+        first, none past the oldest once it has waited `patience` steps."""
+        while None in self.slots:
             with self.wake:
-                while self.waiting and self.waiting[0].cancelled:
-                    self.waiting.popleft().emit(None, "stop")
-                if not self.waiting or None not in self.slots:
-                    return
-                row = self.waiting[0]
-            if not self._make_room(len(row.ids), row.max_new_tokens):
+                waiting = list(self.waiting)
+            if not waiting:
+                return
+            if self.steps - waiting[0].queued >= self.patience:
+                waiting = waiting[:1]  # the oldest has waited long enough: it goes next
+            row = next((r for r in waiting if self._room(len(r.ids), r.max_new_tokens)), None)
+            if row is None:
                 return
             with self.wake:
-                self.waiting.popleft()
-            slot = self.slots.index(None)
-            row.admitted = time.perf_counter()
+                if row not in self.waiting:  # cancelled meanwhile
+                    continue
+                self.waiting.remove(row)
+            try:
+                self._make_room(len(row.ids), row.max_new_tokens)
+            except Exception as exc:  # the cache may be torn: every row fails (`serve`)
+                self._end(row, f"error: {type(exc).__name__}: {exc}")
+                raise
+            self._prefill(self.slots.index(None), row)
+
+    def _prefill(self, slot: int, row: Row) -> None:
+        """Run a row's prompt and place it in `slot`; a failure ends this row alone."""
+        row.admitted = time.perf_counter()
+        try:
             logits = self.prefill.prefill(row.ids)
             length = len(row.ids)
             row.start = self.cursor - length
@@ -154,35 +218,43 @@ class ContinuousBatcher:
                 mine.keys[slot, :, row.start:self.cursor] = one.keys[0, :, :length]
                 mine.values[slot, :, row.start:self.cursor] = one.values[0, :, :length]
             self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
-            self.slots[slot] = row
             token = int(pick_tokens(logits, [row.sampling], [row.generator])[0])
-            self._take(slot, token)
+        except Exception as exc:  # noqa: BLE001 (this request fails, the others go on)
+            logger.exception("compress batcher: a prefill failed")
+            self._end(row, CANCELLED if row.cancelled else
+                      f"error: {type(exc).__name__}: {exc}")
+            return
+        self.slots[slot] = row
+        self._take(slot, token)
 
-    def _make_room(self, length: int, new: int) -> bool:
+    def _room(self, length: int, new: int) -> bool:
+        """Whether `_make_room` can place a prompt of `length` tokens, and `new` after it."""
+        busy = [r for r in self.slots if r is not None]
+        if not busy:
+            return True
+        left = max(r.max_new_tokens - len(r.tokens) for r in busy)
+        cursor = self.cursor
+        if cursor + max(left, new) > self.cache_len:
+            cursor -= min(r.start for r in busy)
+        if cursor < length and length + left <= self.cache_len:
+            cursor = length
+        return cursor + max(left, new) <= self.cache_len and length <= cursor
+
+    def _make_room(self, length: int, new: int) -> None:
         """Move the cursor so that a prompt of `length` tokens ends at it and `new` tokens
-        fit after it (as do every busy row's); False if that cannot be done now."""
+        fit after it, as do every busy row's (where `_room` says it can): every row's
+        positions left by the oldest row's start when the cursor would run past the cache,
+        then right when the prompt is longer than the cursor."""
         busy = [r for r in self.slots if r is not None]
         if not busy:
             self._set_cursor(length)
-            return True
-        left = [r.max_new_tokens - len(r.tokens) for r in busy]
-        if self.cursor + max(left + [new]) > self.cache_len:
-            self._compact(min(r.start for r in busy))
-        if length > self.cursor:
-            self._shift(length - self.cursor)
-        return self.cursor + max(left + [new]) <= self.cache_len and length <= self.cursor
-
-    def _compact(self, by: int) -> None:
-        """Every row's positions `by` to the left."""
-        if by > 0:
+            return
+        left = max(r.max_new_tokens - len(r.tokens) for r in busy)
+        by = min(r.start for r in busy)
+        if self.cursor + max(left, new) > self.cache_len and by > 0:
             self._move(by, self.cursor, -by)
-
-    def _shift(self, by: int) -> None:
-        """Every row's positions `by` to the right, where the cache has room."""
-        busy = [r for r in self.slots if r is not None]
-        if self.cursor + by + max(r.max_new_tokens - len(r.tokens) for r in busy) <= \
-                self.cache_len:
-            self._move(0, self.cursor, by)
+        if self.cursor < length and length + left <= self.cache_len:
+            self._move(0, self.cursor, length - self.cursor)
 
     def _move(self, begin: int, end: int, by: int) -> None:
         """Positions begin..end-1 of every slot to begin+by.., and the rows with them."""
@@ -209,8 +281,10 @@ class ContinuousBatcher:
         rows = self.slots[:size]
         tokens = torch.tensor([[r.tokens[-1] if r else 0] for r in rows])
         positions = torch.tensor([[self.cursor - r.start if r else 0] for r in rows])
+        began = time.perf_counter()
         logits = self.decoders[size].decode_step(tokens, self.cursor, positions,
                                                  self.mask[:size], first=self.steps == 0)
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - began)
         self.cursor += 1
         self.steps += 1
         picked = pick_tokens(logits, [r.sampling if r else None for r in rows],
@@ -224,11 +298,12 @@ class ContinuousBatcher:
         row = self.slots[slot]
         assert row is not None
         if row.cancelled:
-            self._leave(slot, "stop")
+            self._leave(slot, CANCELLED)
             return
         row.tokens.append(token)
-        row.emit(token, None)
-        if token in self.stop or row.cancelled:
+        if not _send(row, token, None):
+            self._leave(slot, CANCELLED)
+        elif token in self.stop:
             self._leave(slot, "stop")
         elif len(row.tokens) >= row.max_new_tokens:
             self._leave(slot, "length")
@@ -236,11 +311,29 @@ class ContinuousBatcher:
     def _leave(self, slot: int, reason: str) -> None:
         row, self.slots[slot] = self.slots[slot], None
         if row is not None:
-            row.emit(None, reason)
+            self._end(row, reason)
+
+    def _end(self, row: Row, reason: str) -> None:
+        """Emit a row's end, once."""
+        with self.wake:
+            if row.ended:
+                return
+            row.ended = True
+        _send(row, None, reason)
 
     def _fail_all(self, reason: str) -> None:
         for slot in range(self.rows):
             self._leave(slot, reason)
+
+
+def _send(row: Row, token: int | None, end: str | None) -> bool:
+    """`row.emit(token, end)`; False where it raised (its client is gone: the row leaves)."""
+    try:
+        row.emit(token, end)
+    except Exception:  # noqa: BLE001 (one request's failure stays its own)
+        logger.exception("compress batcher: a row's answer failed")
+        return False
+    return True
 
 
 def rows_of(settings: dict[str, Any], batch_size: int) -> int:

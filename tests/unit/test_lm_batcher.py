@@ -122,7 +122,7 @@ def test_cancelled_rows_leave_and_a_full_batch_works_after(model) -> None:
     gone[0].wait_for(3)
     for row in rows:
         batcher.cancel(row)
-    assert [g.wait() for g in gone] == ["stop"] * 4
+    assert [g.wait() for g in gone] == ["cancelled"] * 4
     deadline = time.time() + 10
     while batcher.busy() and time.time() < deadline:
         time.sleep(0.01)

@@ -4,7 +4,8 @@ every request's tokens streamed as they are produced.
 Packed into a causal-LM `.mar` by the package stage with `lm_runtime.py` (loading and the
 static-cache decoder), `lm_requests.py` (parsing, streamed text) and `lm_replies.py` (the
 answers it sends); imports nothing from compress. `model-config.yaml`'s `handler:` section
-holds threads, max_new_tokens, default_new_tokens, cache_len, compile and chat_template.
+holds threads, max_new_tokens, default_new_tokens, cache_len, compile, chat_template, and
+with continuous batching rows and max_waiting (past it a request gets 503 + Retry-After).
 
 Requests (see lm_requests): `{"prompt": "..."}` or `{"messages": [...]}` with optional
 `max_new_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`. A streamed answer is
@@ -20,11 +21,13 @@ largest max_new_tokens would not fit is decoded in parts), run at the next bucke
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,6 @@ try:  # inside the archive the modules lie beside this file
     import lm_requests
     import lm_runtime
     import lm_tensor_parallel
-    from handler_metrics import record
     from http_answers import reason_phrase
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
@@ -52,13 +54,12 @@ except ImportError:  # in the compress repository
         lm_runtime,
         lm_tensor_parallel,
     )
-    from serve.handler_metrics import record
     from serve.http_answers import reason_phrase
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
-
-BATCH_HEADER = "X-Batch-Size"
+QUEUE_FULL = getattr(lm_batcher, "QueueFull", ())  # the batcher's full queue: a 503
+BATCH_HEADER = lm_replies.BATCH_HEADER
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 
 
@@ -121,9 +122,11 @@ class CausalLMHandler(BaseHandler):
         elif self.ranks > 1:
             lm_tensor_parallel.join_and_split(self.lm.model)
         self.stop = lm_runtime.stop_ids(self.lm.model, self.lm.tokenizer)
+        cache_len = int(settings.get("cache_len", 512))
         self.limits = lm_requests.Limits(
             int(settings.get("max_new_tokens", 256)), int(settings.get("default_new_tokens", 64)),
-            int(settings.get("cache_len", 512)), bool(settings.get("chat_template", True)))
+            cache_len, bool(settings.get("chat_template", True)),
+            lm_requests.prompt_chars_bound(self.lm.tokenizer, cache_len))
         self.decoders = {}
         mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
         rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
@@ -154,8 +157,13 @@ class CausalLMHandler(BaseHandler):
             lm_pipeline.follow(self.decoders[max(self.decoders)])
         if self.continuous:  # its loop runs on this thread (`_torch_thread`)
             prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
+            bound = {"max_waiting": int(settings.get("max_waiting", 64))}  # a bounded queue
+            if "max_waiting" not in inspect.signature(lm_batcher.ContinuousBatcher).parameters:
+                bound = {}
             self.batcher = lm_batcher.ContinuousBatcher(self.decoders, prefill, self.stop,
-                                                        own_thread=False)
+                                                        own_thread=False, **bound)
+            # requests are parsed and tokenized here, off the event loop that sends chunks
+            self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="compress-tokenize")
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),
                     torch.get_num_threads(), list(self.decoders), mode, self.ranks)
@@ -174,13 +182,18 @@ class CausalLMHandler(BaseHandler):
         return self._handle_batch(data, context)
 
     async def _handle_joining(self, data: list[dict[str, Any]], context) -> list[str]:
-        answers = [self._answer(i, request, context) for i, request in enumerate(data)]
-        return list(await asyncio.gather(*answers))
+        answers = await asyncio.gather(*(self._answer(i, request, context)
+                                         for i, request in enumerate(data)),
+                                       return_exceptions=True)
+        return [a if isinstance(a, str) else lm_replies.failed(context, i, a, openai=False)
+                for i, a in enumerate(answers)]  # an unexpected failure: that request's 500
 
     async def _answer(self, i: int, request: dict[str, Any], context) -> str:
         """One request through the continuous batch: its chunks sent as they come (native
         NDJSON, or OpenAI's server-sent events on its routes); its last answer returned.
-        `X-Batch-Size`: the rows decoding when its first token came (or when it arrived)."""
+        `X-Batch-Size`: the rows decoding when its first token came (or when it arrived).
+        Its row is cancelled however the request ends (an answer, an error, a stop string,
+        its coroutine cancelled because its client left)."""
         context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))
         began = time.perf_counter()
         try:
@@ -190,15 +203,14 @@ class CausalLMHandler(BaseHandler):
         if route == lm_openai.MODELS:
             context.set_response_content_type(i, "application/json")
             return json.dumps(lm_openai.models(self.model_name))
-        try:
-            body = lm_requests.read_body(request)
-            usage_in_stream = True
-            if route is not None:
-                body, usage_in_stream = lm_openai.native_body(route, body)
-            encode = self.encode if route != lm_openai.COMPLETIONS else self.encode_raw
-            parsed = lm_requests.parse(body, encode, self.limits)
+        encode = self.encode if route != lm_openai.COMPLETIONS else self.encode_raw
+        try:  # off the event loop: a body of up to the request limit, a chat template
+            parsed, usage_in_stream = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, lm_requests.parse_request, request, route, encode, self.limits)
         except ValueError as exc:
             return lm_replies.error(context, i, str(exc), 400, openai=route is not None)
+        finally:
+            request.clear()  # only the parsed request is kept (the engine holds `request`)
         answer = lm_openai.Answer(route, self.model_name) if route else None
         context.set_response_content_type(
             i, (lm_openai.STREAM_TYPE if answer else lm_replies.STREAM_TYPE)
@@ -206,36 +218,23 @@ class CausalLMHandler(BaseHandler):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         sampling = (lm_runtime.Sampling(parsed.temperature, parsed.top_p, parsed.seed)
                     if parsed.temperature > 0 else None)
-        row = self.batcher.submit(lm_batcher.Row(
-            parsed.ids, parsed.max_new_tokens,
-            lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
-            sampling))
+        try:
+            row = self.batcher.submit(lm_batcher.Row(
+                parsed.ids, parsed.max_new_tokens,
+                lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
+                sampling))
+        except QUEUE_FULL as exc:
+            return lm_replies.queue_full(context, i, str(exc), exc.retry_after_s,
+                                         openai=answer is not None)
         stream = lm_requests.TextStream(self.lm.tokenizer, parsed.stop)
-        finish = "stop"
-        while True:
-            token, end = await queue.get()
-            if token is None:
-                finish = end or "stop"
-                break
-            if stream.stopped:
-                continue
-            if len(stream.tokens) == 0:
-                busy = self.batcher.busy()
-                context.set_response_header(i, BATCH_HEADER, str(busy))
-                record(context, "CompressBatchRows", busy)
-                record(context, "CompressQueueTime", 1000 * (row.admitted - began))
-                record(context, "CompressTimeToFirstToken", 1000 * (time.perf_counter() - began))
-            piece = stream.add(token)
-            if stream.stopped:
-                self.batcher.cancel(row)
-            if piece and parsed.stream:
-                lm_replies.send(context, i, lm_replies.chunk(answer, piece, len(stream.tokens)))
-        record(context, "CompressGeneratedTokens", len(stream.tokens))
-        if finish.startswith("error"):
-            return lm_replies.error(context, i, finish, 500, openai=answer is not None)
-        finish = "stop" if stream.stopped else finish
-        return lm_replies.last(answer, stream.text, len(parsed.ids), len(stream.tokens), finish,
-                               parsed.stream, usage_in_stream)
+        try:
+            return await lm_replies.stream_answer(context, i, self.batcher, row, queue, stream,
+                                                  parsed, answer, usage_in_stream, began)
+        except Exception as exc:  # noqa: BLE001 (a failed send, say: this request alone)
+            return lm_replies.failed(context, i, exc, openai=answer is not None,
+                                     streamed=parsed.stream and stream.sent > 0)
+        finally:
+            self.batcher.cancel(row)
 
     def encode_raw(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt as it is (OpenAI's completions: no chat template)."""
@@ -290,6 +289,11 @@ class CausalLMHandler(BaseHandler):
             [r.ids for r in rows] + [rows[0].ids] * filler,
             [r.max_new_tokens for r in rows] + [1] * filler, self.stop,
             sampling + [None] * filler, on_tokens)
+        for k, i in enumerate(group):  # what was held back for a stop string never seen
+            piece = streams[k].flush()
+            if piece and rows[k].stream:
+                lm_replies.send(context, i, lm_replies.native_chunk(piece,
+                                                                    len(streams[k].tokens)))
         return {i: lm_replies.native_answer(streams[k].text, len(rows[k].ids),
                                             len(out.rows[k]), out.finish[k])
                 for k, i in enumerate(group)}

@@ -15,6 +15,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+try:  # inside the archive the modules lie beside this file
+    import lm_openai
+except ImportError:  # in the compress repository
+    from serve import lm_openai
+
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "stop", "seed",
           "stream")
 MAX_STOPS = 8
@@ -31,6 +36,7 @@ class Limits:
     default_new_tokens: int = 64
     cache_len: int = 512  # prompt + new tokens per row
     chat_template: bool = True  # a plain `prompt` goes through the chat template too
+    max_prompt_chars: int = 0  # more characters cannot fit cache_len tokens (0: no bound)
 
 
 @dataclass
@@ -66,6 +72,17 @@ def read_body(request: dict[str, Any]) -> dict[str, Any]:
                          '"user", "content": "..."}]}, with optional max_new_tokens, '
                          "temperature, top_p, stop, seed, stream")
     return body
+
+
+def parse_request(request: dict[str, Any], route: str | None, encode,
+                  limits: Limits) -> tuple[GenerationRequest, bool]:
+    """(a TorchServe request parsed, whether usage goes in its stream): the native API, or
+    OpenAI's `route` (lm_openai). ValueError: a 400 that says why."""
+    body = read_body(request)
+    if route is None:
+        return parse(body, encode, limits), True
+    body, usage_in_stream = lm_openai.native_body(route, body)
+    return parse(body, encode, limits), usage_in_stream
 
 
 def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
@@ -106,12 +123,27 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
         raise ValueError(f"seed: an integer from 0 to 2**64 - 1, got {seed!r}")
     if not isinstance(body.get("stream", True), bool):
         raise ValueError("stream: true or false")
+    chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+    if limits.max_prompt_chars and chars > limits.max_prompt_chars:
+        raise ValueError(f"prompt too long: {chars} characters cannot fit the context of "
+                         f"{limits.cache_len} tokens")
     ids = _encoded(encode, prompt)
     if len(ids) + new > limits.cache_len:
         raise ValueError(f"prompt too long: {len(ids)} tokens + max_new_tokens {new} exceed "
                          f"the context of {limits.cache_len} tokens")
     return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
                              seed, body.get("stream", True))
+
+
+def prompt_chars_bound(tokenizer: Any, cache_len: int) -> int:
+    """Characters past which a prompt cannot fit `cache_len` tokens, checked before it is
+    tokenized: a token holds at most its vocabulary's longest string (4x leaves room for
+    what a tokenizer's normalization drops); 0 where the vocabulary is unknown."""
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: no bound
+        return 0
+    return 4 * max(longest, 1) * cache_len
 
 
 def _encoded(encode, prompt: str | list[dict[str, str]]) -> list[int]:
@@ -170,6 +202,12 @@ class TextStream:
         while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete character
             end -= 1
         return self._take(end)
+
+    def flush(self) -> str:
+        """The text held back so far (what could have begun a stop string, or half a
+        character): to be sent when generation ends by length or an end token, so that the
+        deltas add up to `text`."""
+        return self._take(len(self.text))
 
     def _held(self, text: str) -> int:
         """Length of the longest end of `text` that begins a stop string (shorter than

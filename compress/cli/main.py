@@ -13,13 +13,14 @@ from pathlib import Path
 
 import click
 
+from compress import __version__
 from compress.cli.logs import divert_library_warnings, write_crash_log
 from compress.errors import CompressError, StageError, UserError, one_line
 from compress.recipe.schema import load_recipe
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="compress")
+@click.version_option(__version__, package_name="compress-pipeline")
 def cli() -> None:
     """Compress, export and serve PyTorch models from one YAML recipe.
 

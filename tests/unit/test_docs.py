@@ -51,3 +51,27 @@ def test_the_tensorrt_recipe_quotes_what_validate_prints(monkeypatch, data_dir: 
     note = [x for x in done.output.splitlines() if ": note: " in x]
     if note:  # a machine without a CUDA GPU: the comment quotes the note word for word
         assert note[0] in comments
+
+
+def test_version_needs_no_distribution_named_compress(monkeypatch) -> None:
+    """The distribution is compress-pipeline: `compress --version` must not look up
+    `compress` (on PyPI an unrelated project), which a fresh install does not have."""
+    import importlib.metadata as metadata
+
+    from click.testing import CliRunner
+
+    from compress.cli.main import cli
+
+    real = metadata.version
+
+    def version(name: str) -> str:
+        if name == "compress":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    done = CliRunner().invoke(cli, ["--version"])
+    project = (REPO / "pyproject.toml").read_text().split("[project]\n", 1)[1]
+    assert done.exit_code == 0, done.output
+    assert f'version = "{done.output.split()[-1]}"' in project.split("\n[")[0]
+    assert project.startswith('name = "compress-pipeline"')

@@ -1,7 +1,7 @@
-"""An OpenAPI 3 description of a served causal LM's routes (compress's NDJSON API and the
-OpenAI routes), with the limits its archive sets: `compress serve` writes it beside the
-server (`<serve folder>/openapi.json`) for clients and API tools, and the fuzz tests drive
-schemathesis with it."""
+"""An OpenAPI 3 description of a served causal LM's routes (compress's NDJSON API, and the
+OpenAI routes where its handler answers them), with the limits its archive sets: `compress
+serve` writes it beside the server (`<serve folder>/openapi.json`) for clients and API tools,
+and the fuzz tests drive schemathesis with it."""
 
 from __future__ import annotations
 
@@ -40,8 +40,17 @@ def _post(summary: str, schema: dict[str, Any], streamed: str) -> dict[str, Any]
             "400": ERROR, "413": ERROR}}}
 
 
-def lm_openapi(model: str, version: str, max_new_tokens: int) -> dict[str, Any]:
-    """The description of model `model` (archive version `version`) under /predictions."""
+def openai_routes(config: dict[str, Any]) -> bool:
+    """Whether an archive of this model-config answers the OpenAI routes: its continuous
+    batch does (`asyncCommunication`, one process); a tensor- or pipeline-parallel worker
+    (`parallelType`, a torchrun job) decodes TorchServe's batches, native requests alone."""
+    return bool(config.get("asyncCommunication")) and not config.get("parallelType")
+
+
+def lm_openapi(model: str, version: str, max_new_tokens: int,
+               openai_paths: bool = True) -> dict[str, Any]:
+    """The description of model `model` (archive version `version`) under /predictions,
+    with the OpenAI routes where `openai_paths`."""
     native = {"type": "object", "additionalProperties": False,
               "properties": {"prompt": {"type": "string", "minLength": 1},
                              "messages": MESSAGES, **_sampling(max_new_tokens,
@@ -56,22 +65,23 @@ def lm_openapi(model: str, version: str, max_new_tokens: int) -> dict[str, Any]:
                                  **_sampling(max_new_tokens, "max_tokens")}}
     base = f"/predictions/{model}"
     openai = f"{base}/{version}/v1"
-    return {
-        "openapi": "3.0.3",
-        "info": {"title": f"compress: {model}", "version": version},
-        "components": {"securitySchemes": {"token": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"token": []}],
-        "paths": {
-            base: _post("generate (NDJSON chunks when streamed)", native,
-                        "application/x-ndjson"),
+    paths = {base: _post("generate (NDJSON chunks when streamed)", native,
+                         "application/x-ndjson")}
+    if openai_paths:
+        paths |= {
             f"{openai}/chat/completions": _post("OpenAI chat completion", chat,
                                                 "text/event-stream"),
             f"{openai}/completions": _post("OpenAI completion", completion,
                                            "text/event-stream"),
             f"{openai}/models": {"get": {"summary": "the served model", "responses": {
                 "200": {"description": "OpenAI's model list", "content": {
-                    "application/json": {"schema": {"type": "object"}}}}}}},
-        },
+                    "application/json": {"schema": {"type": "object"}}}}}}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": f"compress: {model}", "version": version},
+        "components": {"securitySchemes": {"token": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"token": []}],
+        "paths": paths,
     }
 
 
@@ -84,6 +94,7 @@ def write_openapi(model_folder: Path, serve_dir: Path, model: str) -> Path | Non
     manifest = json.loads((model_folder / "MAR-INF" / "MANIFEST.json").read_text())
     version = str(manifest.get("model", {}).get("modelVersion") or "1.0")
     path = serve_dir / "openapi.json"
-    path.write_text(json.dumps(lm_openapi(model, version, int(handler["max_new_tokens"])),
-                               indent=2))
+    description = lm_openapi(model, version, int(handler["max_new_tokens"]),
+                             openai_routes(config))
+    path.write_text(json.dumps(description, indent=2))
     return path

@@ -17,9 +17,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import UserError
@@ -59,6 +62,17 @@ OPEN_MODEL_API = ("--no-auth with --enable-model-api would let any local process
 ENGINES = ("torchserve", litserve_launch.ENGINE)  # the first is the default
 
 
+def continuous_archive(mar: Path) -> bool:
+    """Whether an archive's handler batches continuously (`asyncCommunication`: a causal
+    LM whose requests join the running decode): grouping its requests would hold every
+    answer of a group until the slowest, and fail them all together."""
+    with zipfile.ZipFile(mar) as archive:
+        if "model-config.yaml" not in archive.namelist():
+            return False
+        config = yaml.safe_load(archive.read("model-config.yaml")) or {}
+    return bool(config.get("asyncCommunication"))
+
+
 def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
           batch_size: int | None = None, max_batch_delay_ms: int | None = None,
           auth: bool = True, model_api: bool = False, timeout_s: float = 900,
@@ -86,6 +100,11 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     if port_in_use(port):
         raise UserError(f"port {port} on 127.0.0.1 is in use (another server?): choose "
                         f"another with --port, or stop what holds it")
+    if batch_size not in (None, 1) and continuous_archive(target.mar):
+        echo(f"--batch-size {batch_size} ignored: {target.model_name} batches continuously (each "
+             f"request joins the running decode as it arrives: batch size 1 on every engine; "
+             f"its decode rows are the package stage's batch_size)")
+        batch_size = None
     serve_dir = target.serve_dir
     shutil.rmtree(serve_dir, ignore_errors=True)
     (serve_dir / "logs").mkdir(parents=True)

@@ -69,6 +69,11 @@ def generate(info: dict, body: dict) -> tuple[int, dict, list[tuple[float, bytes
     return answer.status, answer.headers, lines
 
 
+def deltas(lines: list[tuple[float, bytes]]) -> str:
+    """The concatenated deltas of a native streamed answer (every line but the last)."""
+    return "".join(json.loads(line)["delta"] for _, line in lines[:-1])
+
+
 def offline_text(lm: lm_runtime.LoadedLM, prompt: str, tokens: int) -> str:
     """Batch-1 greedy decoding of the exported folder, as the served text is decoded."""
     ids = lm_runtime.prompt_ids(lm.tokenizer, prompt)
@@ -111,6 +116,7 @@ def test_eight_concurrent_requests_are_batched_and_answer_as_offline(
     for prompt, (_, _, lines) in zip(PROMPTS, answers, strict=True):
         final = json.loads(lines[-1][1])
         assert final["text"] == offline_text(offline, prompt, 24), prompt
+        assert deltas(lines) == final["text"]
         assert final["usage"]["prompt_tokens"] == len(lm_runtime.prompt_ids(
             offline.tokenizer, prompt))
 
@@ -171,38 +177,65 @@ def test_the_openai_client_streams_the_offline_text_and_gets_its_own_errors(
         client.chat.completions.create(model="tiny_lm", messages=messages, max_tokens=10 ** 9)
 
 
-def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline) -> None:
-    """50 streaming clients, 40 of them closing their connection after a random number of
-    chunks: the others get the offline text, and a full batch afterwards still works."""
+def busy_rows(info: dict) -> int:
+    """The rows decoding when a one-token probe got its token (itself included)."""
+    status, headers, _ = generate(info, {"prompt": PROMPTS[2], "max_new_tokens": 1,
+                                         "stream": False})
+    assert status == 200
+    return int(headers["X-Batch-Size"])
+
+
+def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline, engine: str,
+                                                   request) -> None:
+    """40 streaming clients asking for 160 tokens close their connection after a few chunks,
+    beside 10 that stay: those get the offline text (their deltas adding up to it), and once
+    the last client is gone the rows drain at once, where rows that decoded on to their
+    limit would hold them for most of 160 steps (a 160-token stream alone: `alone_s`)."""
     import random
 
+    if engine == "torchserve":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "TorchServe 0.12 never tells a worker that a client left (serve/lm_replies.py): "
+            "its rows decode to max_new_tokens")))
     parts = urlsplit(served["url"])
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {served['token']}"}
+    began = time.perf_counter()
+    _, _, lines = generate(served, {"prompt": PROMPTS[0], "max_new_tokens": 160})
+    alone_s = time.perf_counter() - began
+    assert json.loads(lines[-1][1])["usage"]["completion_tokens"] == 160
 
-    def leave_after(chunks: int) -> int:
+    def leave_after(chunks: int) -> tuple[int, float]:
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
         conn.request("POST", parts.path, body=json.dumps(
-            {"prompt": PROMPTS[chunks % 8], "max_new_tokens": 40}).encode(), headers=headers)
+            {"prompt": PROMPTS[chunks % 8], "max_new_tokens": 160}).encode(), headers=headers)
         answer = conn.getresponse()
         for _ in range(chunks):
             answer.readline()
+        answer.close()
         conn.close()
-        return answer.status
+        return answer.status, time.perf_counter()
 
-    def stay(prompt: str) -> str:
+    def stay(prompt: str) -> tuple[str, float]:
         _, _, lines = generate(served, {"prompt": prompt, "max_new_tokens": 40})
-        return json.loads(lines[-1][1])["text"]
+        final = json.loads(lines[-1][1])["text"]
+        assert deltas(lines) == final
+        return final, time.perf_counter()
 
     rng = random.Random(0)
     with ThreadPoolExecutor(16) as pool:
-        left = [pool.submit(leave_after, rng.randint(0, 20)) for _ in range(40)]
+        left = [pool.submit(leave_after, rng.randint(1, 10)) for _ in range(40)]
         stayed = [(p, pool.submit(stay, p)) for p in PROMPTS + PROMPTS[:2]]
-        assert [f.result() for f in left] == [200] * 40
+        assert [f.result()[0] for f in left] == [200] * 40
         for prompt, text in stayed:
-            assert text.result() == offline_text(offline, prompt, 40), prompt
+            assert text.result()[0] == offline_text(offline, prompt, 40), prompt
+    gone = max(f.result()[1] for f in left + [f for _, f in stayed])
+    while (rows := busy_rows(served)) > 1 and time.perf_counter() - gone < 30:
+        time.sleep(0.01)
+    drained_s = time.perf_counter() - gone
+    assert rows == 1 and drained_s < 0.3 * alone_s, (drained_s, alone_s)
     with ThreadPoolExecutor(8) as pool:
         after = list(pool.map(stay, PROMPTS))
-    assert after == [offline_text(offline, p, 40) for p in PROMPTS]
+    assert [text for text, _ in after] == [offline_text(offline, p, 40) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("body, status", [
@@ -236,18 +269,27 @@ def test_prometheus_metrics_show_the_models_batches_tokens_and_errors(served: di
 
     if engine != "torchserve":
         pytest.skip("Prometheus metrics: TorchServe's metrics port only")
+
+    def read() -> dict[str, str]:
+        text = urllib.request.urlopen(served["metrics_url"], timeout=30).read().decode()
+        return {line.split("{")[0]: line for line in text.splitlines()
+                if line.startswith(("Compress", "ts_queue_latency", "Requests4XX"))}
+
+    def value(lines: dict[str, str], name: str) -> float:
+        return float(lines[name].split()[-1]) if name in lines else 0.0
+
+    before = read()  # cumulative counters: this test's own requests are the difference
     generate(served, {"prompt": PROMPTS[0], "max_new_tokens": 12})
     generate(served, {"prompt": ""})
-    text = urllib.request.urlopen(served["metrics_url"], timeout=30).read().decode()
-    lines = {line.split("{")[0]: line for line in text.splitlines()
-             if line.startswith(("Compress", "ts_queue_latency", "Requests4XX"))}
+    lines = read()
     for name in ("CompressTimeToFirstToken_count", "CompressQueueTime_count",
                  "CompressBatchRows", "CompressGeneratedTokens", "CompressBadRequests",
                  "ts_queue_latency_microseconds", "Requests4XX"):
         assert name in lines, (name, sorted(lines))
     assert 'ModelName="tiny_lm"' in lines["CompressGeneratedTokens"]
-    assert float(lines["CompressGeneratedTokens"].split()[-1]) >= 12
-    assert float(lines["CompressBadRequests"].split()[-1]) >= 1
+    for name, least in (("CompressGeneratedTokens", 12), ("CompressBadRequests", 1),
+                        ("CompressTimeToFirstToken_count", 1), ("Requests4XX", 1)):
+        assert value(lines, name) - value(before, name) >= least, (name, before, lines)
 
 
 def test_fuzzing_the_openapi_description_gets_no_server_error(served: dict) -> None:
@@ -293,9 +335,14 @@ def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
     server.stop(Path(served["serve_dir"]))  # the module's server: one at a time here
     (port,) = server.free_ports(1)
     env = {"COMPRESS_STATE_DIR": str(state_dir)}
-    started = run_cli("serve", str(lm_run), "--port", str(port), "--engine", engine, env=env)
+    started = run_cli("serve", str(lm_run), "--port", str(port), "--engine", engine,
+                      "--batch-size", "4", env=env)
     try:
         assert started.returncode == 0, started.stderr[-2000:]
+        # a continuous archive takes each request alone on every engine (grouped, every
+        # answer of a group would wait for its slowest and fail with it)
+        assert "--batch-size 4 ignored: tiny_lm batches continuously" in started.stderr
+        assert server.read_info(lm_run / "serve")["settings"]["batchSize"] == 1
         url = f"http://127.0.0.1:{port}/predictions/tiny_lm"
         assert f"serving tiny_lm at {url}" in started.stdout and "curl -sN" in started.stdout
         tested = run_cli("loadtest", url, "--run", str(lm_run), "--concurrency", "1,4",

@@ -76,12 +76,15 @@ def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
         assert texts[-1]["finish_reason"] == "stop"
         assert max(int(h["X-Batch-Size"]) for _, h, _ in answers) > 1
 
-        # sampled on the last rank: a seed gives the same text twice
+        # sampled on the last rank: a seed gives the same text twice, another seed another
+        # text, and neither is the greedy one (sampling happened)
         body = {"prompt": PROMPTS[1], "max_new_tokens": 8, "stream": False,
                 "temperature": 0.9, "seed": 7}
-        sampled = [generate(info, body) for _ in range(2)]
-        assert [status for status, _, _ in sampled] == [200, 200]
-        assert len({json.loads(lines[-1][1])["text"] for _, _, lines in sampled}) == 1
+        sampled = [generate(info, body) for _ in range(2)] + [generate(info, body | {"seed": 8})]
+        assert [status for status, _, _ in sampled] == [200, 200, 200]
+        texts = [json.loads(lines[-1][1])["text"] for _, _, lines in sampled]
+        assert texts[0] == texts[1] != texts[2]
+        assert want[PROMPTS[1]] not in texts
         log = (target.serve_dir / "logs/model_log.log").read_text()
         assert "compile none, 2 rank(s)" in log
     finally:

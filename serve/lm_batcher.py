@@ -193,7 +193,7 @@ class ContinuousBatcher:
                 return
             if self.steps - waiting[0].queued >= self.patience:
                 waiting = waiting[:1]  # the oldest has waited long enough: it goes next
-            row = next((r for r in waiting if self._room(len(r.ids), r.max_new_tokens)), None)
+            row = next((r for r in waiting if self._place(len(r.ids), r.max_new_tokens)), None)
             if row is None:
                 return
             with self.wake:
@@ -201,7 +201,7 @@ class ContinuousBatcher:
                     continue
                 self.waiting.remove(row)
             try:
-                self._make_room(len(row.ids), row.max_new_tokens)
+                self._place(len(row.ids), row.max_new_tokens, move=True)
             except Exception as exc:  # the cache may be torn: every row fails (`serve`)
                 self._end(row, f"error: {type(exc).__name__}: {exc}")
                 raise
@@ -227,34 +227,27 @@ class ContinuousBatcher:
         self.slots[slot] = row
         self._take(slot, token)
 
-    def _room(self, length: int, new: int) -> bool:
-        """Whether `_make_room` can place a prompt of `length` tokens, and `new` after it."""
+    def _place(self, length: int, new: int, move: bool = False) -> bool:
+        """Whether a prompt of `length` tokens can end at the cursor with `new` tokens after
+        it, as can every busy row's rest: once every row's positions move left by the oldest
+        row's start where the cursor would run past the cache, then right where the prompt
+        is longer than the cursor. `move`: make those moves."""
         busy = [r for r in self.slots if r is not None]
         if not busy:
+            if move:
+                self._set_cursor(length)
             return True
         left = max(r.max_new_tokens - len(r.tokens) for r in busy)
-        cursor = self.cursor
-        if cursor + max(left, new) > self.cache_len:
-            cursor -= min(r.start for r in busy)
+        cursor, by = self.cursor, min(r.start for r in busy)
+        if cursor + max(left, new) > self.cache_len and by > 0:
+            if move:
+                self._move(by, cursor, -by)
+            cursor -= by
         if cursor < length and length + left <= self.cache_len:
+            if move:
+                self._move(0, cursor, length - cursor)
             cursor = length
         return cursor + max(left, new) <= self.cache_len and length <= cursor
-
-    def _make_room(self, length: int, new: int) -> None:
-        """Move the cursor so that a prompt of `length` tokens ends at it and `new` tokens
-        fit after it, as do every busy row's (where `_room` says it can): every row's
-        positions left by the oldest row's start when the cursor would run past the cache,
-        then right when the prompt is longer than the cursor."""
-        busy = [r for r in self.slots if r is not None]
-        if not busy:
-            self._set_cursor(length)
-            return
-        left = max(r.max_new_tokens - len(r.tokens) for r in busy)
-        by = min(r.start for r in busy)
-        if self.cursor + max(left, new) > self.cache_len and by > 0:
-            self._move(by, self.cursor, -by)
-        if self.cursor < length and length + left <= self.cache_len:
-            self._move(0, self.cursor, length - self.cursor)
 
     def _move(self, begin: int, end: int, by: int) -> None:
         """Positions begin..end-1 of every slot to begin+by.., and the rows with them."""

@@ -1,5 +1,5 @@
-"""Serving under load and faults (issue 31): a classifier run and, with --llm, a causal-LM run,
-each served by `compress serve`'s TorchServe on this machine.
+"""Serving under load and faults (issues 31, 39): a classifier run and, with --llm, a causal-LM
+run, each served by `compress serve` on this machine (TorchServe, or --engine litserve).
 
 - soak: `--requests` classifier requests (10,000) at concurrency `--concurrency` (32): errors,
   p50 / p99 / max latency, requests/s, and the server's resident memory (every process of its
@@ -8,9 +8,14 @@ each served by `compress serve`'s TorchServe on this machine.
   with a timeout: how many failed, whether any hung (none may), how long until requests
   succeeded again, whether a new worker came by itself;
 - disconnect (--llm): 50 streaming clients, 40 of them leaving at random points: the others'
-  text against one process's greedy text, then a full batch of 8.
+  text against one process's greedy text, then a full batch of 8;
+- leavers and flood (--llm, benchmarks/soak_lm.py): 50 clients all leaving mid-stream, then
+  the rows still decoding (0 within one step); more requests at once than rows plus the
+  waiting queue: only 200s and 503s, memory within 1.2x warm, the server answers after;
+- property (--property-examples N): the property tests (tests/serving/test_*_property.py,
+  any body among good ones) with N generated examples each (COMPRESS_PROPERTY_EXAMPLES).
 
-    python benchmarks/soak.py runs/bert_int8 --llm runs/llm_int8
+    python benchmarks/soak.py runs/bert_int8 --llm runs/llm_int8 --property-examples 2000
 
 writes benchmarks/results/soak.md (--out); `--requests 2000` for a short run.
 """
@@ -22,12 +27,12 @@ import http.client
 import json
 import os
 import platform
-import random
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -38,7 +43,11 @@ from compress.serving import server  # noqa: E402
 from compress.serving.loadtest import SAMPLE_TEXTS, run_load  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "soak.md"
-WORKER_MARK = "model_service_worker"
+REPO = Path(__file__).resolve().parents[1]
+PROPERTY_TESTS = ("tests/serving/test_classifier_property.py",
+                  "tests/serving/test_lm_property.py")
+# in the command line of a TorchServe worker, or of a LitServe inference worker (spawned)
+WORKER_MARKS = ("model_service_worker", "multiprocessing.spawn import spawn_main")
 
 
 def group_pids(pid: int) -> list[int]:
@@ -72,7 +81,8 @@ def worker_pids(pid: int) -> list[int]:
     found = []
     for member in group_pids(pid):
         try:
-            if WORKER_MARK in Path(f"/proc/{member}/cmdline").read_text(errors="replace"):
+            command = Path(f"/proc/{member}/cmdline").read_text(errors="replace")
+            if any(mark in command for mark in WORKER_MARKS):
                 found.append(member)
         except OSError:
             continue
@@ -158,62 +168,25 @@ def kill_worker(info: dict, seconds: float = 30.0, kill_at: float = 3.0,
             "success_again_s": None if recovered is None else round(recovered - killed_at, 2)}
 
 
-def stream(info: dict, body: dict, leave_after: int | None = None) -> str | None:
-    """The streamed text of one request, or None when the client left after some chunks."""
-    parts = urlsplit(info["url"])
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
-    conn.request("POST", parts.path, body=json.dumps(body).encode(), headers=headers(info))
-    answer = conn.getresponse()
-    lines = []
-    while line := answer.readline():
-        lines.append(line)
-        if leave_after is not None and len(lines) >= leave_after:
-            conn.close()
-            return None
-    conn.close()
-    return json.loads(lines[-1])["text"] if answer.status == 200 else None
-
-
-def disconnects(info: dict, prompts: list[str], expected: dict[str, str], new: int,
-                clients: int = 50, staying: int = 10) -> dict:
-    """`clients` streams, all but `staying` leaving at random points; the others' texts."""
-    rng = random.Random(0)
-    with ThreadPoolExecutor(16) as pool:
-        left = [pool.submit(stream, info, {"prompt": prompts[i % len(prompts)],
-                                           "max_new_tokens": new}, rng.randint(1, new // 2))
-                for i in range(clients - staying)]
-        kept = [(p, pool.submit(stream, info, {"prompt": p, "max_new_tokens": new}))
-                for p in (prompts * staying)[:staying]]
-        for future in left:
-            future.result()
-        same = sum(f.result() == expected[p] for p, f in kept)
-    with ThreadPoolExecutor(8) as pool:
-        after = list(pool.map(lambda p: stream(info, {"prompt": p, "max_new_tokens": new}),
-                              (prompts * 8)[:8]))
-    return {"clients": clients, "left": clients - staying, "stayed": staying,
-            "stayed_equal_offline": same,
-            "batch_after_equal_offline": sum(a == expected[p] for p, a in
-                                             zip((prompts * 8)[:8], after, strict=True))}
-
-
-def offline_texts(run: Path, prompts: list[str], new: int) -> dict[str, str]:
-    """One process's greedy text of each prompt, from the run's exported folder."""
-    from serve import lm_runtime
-
-    folder = next(p.parent for p in sorted(run.glob("*/*/causal_lm.json")))
-    lm = lm_runtime.load_folder(folder)
-    stop = lm_runtime.stop_ids(lm.model, lm.tokenizer)
-    decoder = lm_runtime.StaticDecoder(lm.model, 512)
-    return {p: lm.tokenizer.decode(decoder.generate(
-        [lm_runtime.prompt_ids(lm.tokenizer, p)], new, stop).tokens, skip_special_tokens=True)
-        for p in prompts}
-
-
-def served(run: Path):
-    """Start `compress serve`'s TorchServe on `run`; (target, info)."""
+def served(run: Path, engine: str = "torchserve"):
+    """Start `compress serve`'s `engine` on `run`; (target, info)."""
     target = server.resolve_target(run)
     (port,) = server.free_ports(1)
-    return target, server.start(target, port=port, timeout_s=900, echo=lambda _: None)
+    return target, server.start(target, port=port, timeout_s=900, echo=lambda _: None,
+                                engine=engine)
+
+
+def property_tests(examples: int, files: tuple[str, ...] = PROPERTY_TESTS) -> dict:
+    """pytest on the property tests with `examples` generated bodies each: its counts."""
+    env = {**os.environ, "COMPRESS_PROPERTY_EXAMPLES": str(examples)}
+    present = [f for f in files if (REPO / f).is_file()]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             *present], cwd=REPO, env=env, capture_output=True, text=True)
+    summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|skipped)",
+                                               summary)}
+    return {"examples": examples, "files": present, "summary": summary,
+            "returncode": result.returncode, **counts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llm", type=Path, help="a causal-LM run folder with a package stage")
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--engine", choices=("torchserve", "litserve"), default="torchserve")
+    parser.add_argument("--property-examples", type=int, default=0,
+                        help="run the property tests with this many examples each (0: not)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     figures: dict = {"cpu": platform.processor() or platform.machine(),
                      "cores": os.cpu_count()}
-    target, info = served(args.run)
+    target, info = served(args.run, args.engine)
     try:
         figures["soak"] = soak(info, args.requests, args.concurrency, warmup=500)
         print("soak", figures["soak"], flush=True)
@@ -235,15 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop(target.serve_dir)
     if args.llm:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import soak_lm
+
         prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                    "Name three primary colors.", "Why is the sky blue?"]
-        expected = offline_texts(args.llm, prompts, 48)
-        target, info = served(args.llm)
+        expected = soak_lm.offline_texts(args.llm, prompts, 48)
+        target, info = served(args.llm, args.engine)
         try:
-            figures["disconnect"] = disconnects(info, prompts, expected, 48)
+            figures["disconnect"] = soak_lm.disconnects(info, prompts, expected, 48)
             print("disconnect", figures["disconnect"], flush=True)
+            figures["leavers"] = soak_lm.leavers(info, prompts, 48)
+            print("leavers", figures["leavers"], flush=True)
+            figures["flood"] = soak_lm.flood(info, prompts, 48, rss=rss_mb)
+            print("flood", figures["flood"], flush=True)
         finally:
             server.stop(target.serve_dir)
+    if args.property_examples:
+        figures["property"] = property_tests(args.property_examples)
+        print("property", figures["property"], flush=True)
     write_table(args, figures)
     return 0
 
@@ -253,7 +239,7 @@ def write_table(args: argparse.Namespace, figures: dict) -> None:
     lines = [f"# Serving under load and faults ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
              f"UTC)", "", f"- command: `python benchmarks/soak.py {args.run}"
              + (f" --llm {args.llm}" if args.llm else "") + "`",
-             f"- machine: {figures['cores']} cores ({figures['cpu']}); TorchServe", "",
+             f"- machine: {figures['cores']} cores ({figures['cpu']}); {args.engine}", "",
              "| soak | requests | concurrency | errors | rps | p50 ms | p99 ms | max ms | "
              "RSS warm MB | RSS after MB | after / warm |", "|" + "---|" * 11,
              f"| {args.run.name} | {s['requests']} | {s['concurrency']} | {s['errors']} | "
@@ -276,8 +262,31 @@ def write_table(args: argparse.Namespace, figures: dict) -> None:
                   f"| {d['clients']} | {d['left']} | {d['stayed']} | "
                   f"{d['stayed_equal_offline']} / {d['stayed']} | "
                   f"{d['batch_after_equal_offline']} / 8 |"]
+    lines += _lm_lines(figures)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
+
+
+def _lm_lines(figures: dict) -> list[str]:
+    """The table rows of the leavers, the flood and the property tests."""
+    lines = []
+    if "leavers" in figures:
+        v = figures["leavers"]
+        lines += ["", "| LM clients all leaving mid-stream | statuses | rows decoding at the "
+                  "first probe | probe's first token after the last left, ms | one step, ms |",
+                  "|---|---|---|---|---|", f"| {v['clients']} | {v['statuses']} | "
+                  f"{v['rows_at_first_probe']} | {v['first_probe_ms']} | {v['step_ms']} |"]
+    if "flood" in figures:
+        f = figures["flood"]
+        lines += ["", "| LM flood | statuses | RSS warm MB | RSS peak MB | peak / warm | "
+                  "a request after |", "|---|---|---|---|---|---|",
+                  f"| {f['requests']} at once | {f['statuses']} | {f['rss_warm_mb']} | "
+                  f"{f['rss_peak_mb']} | {f['rss_ratio']} | {f['after']} |"]
+    if "property" in figures:
+        p = figures["property"]
+        lines += ["", f"Property tests ({', '.join(p['files'])}) with "
+                  f"COMPRESS_PROPERTY_EXAMPLES={p['examples']}: `{p['summary']}`."]
+    return lines
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ def test_a_load_has_no_error_and_its_memory_is_measured(served: dict) -> None:
     figures = soak.soak(served, requests=600, concurrency=16, warmup=100)
     assert figures["errors"] == 0 and figures["rps"] > 0
     assert 0 < figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
-    assert figures["rss_warm_mb"] > 50 and figures["rss_ratio"] is not None
+    # benchmarks/soak.py measured 1.06 after 10,000 requests; 1.5 leaves room for the
+    # allocator's noise and breaks if 600 requests add half the warmed-up memory (a server
+    # of 400 MB keeping 0.33 MB a request: each request's tensors or bodies held on to)
+    assert figures["rss_warm_mb"] > 50 and figures["rss_ratio"] <= 1.5, figures
     assert len(soak.worker_pids(served["pid"])) == 1
 
 

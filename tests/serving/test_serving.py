@@ -100,7 +100,7 @@ def test_requests_without_the_token_are_refused(served: dict) -> None:
     body = json.dumps({"text": "good"}).encode()
     for token in (None, "wrong"):
         status, _, answer = http_post(served["url"], body, token)
-        assert status != 200 and "Token Authorization failed" in answer["message"]
+        assert status == 401 and "Token Authorization failed" in answer["message"]
     assert http_post(served["url"], body, served["token"])[0] == 200
 
 

@@ -272,3 +272,15 @@ def test_a_client_that_leaves_before_its_answer_cancels_its_coroutine(fake: Engi
         status = "left"
     assert status == "left" and fake.wait_for("started", 1) is not None
     assert fake.wait_for("cancelled", 1.0) is not None, fake.events
+
+
+def test_a_body_over_the_limit_sent_whole_still_reads_its_413(fake: Engine) -> None:
+    """A client that sends its whole body before reading (http.client) gets the 413: the
+    server drops the rest of the body rather than stalling the upload."""
+    conn = http.client.HTTPConnection("127.0.0.1", fake.port, timeout=10)
+    conn.request("POST", "/predictions/fake/1.0/echo", body=b"x" * (10 * MAX_BODY),
+                 headers={"Content-Type": "application/json"})
+    answer = conn.getresponse()
+    assert answer.status == 413 and json.loads(answer.read())["code"] == 413
+    conn.close()
+    assert _post(f"{fake.url}/echo", b"x" * 100)[0] == 200

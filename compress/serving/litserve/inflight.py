@@ -3,10 +3,16 @@ when the worker does not answer.
 
 A request's entry in the response buffer is a `Pending`: the worker's messages queue on it
 as LitServe delivers them. The worker's first message for a request is "take" (its worker
-index and pid): from then on `watch` ends the request with a 503 if that process dies, and
-`cancel` sends its id to that worker alone (before it, to every worker). `messages` raises
-TimeoutError when the worker sends nothing for `timeout_s` (the archive's responseTimeout,
-counted as TorchServe counts it: up to the first message, then between messages)."""
+index and pid); `cancel` sends the request's id to that worker alone (before it, to every
+worker). `messages` raises TimeoutError when the worker sends nothing for `timeout_s` (the
+archive's responseTimeout, counted as TorchServe counts it: up to the first message, then
+between messages).
+
+`watch` follows the server's inference workers (its spawned children) and, when one dies,
+ends with a 503 the requests it took and those not yet taken that it may have been taking:
+a worker killed inside the manager queue's `get` loses the request that get returns, so
+every request sent before the death was seen, plus `hold_s` (the longest get a worker
+makes: `IDLE_GET_S`, or the batch delay), is ended and cancelled."""
 
 from __future__ import annotations
 
@@ -29,7 +35,9 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 SSE = "text/event-stream"
 TAKE, CHUNK, END, FAIL = "take", "chunk", "end", "fail"  # FAIL: the engine's own error
-WATCH_S = 0.25  # how often `watch` looks at the workers holding requests
+WATCH_S = 0.25  # how often `watch` looks at the workers
+IDLE_GET_S = 0.1  # the longest a worker waits on the request queue in one get
+WORKER_MARK = "multiprocessing.spawn import spawn_main"  # LitServe's workers are spawned
 Message = tuple[str, int, dict[str, str], str | None, bytes]
 
 
@@ -41,6 +49,7 @@ class Pending(ResponseBufferItem):
     worker: int | None = None
     pid: int | None = None
     ended: bool = False  # its last message came, or it was cancelled
+    submitted: float = field(default_factory=time.monotonic)
     controls: list[Any] | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
@@ -114,19 +123,48 @@ def process_gone(pid: int) -> bool:
     return False
 
 
-async def watch(buffer: dict[str, Any]) -> None:
-    """Forever: end each request whose worker died with a 503 (LitServe restarts it)."""
+def worker_pids(parent: int) -> set[int]:
+    """The live inference workers among the children of process `parent`."""
+    found = set()
+    for children in Path(f"/proc/{parent}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            for pid in map(int, children.read_text().split()):
+                with contextlib.suppress(OSError):
+                    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    if WORKER_MARK.encode() in command and not process_gone(pid):
+                        found.add(pid)
+    return found
+
+
+def end(pending: Pending, status: int, message: str) -> None:
+    """End `pending` with the engine's error (cancelled first where no worker took it)."""
+    if pending.pid is None:
+        pending.cancel()  # a copy still queued is dropped by the worker that takes it
+    pending.ended, pending.pid = True, None
+    pending.response_queue.append((failure(status, message), LitAPIStatus.OK))
+    pending.event.set()
+
+
+async def watch(buffer: dict[str, Any], hold_s: float) -> None:
+    """Forever: end with a 503 each request that a dead worker held or may have been taking
+    (LitServe restarts the worker)."""
+    known: set[int] = set()
+    died_at: float | None = None
     while True:
         await asyncio.sleep(WATCH_S)
-        gone: dict[int, bool] = {}
+        alive = worker_pids(os.getppid())
+        dead, known = known - alive, alive
+        if dead:
+            died_at = time.monotonic()
+            logger.error("worker process %s died", sorted(dead))
         for pending in list(buffer.values()):
-            if not isinstance(pending, Pending) or pending.pid is None or pending.ended:
+            if not isinstance(pending, Pending) or pending.ended:
                 continue
-            if gone.setdefault(pending.pid, process_gone(pending.pid)):
-                logger.error("worker %s (pid %s) died holding request %s", pending.worker,
-                             pending.pid, pending.uid)
-                pending.pid = None
-                pending.response_queue.append((failure(
-                    503, "the model's worker died while answering; it is being restarted"),
-                    LitAPIStatus.OK))
-                pending.event.set()
+            if pending.pid is not None:
+                lost = pending.pid in dead or process_gone(pending.pid)
+            else:
+                lost = died_at is not None and pending.submitted <= died_at + hold_s
+            if lost:
+                logger.error("request %s ended: its worker died", pending.uid)
+                end(pending, 503, "the model's worker died while answering; it is being "
+                                  "restarted")

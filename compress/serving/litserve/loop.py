@@ -31,7 +31,7 @@ from litserve.utils import LitAPIStatus, LoopResponseType
 
 from compress.serving.litserve.context import HandlerContext, Reply
 from compress.serving.litserve.errors import internal_error
-from compress.serving.litserve.inflight import TAKE
+from compress.serving.litserve.inflight import IDLE_GET_S, TAKE
 
 logger = logging.getLogger(__name__)
 EARLY_KEPT = 10_000  # cancelled ids not yet taken that a worker remembers
@@ -57,7 +57,10 @@ class HandlerLoop(LitLoop):
         """One batch: wait for a request, gather more, hand them to the handler."""
         if self._lock is None:
             self._start(transport, worker_id)
-        batch = [request_queue.get()]
+        try:  # never a get without end: a worker killed in one loses the request it returns
+            batch = [request_queue.get(timeout=IDLE_GET_S)]
+        except Empty:
+            return
         delay = 0.0 if lit_api.joining else lit_api.batch_timeout
         deadline = time.monotonic() + delay
         while len(batch) < lit_api.max_batch_size:

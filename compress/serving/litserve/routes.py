@@ -61,6 +61,7 @@ class TorchServeRoutes(LitSpec):
         self.max_request_size, self.timeout_s = max_request_size, timeout_s
         self.api_path = f"/predictions/{model_name}"
         self.controls: list[Any] | None = None  # each worker's cancel queue (main.Server)
+        self.hold_s = inflight.IDLE_GET_S  # the longest get of a worker (HandlerAPI sets it)
         self._watch: asyncio.Task | None = None
 
     @property
@@ -93,7 +94,7 @@ class TorchServeRoutes(LitSpec):
                     "url_path": request.path_params.get("path", "")}
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(
-                inflight.watch(self.response_buffer))
+                inflight.watch(self.response_buffer, self.hold_s))
         uid = str(uuid.uuid4())
         pending = Pending(event=asyncio.Event(), response_queue=deque(), uid=uid,
                           controls=self.controls)

@@ -25,6 +25,7 @@ import yaml
 from fastapi import HTTPException, Request
 
 from compress.serving.litserve.context import HandlerContext
+from compress.serving.litserve.inflight import IDLE_GET_S
 from compress.serving.litserve.loop import HandlerLoop
 from compress.serving.litserve.routes import RESPONSE_TIMEOUT_S, TOKEN_FAILED, TorchServeRoutes
 
@@ -52,6 +53,7 @@ class HandlerAPI(ls.LitAPI):
         super().__init__(max_batch_size=batch,
                          batch_timeout=int(self.config.get("maxBatchDelay", 100)) / 1000,
                          spec=routes, loop=HandlerLoop())
+        routes.hold_s = max(IDLE_GET_S, self.batch_timeout) + 0.05
         self.handler: Any = None
 
     def setup(self, device: str) -> None:

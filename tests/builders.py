@@ -164,3 +164,20 @@ def handler_batch(bodies: list[dict | bytes]):
     context.cl_socket = socket
     data = [{"body": b if isinstance(b, bytes) else json.dumps(b).encode()} for b in bodies]
     return data, context, socket
+
+
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as llama.cpp's Q4_1 stores it: per 32 inputs, 16 levels from a float16
+    minimum in float16 steps."""
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    low = groups.amin(-1, keepdim=True).half().float()
+    step = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
+    levels = torch.round((groups - low) / step).clamp(0, 15)
+    return (levels * step + low).reshape(weight.shape)
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """Q8_0: per 32 inputs, int8 levels of a float16 step amax / 127."""
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    step = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (torch.round(groups / step).clamp(-127, 127) * step).reshape(weight.shape)

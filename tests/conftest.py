@@ -401,3 +401,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line("tier times: " + ", ".join(
             f"{tier} {seconds:.0f} s ({int(count)} tests)"
             for tier, (seconds, count) in sorted(_TIER_SECONDS.items())))
+
+
+@pytest.fixture(autouse=True)
+def _no_kernel_build_in_unit_tests(request, monkeypatch):
+    """The unit tier stays in seconds: none of its tests builds the grouped C++ kernels
+    (about 30 s on first use; tests/integration/test_grouped_kernel.py builds and checks
+    them). Where an earlier test of the same process built them, they are used."""
+    if "unit" not in Path(str(request.node.fspath)).parts:
+        yield
+        return
+    from serve import lm_grouped_kernels
+
+    monkeypatch.setenv("COMPRESS_NO_KERNELS", "1")
+    saved = dict(lm_grouped_kernels._state)
+    lm_grouped_kernels._state.clear()
+    yield
+    lm_grouped_kernels._state.clear()
+    lm_grouped_kernels._state.update(saved)

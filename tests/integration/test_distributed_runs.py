@@ -45,7 +45,8 @@ def test_two_ranks_train_identical_replicas_and_rank_0_runs_the_rest(tmp_path: P
 
 
 def _long_recipe(tmp_path: Path) -> tuple[Path, Path]:
-    raw = digits_recipe(tmp_path / "runs", epochs=40, checkpoint_every=20, batch_size=16)
+    # long enough that a rank is killed mid-run after the first checkpoint (step 20 of 540)
+    raw = digits_recipe(tmp_path / "runs", epochs=12, checkpoint_every=20, batch_size=16)
     raw["model"] = {"source": "compress.models.zoo:small_cnn",
                     "kwargs": {"num_classes": 10, "channels": 32}}
     raw["stages"][0]["learning_rate"] = 0.003
@@ -123,9 +124,13 @@ def test_launch_options_are_checked(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_cnn_digits_recipe_on_two_processes_reaches_95_percent(tmp_path: Path) -> None:
+    """The recipe's one full run in the suite (test_recipes_end_to_end ran it once more on
+    one process; the README's example runs it on one process for 2 epochs)."""
     result = run_cli("run", str(REPO / "recipes/cnn_digits.yaml"), "--output-dir",
                      str(tmp_path), "--nproc", "2")
     assert result.returncode == 0, result.stderr[-3000:]
-    m = _manifest(tmp_path / "cnn_digits")["stages"][0]["metrics"]
+    manifest = _manifest(tmp_path / "cnn_digits")
+    m = manifest["stages"][0]["metrics"]
+    assert manifest["data"]["eval"] == 360  # the stratified 20% holdout
     assert m["train_processes"] == 2 and m["replicas_identical"] is True
     assert m["accuracy"] >= 0.95 and m["macro_f1"] >= 0.95, m

@@ -42,7 +42,6 @@ try:  # inside the archive the modules lie beside this file
     import lm_requests
     import lm_runtime
     import lm_tensor_parallel
-    from http_answers import reason_phrase
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
     from serve import (
@@ -54,7 +53,6 @@ except ImportError:  # in the compress repository
         lm_runtime,
         lm_tensor_parallel,
     )
-    from serve.http_answers import reason_phrase
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
@@ -157,13 +155,12 @@ class CausalLMHandler(BaseHandler):
             lm_pipeline.follow(self.decoders[max(self.decoders)])
         if self.continuous:  # its loop runs on this thread (`_torch_thread`)
             prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
-            bound = {"max_waiting": int(settings.get("max_waiting", 64))}  # a bounded queue
-            if "max_waiting" not in inspect.signature(lm_batcher.ContinuousBatcher).parameters:
-                bound = {}
+            bound = ({"max_waiting": int(settings.get("max_waiting", 64))}  # a bounded queue
+                     if "max_waiting" in inspect.signature(lm_batcher.ContinuousBatcher).parameters
+                     else {})
             self.batcher = lm_batcher.ContinuousBatcher(self.decoders, prefill, self.stop,
                                                         own_thread=False, **bound)
-            # requests are parsed and tokenized here, off the event loop that sends chunks
-            self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="compress-tokenize")
+            self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),
                     torch.get_num_threads(), list(self.decoders), mode, self.ranks)
@@ -246,13 +243,16 @@ class CausalLMHandler(BaseHandler):
         parsed: dict[int, lm_requests.GenerationRequest] = {}
         for i, request in enumerate(data):
             context.set_response_header(i, BATCH_HEADER, str(len(data)))
-            try:
+            path = (context.get_request_header(i, "url_path") or "").strip("/")
+            try:  # OpenAI's routes are the continuous batch's: an OpenAI 404 here
+                if path:
+                    raise LookupError(f"unknown path {path!r}: this model answers POST "
+                                      f"/predictions/{self.model_name} only")
                 parsed[i] = lm_requests.parse(lm_requests.read_body(request), self.encode,
                                               self.limits)
-            except ValueError as exc:
-                context.set_response_status(400, reason_phrase(str(exc)), idx=i)
-                context.set_response_content_type(i, "application/json")
-                results[i] = {"error": str(exc), "status": 400}
+            except (ValueError, LookupError) as exc:
+                results[i] = json.loads(lm_replies.error(context, i, str(exc),
+                                                         404 if path else 400, bool(path)))
                 continue
             context.set_response_content_type(i, lm_replies.STREAM_TYPE if parsed[i].stream
                                               else "application/json")

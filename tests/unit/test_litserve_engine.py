@@ -284,3 +284,16 @@ def test_a_body_over_the_limit_sent_whole_still_reads_its_413(fake: Engine) -> N
     assert answer.status == 413 and json.loads(answer.read())["code"] == 413
     conn.close()
     assert _post(f"{fake.url}/echo", b"x" * 100)[0] == 200
+
+
+def test_a_continuous_batching_archive_gets_one_request_a_batch(tmp_path: Path) -> None:
+    """Each request's task can be cancelled alone and fails alone: batchSize is ignored."""
+    from compress.serving.litserve.worker import HandlerAPI
+
+    config = {"asyncCommunication": True, "batchSize": 8, "maxBatchDelay": 150}
+    api = HandlerAPI(write_archive(tmp_path / "model", config), tmp_path, None, MAX_BODY)
+    assert api.max_batch_size == 1 and api.timeout_s == 120
+    (tmp_path / "plain").mkdir()
+    plain = HandlerAPI(write_archive(tmp_path / "plain" / "model", {"batchSize": 8}),
+                       tmp_path, None, MAX_BODY)
+    assert plain.max_batch_size == 8

@@ -35,6 +35,7 @@ from compress.serving.litserve.inflight import IDLE_GET_S, TAKE
 
 logger = logging.getLogger(__name__)
 EARLY_KEPT = 10_000  # cancelled ids not yet taken that a worker remembers
+CONTROL_GET_S = 1.0  # the longest a worker waits on its cancel queue in one get
 
 
 class HandlerLoop(LitLoop):
@@ -100,8 +101,10 @@ class HandlerLoop(LitLoop):
     def _listen(self, control: Any) -> None:
         """Forever: cancel the task of each request id that comes on `control`."""
         while True:
-            try:
-                uid = control.get()
+            try:  # a bounded get: one left blocked by a dead worker would take a cancel
+                uid = control.get(timeout=CONTROL_GET_S)
+            except Empty:
+                continue
             except (EOFError, OSError):  # the manager is gone: the server is stopping
                 return
             with self._lock:

@@ -65,9 +65,6 @@ def batch_handler(varied_llama_folder, tmp_path_factory):
     return handler
 
 
-@pytest.mark.xfail(strict=True, reason="needs the lm_handler._handle_batch change of issue 39 "
-                   "item 9 (an OpenAI 404 for a request with a url_path): remove this mark "
-                   "with it")
 @pytest.mark.parametrize("route", ["v1/chat/completions", "v1/completions", "v1/models"])
 def test_the_batch_path_answers_the_openai_routes_with_openais_404(batch_handler,
                                                                    route: str) -> None:

@@ -1,12 +1,14 @@
 """The static-cache decoders compiled by Inductor (moved out of the unit tier, where a
 compile costs 30-120 s): eager and compiled tokens equal `generate`'s, two same-shaped models
 keep their own graphs, one graph reads a growing window, and a Llama on GGUF grids decodes
-its float tokens through the grouped kernel, compiled."""
+its float tokens through the grouped kernel, compiled; rows joining a continuous batch of
+compiled decoders get their own tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from batcher_checks import rows_joining_at_any_step_decode_their_tokens_alone, varied_model
 from builders import q4_1, q8_0
 from conftest import minilm_folder
 from torch import nn
@@ -126,3 +128,7 @@ def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_fo
     alone = [RuntimeDecoder(model, 64).generate([p], 6).rows[0] for p in eight]
     assert RuntimeDecoder(packed, 64).compile(skip_guards=True).generate(eight, 6).rows == alone
     assert decoder.generate(prompts, 12).rows == reference
+
+
+def test_rows_joining_a_compiled_batch_decode_their_tokens_alone(monkeypatch) -> None:
+    rows_joining_at_any_step_decode_their_tokens_alone(varied_model(), monkeypatch, "default")

@@ -3,8 +3,16 @@ README and docs/ is tested or marked as needing what CI lacks, and names real co
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import json
+import re
+import shlex
 from pathlib import Path
 
+from click.testing import CliRunner
+
+from compress.cli.main import cli
 from compress.cli.stages import describe_kinds, render_kinds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,3 +83,148 @@ def test_version_needs_no_distribution_named_compress(monkeypatch) -> None:
     assert done.exit_code == 0, done.output
     assert f'version = "{done.output.split()[-1]}"' in project.split("\n[")[0]
     assert project.startswith('name = "compress-pipeline"')
+
+
+# The documentation's shell blocks. Every ```bash (or sh, shell, console) block in the README
+# and docs/ sits under a marker line:
+#   <!-- tested: PATH -->          PATH is a test that runs the block: tests/unit/test_docs.py
+#                                  runs its blocks here; any other test file names the page
+#   <!-- not tested: needs WHAT --> what CI lacks: a network, a GPU, Java, two machines, an
+#                                  hour of CPU, a finished run; say which test covers it
+SHELL = ("bash", "sh", "shell", "console")
+MARKER = re.compile(r"^<!-- (tested: (?P<test>\S+)|not tested: (?P<why>needs .+?)) -->$")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+
+
+def doc_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def shell_blocks(page: Path) -> list[tuple[int, str, str]]:
+    """(line number, the marker line above the block or '', the block's text) per shell
+    block of a page."""
+    text = page.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        if match.group(1) not in SHELL:
+            continue
+        before = [x for x in text[:match.start()].splitlines() if x.strip()]
+        found.append((text[:match.start()].count("\n") + 1, before[-1] if before else "",
+                      match.group(2)))
+    return found
+
+
+def marked(test: str) -> list[tuple[Path, str]]:
+    """(page, block) for every block marked `tested: test`."""
+    return [(page, block) for page in doc_pages() for _, line, block in shell_blocks(page)
+            if (m := MARKER.match(line)) and m.group("test") == test]
+
+
+def test_every_shell_block_is_tested_or_says_what_it_needs() -> None:
+    bad = []
+    for page in doc_pages():
+        for number, line, _ in shell_blocks(page):
+            where = f"{page.relative_to(REPO)}:{number}"
+            m = MARKER.match(line)
+            if m is None:
+                bad.append(f"{where}: no <!-- tested: TEST --> or <!-- not tested: needs ... -->")
+            elif m.group("test"):
+                test = REPO / m.group("test")
+                if not test.is_file():
+                    bad.append(f"{where}: {m.group('test')} does not exist")
+                elif test.name != "test_docs.py" and page.name not in test.read_text():
+                    bad.append(f"{where}: {m.group('test')} does not read {page.name}")
+    assert not bad, "\n".join(bad)
+    assert len(marked("tests/unit/test_docs.py")) >= 4
+
+
+def test_every_command_named_in_a_shell_block_exists() -> None:
+    commands = set(cli.commands)
+    code = [(page.name, re.sub(r"(^|\s)#.*$", "", line))  # comments left out
+            for page in doc_pages() for _, _, block in shell_blocks(page)
+            for line in block.splitlines()]
+    named = {(name, word) for name, line in code
+             for word in re.findall(r"(?:^|[;&|(]\s*|\s)compress (\w[\w-]*)", line)}
+    assert {word for _, word in named} >= {"run", "serve", "validate", "report"}
+    assert not [(page, word) for page, word in named if word not in commands], commands
+
+
+def _run_line(line: str, cwd: Path) -> None:
+    """Run one `compress ...` line of a block in-process: globs expanded in `cwd`, a
+    `> FILE` redirect written there."""
+    words = shlex.split(line, comments=True)
+    if not words:
+        return
+    assert words[0] == "compress", f"only compress commands run here: {line}"
+    out = None
+    if ">" in words:
+        at = words.index(">")
+        words, out = words[:at], cwd / words[at + 1]
+    args = [a for w in words[1:] for a in (sorted(glob.glob(w, root_dir=cwd))
+                                           if any(c in w for c in "*?[") else [w])]
+    done = CliRunner().invoke(cli, args)
+    assert done.exit_code == 0, f"{line}\n{done.output}"
+    assert done.output.strip(), line
+    if out is not None:
+        out.write_text(done.output)
+        json.loads(out.read_text())
+
+
+def test_the_blocks_marked_for_this_file_run(tmp_path: Path, monkeypatch,
+                                               data_dir: Path) -> None:
+    for folder in ("recipes", "docs"):
+        (tmp_path / folder).symlink_to(REPO / folder)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
+    blocks = marked("tests/unit/test_docs.py")
+    for _, block in blocks:
+        for line in block.splitlines():
+            _run_line(line, tmp_path)
+    assert (tmp_path / "recipe.schema.json").is_file()
+
+
+def test_every_example_recipe_in_docs_validates(monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    examples = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.yaml"))
+    assert "docs/examples/digits_int8.yaml" in examples
+    done = CliRunner().invoke(cli, ["validate", *examples])
+    assert done.exit_code == 0, done.output
+
+
+def test_the_generated_stage_reference_lists_every_option() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "stage_reference", REPO / "docs" / "hooks" / "stage_reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = (REPO / "docs" / "reference" / "stages.md").read_text()
+    text = hook.on_page_markdown(page, page=None)
+    assert hook.MARKER not in text
+    for kind in describe_kinds():
+        assert f"## `{kind['kind']}`" in text
+        for option in kind["options"]:
+            assert f"| `{option['name']}` |" in text, option["name"]
+    assert "| `pt2e_static_aoti` |" in text and "`shapes[].heads`" in text
+
+
+def test_every_compress_environment_variable_is_in_the_table() -> None:
+    table = (REPO / "docs" / "environment.md").read_text()
+    read = set()
+    for folder in ("compress", "export", "serve", "benchmarks", "tests"):
+        for path in (REPO / folder).rglob("*"):
+            if path.suffix in (".py", ".sh"):
+                read |= set(re.findall(r"\b(COMPRESS_[A-Z][A-Z0-9_]*[A-Z0-9])\b",
+                                       path.read_text(errors="replace")))
+    assert {"COMPRESS_DATA_DIR", "COMPRESS_STATE_DIR"} <= read
+    assert not sorted(v for v in read if f"`{v}`" not in table)
+
+
+def test_every_path_the_docs_name_exists() -> None:
+    path = re.compile(r"`((?:compress|export|serve|recipes|tests|benchmarks|docs)/[\w./-]*)`")
+    missing = [(page.name, name) for page in doc_pages()
+               for name in path.findall(page.read_text())
+               if not (REPO / name).exists()]
+    assert not missing
+
+
+def test_the_readme_stays_short() -> None:
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250

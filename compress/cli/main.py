@@ -123,6 +123,7 @@ def validate(items: tuple[str, ...]) -> None:
       compress validate recipes/*.yaml
     """
     from compress.recipe.chain import hardware_needed
+    from compress.recipe.datasets import resolve_data
     from compress.recipe.registry import HARDWARE
 
     overrides = [i for i in items if _is_override(i)]
@@ -140,6 +141,11 @@ def validate(items: tuple[str, ...]) -> None:
             continue
         kinds = " -> ".join(s.name or s.kind for s in parsed.stages) or "no stages"
         click.echo(f"{path}: ok ({parsed.name}: {kinds})")
+        if resolve_data(parsed.data.source).kind == "hub":
+            click.echo(f"{path}: note: data.source '{parsed.data.source}' is read from the "
+                       f"Hugging Face hub, which validate does not reach: it cannot check the "
+                       f"id offline (set COMPRESS_DATA_DIR to a folder holding "
+                       f"<id>/<split>.tsv to read a local copy)")
         for i, need in hardware_needed(parsed):
             text, present = HARDWARE[need]
             missing = "" if present() else "; none found on this machine"

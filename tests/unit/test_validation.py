@@ -88,6 +88,25 @@ def test_validate_takes_several_files(tmp_path, monkeypatch, capsys) -> None:
     assert f"error: {bad}: model: required key is missing" in err
 
 
+def test_validate_says_it_cannot_check_a_hub_dataset_id_offline(tmp_path, monkeypatch,
+                                                             capsys) -> None:
+    pytest.importorskip("datasets")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("COMPRESS_DATA_DIR", raising=False)
+    data = {"source": "someone/reviews", "text_column": "sentence"}
+    monkeypatch.setattr(sys, "argv", ["compress", "validate", str(recipe_file(tmp_path,
+                                                                              data=data))])
+    main()  # exit 0: returns
+    out, err = capsys.readouterr()
+    assert (f"{tmp_path / 'r.yaml'}: note: data.source 'someone/reviews' is read from the "
+            f"Hugging Face hub, which validate does not reach: it cannot check the id "
+            f"offline") in out
+    assert out.count("note:") == 1
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub at all: the id is an error
+    code, _, err = cli(monkeypatch, capsys, "validate", str(recipe_file(tmp_path, data=data)))
+    assert code == 2 and "dataset 'someone/reviews' not found" in err
+
+
 def test_an_unexpected_exception_is_one_line_and_a_log(tmp_path, monkeypatch,
                                                        capsys) -> None:
     import compress.cli.main as cli_module

@@ -63,9 +63,12 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
     settings = info["settings"]
     click.echo(f"serving {info['model_name']} at {info['url']} with "
                f"{'LitServe' if engine == 'litserve' else 'TorchServe'}")
+    batching = (f"continuous batching over {settings['continuous_rows']} decode rows (each "
+                f"request joins the running decode)" if settings.get("continuous_rows") else
+                f"batch size {settings['batchSize']}, max batch delay "
+                f"{settings['maxBatchDelay']} ms")
     click.echo(f"  workers {settings['maxWorkers']} x {settings['threads_per_worker']} "
-               f"threads, batch size {settings['batchSize']}, max batch delay "
-               f"{settings['maxBatchDelay']} ms; logs in {info['serve_dir']}/logs")
+               f"threads, {batching}; logs in {info['serve_dir']}/logs")
     if info.get("token"):
         click.echo(f"  token: in {info['serve_dir']}/{server.SERVER_INFO} (mode 0600); "
                    f"read it with: {server.token_command(info)}")

@@ -101,4 +101,7 @@ def unpack_model(target: ServeTarget, store: Path, workers: int | None,
     return {k: config.get(k) for k in ("minWorkers", "maxWorkers", "batchSize",
                                        "maxBatchDelay", "responseTimeout")} | {
         "threads_per_worker": handler["threads"],
-        "task": handler.get("task", "classification")}
+        "task": handler.get("task", "classification"),
+        # a continuous batch's decode rows (each request joins it; batch size 1), else None
+        "continuous_rows": (int(handler.get("rows") or config.get("batchSize") or 1)
+                            if config.get("asyncCommunication") else None)}

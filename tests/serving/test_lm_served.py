@@ -345,6 +345,8 @@ def test_compress_serve_and_loadtest_on_the_run_folder(lm_run: Path, state_dir,
         assert server.read_info(lm_run / "serve")["settings"]["batchSize"] == 1
         url = f"http://127.0.0.1:{port}/predictions/tiny_lm"
         assert f"serving tiny_lm at {url}" in started.stdout and "curl -sN" in started.stdout
+        assert "continuous batching over 8 decode rows" in started.stdout  # not "batch size 1"
+        assert "batch size 1" not in started.stdout
         tested = run_cli("loadtest", url, "--run", str(lm_run), "--concurrency", "1,4",
                          "--requests", "8", "--warmup", "1", "--max-new-tokens", "16", env=env)
         assert tested.returncode == 0, tested.stderr[-2000:]

@@ -8,6 +8,11 @@ worker). `messages` raises TimeoutError when the worker sends nothing for `timeo
 archive's responseTimeout, counted as TorchServe counts it: up to the first message, then
 between messages).
 
+The worker sends its messages in batches (all it has when the transport is free again: a
+decode step's chunks of every stream in one message) under the id `BATCH`; `dispatch` hands
+each to its request. LitServe's queue passes one message a round trip, so one message a
+chunk fell behind the worker under many streams.
+
 `watch` follows the server's inference workers (its spawned children) and, when one dies,
 ends with a 503 the requests it took and those not yet taken that it may have been taking:
 a worker killed inside the manager queue's `get` loses the request that get returns, so
@@ -22,6 +27,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 SSE = "text/event-stream"
 TAKE, CHUNK, END, FAIL = "take", "chunk", "end", "fail"  # FAIL: the engine's own error
+BATCH = "compress-batch"  # the id under which a worker sends [(request id, message), ...]
 WATCH_S = 0.25  # how often `watch` looks at the workers
 IDLE_GET_S = 0.1  # the longest a worker waits on the request queue in one get
 WORKER_MARK = "multiprocessing.spawn import spawn_main"  # LitServe's workers are spawned
@@ -96,6 +103,27 @@ async def messages(pending: Pending, timeout_s: float) -> AsyncIterator[Message]
         yield message
         if kind in (END, FAIL):
             return
+
+
+def dispatch_entry() -> ResponseBufferItem:
+    """The response buffer's entry that receives the workers' batches."""
+    return ResponseBufferItem(event=asyncio.Event(), response_queue=deque())
+
+
+async def dispatch(buffer: dict[str, Any], entry: ResponseBufferItem) -> None:
+    """Forever: hand each message of the workers' batches to its request."""
+    while True:
+        await entry.event.wait()
+        entry.event.clear()
+        while entry.response_queue:
+            items, status = entry.response_queue.popleft()
+            if status != LitAPIStatus.OK:
+                continue
+            for uid, message in items:
+                pending = buffer.get(uid)
+                if pending is not None:
+                    pending.response_queue.append((message, LitAPIStatus.OK))
+                    pending.event.set()
 
 
 def error_line(media: str | None, status: int, message: str) -> bytes:

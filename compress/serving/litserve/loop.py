@@ -7,7 +7,8 @@ that runs as a task on the worker's event loop thread while the next requests ar
 each request it takes it first sends "take" (its worker index and pid, so that the API
 server can tell when this process dies), then each streamed chunk and the answer, through
 LitServe's transport as `(kind, status, headers, content type, bytes)`: kind "chunk" or
-"end". A request id read from the worker's cancel queue cancels the task of its request
+"end" (batched: every message waiting when the transport is free goes in one, under the id
+`inflight.BATCH`). A request id read from the worker's cancel queue cancels the task of its request
 (the handler cleans up in its `finally`); a request cancelled or past `responseTimeout`
 before it was taken is dropped. A failure answers a 500 with an error id; the traceback goes
 to the model log under that id.
@@ -31,7 +32,7 @@ from litserve.utils import LitAPIStatus, LoopResponseType
 
 from compress.serving.litserve.context import HandlerContext, Reply
 from compress.serving.litserve.errors import internal_error
-from compress.serving.litserve.inflight import IDLE_GET_S, TAKE
+from compress.serving.litserve.inflight import BATCH, IDLE_GET_S, TAKE
 
 logger = logging.getLogger(__name__)
 EARLY_KEPT = 10_000  # cancelled ids not yet taken that a worker remembers
@@ -48,10 +49,12 @@ class HandlerLoop(LitLoop):
         self._lock: threading.Lock | None = None  # made in the worker: a lock won't pickle
         self._events: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, Future] = {}  # uid -> the task answering it
+        self._outbox: list[tuple[int, str, tuple]] = []  # messages not sent yet
+        self._ready: threading.Condition | None = None
         self._early: dict[str, float] = {}  # uid -> when it was cancelled, not yet taken
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tasks": {}, "_early": {}}
+        return {**self.__dict__, "_tasks": {}, "_early": {}, "_outbox": []}
 
     def run(self, lit_api: Any, device: str, worker_id: int, request_queue: Any,
             transport: Any, *_: Any) -> None:
@@ -82,6 +85,8 @@ class HandlerLoop(LitLoop):
 
     def _start(self, transport: Any, worker_id: int | None) -> None:
         self._transport, self._lock = transport, threading.Lock()
+        self._ready = threading.Condition()
+        threading.Thread(target=self._flush, daemon=True, name="handler-answers").start()
         self._events = asyncio.new_event_loop()
         threading.Thread(target=self._events.run_forever, daemon=True,
                          name="handler-events").start()
@@ -166,9 +171,23 @@ class HandlerLoop(LitLoop):
     def _send(self, target: tuple[int, str], kind: str, reply: Reply, value: Any) -> None:
         status, headers, content_type = reply.head()
         message = (kind, status, headers, content_type, _as_bytes(value))
-        with self._lock:
-            self.put_response(self._transport, target[0], target[1], message,
-                              LitAPIStatus.OK, LoopResponseType.STREAMING)
+        with self._ready:
+            self._outbox.append((target[0], target[1], message))
+            self._ready.notify()
+
+    def _flush(self) -> None:
+        """Forever: send every message waiting, one transport message per API server."""
+        while True:
+            with self._ready:
+                while not self._outbox:
+                    self._ready.wait()
+                waiting, self._outbox = self._outbox, []
+            by_server: dict[int, list[tuple[str, tuple]]] = {}
+            for qid, uid, message in waiting:
+                by_server.setdefault(qid, []).append((uid, message))
+            for qid, items in by_server.items():
+                self.put_response(self._transport, qid, BATCH, items, LitAPIStatus.OK,
+                                  LoopResponseType.STREAMING)
 
 
 async def _awaited(result: Any) -> Any:

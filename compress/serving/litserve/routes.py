@@ -63,6 +63,7 @@ class TorchServeRoutes(LitSpec):
         self.controls: list[Any] | None = None  # each worker's cancel queue (main.Server)
         self.hold_s = inflight.IDLE_GET_S  # the longest get of a worker (HandlerAPI sets it)
         self._watch: asyncio.Task | None = None
+        self._dispatch: asyncio.Task | None = None
 
     @property
     def stream(self) -> bool:
@@ -93,8 +94,10 @@ class TorchServeRoutes(LitSpec):
         headers |= {"body": {"content-type": content_type},
                     "url_path": request.path_params.get("path", "")}
         if self._watch is None or self._watch.done():
-            self._watch = asyncio.get_running_loop().create_task(
-                inflight.watch(self.response_buffer, self.hold_s))
+            entry = self.response_buffer[inflight.BATCH] = inflight.dispatch_entry()
+            events = asyncio.get_running_loop()
+            self._watch = events.create_task(inflight.watch(self.response_buffer, self.hold_s))
+            self._dispatch = events.create_task(inflight.dispatch(self.response_buffer, entry))
         uid = str(uuid.uuid4())
         pending = Pending(event=asyncio.Event(), response_queue=deque(), uid=uid,
                           controls=self.controls)

@@ -303,6 +303,11 @@ class ContinuousBatcher:
 
     def _leave(self, slot: int, reason: str) -> None:
         row, self.slots[slot] = self.slots[slot], None
+        # a free slot inside the step's bucket still runs: with every position open it
+        # never attends to nothing (a row's old mask could, once a move took the cursor
+        # below its start: softmax of all -inf is NaN, written into the cache, and 0 x NaN
+        # poisoned the next row placed in the slot)
+        self.mask[slot] = 1
         if row is not None:
             self._end(row, reason)
 

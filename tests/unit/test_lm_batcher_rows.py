@@ -256,3 +256,45 @@ def test_a_full_queue_refuses_a_row_with_a_retry_time(model) -> None:
     gate.open()
     assert [got.wait() for _, got in (first, queued[1], last)] == ["length"] * 3
     assert last[1].tokens == alone(model, last[0].ids, 5)
+
+
+def test_a_slot_freed_inside_the_bucket_never_poisons_the_next_row(model) -> None:
+    """A free slot below the bucket's highest busy one still runs in each step. Once a move
+    took the cursor below the start of the row it last held, its old mask opened no
+    position: attention over nothing is NaN, written into the cache, and the row placed in
+    that slot later read it (0 x NaN) and decoded token 0 from then on. Driven step by step
+    on this thread, so every state is reached on purpose."""
+    from serve.lm_attention import attention
+
+    batcher = make_batcher(model, own_thread=False)
+    rows: dict[str, tuple[list[int], int, Collect]] = {}
+
+    def submit(name: str, new: int) -> None:
+        got = Collect()
+        ids = prompt(4, len(rows))
+        batcher.submit(lm_batcher.Row(ids, new, got.emit))
+        rows[name] = (ids, new, got)
+        batcher._admit()
+
+    def step_until(done) -> None:
+        while not done():
+            batcher._step()
+
+    with torch.inference_mode(), attention(batcher.prefill.model, batcher.prefill.attention):
+        submit("long", 40)  # slot 0 from position 0
+        step_until(lambda: batcher.cursor >= 34)
+        submit("short", 2)  # slot 1, starting at 30
+        submit("late", 20)  # slot 2, starting at 30: the bucket of 4 runs from now on
+        step_until(lambda: batcher.slots[0] is None and batcher.slots[1] is None)
+        submit("moved", 40)  # no room to its end: every row moves left by 30
+        assert batcher.cursor < 30 and batcher.slots[1] is None and batcher.slots[2]
+        for _ in range(8):  # the free slot 1 runs; its old row started at 30
+            batcher._step()
+        assert all(torch.isfinite(layer.values).all() and torch.isfinite(layer.keys).all()
+                   for layer in batcher.cache.layers)
+        submit("next", 10)  # into the freed slot 1
+        assert batcher.slots[1] is not None
+        step_until(lambda: not any(batcher.slots))
+    for name, (ids, new, got) in rows.items():
+        got.wait()
+        assert got.tokens == alone(model, ids, new), name

@@ -367,10 +367,21 @@ def engine(request) -> str:
     return request.param
 
 
+NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`);
-    serving tests are skipped with the reason when their engine's needs are missing."""
+    serving tests are skipped with the reason when their engine's needs are missing, GPU
+    tests (tests/gpu) where CUDA is absent."""
     missing = {engine: serving_missing(engine) for engine in SERVING_ENGINES}
+    cuda = any("gpu" in Path(str(item.fspath)).parts for item in items) and _cuda_present()
     for item in items:
         parts = Path(str(item.fspath)).parts
         for tier in TIERS:
@@ -381,6 +392,8 @@ def pytest_collection_modifyitems(config, items) -> None:
                           else "torchserve"]
         if "serving" in parts and lacking:
             item.add_marker(pytest.mark.skip(reason="serving tests need " + ", ".join(lacking)))
+        if "gpu" in parts and not cuda:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 
 
 _TIER_SECONDS: dict[str, list[float]] = {}

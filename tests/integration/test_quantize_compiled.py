@@ -61,10 +61,10 @@ def test_static_text_int8_stays_close_to_fp32(text_bundle, static_text) -> None:
         ref = logits_of(text_bundle.model, inputs)
         got = logits_of(quantized.model, inputs)
         assert got.shape == ref.shape == (inputs["input_ids"].shape[0], 2)
-        # measured with torchao 0.18 on held-out digits: mean |error| 0.45 against mean |logit|
-    # 3.6 this bound catches a broken lowering (errors of
-    # the logits' own size), not a small precision loss
-    assert (got - ref).abs().mean() <= 0.2 * ref.abs().mean()
+        # every batch, not only the last: measured with torchao 0.18 on held-out digits,
+        # mean |error| 0.45 against mean |logit| 3.6; this bound catches a broken lowering
+        # (errors of the logits' own size), not a small precision loss
+        assert (got - ref).abs().mean() <= 0.2 * ref.abs().mean(), inputs["input_ids"].shape
     graph_ops = {str(node.target) for node in quantized.model.graph.graph.nodes}
     assert "quantized_decomposed.dequantize_per_channel.default" in graph_ops
 

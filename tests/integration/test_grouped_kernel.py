@@ -1,14 +1,20 @@
 """The grouped-weight C++ kernels, built here for this CPU (about 30 s the first time, so
 outside the unit tier): every row count the kernel treats apart gives the dequantized
-product through the kernel itself, not the torch fallback."""
+product through the kernel itself, not the torch fallback; the peers benchmark counts the
+bytes of the kernel's records."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from conftest import REPO
 from torch import nn
 
 from serve import lm_grouped as grouped
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/peers_llm_child.py
 from serve.lm_grouped_kernels import build_error, grouped_mm_available
 
 
@@ -36,3 +42,23 @@ def test_the_kernel_computes_the_dequantized_product(rows, bits) -> None:
         assert torch.allclose(fallback(x), nn.functional.linear(
             x, fallback.dequantize(), linear.bias.detach()), atol=1e-5)
 
+
+def test_int8_grouped_weights_count_the_kernel_records() -> None:
+    import peers_llm_child as child
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from serve.lm_runtime import quantize_weights
+
+    torch.manual_seed(0)  # 1 layer, 32 wide, 64 in the MLP, 300 tokens, the table tied
+    tiny = LlamaForCausalLM(LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True)).eval()
+    model = quantize_weights(tiny, "int8_grouped")  # head untied, table int8 too
+    # the kernel's records: per tile of 16 outputs and group of 32 inputs, 1 byte a weight +
+    # 16 float32 scales and offsets (random weights: not float16 values); down_proj has 2
+    # groups a row; the head's 300 rows make 19 tiles (304 rows)
+    linears = 40 * (32 + 16 + 16 + 32 + 64 + 64) + 80 * 32
+    head, one_row = 304 * 40, 40  # the embedding: one row of codes, its scale and offset
+    assert child.weight_bytes_per_token(model) == linears + 3 * 32 * 4 + head + one_row == 24104
+    assert not any(getattr(m, "half_scales", False) for m in model.modules())

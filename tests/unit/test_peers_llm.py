@@ -25,7 +25,6 @@ import peers_llm_table as table  # noqa: E402
 from peers_optimum import PeerError  # noqa: E402
 
 from compress.runfolder.files import sha256_file  # noqa: E402
-from serve.lm_runtime import quantize_weights  # noqa: E402
 
 # the tiny model's weights: 1 layer, 32 wide, 4 query / 2 key-value heads (8 each), 64 in
 # the MLP, 300 tokens; q, k, v, o, gate, up, down, three norms
@@ -47,17 +46,6 @@ def test_a_tied_embedding_is_read_whole_an_untied_one_a_row_a_token() -> None:
     assert child.weight_bytes_per_token(tiny(tied=True)) == 4 * (LAYER + EMBED) == 75648
     # untied: the head whole, one row of the embedding (32 floats)
     assert child.weight_bytes_per_token(tiny(tied=False)) == 4 * (LAYER + EMBED + 32) == 75776
-
-
-def test_int8_grouped_weights_count_the_kernel_records() -> None:
-    model = quantize_weights(tiny(tied=True), "int8_grouped")  # head untied, table int8 too
-    # the kernel's records: per tile of 16 outputs and group of 32 inputs, 1 byte a weight +
-    # 16 float32 scales and offsets (random weights: not float16 values); down_proj has 2
-    # groups a row; the head's 300 rows make 19 tiles (304 rows)
-    linears = 40 * (32 + 16 + 16 + 32 + 64 + 64) + 80 * 32
-    head, one_row = 304 * 40, 40  # the embedding: one row of codes, its scale and offset
-    assert child.weight_bytes_per_token(model) == linears + 3 * 32 * 4 + head + one_row == 24104
-    assert not any(getattr(m, "half_scales", False) for m in model.modules())
 
 
 def test_gguf_bytes_per_token_reads_the_file_tensor_sizes(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ run, each served by `compress serve` on this machine (TorchServe, or --engine li
   succeeded again, whether a new worker came by itself;
 - disconnect (--llm): 50 streaming clients, 40 of them leaving at random points: the others'
   text against one process's greedy text, then a full batch of 8;
-- leavers and flood (--llm, benchmarks/soak_lm.py): 50 clients all leaving mid-stream, then
+- leavers and flood (--llm, benchmarks/soak_generation.py): 50 clients all leaving mid-stream, then
   the rows still decoding (0 within one step); more requests at once than rows plus the
   waiting queue: only 200s and 503s, memory within 1.2x warm, the server answers after;
 - property (--property-examples N): the property tests (tests/serving/test_*_property.py,
@@ -212,18 +212,18 @@ def main(argv: list[str] | None = None) -> int:
         server.stop(target.serve_dir)
     if args.llm:
         sys.path.insert(0, str(Path(__file__).parent))
-        import soak_lm
+        import soak_generation as generation
 
         prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                    "Name three primary colors.", "Why is the sky blue?"]
-        expected = soak_lm.offline_texts(args.llm, prompts, 48)
+        expected = generation.offline_texts(args.llm, prompts, 48)
         target, info = served(args.llm, args.engine)
         try:
-            figures["disconnect"] = soak_lm.disconnects(info, prompts, expected, 48)
+            figures["disconnect"] = generation.disconnects(info, prompts, expected, 48)
             print("disconnect", figures["disconnect"], flush=True)
-            figures["leavers"] = soak_lm.leavers(info, prompts, 48)
+            figures["leavers"] = generation.leavers(info, prompts, 48)
             print("leavers", figures["leavers"], flush=True)
-            figures["flood"] = soak_lm.flood(info, prompts, 48, rss=rss_mb)
+            figures["flood"] = generation.flood(info, prompts, 48, rss=rss_mb)
             print("flood", figures["flood"], flush=True)
         finally:
             server.stop(target.serve_dir)

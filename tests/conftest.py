@@ -339,6 +339,34 @@ def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
     return tmp / "runs" / "tiny_served"
 
 
+@pytest.fixture(scope="module")
+def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
+    """tiny_onnx.mar behind `engine` with token authorization (the default), for a serving
+    module's tests (a module serving something else defines its own `served`)."""
+    from compress.serving import server
+
+    target = server.resolve_target(packaged_text_run / "03-package/tiny_onnx.mar")
+    (port,) = server.free_ports(1)
+    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None, engine=engine)
+    yield info
+    server.stop(target.serve_dir)
+    assert not server.process_alive(info["pid"])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A 2-layer, 32-wide random Llama in memory (eval mode), with MiniLM's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
 TIERS = ("unit", "integration", "serving", "gpu")
 
 

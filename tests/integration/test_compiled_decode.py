@@ -10,7 +10,6 @@ import pytest
 import torch
 from batcher_checks import rows_joining_at_any_step_decode_their_tokens_alone, varied_model
 from builders import q4_1, q8_0
-from conftest import minilm_folder
 from torch import nn
 
 from compress.models.causal_lm import StaticDecoder
@@ -18,18 +17,6 @@ from serve import lm_grouped as grouped
 from serve.lm_grouped_kernels import build_error
 from serve.lm_runtime import StaticDecoder as RuntimeDecoder
 from serve.lm_runtime import quantize_weights
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer
 
 
 def test_static_decoder_matches_generate_eager_and_compiled(tiny_llama) -> None:

@@ -11,14 +11,12 @@ import json
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 pytest.importorskip("ts")
 
-from compress.serving import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
@@ -62,17 +60,6 @@ def post_together(info: dict, bodies: list[bytes]) -> list[tuple[int, int, bytes
 
     with ThreadPoolExecutor(len(bodies)) as pool:
         return list(pool.map(ask, bodies))
-
-
-@pytest.fixture(scope="module")
-def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
-    """tiny_onnx.mar behind `engine`, with token authorization."""
-    target = server.resolve_target(packaged_text_run / "03-package/tiny_onnx.mar")
-    (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None, engine=engine)
-    yield info
-    server.stop(target.serve_dir)
-    assert not server.process_alive(info["pid"])
 
 
 def test_sixteen_requests_one_of_each_bad_kind(served: dict) -> None:

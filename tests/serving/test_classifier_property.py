@@ -16,7 +16,6 @@ import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -26,8 +25,6 @@ pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from compress.serving import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
@@ -90,17 +87,6 @@ def _probabilities(answer: bytes) -> list[list[float]]:
     rows = json.loads(answer)
     rows = rows if isinstance(rows, list) else [rows]
     return [list(row["probabilities"].values()) for row in rows]
-
-
-@pytest.fixture(scope="module")
-def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
-    """tiny_onnx.mar behind `engine`, with token authorization."""
-    target = server.resolve_target(packaged_text_run / "03-package/tiny_onnx.mar")
-    (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None, engine=engine)
-    yield info
-    server.stop(target.serve_dir)
-    assert not server.process_alive(info["pid"])
 
 
 @pytest.fixture(scope="module")

@@ -41,17 +41,6 @@ def _our_processes(info: dict) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
-    """tiny_onnx.mar behind `engine` with token authorization (the default)."""
-    target = server.resolve_target(packaged_text_run / "03-package/tiny_onnx.mar")
-    (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None, engine=engine)
-    yield info
-    server.stop(target.serve_dir)
-    assert not server.process_alive(info["pid"])
-
-
 def test_served_predictions_equal_offline_ones(served: dict, packaged_text_run: Path) -> None:
     table = packaged_text_run.parent.parent / "sentiment/validation.tsv"
     texts = [line.split("\t")[0] for line in table.read_text().splitlines()[1:]]

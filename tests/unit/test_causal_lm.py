@@ -11,25 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import minilm_folder
 
 from compress.models.causal_lm import (
     greedy_agreement,
     perplexity,
 )
 from compress.recipe.sources import shipped_gguf
-
-
-@pytest.fixture(scope="module")
-def tiny_llama():
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer
 
 
 def test_perplexity_is_the_exp_of_the_mean_nll_over_real_tokens(tiny_llama) -> None:

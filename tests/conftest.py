@@ -339,6 +339,16 @@ def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
     return tmp / "runs" / "tiny_served"
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as a module (benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
     """tiny_onnx.mar behind `engine` with token authorization (the default), for a serving

@@ -5,11 +5,10 @@ worker comes by itself and requests succeed again."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import benchmark_module
 
 pytest.importorskip("ts")
 
@@ -17,9 +16,7 @@ from compress.serving import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
-spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks" / "soak.py")
-soak = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(soak)
+soak = benchmark_module("soak")
 
 
 @pytest.fixture(scope="module")

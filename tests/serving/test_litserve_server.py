@@ -5,13 +5,12 @@ and requests succeed again."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import stat
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import benchmark_module
 
 pytest.importorskip("litserve")
 
@@ -19,9 +18,7 @@ from compress.serving import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
-spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks" / "soak.py")
-soak = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(soak)
+soak = benchmark_module("soak")
 
 
 @pytest.fixture(scope="module")

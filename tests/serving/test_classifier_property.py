@@ -5,6 +5,11 @@ three good requests so that they share a batch (tiny_onnx: batch size 8, 50 ms d
 a 2xx or a 4xx, never a 5xx or no answer; each good request gets exactly the answer it gets
 alone (probabilities within 1e-5).
 
+One exception, outside the handler: TorchServe's Java frontend decodes form-urlencoded bodies
+itself (Netty's HttpPostRequestDecoder) and answers a malformed one (`{"&&": 1}`: "empty
+name") with its own 500 before any handler runs. That request still fails alone; the test
+accepts exactly that frontend answer and nothing else.
+
 Examples per engine: COMPRESS_PROPERTY_EXAMPLES (default 25, what CI runs), plus the named
 cases of issue 39; `benchmarks/soak.py` sets it high. Each run prints how many cases it
 sent ("property cases: N on ENGINE")."""
@@ -31,8 +36,8 @@ pytestmark = pytest.mark.serving
 EXAMPLES = int(os.environ.get("COMPRESS_PROPERTY_EXAMPLES", "25"))
 TIMEOUT_S = 60.0  # an answer later than this is a hang
 JSON = "application/json"
-CONTENT_TYPES = (JSON, "text/plain", "application/octet-stream",
-                 "application/x-www-form-urlencoded")
+FORM = "application/x-www-form-urlencoded"
+CONTENT_TYPES = (JSON, "text/plain", "application/octet-stream", FORM)
 GOOD = [b'{"text": "great lovely movie"}', b'{"texts": ["awful dull film", "superb"]}',
         b'{"text": "the plot is poor but the actors are warm"}']
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -89,6 +94,18 @@ def _probabilities(answer: bytes) -> list[list[float]]:
     return [list(row["probabilities"].values()) for row in rows]
 
 
+def _frontend_form_refusal(engine: str, case: tuple[bytes, str],
+                           answer: tuple[int, bytes, int]) -> bool:
+    """Whether `answer` is TorchServe's frontend refusing a form body it cannot decode (a
+    500 that no handler code produces; see the module docstring)."""
+    if engine != "torchserve" or case[1] != FORM or answer[0] != 500:
+        return False
+    try:
+        return json.loads(answer[1]).get("type") == "ErrorDataDecoderException"
+    except ValueError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def alone(served: dict) -> list[list[list[float]]]:
     """Each good request's probabilities when it is sent alone."""
@@ -117,6 +134,7 @@ def test_any_body_fails_alone(served: dict, alone: list, engine: str) -> None:
     @example(case=(b'{"text": ' + b"9" * 5000 + b"}", JSON))
     @example(case=(b"", JSON))
     @example(case=(b'{"text": ""}', JSON))
+    @example(case=(b'{"text": {"&&": null}}', FORM))
     def check(case: tuple[bytes, str]) -> None:
         body, content_type = case
         sent.append(case)
@@ -132,7 +150,8 @@ def test_any_body_fails_alone(served: dict, alone: list, engine: str) -> None:
         with ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
         generated = answers.pop(place)
-        assert 200 <= generated[0] < 500, (case, generated[0], generated[1][:300])
+        assert 200 <= generated[0] < 500 or _frontend_form_refusal(engine, case, generated), (
+            case, generated[0], generated[1][:300])
         for (status, answer, batch), expected in zip(answers, alone, strict=True):
             assert status == 200, (case, status, answer[:300])
             batches.append(batch)

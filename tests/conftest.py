@@ -310,6 +310,24 @@ def bert_int8_run(tmp_path_factory, data_dir: Path) -> tuple[Path, subprocess.Co
 
 
 @pytest.fixture(scope="session")
+def finetuned_minilm(bert_int8_run) -> Path:
+    """The MiniLM that bert_int8_run fine-tuned on the shrunk SST-2 (40 steps): the start of
+    every other MiniLM recipe test, which would otherwise fine-tune the same model again."""
+    run_dir, result = bert_int8_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir / "00-finetune" / "model"
+
+
+def without_finetune(recipe: Path, model_dir: Path, out: Path) -> Path:
+    """`recipe` with its first stage (a fine-tune) left out, starting from `model_dir`."""
+    raw = yaml.safe_load(recipe.read_text())
+    assert raw["stages"][0]["kind"] == "finetune", recipe
+    raw["stages"] = raw["stages"][1:]
+    raw["model"]["source"] = str(model_dir)
+    return write_recipe(out, raw)
+
+
+@pytest.fixture(scope="session")
 def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
     """A tiny BERT fine-tuned on the word-sentiment table, exported to ONNX and TorchScript,
     each packaged as a .mar (tiny_onnx with batch size 8, then tiny_ts)."""

@@ -14,9 +14,12 @@ from conftest import (
     SHRUNK_SST2,
     run_cli,
     start_and_kill,
+    without_finetune,
     write_recipe,
     write_sentiment_tables,
 )
+
+from compress.search.choice import FINALIST_SPREAD, MAX_FINALISTS, TIE_SPREAD
 
 pytestmark = pytest.mark.integration
 
@@ -65,17 +68,20 @@ def test_a_killed_search_resumes_and_a_wider_tolerance_reuses_every_trial(
 
 
 def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
-        data_dir: Path, tmp_path: Path) -> None:
+        finetuned_minilm: Path, data_dir: Path, tmp_path: Path) -> None:
+    """recipes/bert_search.yaml from the session's fine-tuned MiniLM (its own fine-tune
+    stage left out)."""
+    recipe = without_finetune(REPO / "recipes/bert_search.yaml", finetuned_minilm,
+                              tmp_path / "r.yaml")
     candidates = "[pt2e_static_aoti, ort_dynamic_int8, onnx_fp32]"
-    args = ["run", str(REPO / "recipes/bert_search.yaml"), f"output_dir={tmp_path}",
-            *SHRUNK_SST2, "stages.0.max_steps=40", "stages.0.learning_rate=2e-4",
-            f"stages.1.candidates={candidates}", "stages.1.calibration.samples=64",
-            "stages.1.sensitivity_samples=32", "stages.1.max_fallback_layers=2",
-            "stages.1.max_trials=5", "stages.1.final_rounds=2"]
+    args = ["run", str(recipe), f"output_dir={tmp_path}", *SHRUNK_SST2,
+            f"stages.0.candidates={candidates}", "stages.0.calibration.samples=64",
+            "stages.0.sensitivity_samples=32", "stages.0.max_fallback_layers=2",
+            "stages.0.max_trials=5", "stages.0.final_rounds=2"]
     result = run_cli(*args, env={"COMPRESS_DATA_DIR": str(data_dir)})
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "bert_search"
-    record = _search_json(run_dir, 1)
+    record = _search_json(run_dir, 0)
     trials = [t for t in record["trials"] if t["status"] == "ok"]
     assert {t["candidate"] for t in trials} >= {"pt2e_static_aoti", "ort_dynamic_int8",
                                                 "onnx_fp32"}
@@ -86,8 +92,18 @@ def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
         assert t["latency_ms_b1"] > 0 and t["latency_ms_b8"] > 0 and t["bytes"] > 0
     winner = next(t for t in trials if t["id"] == record["winner"])
     within = [t for t in trials if t["within"]]
-    key = "final_ms" if "final_ms" in winner else "latency_ms_b8"
-    assert winner[key] == min(t.get(key, float("inf")) for t in within)
+    # the finalists (final_rounds: 2) are exactly those within FINALIST_SPREAD of the best,
+    # re-timed; the winner is the fastest of them, up to TIE_SPREAD (then the more accurate)
+    ranked = sorted(within, key=lambda t: t["latency_ms_b8"])
+    chosen = [t["id"] for t in ranked
+              if t["latency_ms_b8"] <= FINALIST_SPREAD * ranked[0]["latency_ms_b8"]]
+    chosen = chosen[:MAX_FINALISTS]
+    assert [t["id"] for t in ranked if "final_ms" in t] == (chosen if len(chosen) > 1 else [])
+    if len(chosen) > 1:
+        fastest = min(t["final_ms"] for t in within if "final_ms" in t)
+        assert winner["id"] in chosen and winner["final_ms"] <= TIE_SPREAD * fastest + 1e-9
+    else:
+        assert winner is ranked[0]
     assert all(t.get("lost") for t in record["trials"] if t is not winner)
     int8 = next(t for t in trials if t["candidate"] == "ort_dynamic_int8" and
                 not t["float_layers"])
@@ -95,17 +111,22 @@ def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
         "bytes"]
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    stage = manifest["stages"][1]
+    stage = manifest["stages"][0]
     assert stage["metrics"]["search_winner_trial"] == winner["id"]
-    assert stage["outputs"][0]["export_dir"].startswith(f"01-search/trials/{winner['id']}/")
-    mar = run_dir / "02-package/bert_search.mar"
+    assert stage["outputs"][0]["export_dir"].startswith(f"00-search/trials/{winner['id']}/")
+    mar = run_dir / "01-package/bert_search.mar"
     with zipfile.ZipFile(mar) as archive:
         summary = json.loads(archive.read("compress.json"))
         assert winner["file"] in archive.namelist()
     assert summary["artifact"]["stage"] == "search"
     report = (run_dir / "report.md").read_text()
     assert "## Search: latency_b8 within 0.5 point" in report and f"**{winner['id']}**" in report
-    assert (run_dir / "01-search/search.png").stat().st_size > 10_000
-    if record["sensitivity"]:
-        ranking = json.loads((run_dir / "01-search/sensitivity.json").read_text())["ranking"]
+    assert (run_dir / "00-search/search.png").stat().st_size > 10_000
+    # layers are ranked exactly when a trial out of tolerance was retried with float layers
+    fallbacks = [t for t in record["trials"] if t.get("float_layers")]
+    assert bool(record["sensitivity"]) == bool(fallbacks)
+    assert all(1 <= len(t["float_layers"]) <= 2 for t in fallbacks)  # max_fallback_layers
+    if fallbacks:
+        ranking = json.loads((run_dir / "00-search/sensitivity.json").read_text())["ranking"]
         assert len(ranking) == 38 and ranking[0]["kl"] >= ranking[-1]["kl"]
+        assert fallbacks[0]["float_layers"] == [ranking[0]["layer"]]  # the most sensitive

@@ -20,7 +20,7 @@ from conftest import packaged_lm_run, run_cli
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve import lm_runtime  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
@@ -195,7 +195,7 @@ def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline, engine
 
     if engine == "torchserve":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "TorchServe 0.12 never tells a worker that a client left (serve/lm_replies.py): "
+            "TorchServe 0.12 never tells a worker that a client left (serve/causal_lm/replies.py): "
             "its rows decode to max_new_tokens")))
     parts = urlsplit(served["url"])
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {served['token']}"}

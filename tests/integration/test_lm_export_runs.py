@@ -206,7 +206,7 @@ def test_a_causal_lm_export_on_a_classifier_is_one_line(
 def test_an_export_that_decodes_differently_fails_the_stage(
         tmp_path, varied_llama_folder, monkeypatch) -> None:
     from compress.errors import StageError
-    from compress.stages import export_lm
+    from compress.families.causal_lm.stages import export as export_lm
 
     load = lm_runtime.load_folder
 

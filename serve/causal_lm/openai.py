@@ -3,7 +3,7 @@ the routes `v1/chat/completions`, `v1/completions` and `v1/models` under the mod
 prediction URL, so that the `openai` client reaches it with
 `base_url=http://HOST:PORT/predictions/MODEL/VERSION/v1` and the inference token as its key.
 
-A request body becomes the native request of `lm_requests` (`native_body`); answers are
+A request body becomes the native request of `requests.py` (`native_body`); answers are
 OpenAI's objects, streamed as server-sent events (`data: {chunk}` lines, the last chunk with
 `finish_reason` and `usage`, then `data: [DONE]`); errors are OpenAI error objects.
 """
@@ -40,7 +40,7 @@ def route_of(url_path: str | None) -> str | None:
 
 
 def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """(the `lm_requests` body of an OpenAI request, whether usage goes in its stream).
+    """(the `requests.py` body of an OpenAI request, whether usage goes in its stream).
     Unsupported options raise ValueError (a 400)."""
     known = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
              "top_p", "stop", "seed", "stream", *NEUTRAL}

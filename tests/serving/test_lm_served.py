@@ -1,7 +1,7 @@
 """A real server, TorchServe and then LitServe (the `engine` fixture), serving the tiny
 random Llama's .mar (export `format: transformers`, then package): tokens stream as they
 are generated, 8 concurrent requests are batched and answer the greedy text that
-lm_runtime gives offline, a bad request in a batch gets the only 400, and `compress serve`
+causal_lm.runtime gives offline, a bad request in a batch gets the only 400, and `compress serve`
 / `compress loadtest` work on the run folder."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A pipeline-parallel causal LM served by a real TorchServe in its torchrun mode
 (`parallelType: pp`, 2 ranks over gloo on this CPU): the package stage writes the settings,
 each rank's handler joins the process group and keeps its pipeline stage, and the endpoint
-streams the greedy text lm_runtime gives offline in one process, batching concurrent
+streams the greedy text causal_lm.runtime gives offline in one process, batching concurrent
 requests."""
 
 from __future__ import annotations

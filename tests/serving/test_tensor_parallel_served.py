@@ -1,7 +1,7 @@
 """A tensor-parallel causal LM served by a real TorchServe in its torchrun mode
 (`parallelType: tp`, 2 ranks over gloo on this CPU): the package stage writes the settings,
 each rank's handler joins the process group and splits the layers, and the endpoint streams
-the greedy text lm_runtime gives offline, batching concurrent requests."""
+the greedy text causal_lm.runtime gives offline, batching concurrent requests."""
 
 from __future__ import annotations
 

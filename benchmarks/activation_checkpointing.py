@@ -27,9 +27,9 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def child(checkpointing: bool, batch: int, length: int, steps: int) -> dict:
     """Train `steps` steps in this process; its peak memory and median step time."""
-    from compress.algorithms.lm_distill import lm_loss, packed_examples
+    from compress.families.causal_lm.algorithms.distill import lm_loss, packed_examples
+    from compress.families.causal_lm.model import load_causal_lm
     from compress.measure.memory import peak_rss_mb
-    from compress.models.causal_lm import load_causal_lm
     from compress.recipe.kinds.finetune import FinetuneConfig
     from compress.train.loop import train
 

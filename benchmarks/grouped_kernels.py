@@ -1,4 +1,4 @@
-"""The grouped-weight kernel (serve/lm_grouped_kernels.cpp) alone, on SmolLM2-135M's shapes:
+"""The grouped-weight kernel (serve/causal_lm/grouped_kernels.cpp) alone, on SmolLM2-135M's shapes:
 every product of one decode step (30 layers x q, k, v, o, gate, up, down, and the output
 projection), at 8 and 4 bits, for 1, 2, 8 and 128 activation rows; per shape the median
 time and the GB/s of the records it reads; per row count the step's total, its GB/s and
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve.lm_grouped_kernels import build_error, grouped_mm_available  # noqa: E402
+from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available  # noqa: E402
 
 # (out, in, calls a step) of SmolLM2-135M: q, k, v, o, gate, up, down per layer; the head
 SHAPES = ((576, 576, 60), (192, 576, 60), (1536, 576, 60), (576, 1536, 30), (49152, 576, 1))

@@ -28,15 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compress.models.causal_lm import (  # noqa: E402
+from compress.families.causal_lm.model import (  # noqa: E402
     StaticDecoder,
     greedy_agreement,
     load_causal_lm,
     perplexity,
     quantize_weights,
 )
-from compress.stages.quantize_lm import activation_dtype  # noqa: E402
-from serve.lm_runtime import DTYPES, load_folder  # noqa: E402
+from compress.families.causal_lm.stages.quantize import activation_dtype  # noqa: E402
+from serve.causal_lm.runtime import DTYPES, load_folder  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",

@@ -46,7 +46,7 @@ DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers_llm.md"
 LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int4_grouped",
           "int4": "int4_weight_only"}
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
-MAX_LENGTH = 256  # perplexity's truncation (compress.models.causal_lm.perplexity)
+MAX_LENGTH = 256  # perplexity's truncation (compress.families.causal_lm.model.perplexity)
 
 
 def echo(text: str) -> None:  # progress goes to stderr; stdout has the table alone
@@ -59,7 +59,7 @@ def make_inputs(gguf: Path, args: argparse.Namespace, path: Path) -> dict[str, A
     ids (which the llama.cpp child checks against its own tokenizer); written to `path`."""
     from transformers import AutoTokenizer
 
-    from serve.lm_runtime import prompt_ids
+    from serve.causal_lm.runtime import prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     texts = sentences(args.ppl_texts)

@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.models.causal_lm import (
+from compress.families.causal_lm.model import (
     StaticDecoder,
     load_causal_lm,
     perplexity,
     quantize_weights,
 )
-from compress.stages.quantize_lm import activation_dtype
-from serve.lm_runtime import DTYPES, load_folder
+from compress.families.causal_lm.stages.quantize import activation_dtype
+from serve.causal_lm.runtime import DTYPES, load_folder
 
 FLOAT, INT4 = "float", "int4_weight_only"
 VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4)  # compress's rows: float, schemes

@@ -14,7 +14,7 @@ from typing import Any
 
 from peers_table import cell, ratio
 
-from compress.models.causal_lm import greedy_agreement
+from compress.families.causal_lm.model import greedy_agreement
 
 FLOAT = "compress float"  # the greedy-agreement reference
 # each compress row against llama.cpp on the file with comparable weights

@@ -74,7 +74,7 @@ def disconnects(info: dict, prompts: list[str], expected: dict[str, str], new: i
 
 def offline_texts(run: Path, prompts: list[str], new: int) -> dict[str, str]:
     """One process's greedy text of each prompt, from the run's exported folder."""
-    from serve import lm_runtime
+    from serve.causal_lm import runtime as lm_runtime
 
     folder = next(p.parent for p in sorted(run.glob("*/*/causal_lm.json")))
     lm = lm_runtime.load_folder(folder)

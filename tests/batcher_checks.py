@@ -7,8 +7,8 @@ import queue
 
 import torch
 
-from serve import lm_batcher
-from serve.lm_decode import Sampling, StaticDecoder
+from serve.causal_lm import batcher as lm_batcher
+from serve.causal_lm.decode import Sampling, StaticDecoder
 
 CACHE = 64
 

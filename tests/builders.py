@@ -137,7 +137,7 @@ def lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: in
 
 def saved_lm(source: Path, folder: Path) -> Path:
     """A causal LM folder as a stage saves it (causal_lm.json beside the HF files)."""
-    from compress.models.lm_folder import load_recipe_lm, save_lm
+    from compress.families.causal_lm.folder import load_recipe_lm, save_lm
 
     save_lm(load_recipe_lm(str(source)), folder)
     return folder

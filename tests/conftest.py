@@ -480,11 +480,11 @@ def _no_kernel_build_in_unit_tests(request, monkeypatch):
     if "unit" not in Path(str(request.node.fspath)).parts:
         yield
         return
-    from serve import lm_grouped_kernels
+    from serve.causal_lm import grouped_kernels
 
     monkeypatch.setenv("COMPRESS_NO_KERNELS", "1")
-    saved = dict(lm_grouped_kernels._state)
-    lm_grouped_kernels._state.clear()
+    saved = dict(grouped_kernels._state)
+    grouped_kernels._state.clear()
     yield
-    lm_grouped_kernels._state.clear()
-    lm_grouped_kernels._state.update(saved)
+    grouped_kernels._state.clear()
+    grouped_kernels._state.update(saved)

@@ -21,10 +21,10 @@ def save_model(bundle: ModelBundle, folder: Path) -> Path:
         from compress.models.graph_model import save_quantized
 
         return save_quantized(bundle, folder)
-    if bundle.kind == "causal-lm":
-        from compress.models.lm_folder import save_lm
+    if bundle.kind == "causal-lm":  # the family's own folder (compress.recipe.family_specs)
+        from compress.recipe.family_specs import part
 
-        return save_lm(bundle, folder)
+        return part("causal-lm", "folder").save_lm(bundle, folder)
     if bundle.structure is not None:
         (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
     if bundle.kind == "hf":
@@ -48,9 +48,9 @@ def load_saved(folder: Path) -> ModelBundle:
 
         return load_quantized(folder)
     if (folder / "causal_lm.json").is_file():
-        from compress.models.lm_folder import load_lm
+        from compress.recipe.family_specs import part
 
-        return load_lm(folder)
+        return part("causal-lm", "folder").load_lm(folder)
     structure_file = folder / STRUCTURE
     structure = json.loads(structure_file.read_text()) if structure_file.is_file() else None
     meta_file = folder / "model.json"

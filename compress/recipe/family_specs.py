@@ -1,8 +1,9 @@
 """Model families: how a kind of model loads, what data it takes and what is measured.
 
 A family is the stage spec idea one level up. Its traits live here (no torch import); its
-work lives in one module (`compress.families.classifier`, `compress.families.causal_lm`) that
-defines the same functions:
+work lives in its package, `compress.families.<family>/`, whose `family` module
+(`compress.families.classifier.family`, `compress.families.causal_lm.family`) defines the same
+functions:
 
 - `load_data(recipe, source) -> DataBundle`
 - `load_model(recipe, source, data) -> ModelBundle`
@@ -10,14 +11,19 @@ defines the same functions:
 - `latency(bundle, data, recipe) -> metrics` (the input model, re-timed beside a stage)
 - `compare(metrics, input_latency, input_metrics) -> metrics` (ratios and deltas)
 
-Stage kinds run on a family through their spec (`StageSpec.runners`), so the classifier
-code does not grow branches for other families.
+A family says how each stage kind runs on it (`Family.stages`: the package whose module
+named for the kind holds its `run`, imported when the stage runs; None: every kind through
+its own spec's runner, in `compress.stages`), so the shared code does not grow branches for
+other families. Lower layers (compress.models) reach a family's modules through `part` by
+the names in `Family.parts`, never by importing compress.families.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import dataclass, field
+from functools import cache
 from types import ModuleType
 from typing import Any
 
@@ -33,21 +39,29 @@ class Family:
     module: str  # where its functions live
     headline: tuple[str, ...]  # metrics of a stage's progress line, in order
     only_options: tuple[str, ...]  # recipe options no other family takes (dotted)
+    stages: str | None = None  # package of its stage runners: kind K runs on the family
+    # through `<stages>.K:run` where that module exists (else the family does not take K);
+    # None: every kind runs through its own StageSpec.runner (compress.stages)
+    parts: dict[str, str] = field(default_factory=dict)  # name -> module, for lower layers
 
+
+CAUSAL_LM = "compress.families.causal_lm"
 
 FAMILIES = {
     "classification": Family(
-        "classification", "a classifier", "compress.families.classifier",
+        "classification", "a classifier", "compress.families.classifier.family",
         ("accuracy", "accuracy_delta_vs_input", "macro_f1", "latency_ms_b1", "latency_ms_b8",
          "latency_ratio_b8", "size_mb", "sparsity"),
         ("model.num_labels", "data.label_column", "data.label_names",
          "data.holdout_fraction"),
     ),
     "causal-lm": Family(
-        "causal-lm", "a causal LM", "compress.families.causal_lm",
+        "causal-lm", "a causal LM", f"{CAUSAL_LM}.family",
         ("perplexity", "perplexity_delta_pct", "decode_tok_s_b1", "decode_speedup_b1",
          "ttft_ms", "agreement", "next_token_agreement", "size_mb"),
         ("data.prompts", "data.chat_template", "evaluation.generation"),
+        stages=f"{CAUSAL_LM}.stages",
+        parts={"folder": f"{CAUSAL_LM}.folder"},  # save_lm(bundle, folder), load_lm(folder)
     ),
 }
 
@@ -62,13 +76,28 @@ def functions(task: str) -> ModuleType:
     return importlib.import_module(FAMILIES[task].module)
 
 
+def part(task: str, name: str) -> ModuleType:
+    """The family's module `name` (`Family.parts`), for a lower layer that must not import
+    compress.families (imports torch)."""
+    return importlib.import_module(FAMILIES[task].parts[name])
+
+
 def runner_of(kind: str, task: str) -> str | None:
     """`module:function` that runs stage `kind` on a model of family `task` (None: the kind
     does not take that family)."""
     spec = spec_of(kind)
-    if task == "classification":
+    stages = FAMILIES[task].stages
+    if stages is None:
         return spec.runner
-    return spec.runners.get(task)
+    module = f"{stages}.{kind}"
+    return f"{module}:run" if _exists(module) else None
+
+
+@cache
+def _exists(module: str) -> bool:
+    """Whether `module` can be imported (found without running it: its packages' `__init__`
+    files only, which import nothing)."""
+    return importlib.util.find_spec(module) is not None
 
 
 def family_problems(recipe: Any, task: str) -> list[str]:

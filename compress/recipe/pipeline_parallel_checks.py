@@ -23,7 +23,7 @@ def split_problem(config: dict[str, Any], ranks: int) -> str | None:
 def _bfloat16_stage(recipe: Any, i: int) -> int | None:
     """The stage behind stage i's model that made it compute in bfloat16 (a bf16 cast, or a
     weight scheme with bfloat16 activations: `activations: auto` resolved as
-    compress.stages.quantize_lm.activation_dtype does), else None."""
+    compress.families.causal_lm.stages.quantize.activation_dtype does), else None."""
     from compress.recipe.chain import model_chain
     from compress.recipe.registry import bf16_cpu_present, spec_of
 

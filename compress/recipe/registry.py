@@ -41,6 +41,7 @@ class StageSpec:
     kind: str
     config: type[StrictModel]
     runner: str  # "module:function" with run(state, cfg, ctx) -> State, imported when it runs
+    # (the family-independent runner; a family may name its own: `Family.runners`)
     order: int  # position in listings (`compress stages`, the recipe schema)
     makes_model: bool = True  # False: a leaf; the next stage continues from the model before
     takes_model: bool = True  # False: it takes an earlier stage's file (see `input_stage`)
@@ -61,8 +62,6 @@ class StageSpec:
     needs: Callable[[Any], tuple[str, ...]] = _no_splits  # hardware the run needs ("cuda")
     export_formats: Callable[[Any], tuple[str, ...]] | None = None  # its output is an export
     # folder (`export_dir`) in one of these formats, which a package stage can archive
-    runners: dict[str, str] = field(default_factory=dict)  # model family (`model.task`) ->
-    # "module:function" for families other than classification (which `runner` runs)
     check_task: Callable[[Any, str, int], list[str]] | None = None  # (config, family, index)
     # -> problems: options that do not fit the model's family
     runner_code: dict[str, tuple[str, ...]] = field(default_factory=dict)  # family ->

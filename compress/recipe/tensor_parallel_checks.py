@@ -33,7 +33,7 @@ def split_problems(recipe: Any, i: int) -> list[str]:
 
 def split_fits_the_config(recipe: Any, i: int, config: dict[str, Any]) -> list[str]:
     """tensor_parallel divides the model's key-value heads and feed-forward neurons."""
-    from serve.lm_tensor_parallel import split_problem  # no torch import
+    from serve.causal_lm.tensor_parallel import split_problem  # no torch import
 
     ranks = getattr(recipe.stages[i], "tensor_parallel", None)
     if not ranks or "intermediate_size" not in config:

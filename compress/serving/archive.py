@@ -38,10 +38,12 @@ def model_config(batch_size: int, max_batch_delay_ms: int, workers: int,
 
 def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,
               config: dict[str, Any], summary: dict[str, Any], handler: Path = HANDLER,
-              modules: tuple[Path, ...] = ()) -> Path:
+              modules: tuple[Path, ...] = (), trees: tuple[Path, ...] = ()) -> Path:
     """Write `<out_dir>/<model_name>.mar` (complete or not at all) and return its path:
-    the export folder's files, `handler`, the modules every handler imports and the
-    `modules` this one imports too."""
+    the export folder's files, `handler`, the modules every handler imports, the
+    `modules` this one imports too and the contents of each of `trees` (a family's package:
+    torch-model-archiver copies a folder's contents to the archive's root, sub-folders
+    whole)."""
     meta = json.loads((export_dir / "export.json").read_text())
     serialized = export_dir / meta["file"]
     staging = out_dir / ".mar.tmp"
@@ -52,7 +54,7 @@ def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,
         config_file = staging / "model-config.yaml"
         config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         extra = [p for p in sorted(export_dir.iterdir()) if p.is_file() and p != serialized]
-        extra += [*HANDLER_MODULES, *modules, staging / "compress.json"]
+        extra += [*HANDLER_MODULES, *modules, *trees, staging / "compress.json"]
         if meta.get("label_names"):
             labels = {str(i): name for i, name in enumerate(meta["label_names"])}
             (staging / "index_to_name.json").write_text(json.dumps(labels, indent=2))

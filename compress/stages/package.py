@@ -26,10 +26,11 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
 def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[str, Any],
             handler_file: Path = HANDLER, modules: tuple[Path, ...] = (),
             served_metrics: tuple[str, ...] = SERVED_METRICS,
-            settings: dict[str, Any] | None = None) -> State:
+            settings: dict[str, Any] | None = None, trees: tuple[Path, ...] = ()) -> State:
     """Build `<model_name>.mar` of the export entering the stage with `handler_file` (and
-    the `modules` it imports), its settings in model-config.yaml's `handler:` section (and
-    `settings`, more top-level TorchServe keys)."""
+    the `modules` it imports, and `trees`: folders whose contents go to the archive's root),
+    its settings in model-config.yaml's `handler:` section (and `settings`, more top-level
+    TorchServe keys)."""
     export = state.source
     export_dir = ctx.run_dir / export.outputs[0].export_dir
     name = cfg.model_name or ctx.recipe.name
@@ -44,7 +45,7 @@ def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[s
     began = time.perf_counter()
     try:
         path = build_mar(export_dir, ctx.folder, name, cfg.version, config, summary,
-                         handler_file, modules)
+                         handler_file, modules, trees)
     except RuntimeError as exc:
         raise CompressError(str(exc)) from None
     served_format = export.outputs[0].format

@@ -12,11 +12,11 @@ from batcher_checks import rows_joining_at_any_step_decode_their_tokens_alone, v
 from builders import q4_1, q8_0
 from torch import nn
 
-from compress.models.causal_lm import StaticDecoder
-from serve import lm_grouped as grouped
-from serve.lm_grouped_kernels import build_error
-from serve.lm_runtime import StaticDecoder as RuntimeDecoder
-from serve.lm_runtime import quantize_weights
+from compress.families.causal_lm.model import StaticDecoder
+from serve.causal_lm import grouped
+from serve.causal_lm.grouped_kernels import build_error
+from serve.causal_lm.runtime import StaticDecoder as RuntimeDecoder
+from serve.causal_lm.runtime import quantize_weights
 
 
 def test_static_decoder_matches_generate_eager_and_compiled(tiny_llama) -> None:

@@ -12,10 +12,10 @@ import torch
 from conftest import REPO
 from torch import nn
 
-from serve import lm_grouped as grouped
+from serve.causal_lm import grouped
 
 sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/peers_llm_child.py
-from serve.lm_grouped_kernels import build_error, grouped_mm_available
+from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
 
 
 def test_the_kernel_is_built_here() -> None:
@@ -47,7 +47,7 @@ def test_int8_grouped_weights_count_the_kernel_records() -> None:
     import peers_llm_child as child
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from serve.lm_runtime import quantize_weights
+    from serve.causal_lm.runtime import quantize_weights
 
     torch.manual_seed(0)  # 1 layer, 32 wide, 64 in the MLP, 300 tokens, the table tied
     tiny = LlamaForCausalLM(LlamaConfig(

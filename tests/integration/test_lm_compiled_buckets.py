@@ -14,9 +14,9 @@ pytest.importorskip("ts")
 from builders import handler_batch, saved_lm  # noqa: E402
 from ts.context import Context  # noqa: E402
 
-from compress.stages.export_lm import export_lm  # noqa: E402
-from serve import lm_runtime  # noqa: E402
-from serve.lm_handler import CausalLMHandler  # noqa: E402
+from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.handler import CausalLMHandler  # noqa: E402
 
 
 def _architecture(kind: str, folder: Path) -> Path:
@@ -58,7 +58,7 @@ def test_compiled_buckets_each_decode_generates_greedy_tokens(kind, tmp_path) ->
     import torch
 
     from compress.models.bundle import ModelBundle
-    from serve.lm_runtime import load_folder
+    from serve.causal_lm.runtime import load_folder
 
     lm = load_folder(saved_lm(_architecture(kind, tmp_path / "hf"), tmp_path / "saved"))
     export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts),

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import write_recipe
 
-from compress.algorithms.lm_distill import drop_layers, pack_texts, recovery
-from compress.models.causal_lm import StaticDecoder
+from compress.families.causal_lm.algorithms.distill import drop_layers, pack_texts, recovery
+from compress.families.causal_lm.model import StaticDecoder
 from compress.models.folders import load_saved
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
@@ -111,7 +111,7 @@ def test_quantization_aware_distillation_leaves_the_student_on_the_int4_grid(
         tmp_path, tiny_llama_folder) -> None:
     from torch import nn
 
-    from compress.algorithms.lm_qat import fake_quantize
+    from compress.families.causal_lm.algorithms.qat import fake_quantize
 
     grid = {"scheme": "int4_weight_only", "group_size": 32}
     run_dir = _run_tiny(tmp_path, tiny_llama_folder, 600, [

@@ -20,7 +20,7 @@ from conftest import cli, import_alone, write_recipe
 from compress.pipeline.loop import run_recipe
 from compress.recipe.kinds.quantize import WEIGHT_SCHEMES
 from compress.recipe.schema import load_recipe
-from serve import lm_runtime
+from serve.causal_lm import runtime as lm_runtime
 
 SST2 = "stanfordnlp/sst2"
 PROMPTS = ["the film was", "a much longer prompt about a movie that goes on and on", "hi",
@@ -112,14 +112,18 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     assert abs(metrics["perplexity"] - quant["metrics"]["perplexity"]) < 1e-6 * metrics[
         "perplexity"]  # the exported model measured again: the same int8 model
     folder = run_dir / export["outputs"][0]["export_dir"]
-    names = {p.name for p in folder.iterdir()}
-    assert {"model.pt", "config.json", "causal_lm.json", "lm_runtime.py", "lm_decode.py",
-            "lm_attention.py", "lm_grouped.py", "lm_grouped_kernels.py",
-            "lm_grouped_kernels.cpp", "export.json", "parity.json", "tokenizer.json"} <= names
+    names = {str(p.relative_to(folder)) for p in folder.rglob("*")}
+    assert {"model.pt", "config.json", "causal_lm.json", "causal_lm/__init__.py",
+            "causal_lm/runtime.py", "causal_lm/decode.py", "causal_lm/attention.py",
+            "causal_lm/grouped.py", "causal_lm/grouped_kernels.py",
+            "causal_lm/grouped_kernels.cpp", "export.json", "parity.json",
+            "tokenizer.json"} <= names
+    assert not any(n.endswith(("requests.py", "openai.py")) for n in names)  # handler side
     assert json.loads((folder / "parity.json").read_text())["parity_first_difference"] is None
 
-    # the folder decodes without compress: a fresh interpreter imports its lm_runtime.py
-    script = ("import json, sys; sys.path.insert(0, sys.argv[1]); import lm_runtime; "
+    # the folder decodes without compress: a fresh interpreter imports its causal_lm.runtime
+    script = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+              "import causal_lm.runtime as lm_runtime; "
               "lm = lm_runtime.load_folder(sys.argv[1]); "
               "ids = lm_runtime.prompt_ids(lm.tokenizer, sys.argv[2], False); "
               "out = lm_runtime.StaticDecoder(lm.model, 64).generate([ids], 8); "
@@ -139,10 +143,15 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     with zipfile.ZipFile(mar) as archive:
         inside = set(archive.namelist())
         config = yaml.safe_load(archive.read("model-config.yaml"))
-    assert {"lm_handler.py", "lm_runtime.py", "lm_decode.py", "lm_attention.py",
-            "lm_grouped.py", "lm_grouped_kernels.py", "lm_grouped_kernels.cpp", "lm_requests.py",
-            "lm_replies.py", "lm_pipeline.py",
-            "model.pt", "causal_lm.json", "tokenizer.json"} <= inside
+    package = {f"causal_lm/{name}" for name in (
+        "__init__.py", "handler.py", "runtime.py", "decode.py", "attention.py", "grouped.py",
+        "grouped_kernels.py", "grouped_kernels.cpp", "requests.py", "replies.py", "openai.py",
+        "batcher.py", "rows.py", "buckets.py", "pipeline.py")}
+    assert package | {"generation_handler.py", "handler_metrics.py", "http_answers.py",
+                      "worker_threads.py", "model.pt", "causal_lm.json",
+                      "tokenizer.json"} <= inside
+    # the family's modules stay in their package: nothing flat shadows `requests` or `openai`
+    assert {"requests.py", "openai.py", "runtime.py"}.isdisjoint(inside)
     assert "index_to_name.json" not in inside
     # continuous batching: TorchServe passes each request on as it comes (batchSize 1) to
     # the handler's 4 rows
@@ -155,7 +164,7 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     with zipfile.ZipFile(mar) as archive:
         archive.extractall(tmp_path / "unpacked")
     reach, project, _ = import_alone(tmp_path / "unpacked",
-                                     "lm_handler, lm_runtime, worker_threads")
+                                     "generation_handler, causal_lm.runtime, worker_threads")
     assert reach == [] and project == []
 
 
@@ -197,7 +206,7 @@ def test_a_causal_lm_export_on_a_classifier_is_one_line(
 def test_an_export_that_decodes_differently_fails_the_stage(
         tmp_path, varied_llama_folder, monkeypatch) -> None:
     from compress.errors import StageError
-    from compress.stages import export_lm
+    from compress.families.causal_lm.stages import export as export_lm
 
     load = lm_runtime.load_folder
 

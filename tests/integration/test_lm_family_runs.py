@@ -11,7 +11,7 @@ import torch
 from builders import SST2, lm_recipe
 from conftest import cli, write_recipe
 
-from compress.models.causal_lm import quantize_weights
+from compress.families.causal_lm.model import quantize_weights
 from compress.models.folders import load_saved
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
@@ -126,7 +126,7 @@ def test_a_weight_scheme_on_a_classifier_and_labels_on_a_causal_lm_are_refused(
 
 def test_prompts_come_from_a_file_through_the_chat_template(tmp_path) -> None:
     from compress.errors import UserError
-    from compress.families.causal_lm import read_prompts
+    from compress.families.causal_lm.family import read_prompts
 
     (tmp_path / "p.txt").write_text("Name a colour.\n\nWhat is 2 + 2?\n")
     assert read_prompts(str(tmp_path / "p.txt")) == ["Name a colour.", "What is 2 + 2?"]

@@ -1,4 +1,4 @@
-"""Sampling on a tensor-parallel causal LM (serve/lm_tensor_parallel.py), two gloo ranks
+"""Sampling on a tensor-parallel causal LM (serve/causal_lm/tensor_parallel.py), two gloo ranks
 spawned here (no torchrun, no server): `shared_seeds` gives every rank rank 0's seeds, a seed
 drawn there for each row without one, so the ranks sample the same tokens, as the served
 handler's batch path needs (each rank feeds its own token back into the collectives); and
@@ -26,8 +26,8 @@ def _rank(rank: int, port: int, folder: str, out: str, share: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaForCausalLM
 
-    from serve import lm_tensor_parallel
-    from serve.lm_decode import Sampling, StaticDecoder
+    from serve.causal_lm import tensor_parallel as lm_tensor_parallel
+    from serve.causal_lm.decode import Sampling, StaticDecoder
 
     torch.set_num_threads(1)
     random.seed(rank)  # each rank would draw its own seeds

@@ -1,7 +1,7 @@
 """A real server, TorchServe and then LitServe (the `engine` fixture), serving the tiny
 random Llama's .mar (export `format: transformers`, then package): tokens stream as they
 are generated, 8 concurrent requests are batched and answer the greedy text that
-lm_runtime gives offline, a bad request in a batch gets the only 400, and `compress serve`
+causal_lm.runtime gives offline, a bad request in a batch gets the only 400, and `compress serve`
 / `compress loadtest` work on the run folder."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from conftest import packaged_lm_run, run_cli
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve import lm_runtime  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
 
 pytestmark = pytest.mark.serving
 
@@ -195,7 +195,7 @@ def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline, engine
 
     if engine == "torchserve":
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "TorchServe 0.12 never tells a worker that a client left (serve/lm_replies.py): "
+            "TorchServe 0.12 never tells a worker that a client left (serve/causal_lm/replies.py): "
             "its rows decode to max_new_tokens")))
     parts = urlsplit(served["url"])
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {served['token']}"}

@@ -1,7 +1,7 @@
 """A pipeline-parallel causal LM served by a real TorchServe in its torchrun mode
 (`parallelType: pp`, 2 ranks over gloo on this CPU): the package stage writes the settings,
 each rank's handler joins the process group and keeps its pipeline stage, and the endpoint
-streams the greedy text lm_runtime gives offline in one process, batching concurrent
+streams the greedy text causal_lm.runtime gives offline in one process, batching concurrent
 requests."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import packaged_lm_run
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve import lm_runtime  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
 
 pytestmark = [pytest.mark.serving,
               pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
@@ -39,7 +39,8 @@ def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
     mar = next((pp_run / "01-package").glob("*.mar"))
     with zipfile.ZipFile(mar) as archive:
         config = yaml.safe_load(archive.read("model-config.yaml"))
-        assert {"lm_pipeline.py", "lm_pipeline_parallel.py"} <= set(archive.namelist())
+        inside = set(archive.namelist())
+        assert {"causal_lm/pipeline.py", "causal_lm/pipeline_parallel.py"} <= inside
     assert config["parallelType"] == "pp" and config["torchrun"] == {"nproc-per-node": 2}
     assert config["handler"]["compile"] == "none"
     assert "asyncCommunication" not in config  # the synchronous batch path

@@ -1,7 +1,7 @@
 """A tensor-parallel causal LM served by a real TorchServe in its torchrun mode
 (`parallelType: tp`, 2 ranks over gloo on this CPU): the package stage writes the settings,
 each rank's handler joins the process group and splits the layers, and the endpoint streams
-the greedy text lm_runtime gives offline, batching concurrent requests."""
+the greedy text causal_lm.runtime gives offline, batching concurrent requests."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from conftest import packaged_lm_run
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve import lm_runtime  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
 
 pytestmark = [pytest.mark.serving,
               pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
@@ -38,7 +38,7 @@ def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(
     mar = next((tp_run / "01-package").glob("*.mar"))
     with zipfile.ZipFile(mar) as archive:
         config = yaml.safe_load(archive.read("model-config.yaml"))
-        assert "lm_tensor_parallel.py" in archive.namelist()
+        assert "causal_lm/tensor_parallel.py" in archive.namelist()
     assert config["parallelType"] == "tp" and config["torchrun"] == {"nproc-per-node": 2}
     assert config["handler"]["compile"] == "none"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.models.causal_lm import (
+from compress.families.causal_lm.model import (
     greedy_agreement,
     perplexity,
 )
@@ -57,7 +57,7 @@ def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
     first `len(decode_window)` positions changes nothing when the rest are masked."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from serve.lm_attention import decode_attention
+    from serve.causal_lm.attention import decode_attention
 
     torch.manual_seed(0)
     rows, heads, groups, length, dim = 2, 6, 2, 16, 8
@@ -83,7 +83,11 @@ def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
 def test_agreement_tells_near_ties_from_decisive_steps() -> None:
     """A model that differs from the reference only where the reference nearly tied keeps
     its decisive agreement at 1.0, and the margin where it left the reference is small."""
-    from compress.measure.generation import agreement, first_difference, reference_margins
+    from compress.families.causal_lm.generation import (
+        agreement,
+        first_difference,
+        reference_margins,
+    )
 
     class Table(torch.nn.Module):  # next-token logits from a fixed table of the last token
         def __init__(self, table: torch.Tensor) -> None:

@@ -78,7 +78,20 @@ def test_the_layer_contracts_hold() -> None:
     done = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "0 broken" in done.stdout and "2 kept" in done.stdout
+    assert "0 broken" in done.stdout and "3 kept" in done.stdout
+
+
+def test_a_family_is_one_package_not_affixed_modules() -> None:
+    """A family's code lives in its package (compress/families/<family>/, serve/<family>/):
+    no module or package is named with an `lm_` prefix or an `_lm` suffix beside shared ones
+    (the family's own name, `causal_lm`, names its packages)."""
+    named = [p.relative_to(REPO) for top in ("compress", "serve", "export")
+             for p in (REPO / top).rglob("*") if "__pycache__" not in p.parts
+             and (p.is_dir() or p.suffix in (".py", ".cpp"))]
+    assert len(named) > 100
+    affixed = [str(p) for p in named if p.stem != "causal_lm"
+               and (p.stem.startswith("lm_") or p.stem.endswith("_lm"))]
+    assert affixed == []
 
 
 def test_no_sub_package_shadows_a_name_of_the_python_api() -> None:

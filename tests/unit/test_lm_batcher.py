@@ -1,4 +1,4 @@
-"""Continuous batching (serve/lm_batcher.py) on a tiny random Llama: rows that join a running
+"""Continuous batching (serve/causal_lm/batcher.py) on a tiny random Llama: rows that join a running
 decode, at any step, with prompts of any lengths, through cursor moves left and right, decode
 the tokens each prompt gets alone; cancelled rows free their slots; a seeded sample is the
 same as alone."""
@@ -18,8 +18,8 @@ from batcher_checks import (
     varied_model,
 )
 
-from serve import lm_batcher
-from serve.lm_decode import Sampling
+from serve.causal_lm import batcher as lm_batcher
+from serve.causal_lm.decode import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_a_request_longer_than_the_cache_is_refused(model) -> None:
 def test_a_top_p_below_float32s_least_picks_the_likeliest_token() -> None:
     """Found by fuzzing the served routes: top_p 1e-300 (0 in float32) kept no token and
     multinomial failed the whole decode."""
-    from serve.lm_decode import pick_tokens
+    from serve.causal_lm.decode import pick_tokens
 
     logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(0))
     picked = pick_tokens(logits, [Sampling(10.0, 1e-300, 0), None],

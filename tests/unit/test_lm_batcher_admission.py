@@ -1,4 +1,4 @@
-"""Which waiting row the continuous batch admits (serve/lm_batcher.py): the first that fits,
+"""Which waiting row the continuous batch admits (serve/causal_lm/batcher.py): the first that fits,
 so a small request does not wait behind a large one while a slot is free; and the oldest
 once it has waited `patience` steps, so a large one is not starved by a stream of small
 ones. Each prompt's tokens are the ones it gets alone."""

@@ -46,10 +46,10 @@ def batch_handler(varied_llama_folder, tmp_path_factory):
     from builders import saved_lm
     from ts.context import Context
 
+    from compress.families.causal_lm.stages.export import export_lm
     from compress.models.bundle import ModelBundle
-    from compress.stages.export_lm import export_lm
-    from serve.lm_handler import CausalLMHandler
-    from serve.lm_runtime import load_folder
+    from serve.causal_lm.handler import CausalLMHandler
+    from serve.causal_lm.runtime import load_folder
 
     folder = tmp_path_factory.mktemp("lm_export") / "transformers"
     lm = load_folder(saved_lm(varied_llama_folder, tmp_path_factory.mktemp("saved")))

@@ -1,4 +1,4 @@
-"""How each row of the continuous batch ends (serve/lm_batcher.py), on the tiny varied Llama
+"""How each row of the continuous batch ends (serve/causal_lm/batcher.py), on the tiny varied Llama
 with uncompiled decoders: at an end token, at max_new_tokens, with an error for its own
 prefill alone, with an error for every row when the shared step fails (and the batcher
 serves on), when cancelled in any state, or refused when the waiting queue is full. A gate
@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from serve import lm_batcher
-from serve.lm_decode import StaticDecoder
+from serve.causal_lm import batcher as lm_batcher
+from serve.causal_lm.decode import StaticDecoder
 
 CACHE = 64
 
@@ -264,7 +264,7 @@ def test_a_slot_freed_inside_the_bucket_never_poisons_the_next_row(model) -> Non
     position: attention over nothing is NaN, written into the cache, and the row placed in
     that slot later read it (0 x NaN) and decoded token 0 from then on. Driven step by step
     on this thread, so every state is reached on purpose."""
-    from serve.lm_attention import attention
+    from serve.causal_lm.attention import attention
 
     batcher = make_batcher(model, own_thread=False)
     rows: dict[str, tuple[list[int], int, Collect]] = {}

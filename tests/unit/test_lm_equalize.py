@@ -1,4 +1,5 @@
-"""Activation-aware scaling before int4 (compress.algorithms.lm_equalize) on a tiny random Llama."""
+"""Activation-aware scaling before int4 (compress.families.causal_lm.algorithms.equalize) on a
+tiny random Llama."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from compress.algorithms import lm_equalize
+from compress.families.causal_lm.algorithms import equalize as lm_equalize
 
 
 def _llama_with_an_outlier_channel() -> LlamaForCausalLM:

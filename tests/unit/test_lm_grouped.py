@@ -1,5 +1,5 @@
-"""The grouped weight schemes (serve/lm_grouped.py, int8_grouped and int4_grouped) and their
-kernel (serve/lm_grouped_kernels.cpp) on random weights and a tiny random Llama whose
+"""The grouped weight schemes (serve/causal_lm/grouped.py, int8_grouped and int4_grouped) and their
+kernel (serve/causal_lm/grouped_kernels.cpp) on random weights and a tiny random Llama whose
 weights sit on a GGUF's grids (Q4_1 body, Q8_0 head), as SmolLM2's do."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from builders import lm_recipe, q4_1, q8_0
 from conftest import cli
 from torch import nn
 
-from compress.algorithms import lm_qat
+from compress.families.causal_lm.algorithms import qat as lm_qat
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from serve import lm_grouped as grouped
+from serve.causal_lm import grouped
 
 
 def test_weights_on_a_gguf_grid_are_kept_and_others_rounded_within_half_a_step() -> None:

@@ -14,17 +14,18 @@ pytest.importorskip("ts")
 from builders import handler_batch, saved_lm  # noqa: E402
 from ts.context import Context  # noqa: E402
 
-from compress.models.lm_folder import load_lm  # noqa: E402
-from compress.stages.export_lm import export_lm  # noqa: E402
-from serve import lm_requests, lm_runtime  # noqa: E402
-from serve.lm_batcher import buckets, fitting_groups  # noqa: E402
-from serve.lm_handler import CausalLMHandler  # noqa: E402
+from compress.families.causal_lm.folder import load_lm  # noqa: E402
+from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
+from serve.causal_lm import requests as lm_requests  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.batcher import buckets, fitting_groups  # noqa: E402
+from serve.causal_lm.handler import CausalLMHandler  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def handler(varied_llama_folder, tmp_path_factory) -> CausalLMHandler:
     from compress.models.bundle import ModelBundle
-    from serve.lm_runtime import load_folder
+    from serve.causal_lm.runtime import load_folder
 
     folder = tmp_path_factory.mktemp("lm_export") / "transformers"
     lm = load_folder(saved_lm(varied_llama_folder, tmp_path_factory.mktemp("saved")))

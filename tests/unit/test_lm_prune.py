@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from builders import lm_recipe
 
-from compress.algorithms.lm_pruning import prune_kv_groups, prune_lm
+from compress.families.causal_lm.algorithms.pruning import prune_kv_groups, prune_lm
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
 

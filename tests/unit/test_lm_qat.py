@@ -1,5 +1,5 @@
-"""Quantization-aware training of a causal LM (compress.algorithms.lm_qat and `quantize`
-mode qat)."""
+"""Quantization-aware training of a causal LM (compress.families.causal_lm.algorithms.qat and
+`quantize` mode qat)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 from builders import lm_recipe
 from torch import nn
 
-from compress.algorithms import lm_qat
+from compress.families.causal_lm.algorithms import qat as lm_qat
 from compress.models.folders import load_saved
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from serve.lm_runtime import head_scheme_of, weight_config
+from serve.causal_lm.runtime import head_scheme_of, weight_config
 
 
 def _dequantized(weight: torch.Tensor, scheme: str) -> torch.Tensor:

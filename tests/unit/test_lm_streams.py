@@ -1,6 +1,6 @@
-"""What a served LM streams (serve/lm_requests.TextStream, serve/lm_replies): the deltas add
-up to the final text however generation ends, and an error after the first chunk is framed
-as its stream's own kind of message."""
+"""What a served LM streams (serve/causal_lm/requests.TextStream, serve/causal_lm/replies): the
+deltas add up to the final text however generation ends, and an error after the first chunk is
+framed as its stream's own kind of message."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from serve import lm_openai, lm_requests
+from serve.causal_lm import openai as lm_openai
+from serve.causal_lm import requests as lm_requests
 
 
 class Bytes:
@@ -50,7 +51,7 @@ def test_a_flush_after_the_end_sends_nothing_twice() -> None:
 def test_an_error_after_the_first_chunk_is_framed_for_its_stream(openai) -> None:
     from ts.context import Context, RequestProcessor
 
-    from serve import lm_replies
+    from serve.causal_lm import replies as lm_replies
 
     context = Context("tiny_lm", "", {}, 1, None, "0.12.0")
     context.request_processor = [RequestProcessor({})]

@@ -20,7 +20,7 @@ from compress.errors import UserError
 from compress.runfolder import files
 from compress.runfolder.records import Manifest, StageRecord, artifact_record, write_manifest
 from compress.serving import serve_folder, server
-from serve import lm_requests
+from serve.causal_lm import requests as lm_requests
 
 
 def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:

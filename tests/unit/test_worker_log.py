@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.serving.worker_log import PROGRESS, WorkerLog
-from serve import handler, lm_handler
+from serve import handler
+from serve.causal_lm import handler as lm_handler
 
 
 def _lines(worker: str, *messages: str, stream: str = "stdout") -> str:

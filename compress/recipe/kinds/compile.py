@@ -38,5 +38,5 @@ def _check_task(cfg: CompileConfig, task: str, index: int) -> list[str]:
 SPEC = register(StageSpec(
     kind="compile", config=CompileConfig, runner="compress.stages.compile:run", order=50,
     runtime=lambda config, metrics: "torch.compile", reload="compress.stages.compile:reload",
-    runners={"causal-lm": "compress.stages.compile_lm:run"}, check_task=_check_task,
+    check_task=_check_task,
 ))

@@ -148,5 +148,5 @@ SPEC = register(StageSpec(
     kind="distill", config=DistillConfig, runner="compress.stages.distill:run", order=20,
     data_parallel=True, splits=lambda cfg: ("train",), refused_before=("quantize",),
     check=_after_structured_prune, check_model=_teacher_has_the_layers, runtime=_runtime,
-    runners={"causal-lm": "compress.stages.distill_lm:run"}, check_task=_check_task,
+    check_task=_check_task,
 ))

@@ -41,7 +41,7 @@ class ExportConfig(StrictModel):
     format: Literal["torchscript", "onnx", "aoti", "tensorrt", "transformers"] = Field(
         description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package), "
         "tensorrt (torch-tensorrt, CUDA only); causal LMs: transformers (the model folder "
-        "that plain transformers + torchao load, with lm_runtime.py to decode it).")
+        "that plain transformers + torchao load, with causal_lm/runtime.py to decode it).")
     source: str | int | None = Field(
         None, description="Export the model of this earlier stage (name, kind or index) "
         "instead of the current one.")
@@ -82,13 +82,15 @@ class ExportConfig(StrictModel):
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
     tensor_parallel: int | None = Field(
         None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
-        "across N torchrun processes (torch DTensor tensor parallelism; lm_tensor_parallel.py "
-        "in the folder) and check its logits against one process (tolerance, default 1e-4).")
+        "across N torchrun processes (torch DTensor tensor parallelism; "
+        "causal_lm/tensor_parallel.py in the folder) and check its logits against one process "
+        "(tolerance, default 1e-4).")
     pipeline_parallel: int | None = Field(
         None, ge=2, le=64, description="Causal LMs: also cut the model's decoder layers into "
         "N pipeline stages on N torchrun processes (torch.distributed.pipelining, GPipe "
-        "micro-batches; lm_pipeline_parallel.py in the folder), check its logits against one "
-        "process (tolerance, default 1e-4) and its greedy tokens (min_agreement), and record "
+        "micro-batches; causal_lm/pipeline_parallel.py in the folder), check its logits "
+        "against one process (tolerance, default 1e-4) and its greedy tokens (min_agreement), "
+        "and record "
         "each rank's weight bytes and tokens/s at batch 8 with 1, 2 and 4 micro-batches.")
     oversubscribe: bool = Field(
         False, description="tensor_parallel, pipeline_parallel: allow more processes than "
@@ -178,7 +180,7 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
         return []
     if cfg.format != LM_FORMAT:
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
-                f"LM exports with format: {LM_FORMAT} (its folder with lm_runtime.py, which "
+                f"LM exports with format: {LM_FORMAT} (its folder with causal_lm/runtime.py, which "
                 "decodes it with torch, transformers and torchao alone)"]
     return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
             "greedy token agreement on the prompts (min_agreement, parity_samples)"
@@ -196,8 +198,7 @@ SPEC = register(StageSpec(
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
-    runners={"causal-lm": "compress.stages.export_lm:run"}, check_task=_check_task,
-    runner_code={"causal-lm": ("serve.lm_runtime", "serve.lm_decode", "serve.lm_attention",
-                               "serve.lm_tensor_parallel", "serve.lm_pipeline",
-                               "serve.lm_pipeline_parallel")},
+    check_task=_check_task,
+    runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
+        "runtime", "decode", "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
 ))

@@ -19,5 +19,5 @@ class FinetuneConfig(TrainOptions):
 SPEC = register(StageSpec(
     kind="finetune", config=FinetuneConfig, runner="compress.stages.finetune:run", order=10,
     data_parallel=True, reference=True, splits=lambda cfg: ("train",),
-    refused_before=("quantize",), runners={"causal-lm": "compress.stages.finetune_lm:run"},
+    refused_before=("quantize",),
 ))

@@ -156,9 +156,8 @@ SPEC = register(StageSpec(
                              + split_problems(recipe, i) + pipeline_problems(recipe, i)),
     check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
                                            + stages_fit_the_config(recipe, i, config)),
-    runners={"causal-lm": "compress.stages.package_lm:run"}, check_task=_check_task,
-    runner_code={"causal-lm": ("serve.lm_handler", "serve.lm_requests", "serve.lm_replies",
-                                "serve.lm_runtime", "serve.lm_decode", "serve.lm_attention",
-                                "serve.lm_tensor_parallel", "serve.lm_pipeline",
-                                "serve.lm_pipeline_parallel")},
+    check_task=_check_task,
+    runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
+        "handler", "requests", "replies", "openai", "batcher", "rows", "buckets", "runtime",
+        "decode", "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
 ))

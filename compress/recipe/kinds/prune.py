@@ -66,6 +66,5 @@ def _check_task(cfg: PruneConfig, task: str, index: int) -> list[str]:
 SPEC = register(StageSpec(
     kind="prune", config=PruneConfig, runner="compress.stages.prune:run", order=30,
     splits=lambda cfg: ("train",) if cfg.recovery else (), refused_before=("quantize",),
-    runtime=_runtime, runners={"causal-lm": "compress.stages.prune_lm:run"},
-    check_task=_check_task,
+    runtime=_runtime, check_task=_check_task,
 ))

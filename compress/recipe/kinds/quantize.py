@@ -27,7 +27,7 @@ class QuantizeConfig(StrictModel):
         None, description="Causal LMs: weight scheme. torchao's: int8 or int4 weights with "
         "float activations, or int8 weights and per-token int8 activations; compress's "
         "int8_grouped: int8 weights with a float32 scale and offset per group of "
-        "`group_size` inputs and float32 activations (serve/lm_grouped.py), which "
+        "`group_size` inputs and float32 activations (serve/causal_lm/grouped.py), which "
         "keeps greedy tokens where bfloat16 activations flip near-ties; int4_grouped: the "
         "same with 4-bit codes on 16 affine levels per 32 inputs (a GGUF's Q4_1 exactly).")
     group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
@@ -115,5 +115,5 @@ SPEC = register(StageSpec(
     kind="quantize", config=QuantizeConfig, runner="compress.stages.quantize:run", order=40,
     splits=_splits, refused_before=("quantize", "precision"), precision=_precision,
     runtime=_runtime, reload="compress.stages.quantize:reload",
-    runners={"causal-lm": "compress.stages.quantize_lm:run"}, check_task=_check_task,
+    check_task=_check_task,
 ))

@@ -1,0 +1,81 @@
+"""`tensor_parallel: N` on a causal-LM export: torchrun runs the folder's own
+`causal_lm.tensor_parallel` on N processes (gloo on CPU, NCCL on GPUs), which splits the decoder
+layers with torch's DTensor tensor parallelism and compares them with the unsplit model in one
+process: logits on the prompts (within `tolerance`, default 1e-4, in float32), greedy
+tokens, the linear-weight bytes each rank holds, and decode tokens/s of both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from compress.distributed.launch import TORCHRUN_ENV
+from compress.errors import CompressError, ParityError
+from compress.recipe.kinds.export import ExportConfig
+from compress.stages.context import StageContext
+from serve.causal_lm.tensor_parallel import split_problem
+
+DEFAULT_TOLERANCE = 1e-4
+TIMEOUT_S = 1800
+
+
+def run_comparison_script(folder: Path, module: str, kind: str, ranks: int,
+                          prompts: list[Any], ctx: StageContext) -> dict[str, Any]:
+    """The figures of the folder's comparison `module` (causal_lm.tensor_parallel or
+    causal_lm.pipeline_parallel) under torchrun on `ranks` processes, run in the folder (its
+    package first on the path), written to the stage folder's `<kind>.json` with their token
+    lists left out."""
+    folder = folder.resolve()
+    prompt_file = (ctx.folder / f"{kind}_prompts.json").resolve()
+    out = (ctx.folder / f"{kind}.json").resolve()
+    prompt_file.write_text(json.dumps(prompts))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(ranks), "-m", module, str(folder),
+               "--prompts", str(prompt_file), "--out", str(out),
+               "--max-new-tokens", str(ctx.recipe.evaluation.generation.max_new_tokens)]
+    if not ctx.recipe.data.chat_template:
+        command.append("--no-chat-template")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+           **TORCHRUN_ENV}
+    what = kind.replace("_", " ")
+    ctx.log(f"{ctx.name}: {what}: torchrun on {ranks} processes")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=folder,
+                          timeout=TIMEOUT_S, check=False)
+    if done.returncode or not out.is_file():
+        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["?"]
+        raise CompressError(f"{what.replace(' ', '-')} check failed on {ranks} processes: "
+                            f"{last[0][:240]}")
+    figures = {k: v for k, v in json.loads(out.read_text()).items()
+               if not k.startswith("tokens")}
+    out.write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
+                          ctx: StageContext) -> dict[str, Any]:
+    """Run the tensor-parallel comparison on the exported folder; record and check it."""
+    ranks = int(cfg.tensor_parallel or 0)
+    problem = split_problem(json.loads((folder / "config.json").read_text()), ranks)
+    if problem:  # a GGUF source has no config.json to check before the run
+        raise CompressError(problem)
+    figures = run_comparison_script(folder, "causal_lm.tensor_parallel", "tensor_parallel", ranks,
+                                    prompts, ctx)
+    held = figures["linear_weight_bytes_per_rank"]
+    whole = figures["linear_weight_bytes_one_process"]
+    ctx.metrics.update(
+        tp_processes=ranks, tp_max_logit_diff=figures["max_logit_diff"],
+        tp_greedy_agreement=figures["greedy_agreement"],
+        tp_linear_weight_mb_per_rank=[round(b / 1e6, 3) for b in held],
+        tp_linear_weight_share=round(max(held) / whole, 4),
+        tp_decode_tok_s_b1=figures["decode_tok_s_b1"],
+        tp_decode_tok_s_b1_one_process=figures["decode_tok_s_b1_one_process"])
+    tolerance = cfg.tolerance or DEFAULT_TOLERANCE
+    if figures["max_logit_diff"] > tolerance:
+        out = (ctx.folder / "tensor_parallel.json").relative_to(ctx.run_dir)
+        raise ParityError(f"{out}: tensor-parallel logits differ from "
+                          f"one process by {figures['max_logit_diff']:.3g} > {tolerance}")
+    return figures

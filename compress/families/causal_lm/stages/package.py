@@ -1,0 +1,95 @@
+"""Stage `package` on a causal LM: a TorchServe `.mar` of a `format: transformers` export
+with the streaming generation handler, ready for `compress serve`.
+
+The archive holds the export folder's `causal_lm/` package (the runtime) with the handler's
+modules added to it (`handler.py`, `requests.py`, `replies.py`, `openai.py`, the batcher), the
+shared serving modules at its root, and a generated root module, `generation_handler.py`,
+that defines the one class TorchServe and LitServe look for there (they import the handler
+by its file name from the archive's root)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from compress.recipe.kinds.package import PackageConfig, lm_new_tokens
+from compress.serving.archive import SERVE
+from compress.stages.context import StageContext, State
+from compress.stages.package import archive
+from serve.worker_threads import worker_threads
+
+PACKAGE = SERVE / "causal_lm"  # `causal_lm/` in the archive
+LM_MODULES = tuple(PACKAGE / f"{name}.py"  # the handler's, added to the export's package
+                   for name in ("handler", "requests", "replies", "openai", "batcher",
+                                "rows", "buckets"))
+ENTRY = "generation_handler.py"
+ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):
+TorchServe and LitServe import it by its file name and take the one class defined in it."""
+
+from causal_lm.handler import CausalLMHandler as _Handler
+
+
+class CausalLMHandler(_Handler):
+    """The causal-LM family's handler (`causal_lm/handler.py`)."""
+'''
+DEFAULT_NEW_TOKENS = 64
+LM_SERVED_METRICS = ("perplexity", "perplexity_delta_vs_float_pct", "agreement",
+                     "next_token_agreement", "decode_tok_s_b1", "ttft_ms",
+                     "parity_token_agreement", "scheme", "runtime_threads")
+
+
+def handler_settings(cfg: PackageConfig, ctx: StageContext, export_dir: Path) -> dict:
+    """model-config.yaml's `handler:` section for the generation handler."""
+    facts = json.loads((export_dir / "causal_lm.json").read_text())
+    cache_len = cfg.cache_len or ctx.recipe.evaluation.generation.cache_len
+    limit = lm_new_tokens(cfg, cache_len)
+    return {"task": "causal-lm", "threads": worker_threads(cfg.threads, cfg.workers),
+            "max_new_tokens": limit, "default_new_tokens": min(DEFAULT_NEW_TOKENS, limit),
+            "cache_len": cache_len,
+            "compile": cfg.decode_compile or facts.get("compile") or "none",
+            "chat_template": ctx.recipe.data.chat_template}
+
+
+def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
+    """Archive the causal-LM export entering the stage with the generation handler."""
+    export_dir = ctx.run_dir / state.source.outputs[0].export_dir
+    handler = handler_settings(cfg, ctx, export_dir)
+    if cfg.tensor_parallel:  # TorchServe starts each worker as a torchrun job of N ranks
+        settings = {"parallelType": "tp", "torchrun": {"nproc-per-node": cfg.tensor_parallel}}
+        handler["compile"] = "none"
+        ctx.metrics.update(tensor_parallel=cfg.tensor_parallel)
+    elif cfg.pipeline_parallel:  # the same torchrun job; each rank holds a pipeline stage
+        settings = {"parallelType": "pp",
+                    "torchrun": {"nproc-per-node": cfg.pipeline_parallel}}
+        handler["compile"] = "none"
+        ctx.metrics.update(pipeline_parallel=cfg.pipeline_parallel)
+    else:  # continuous batching: TorchServe's asynchronous worker passes each request to
+        # the handler as it arrives, which joins it to the running decode (serve/causal_lm/batcher)
+        # (one request a message; the handler's `rows` slots decode together)
+        settings = {"asyncCommunication": True, "batchSize": 1}
+        handler["rows"] = cfg.batch_size
+        ctx.metrics.update(continuous_batching=True)
+    ctx.metrics.update(max_new_tokens=handler["max_new_tokens"],
+                       cache_len=handler["cache_len"], decode_compile=handler["compile"])
+    tree, entry = archive_tree(export_dir, ctx.folder / ".archive_tree")
+    try:
+        return archive(state, cfg, ctx, handler, entry, (), LM_SERVED_METRICS, settings,
+                       trees=(tree,))
+    finally:
+        shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def archive_tree(export_dir: Path, folder: Path) -> tuple[Path, Path]:
+    """(a folder holding the archive's `causal_lm/` package: the export's, with the handler's
+    modules added; the generated entry module) under `folder`."""
+    shutil.rmtree(folder, ignore_errors=True)
+    tree = folder / "tree"
+    package = tree / PACKAGE.name
+    shutil.copytree(export_dir / PACKAGE.name, package,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for module in LM_MODULES:
+        shutil.copy2(module, package / module.name)
+    entry = folder / ENTRY
+    entry.write_text(ENTRY_SOURCE)
+    return tree, entry

@@ -1,0 +1,99 @@
+"""Stage `quantize` on a causal LM: a torchao weight scheme on every Linear (the output
+projection by `head_scheme`), activations in bfloat16 where the CPU computes it natively.
+`mode: qat` first trains the weights on the scheme's grid
+(`compress.families.causal_lm.algorithms.qat`) against the entering model's next-token
+distributions (KL at temperature 1, no label loss: the target is the float model, not the train
+text). `equalize` first scales the Linears' input channels by their activations
+(`compress.families.causal_lm.algorithms.equalize`), folded into the float weights."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from torch import nn
+
+from compress.errors import CompressError
+from compress.families.causal_lm.algorithms import equalize as lm_equalize
+from compress.families.causal_lm.algorithms import qat as lm_qat
+from compress.families.causal_lm.algorithms.distill import make_lm_kd_loss_fn, packed_examples
+from compress.families.causal_lm.model import quantize_weights
+from compress.models.bundle import ModelBundle
+from compress.recipe.kinds.quantize import QuantizeConfig
+from compress.stages.context import StageContext, State
+from serve.causal_lm.runtime import DTYPES, head_scheme_of
+
+
+def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
+    """The activation dtype of `choice` on this machine. auto: bfloat16 for the weight-only
+    schemes on any CPU (Inductor turns an int8 weight-only linear into its int8 GEMV only
+    with bfloat16 inputs: compiled SmolLM2 int8 decode ran 92 tok/s with bf16 activations
+    and 41 with float32 ones on an AVX2-only EPYC; the int4 kernels are several times
+    faster with bf16 inputs too), and for int8_dynamic only where the CPU computes bf16
+    natively (AVX512-BF16 or AMX); the grouped schemes always float32."""
+    if choice != "auto":
+        return choice
+    if scheme in ("int8_grouped", "int4_grouped"):
+        return "float32"
+    from compress.runfolder.files import bf16_supported
+
+    weight_only = scheme in ("int8_weight_only", "int4_weight_only")
+    return "bfloat16" if weight_only or bf16_supported() else "float32"
+
+
+def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
+    """Quantize the current causal LM's weights, save it, record the scheme and timing."""
+    source = state.bundle
+    dtype = activation_dtype(cfg.activations, cfg.scheme)
+    began = time.perf_counter()
+    model = source.model
+    head = head_scheme_of(cfg.scheme, cfg.head_scheme)
+    if cfg.equalize:
+        ctx.metrics.update(equalize(model, source.tokenizer, cfg, ctx))
+    if cfg.mode == "qat":
+        train_on_grid(model, source.tokenizer, cfg, head, ctx)
+    for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
+        parameter.data = parameter.data.to(DTYPES[dtype])  # model loaded in that dtype
+    try:
+        quantize_weights(model, cfg.scheme, cfg.group_size, head)
+    except ValueError as exc:  # a group size that does not divide a Linear's inputs
+        raise CompressError(f"{exc}") from None
+    facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
+             "group_size": cfg.group_size, "head_scheme": head}
+    bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer, lm=facts)
+    ctx.metrics.update({"scheme": cfg.scheme, "head_scheme": head, "activation_dtype": dtype,
+                        "quantize_s": round(time.perf_counter() - began, 2)})
+    ctx.save_model(bundle)
+    return State(bundle)
+
+
+def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig, head: str,
+                  ctx: StageContext) -> None:
+    """Quantization-aware training in place: fake-quantized weights, KL against a frozen
+    copy of the entering model, then the weights snapped onto the grid."""
+    teacher = copy.deepcopy(model)
+    prepared = lm_qat.prepare(model, cfg.scheme, cfg.group_size, head)
+    setup = ctx.training()
+    setup.examples = packed_examples(tokenizer, setup.examples.texts, ctx.data.max_length)
+    result = setup.run(model, cfg.qat, None, loss_fn=make_lm_kd_loss_fn(teacher, 1.0, 0.0))
+    lm_qat.snap(model.eval())
+    ctx.metrics.update({"qat_linears": prepared, "train_blocks": len(setup.examples),
+                        **result.figures()})
+
+
+EQUALIZE_BLOCKS = 32  # calibration blocks of data.max_length train tokens
+EQUALIZE_TEXTS = 4000  # train texts packed for them (SST-2: about 300 blocks of 128)
+
+
+def equalize(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
+             ctx: StageContext) -> dict[str, Any]:
+    """Activation-aware scaling of `model` in place, calibrated on packed train text."""
+    texts = ctx.data.splits["train"].texts[:EQUALIZE_TEXTS]
+    blocks = packed_examples(tokenizer, texts, ctx.data.max_length).inputs[:EQUALIZE_BLOCKS]
+    began = time.perf_counter()
+    figures = lm_equalize.equalize(model, blocks.split(4), cfg.scheme, cfg.group_size)
+    ctx.log(f"equalize: {figures['equalized_pairs']} of {figures['equalize_pairs_seen']} "
+            f"input groups scaled; {cfg.scheme} output error on {len(blocks)} train blocks "
+            f"{figures['equalize_error_ratio']}x that of plain rounding")
+    return {**figures, "equalize_s": round(time.perf_counter() - began, 2)}

@@ -1,0 +1,9 @@
+"""The causal-LM family's runtime: what a causal-LM export folder and its archive ship.
+
+In the repository this is `serve.causal_lm`; in an export folder or an unpacked archive it is
+the top-level package `causal_lm` (the folder on `sys.path`), so its modules import each other
+relatively and never lie flat beside a handler (`requests.py` and `openai.py` would shadow
+the libraries of those names). The shared serving modules (`handler_metrics`, `http_answers`,
+`worker_threads`) lie at the archive's root. Nothing is imported here: `causal_lm.runtime`
+loads without TorchServe.
+"""

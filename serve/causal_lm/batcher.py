@@ -1,0 +1,274 @@
+"""Continuous batching over one static KV cache (shipped beside `decode.py`; torch and
+transformers only): a request that arrives while others decode joins at the next decode
+step, and each row leaves when it is done.
+
+How rows share the cache: one `StaticCache` of `rows` slots and `cache_len` positions, every
+smaller bucket's cache a view of its first slots (`shared_caches`), so the step runs at the
+smallest compiled bucket that holds the highest busy slot and no row moves. All rows write
+their next token at one cursor position. A new row is prefilled alone (its own one-row
+cache), and its keys and values are copied to the positions just before the cursor, in a
+free slot; its mask opens its own positions only, and its rotary positions count from its
+own first token, so rows of any lengths decode together. When the cursor would run past the
+cache, every row's positions move left by the oldest row's start; a prompt longer than the
+cursor moves them right. A request that cannot fit waits for rows to leave; the first
+waiting request that fits goes in, unless the oldest has waited `patience` steps: then none
+passes it. At most `max_waiting` requests wait (`submit` raises `QueueFull` past it).
+
+Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
+(max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
+prefill failed: that row alone; a decode step failed: every row in it).
+
+Both of the handler's batching paths decode at bucket sizes (`buckets`: each compiles once);
+without continuous batching, a TorchServe batch decodes in `fitting_groups`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+
+import torch
+
+from .attention import attention
+from .buckets import buckets, fitting_groups, rows_of, shared_caches  # noqa: F401 (its API)
+from .decode import StaticDecoder, pick_tokens
+from .rows import CANCELLED, Emit, QueueFull, Row, send  # noqa: F401 (its API)
+
+logger = logging.getLogger(__name__)
+
+
+
+class ContinuousBatcher:
+    """Decodes the rows of every submitted request on one thread, admitting new ones
+    between steps. `decoders`: one per bucket size (compiled and warmed up), their caches
+    already shared (`shared_caches`); `prefill`: an uncompiled decoder of the same model;
+    `max_waiting`: the queue's bound; `patience`: decode steps the oldest waiting request
+    lets others that fit go first."""
+
+    def __init__(self, decoders: dict[int, StaticDecoder], prefill: StaticDecoder,
+                 stop: set[int], own_thread: bool = True, max_waiting: int = 64,
+                 patience: int = 32):
+        self.decoders, self.prefill, self.stop = decoders, prefill, stop
+        self.max_waiting, self.patience = max(1, max_waiting), max(0, patience)
+        self.step_s = 0.05  # a decode step's time, averaged (`retry_after_s`)
+        self.rows = max(decoders)
+        self.cache_len = prefill.max_cache_len
+        self.cache = decoders[self.rows].cache
+        self.slots: list[Row | None] = [None] * self.rows
+        self.cursor = 0  # the cache position every row writes next
+        self.mask = torch.ones(self.rows, self.cache_len, dtype=torch.long)
+        self.waiting: collections.deque[Row] = collections.deque()
+        self.wake = threading.Condition()
+        self.steps = 0
+        if own_thread:  # else the caller runs `serve` on the thread that built the model
+            threading.Thread(target=self.serve, name="compress-batcher", daemon=True).start()
+
+    def submit(self, row: Row) -> Row:
+        """Queue a request; its tokens go to `row.emit` from the batcher's thread."""
+        if len(row.ids) + row.max_new_tokens > self.cache_len:
+            raise ValueError(f"prompt of {len(row.ids)} tokens + {row.max_new_tokens} new "
+                             f"exceeds the cache of {self.cache_len}")
+        if row.sampling is not None and row.sampling.temperature <= 0:
+            row.sampling = None  # greedy
+        if row.sampling is not None and row.sampling.seed is not None:
+            row.generator = torch.Generator().manual_seed(row.sampling.seed)
+        with self.wake:
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(len(self.waiting), self._retry_after())
+            row.queued = self.steps
+            self.waiting.append(row)
+            self.wake.notify()
+        return row
+
+    def _retry_after(self) -> int:
+        """Seconds until the queue has likely moved: the tokens still to decode (rows in
+        flight and waiting), spread over the slots, at the measured step time."""
+        left = sum(r.max_new_tokens - len(r.tokens) for r in self.slots if r is not None)
+        left += sum(r.max_new_tokens for r in self.waiting)
+        return max(1, min(60, math.ceil(left / self.rows * self.step_s)))
+
+    def cancel(self, row: Row) -> None:
+        """Let a row go (its client left), in any state; it ends "cancelled" (once): at
+        once where it waits, else at the batcher's next turn. Calling it again, or after the
+        row ended, does nothing."""
+        with self.wake:
+            if row.cancelled or row.ended:
+                return
+            row.cancelled = True
+            queued = row in self.waiting
+            if queued:
+                self.waiting.remove(row)
+                row.ended = True
+            self.wake.notify()
+        if queued:
+            send(row, None, CANCELLED)
+
+    def busy(self) -> int:
+        """Rows decoding now."""
+        return sum(r is not None for r in self.slots)
+
+    def serve(self) -> None:
+        """Decode forever: admit waiting requests, step the busy rows."""
+        with torch.inference_mode(), attention(self.prefill.model, self.prefill.attention):
+            while True:
+                with self.wake:
+                    while not self.waiting and not any(self.slots):
+                        self.wake.wait()
+                try:
+                    self._sweep()
+                    self._admit()
+                    if any(self.slots):
+                        self._step()
+                except Exception as exc:  # noqa: BLE001 (fail the rows, keep serving)
+                    logger.exception("compress batcher: a step failed")
+                    self._fail_all(f"error: {type(exc).__name__}: {exc}")
+
+    def _sweep(self) -> None:
+        """Free the slots of cancelled rows."""
+        for slot, row in enumerate(self.slots):
+            if row is not None and row.cancelled:
+                self._leave(slot, CANCELLED)
+
+    def _admit(self) -> None:
+        """Prefill waiting requests into free slots while any fits: the oldest that fits
+        first, none past the oldest once it has waited `patience` steps."""
+        while None in self.slots:
+            with self.wake:
+                waiting = list(self.waiting)
+            if not waiting:
+                return
+            if self.steps - waiting[0].queued >= self.patience:
+                waiting = waiting[:1]  # the oldest has waited long enough: it goes next
+            row = next((r for r in waiting if self._place(len(r.ids), r.max_new_tokens)), None)
+            if row is None:
+                return
+            with self.wake:
+                if row not in self.waiting:  # cancelled meanwhile
+                    continue
+                self.waiting.remove(row)
+            try:
+                self._place(len(row.ids), row.max_new_tokens, move=True)
+            except Exception as exc:  # the cache may be torn: every row fails (`serve`)
+                self._end(row, f"error: {type(exc).__name__}: {exc}")
+                raise
+            self._prefill(self.slots.index(None), row)
+
+    def _prefill(self, slot: int, row: Row) -> None:
+        """Run a row's prompt and place it in `slot`; a failure ends this row alone."""
+        row.admitted = time.perf_counter()
+        try:
+            logits = self.prefill.prefill(row.ids)
+            length = len(row.ids)
+            row.start = self.cursor - length
+            for mine, one in zip(self.cache.layers, self.prefill.cache.layers, strict=True):
+                mine.keys[slot, :, row.start:self.cursor] = one.keys[0, :, :length]
+                mine.values[slot, :, row.start:self.cursor] = one.values[0, :, :length]
+            self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+            token = int(pick_tokens(logits, [row.sampling], [row.generator])[0])
+        except Exception as exc:  # noqa: BLE001 (this request fails, the others go on)
+            logger.exception("compress batcher: a prefill failed")
+            self._end(row, CANCELLED if row.cancelled else
+                      f"error: {type(exc).__name__}: {exc}")
+            return
+        self.slots[slot] = row
+        self._take(slot, token)
+
+    def _place(self, length: int, new: int, move: bool = False) -> bool:
+        """Whether a prompt of `length` tokens can end at the cursor with `new` tokens after
+        it, as can every busy row's rest: once every row's positions move left by the oldest
+        row's start where the cursor would run past the cache, then right where the prompt
+        is longer than the cursor. `move`: make those moves."""
+        busy = [r for r in self.slots if r is not None]
+        if not busy:
+            if move:
+                self._set_cursor(length)
+            return True
+        left = max(r.max_new_tokens - len(r.tokens) for r in busy)
+        cursor, by = self.cursor, min(r.start for r in busy)
+        if cursor + max(left, new) > self.cache_len and by > 0:
+            if move:
+                self._move(by, cursor, -by)
+            cursor -= by
+        if cursor < length and length + left <= self.cache_len:
+            if move:
+                self._move(0, cursor, length - cursor)
+            cursor = length
+        return cursor + max(left, new) <= self.cache_len and length <= cursor
+
+    def _move(self, begin: int, end: int, by: int) -> None:
+        """Positions begin..end-1 of every slot to begin+by.., and the rows with them."""
+        for layer in self.cache.layers:
+            for t in (layer.keys, layer.values):
+                t[:, :, begin + by:end + by] = t[:, :, begin:end].clone()
+        self._set_cursor(self.cursor + by)
+        for slot, row in enumerate(self.slots):
+            if row is not None:
+                row.start += by
+                self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+
+    def _set_cursor(self, position: int) -> None:
+        """Every row writes at `position` next (each layer's write position with it; a step
+        advances both by one)."""
+        self.cursor = position
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(position)
+
+    def _step(self) -> None:
+        """One decode step of every busy row, at the smallest bucket holding them."""
+        highest = max(i for i, r in enumerate(self.slots) if r is not None)
+        size = min(b for b in self.decoders if b > highest)
+        rows = self.slots[:size]
+        tokens = torch.tensor([[r.tokens[-1] if r else 0] for r in rows])
+        positions = torch.tensor([[self.cursor - r.start if r else 0] for r in rows])
+        began = time.perf_counter()
+        logits = self.decoders[size].decode_step(tokens, self.cursor, positions,
+                                                 self.mask[:size], first=self.steps == 0)
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - began)
+        self.cursor += 1
+        self.steps += 1
+        picked = pick_tokens(logits, [r.sampling if r else None for r in rows],
+                             [r.generator if r else None for r in rows]).tolist()
+        for slot, row in enumerate(rows):
+            if row is not None:
+                self._take(slot, picked[slot])
+
+    def _take(self, slot: int, token: int) -> None:
+        """Give a row its new token, and let it go when it is done."""
+        row = self.slots[slot]
+        assert row is not None
+        if row.cancelled:
+            self._leave(slot, CANCELLED)
+            return
+        row.tokens.append(token)
+        if not send(row, token, None):
+            self._leave(slot, CANCELLED)
+        elif token in self.stop:
+            self._leave(slot, "stop")
+        elif len(row.tokens) >= row.max_new_tokens:
+            self._leave(slot, "length")
+
+    def _leave(self, slot: int, reason: str) -> None:
+        row, self.slots[slot] = self.slots[slot], None
+        # a free slot inside the step's bucket still runs: with every position open it
+        # never attends to nothing (a row's old mask could, once a move took the cursor
+        # below its start: softmax of all -inf is NaN, written into the cache, and 0 x NaN
+        # poisoned the next row placed in the slot)
+        self.mask[slot] = 1
+        if row is not None:
+            self._end(row, reason)
+
+    def _end(self, row: Row, reason: str) -> None:
+        """Emit a row's end, once."""
+        with self.wake:
+            if row.ended:
+                return
+            row.ended = True
+        send(row, None, reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for slot in range(self.rows):
+            self._leave(slot, reason)
+

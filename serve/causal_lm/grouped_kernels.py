@@ -1,0 +1,85 @@
+"""The grouped-weight kernels of `grouped_kernels.cpp` as torch operators, compiled on
+first use for this CPU (shipped beside `runtime.py`; imports torch only):
+`torch.ops.compress_lm.grouped_pack(codes, scale, offset, bits, half)` lays a weight out for
+`torch.ops.compress_lm.grouped_mm(x, packed, out_features, bits, half)` (`half`: scales and
+offsets stored as float16, where they all are float16 values).
+
+The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
+by default ~/.cache/torch_extensions), under a name that carries the CPU's vector flags, so a
+cache moved to another CPU builds again; it needs a C++ compiler and ninja (`pip install
+ninja`, in the `llm` extra). Where they are not at hand, `grouped_mm_available` says False
+(with the reason in `build_error`) and the modules fall back to torch operations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("grouped_kernels.cpp")
+GROUP = 32  # inputs per group, fixed by the kernels
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _build_name(flags: set[str]) -> tuple[str, list[str]]:
+    """The extension's name (source and CPU in it) and the compiler flags."""
+    vector = sorted(f for f in flags if f.startswith(("avx512", "avx2", "fma")))
+    # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one core
+    cflags = ["-O3", "-fopenmp"] + (["-march=native"] if vector else [])
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(vector + cflags).encode())
+    return f"compress_lm_grouped_{digest.hexdigest()[:12]}", cflags
+
+
+def grouped_mm_available() -> bool:
+    """Whether `torch.ops.compress_lm.grouped_mm` is registered (built here if need be)."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def build_error() -> str | None:
+    """Why the kernels could not be built, or None."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _load() -> bool:
+    if hasattr(torch.ops.compress_lm, "grouped_mm"):
+        return True
+    if os.environ.get("COMPRESS_NO_KERNELS"):
+        _state["error"] = "COMPRESS_NO_KERNELS is set"
+        return False
+    from torch.utils.cpp_extension import load
+
+    scripts = Path(sys.executable).parent  # pip's ninja, where this environment is not on PATH
+    if shutil.which("ninja") is None and (scripts / "ninja").exists():
+        os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
+    name, cflags = _build_name(_cpu_flags())
+    try:
+        load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:  # no compiler, or it failed
+        _state["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("compress_lm::grouped_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
+          ) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n)

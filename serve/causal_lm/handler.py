@@ -1,0 +1,292 @@
+"""compress's TorchServe handler for causal LMs: one batched decode per TorchServe batch,
+every request's tokens streamed as they are produced.
+
+Packed into a causal-LM `.mar` by the package stage with `runtime.py` (loading and the
+static-cache decoder), `requests.py` (parsing, streamed text) and `replies.py` (the
+answers it sends); imports nothing from compress. `model-config.yaml`'s `handler:` section
+holds threads, max_new_tokens, default_new_tokens, cache_len, compile, chat_template, and
+with continuous batching rows and max_waiting (past it a request gets 503 + Retry-After).
+
+Requests (see lm_requests): `{"prompt": "..."}` or `{"messages": [...]}` with optional
+`max_new_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`. A streamed answer is
+NDJSON: TorchServe intermediate responses `{"delta": text, "tokens": n}` as the text grows,
+then `{"text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` ("stop":
+an end token or a stop string; "length": max_new_tokens). A bad request gets a 400 for it
+alone; every answer carries `X-Batch-Size`. The rows of a batch are left-padded into one
+decode over a static KV cache of `cache_len` positions (a batch whose longest prompt plus
+largest max_new_tokens would not fit is decoded in parts), run at the next bucket size
+(1, 2, 4, ... up to batchSize) so each bucket compiles once, as the worker starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from ts.torch_handler.base_handler import BaseHandler
+
+from . import batcher as lm_batcher
+from . import openai as lm_openai
+from . import pipeline as lm_pipeline
+from . import replies as lm_replies
+from . import requests as lm_requests
+from . import runtime as lm_runtime
+from . import tensor_parallel as lm_tensor_parallel
+
+try:  # inside the archive the shared modules lie at its root, beside the `causal_lm` package
+    from worker_threads import worker_threads
+except ImportError:  # in the compress repository
+    from serve.worker_threads import worker_threads
+
+logger = logging.getLogger(__name__)
+QUEUE_FULL = getattr(lm_batcher, "QueueFull", ())  # the batcher's full queue: a 503
+BATCH_HEADER = lm_replies.BATCH_HEADER
+PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
+
+
+class CausalLMHandler(BaseHandler):
+    """Loads a causal-LM folder and answers each TorchServe batch with one decode."""
+
+    def initialize(self, context) -> None:
+        """Load the model, set threads, build (and compile) one decoder per bucket. With
+        continuous batching all of it runs on the thread that then decodes (`_torch_thread`)."""
+        config = context.model_yaml_config or {}
+        # TorchServe starts a `parallelType: tp` worker as one torchrun job: every rank gets
+        # every request, decodes its share of each layer, and rank 0 answers
+        self.ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        # asyncCommunication: each request reaches `handle` as it arrives and joins the
+        # running decode (lm_batcher); otherwise one decode per TorchServe batch
+        self.continuous = bool(config.get("asyncCommunication")) and self.ranks == 1
+        self.model_name = context.model_name
+        self.batcher = None
+        if self.continuous:
+            lm_replies.guard_async_worker_socket()
+            self._torch_thread(context)
+        else:
+            self._prepare(context)
+        self.initialized = True
+
+    def _torch_thread(self, context) -> None:
+        """Prepare the model on a thread of its own, which then runs the continuous batch.
+        One thread does all of the worker's torch work: a second thread's OpenMP team beside
+        the first's made every parallel region 2-3x slower (libgomp throttles its spinning
+        when it manages more threads than cores; measured: 101 -> 40 tok/s decoding)."""
+        ready, failed = threading.Event(), []
+
+        def run() -> None:
+            try:
+                self._prepare(context)
+            except BaseException as exc:  # noqa: BLE001 (raised again by initialize)
+                failed.append(exc)
+                return
+            finally:
+                ready.set()
+            self.batcher.serve()
+
+        threading.Thread(target=run, name="compress-torch", daemon=True).start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+
+    def _prepare(self, context) -> None:
+        """Load, split across ranks, build and warm up the decoders (and the batcher)."""
+        model_dir = Path(context.system_properties["model_dir"])
+        config = context.model_yaml_config or {}
+        settings = config.get("handler") or {}
+        torch.set_num_threads(worker_threads(settings.get("threads"),
+                                             int(config.get("maxWorkers", 1)) * self.ranks))
+        logger.info("%sloading %s", PROGRESS, model_dir.name)
+        self.lm = lm_runtime.load_folder(model_dir)
+        self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
+        if self.ranks > 1 and config.get("parallelType") == "pp":  # by every rank in step
+            self.pipe = lm_pipeline.join_and_split(self.lm.model)
+        elif self.ranks > 1:
+            lm_tensor_parallel.join_and_split(self.lm.model)
+        self.stop = lm_runtime.stop_ids(self.lm.model, self.lm.tokenizer)
+        cache_len = int(settings.get("cache_len", 512))
+        self.limits = lm_requests.Limits(
+            int(settings.get("max_new_tokens", 256)), int(settings.get("default_new_tokens", 64)),
+            cache_len, bool(settings.get("chat_template", True)),
+            lm_requests.prompt_chars_bound(self.lm.tokenizer, cache_len))
+        self.decoders = {}
+        mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
+        rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
+                if self.continuous else int(config.get("batchSize", 1)))
+        sizes = lm_batcher.buckets(rows)
+        # every bucket's decoder compiles the same step function: one graph each
+        torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
+        for rows in sizes:
+            if self.pipe is not None:  # micro-batches: one a rank where the rows divide;
+                # rank 0 alone gets the requests and leads every generation
+                decoder = lm_pipeline.PipelineDecoder(self.pipe, self.limits.cache_len,
+                                                      self.ranks, lead=True)
+            else:
+                decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
+                                                   always_mask=True)
+            self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
+        # compiling a decoder drops the graphs of those before it (StaticDecoder.compile):
+        # warm them up only once all are built, so each compiles once, now, not on a request
+        # (the largest first: the others' caches are views of its cache when continuous)
+        for n, rows in enumerate(sorted(self.decoders, reverse=True), 1):
+            decoder = self.decoders[rows]
+            logger.info("%s%s bucket %d of %d (%d rows)", PROGRESS,
+                        "compiling" if decoder.compiled else "warming up", n, len(sizes), rows)
+            decoder.generate([[0]] * rows, 2)
+            if self.continuous and n == 1:
+                lm_batcher.shared_caches(self.decoders)
+        if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0
+            lm_pipeline.follow(self.decoders[max(self.decoders)])
+        if self.continuous:  # its loop runs on this thread (`_torch_thread`)
+            prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
+            bound = ({"max_waiting": int(settings.get("max_waiting", 64))}  # a bounded queue
+                     if "max_waiting" in inspect.signature(lm_batcher.ContinuousBatcher).parameters
+                     else {})
+            self.batcher = lm_batcher.ContinuousBatcher(self.decoders, prefill, self.stop,
+                                                        own_thread=False, **bound)
+            self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
+        logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
+                    self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),
+                    torch.get_num_threads(), list(self.decoders), mode, self.ranks)
+
+    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt or chat messages."""
+        chat = isinstance(prompt, list) or self.limits.chat_template
+        return lm_runtime.prompt_ids(self.lm.tokenizer, prompt, chat)
+
+    def handle(self, data: list[dict[str, Any]], context) -> Any:
+        """Answer the requests: with continuous batching a coroutine that TorchServe's
+        asynchronous worker awaits (each request joins the running decode), else the batch's
+        answers, the good requests decoded together."""
+        if self.batcher is not None:
+            return self._handle_joining(data, context)
+        return self._handle_batch(data, context)
+
+    async def _handle_joining(self, data: list[dict[str, Any]], context) -> list[str]:
+        answers = await asyncio.gather(*(self._answer(i, request, context)
+                                         for i, request in enumerate(data)),
+                                       return_exceptions=True)
+        return [a if isinstance(a, str) else lm_replies.failed(context, i, a, openai=False)
+                for i, a in enumerate(answers)]  # an unexpected failure: that request's 500
+
+    async def _answer(self, i: int, request: dict[str, Any], context) -> str:
+        """One request through the continuous batch: its chunks sent as they come (native
+        NDJSON, or OpenAI's server-sent events on its routes); its last answer returned.
+        `X-Batch-Size`: the rows decoding when its first token came (or when it arrived).
+        Its row is cancelled however the request ends (an answer, an error, a stop string,
+        its coroutine cancelled because its client left)."""
+        context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))
+        began = time.perf_counter()
+        try:
+            route = lm_openai.route_of(context.get_request_header(i, "url_path"))
+        except lm_openai.RouteError as exc:
+            return lm_replies.error(context, i, str(exc), 404, openai=True)
+        if route == lm_openai.MODELS:
+            context.set_response_content_type(i, "application/json")
+            return json.dumps(lm_openai.models(self.model_name))
+        encode = self.encode if route != lm_openai.COMPLETIONS else self.encode_raw
+        try:  # off the event loop: a body of up to the request limit, a chat template
+            parsed, usage_in_stream = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, lm_requests.parse_request, request, route, encode, self.limits)
+        except ValueError as exc:
+            return lm_replies.error(context, i, str(exc), 400, openai=route is not None)
+        finally:
+            request.clear()  # only the parsed request is kept (the engine holds `request`)
+        answer = lm_openai.Answer(route, self.model_name) if route else None
+        context.set_response_content_type(
+            i, (lm_openai.STREAM_TYPE if answer else lm_replies.STREAM_TYPE)
+            if parsed.stream else "application/json")
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        sampling = (lm_runtime.Sampling(parsed.temperature, parsed.top_p, parsed.seed)
+                    if parsed.temperature > 0 else None)
+        try:
+            row = self.batcher.submit(lm_batcher.Row(
+                parsed.ids, parsed.max_new_tokens,
+                lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
+                sampling))
+        except QUEUE_FULL as exc:
+            return lm_replies.queue_full(context, i, str(exc), exc.retry_after_s,
+                                         openai=answer is not None)
+        stream = lm_requests.TextStream(self.lm.tokenizer, parsed.stop)
+        try:
+            return await lm_replies.stream_answer(context, i, self.batcher, row, queue, stream,
+                                                  parsed, answer, usage_in_stream, began)
+        except Exception as exc:  # noqa: BLE001 (a failed send, say: this request alone)
+            return lm_replies.failed(context, i, exc, openai=answer is not None,
+                                     streamed=parsed.stream and stream.sent > 0)
+        finally:
+            self.batcher.cancel(row)
+
+    def encode_raw(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Token ids of a prompt as it is (OpenAI's completions: no chat template)."""
+        return lm_runtime.prompt_ids(self.lm.tokenizer, prompt, isinstance(prompt, list))
+
+    def _handle_batch(self, data: list[dict[str, Any]], context) -> list[str]:
+        """Answer every request of the batch: the good ones decoded together, streamed."""
+        results: list[Any] = [None] * len(data)
+        parsed: dict[int, lm_requests.GenerationRequest] = {}
+        for i, request in enumerate(data):
+            context.set_response_header(i, BATCH_HEADER, str(len(data)))
+            path = (context.get_request_header(i, "url_path") or "").strip("/")
+            try:  # OpenAI's routes are the continuous batch's: an OpenAI 404 here
+                if path:
+                    raise LookupError(f"unknown path {path!r}: this model answers POST "
+                                      f"/predictions/{self.model_name} only")
+                parsed[i] = lm_requests.parse(lm_requests.read_body(request), self.encode,
+                                              self.limits)
+            except (ValueError, LookupError) as exc:
+                results[i] = json.loads(lm_replies.error(context, i, str(exc),
+                                                         404 if path else 400, bool(path)))
+                continue
+            context.set_response_content_type(i, lm_replies.STREAM_TYPE if parsed[i].stream
+                                              else "application/json")
+        for group in lm_batcher.fitting_groups(parsed, self.limits.cache_len, max(self.decoders)):
+            for i, answer in self.generate(group, parsed, context).items():
+                results[i] = answer
+        return [json.dumps(r) + "\n" for r in results]
+
+    def generate(self, group: list[int], parsed: dict[int, Any], context) -> dict[int, Any]:
+        """Decode the requests `group` (indexes into the batch) in one batch; their answers."""
+        rows = [parsed[i] for i in group]
+        size = min(b for b in self.decoders if b >= len(rows))
+        filler = size - len(rows)  # rows that keep the bucket's shape; one token each
+        streams = [lm_requests.TextStream(self.lm.tokenizer, r.stop) for r in rows]
+
+        def on_tokens(produced: list[int | None]) -> list[int]:
+            chunks: dict[int, str] = {}
+            for k, token in enumerate(produced[:len(rows)]):
+                if token is None:
+                    continue
+                piece = streams[k].add(token)
+                if piece and rows[k].stream:
+                    chunks[group[k]] = lm_replies.native_chunk(piece, len(streams[k].tokens))
+            for i, chunk in chunks.items():
+                lm_replies.send(context, i, chunk)
+            return [k for k, s in enumerate(streams) if s.stopped]
+
+        seeds = [r.seed for r in rows]
+        if self.ranks > 1 and self.pipe is None and any(r.temperature > 0 for r in rows):
+            seeds = lm_tensor_parallel.shared_seeds(seeds)  # a pipeline samples on one rank
+        sampling = [lm_runtime.Sampling(r.temperature, r.top_p, seed)
+                    for r, seed in zip(rows, seeds, strict=True)]
+        out = self.decoders[size].generate(
+            [r.ids for r in rows] + [rows[0].ids] * filler,
+            [r.max_new_tokens for r in rows] + [1] * filler, self.stop,
+            sampling + [None] * filler, on_tokens)
+        for k, i in enumerate(group):  # what was held back for a stop string never seen
+            piece = streams[k].flush()
+            if piece and rows[k].stream:
+                lm_replies.send(context, i, lm_replies.native_chunk(piece,
+                                                                    len(streams[k].tokens)))
+        return {i: lm_replies.native_answer(streams[k].text, len(rows[k].ids),
+                                            len(out.rows[k]), out.finish[k])
+                for k, i in enumerate(group)}
+

@@ -137,7 +137,7 @@ class _PausingModel(torch.nn.Module):
 def test_the_eager_generate_rate_survives_a_pause_in_any_one_call(pause_at: int) -> None:
     """A pause in the timed 1-token call once made the difference negative, and the report
     printed 5.5e9 tok/s: each length is now timed twice, alternating, and the fastest kept."""
-    from compress.measure.generation import eager_generate_rate
+    from compress.families.causal_lm.generation import eager_generate_rate
 
     model = _PausingModel(pause_at)
     rate = eager_generate_rate(model, [torch.ones(1, 4, dtype=torch.long)], 9)

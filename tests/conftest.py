@@ -12,12 +12,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub (no network in CI)
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the cores: OpenMP threads that
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # wait sleep instead of spinning
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
 
 POSITIVE = ["good", "great", "lovely", "superb", "fine", "happy", "brilliant", "warm"]
@@ -298,15 +301,46 @@ def exported_text_run(tiny_bert: Path, tmp_path_factory) -> tuple[Path, dict]:
 
 
 
+def workers_share(tmp_path_factory, name: str) -> tuple[Path, Any]:
+    """(a folder, a held lock) for something made once per pytest run, also under
+    pytest-xdist: each worker's base temp folder has the run's as its parent."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return root / name, FileLock(str(root / f"{name}.lock"))
+
+
 @pytest.fixture(scope="session")
 def bert_int8_run(tmp_path_factory, data_dir: Path) -> tuple[Path, subprocess.CompletedProcess]:
     """recipes/bert_int8.yaml shrunk (real MiniLM, 800 SST-2 sentences): fine-tune, static
-    int8, int8 AOTInductor .pt2, fp32 ONNX, .mar of the int8 package."""
-    out = tmp_path_factory.mktemp("bert_int8")
-    result = run_cli("run", str(REPO / "recipes/bert_int8.yaml"), f"output_dir={out}",
-                     *SHRUNK_SST2, "stages.0.max_steps=40", "stages.0.learning_rate=2e-4",
-                     "stages.1.calibration.samples=64", env={"COMPRESS_DATA_DIR": str(data_dir)})
-    return out / "bert_int8", result
+    int8, int8 AOTInductor .pt2, fp32 ONNX, .mar of the int8 package. Run once: a second
+    pytest-xdist worker waits for it and reads it."""
+    out, lock = workers_share(tmp_path_factory, "bert_int8")
+    done = out / "result.json"
+    with lock:
+        if not done.is_file():
+            result = run_cli("run", str(REPO / "recipes/bert_int8.yaml"), f"output_dir={out}",
+                             *SHRUNK_SST2, "stages.0.max_steps=40",
+                             "stages.0.learning_rate=2e-4", "stages.1.calibration.samples=64",
+                             env={"COMPRESS_DATA_DIR": str(data_dir)})
+            done.write_text(json.dumps([result.args, result.returncode, result.stdout,
+                                        result.stderr]))
+    return out / "bert_int8", subprocess.CompletedProcess(*json.loads(done.read_text()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torchrun_job_at_a_time(request, tmp_path_factory):
+    """Under pytest-xdist, the modules of TORCHRUN_MODULES hold a lock shared by the
+    workers while they run (their module fixtures included)."""
+    if (not os.environ.get("PYTEST_XDIST_WORKER")
+            or Path(str(request.node.fspath)).stem not in TORCHRUN_MODULES):
+        yield
+        return
+    _, lock = workers_share(tmp_path_factory, "torchrun")
+    with lock:
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -430,6 +464,14 @@ def _cuda_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# modules that start torchrun jobs: under pytest-xdist (`-n 2`) one runs at a time, as
+# TorchServe starts a parallel worker's job on a fixed rendezvous port (two would meet)
+TORCHRUN_MODULES = {"test_distributed_runs", "test_multinode_runs", "test_sharded_runs",
+                    "test_tensor_parallel", "test_pipeline_parallel",
+                    "test_tensor_parallel_sampling", "test_tensor_parallel_served",
+                    "test_pipeline_parallel_served"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -103,12 +103,13 @@ def test_a_folder_that_is_not_a_run_is_refused(tmp_path: Path) -> None:
 
 def test_another_run_joins_the_table_without_repeating_a_file(
         tiny_int8_run: Path, tmp_path: Path) -> None:
-    """--with-run: a second recipe on the same model (here fine-tune + an fp32 AOTInductor
-    package) adds its artifacts as RUN/NAME; a file the first run has is not timed twice."""
+    """--with-run: a second recipe on the same model (here fine-tune + an fp32 TorchScript
+    file: no compile, the cheapest export) adds its artifacts as RUN/NAME; a file the first
+    run has is not timed twice."""
     raw = yaml.safe_load((tiny_int8_run / "recipe.yaml").read_text())
     raw.update(name="tiny_fp32", output_dir=str(tmp_path / "runs"),
-               stages=[raw["stages"][0], {"kind": "export", "name": "fp32_aoti",
-                                          "format": "aoti"}])
+               stages=[raw["stages"][0], {"kind": "export", "name": "fp32_ts",
+                                          "format": "torchscript"}])
     done_run = run_cli("run", str(write_recipe(tmp_path / "fp32.yaml", raw)))
     assert done_run.returncode == 0, done_run.stderr[-2000:]
     other = tmp_path / "runs" / "tiny_fp32"
@@ -122,5 +123,5 @@ def test_another_run_joins_the_table_without_repeating_a_file(
     first = json.loads((tiny_int8_run / "manifest.json").read_text())["stages"][0]
     again = json.loads((other / "manifest.json").read_text())["stages"][0]
     same = first["outputs"][0]["sha256"] == again["outputs"][0]["sha256"]
-    assert names[:2] == ["finetune", "fp32_onnx"] and "tiny_fp32/fp32_aoti" in names
+    assert names[:2] == ["finetune", "fp32_onnx"] and "tiny_fp32/fp32_ts" in names
     assert ("tiny_fp32/finetune" not in names) == same  # timed once when it is one file

@@ -35,17 +35,25 @@ def test_a_key_value_group_goes_with_its_query_heads_and_the_rest_is_untouched()
             a.k_proj.weight[8:16] *= 0.01
             a.v_proj.weight[8:16] *= 0.01
             a.q_proj.weight[16:32] *= 0.01
-            a.o_proj.weight[:, 16:32] *= 0.01
+            a.o_proj.weight[:, 16:32] = 0  # group 1 adds nothing to the output
     k_before, q_before = attn.k_proj.weight.clone(), attn.q_proj.weight.clone()
+    v_before, o_before = attn.v_proj.weight.clone(), attn.o_proj.weight.clone()
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        logits_before = model(input_ids=ids).logits
     assert prune_kv_groups(model, 1) == (4, 2)
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.weight.shape == (16, 48) and attn.q_proj.weight.shape == (32, 48)
     assert attn.o_proj.weight.shape == (48, 32)
     assert torch.equal(attn.k_proj.weight, torch.cat([k_before[:8], k_before[16:]]))
     assert torch.equal(attn.q_proj.weight, torch.cat([q_before[:16], q_before[32:]]))
+    assert torch.equal(attn.v_proj.weight, torch.cat([v_before[:8], v_before[16:]]))
+    assert torch.equal(attn.o_proj.weight, torch.cat([o_before[:, :16], o_before[:, 32:]], 1))
     assert model.config.head_dim == 8 and model.config.num_key_value_heads == 2
-    ids = torch.randint(0, 64, (2, 10))
-    assert model(input_ids=ids).logits.shape == (2, 10, 64)  # the attention still adds up
+    with torch.no_grad():  # the kept heads compute what they did, so the output is the same
+        logits_after = model(input_ids=ids).logits
+    assert logits_after.shape == (2, 10, 64)
+    torch.testing.assert_close(logits_after, logits_before, atol=1e-5, rtol=1e-5)
 
 
 def test_prune_lm_removes_the_share_asked_for_in_every_layer() -> None:

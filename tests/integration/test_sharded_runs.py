@@ -1,7 +1,7 @@
 """FSDP training under torchrun on this machine's 2 cores (gloo), on a tiny random Llama:
 2 ranks at batch B train what 1 process trains at batch 2B with half the parameter and
 optimizer bytes per rank, and a killed run resumes from its sharded checkpoint on 2
-processes, on 1, and from 1 process on 2."""
+processes (to the weights of a run never stopped), on 1, and from 1 process on 2."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import run_cli, start_and_kill, write_recipe
 
@@ -72,6 +73,29 @@ def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(
     m = _metrics(tmp_path, name)
     assert m["resumed_from_step"] >= step and m["train_steps"] == 80
     assert m["train_processes"] == after
+    if before == after:  # the same job resumed: the weights of a run never stopped
+        whole = run_cli("run", str(_recipe(tmp_path, tiny_llama_folder, "whole", max_steps=80,
+                                           checkpoint_every=10)), "--nproc", str(after))
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        assert _metrics(tmp_path, "whole")["resumed_from_step"] == 0
+        resumed, uninterrupted = (_weights(tmp_path, n) for n in (name, "whole"))
+        assert len(uninterrupted) > 10 and resumed.keys() == uninterrupted.keys()
+        assert any(not torch.equal(v, _weights_of(tiny_llama_folder).get(k, v))
+                   for k, v in uninterrupted.items())  # training moved them
+        for key, value in uninterrupted.items():
+            torch.testing.assert_close(resumed[key], value, atol=1e-6, rtol=1e-5, msg=key)
+
+
+def _weights(tmp_path: Path, name: str) -> dict:
+    """The final state dict a run's fine-tune stage saved."""
+    return _weights_of(tmp_path / "runs" / name / "00-finetune" / "model")
+
+
+def _weights_of(folder: Path) -> dict:
+    """The tensors of a model folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def test_distill_shards_the_student_with_bf16_and_activation_checkpointing(

@@ -4,6 +4,7 @@ tier (the same checks through Inductor-compiled decoders)."""
 from __future__ import annotations
 
 import queue
+import threading
 
 import torch
 
@@ -43,14 +44,20 @@ def alone(model, ids: list[int], new: int, sampling: Sampling | None = None) -> 
 
 
 class Collect:
-    """A row's tokens and end, as the batcher emits them."""
+    """A row's tokens and end, as the batcher emits them. With `hold_at`, the batcher's
+    thread waits in the emit of that many events until `release` is set: the row's position
+    stays put while the test submits the next (a race on a busy machine otherwise)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_at: int | None = None) -> None:
         self.events: queue.Queue = queue.Queue()
         self.tokens: list[int] = []
+        self.hold_at, self.emitted, self.release = hold_at, 0, threading.Event()
 
     def emit(self, token, end) -> None:
         self.events.put((token, end))
+        self.emitted += 1
+        if self.emitted == self.hold_at:
+            assert self.release.wait(60), "the test never released the batcher"
 
     def wait(self, timeout: float = 60) -> str:
         while True:
@@ -81,16 +88,17 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     batcher = batcher_of(model, compile_mode=compile_mode)
     rows = []
 
-    def submit(length: int, new: int, seed: int) -> Collect:
-        got = Collect()
+    def submit(length: int, new: int, seed: int, hold_at: int | None = None) -> Collect:
+        got = Collect(hold_at)
         ids = prompt(length, seed)
         batcher.submit(lm_batcher.Row(ids, new, got.emit))
         rows.append((ids, new, got))
         return got
 
-    first = submit(3, 20, 1)
+    first = submit(3, 20, 1, hold_at=2)
     first.wait_for(2)
-    second = submit(9, 12, 2)  # longer than the cursor: every row moves right
+    second = submit(9, 12, 2)  # longer than the cursor (5): every row moves right
+    first.release.set()
     second.wait_for(1)
     submit(5, 30, 3)
     submit(2, 6, 4)
@@ -98,9 +106,10 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     ends = [got.wait() if got not in (first, second) else None for _, _, got in rows]
     ends[0], ends[1] = first.wait(), second.wait()
     # a late row stays; the cursor would run past the cache for the next: rows move left
-    early = submit(2, 20, 6)
+    early = submit(2, 20, 6, hold_at=15)
     early.wait_for(15)
     late = submit(3, 40, 7)
+    early.release.set()
     late.wait_for(1)
     ends += [early.wait()]
     last = submit(3, 45, 8)

@@ -405,11 +405,18 @@ def benchmark_module(name: str):
 def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
     """tiny_onnx.mar behind `engine` with token authorization (the default), for a serving
     module's tests (a module serving something else defines its own `served`)."""
+    yield from serving(packaged_text_run / "03-package/tiny_onnx.mar", engine, 180)
+
+
+def serving(source: Path, engine: str, timeout_s: float):
+    """A fixture's body: `source` served by `engine` on a free port; its server info is
+    yielded, then the server is stopped and must be gone."""
     from compress.serving import server
 
-    target = server.resolve_target(packaged_text_run / "03-package/tiny_onnx.mar")
+    target = server.resolve_target(source)
     (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=180, echo=lambda _: None, engine=engine)
+    info = server.start(target, port=port, timeout_s=timeout_s, echo=lambda _: None,
+                        engine=engine)
     yield info
     server.stop(target.serve_dir)
     assert not server.process_alive(info["pid"])

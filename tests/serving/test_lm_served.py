@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import packaged_lm_run, run_cli
+from conftest import packaged_lm_run, run_cli, serving
 
 pytest.importorskip("ts")
 
@@ -39,12 +39,7 @@ def lm_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(lm_run: Path, state_dir, engine: str) -> dict:
-    target = server.resolve_target(lm_run)
-    (port,) = server.free_ports(1)
-    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None, engine=engine)
-    yield info
-    server.stop(target.serve_dir)
-    assert not server.process_alive(info["pid"])
+    yield from serving(lm_run, engine, 300)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import torch
 
 from serve.causal_lm import batcher as lm_batcher
 from serve.causal_lm.decode import Sampling, StaticDecoder
+from serve.causal_lm.prefill import Prefiller
 
 CACHE = 64
 
@@ -26,7 +27,10 @@ def varied_model():
     return LlamaForCausalLM(config).eval()
 
 
-def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None):
+def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
+               own_thread: bool = True, **prefill):
+    """A batcher of decoders (one per bucket, compiled in `compile_mode` where given), their
+    caches shared; `prefill`: the Prefiller's options (compiled with the decoders)."""
     decoders = {rows: StaticDecoder(model, CACHE, always_mask=True) for rows in sizes}
     if compile_mode:
         for decoder in decoders.values():
@@ -35,7 +39,8 @@ def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None):
         decoders[rows].generate([[0]] * rows, 2)
         if n == 0:
             lm_batcher.shared_caches(decoders)
-    return lm_batcher.ContinuousBatcher(decoders, StaticDecoder(model, CACHE), stop=set())
+    prefiller = Prefiller(model, CACHE, compiled=bool(compile_mode), **prefill)
+    return lm_batcher.ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread)
 
 
 def alone(model, ids: list[int], new: int, sampling: Sampling | None = None) -> list[int]:

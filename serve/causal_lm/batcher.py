@@ -5,18 +5,21 @@ step, and each row leaves when it is done.
 How rows share the cache: one `StaticCache` of `rows` slots and `cache_len` positions, every
 smaller bucket's cache a view of its first slots (`shared_caches`), so the step runs at the
 smallest compiled bucket that holds the highest busy slot and no row moves. All rows write
-their next token at one cursor position. A new row is prefilled alone (its own one-row
-cache), and its keys and values are copied to the positions just before the cursor, in a
-free slot; its mask opens its own positions only, and its rotary positions count from its
-own first token, so rows of any lengths decode together. When the cursor would run past the
-cache, every row's positions move left by the oldest row's start; a prompt longer than the
-cursor moves them right. A request that cannot fit waits for rows to leave; the first
-waiting request that fits goes in, unless the oldest has waited `patience` steps: then none
-passes it. At most `max_waiting` requests wait (`submit` raises `QueueFull` past it).
+their next token at one cursor position. The requests admitted at one turn are prefilled
+together, in chunks between decode steps (`prefill.py`: a prompt of 1,000 tokens does not
+freeze the running rows), and each one's keys and values are copied to the positions just
+before the cursor, in a free slot; its mask opens its own positions only, and its rotary
+positions count from its own first token, so rows of any lengths decode together. When the
+cursor would run past the cache, every row's positions move left by the oldest row's start;
+a prompt longer than the cursor moves them right. A request that cannot fit waits for rows
+to leave; the first waiting requests that fit go in, unless the oldest has waited `patience`
+steps: then none passes it. At most `max_waiting` requests wait (`submit` raises
+`QueueFull` past it).
 
 Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
 (max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
-prefill failed: that row alone; a decode step failed: every row in it).
+prefill failed: that row alone, a batch that failed is tried again row by row; a decode
+step failed: every row in it).
 
 Both of the handler's batching paths decode at bucket sizes (`buckets`: each compiles once);
 without continuous batching, a TorchServe batch decodes in `fitting_groups`.
@@ -35,6 +38,7 @@ import torch
 from .attention import attention
 from .buckets import buckets, fitting_groups, rows_of, shared_caches  # noqa: F401 (its API)
 from .decode import StaticDecoder, pick_tokens
+from .prefill import Prefiller, PrefillJob
 from .rows import CANCELLED, Emit, QueueFull, Row, send  # noqa: F401 (its API)
 
 logger = logging.getLogger(__name__)
@@ -44,19 +48,22 @@ logger = logging.getLogger(__name__)
 class ContinuousBatcher:
     """Decodes the rows of every submitted request on one thread, admitting new ones
     between steps. `decoders`: one per bucket size (compiled and warmed up), their caches
-    already shared (`shared_caches`); `prefill`: an uncompiled decoder of the same model;
-    `max_waiting`: the queue's bound; `patience`: decode steps the oldest waiting request
-    lets others that fit go first."""
+    already shared (`shared_caches`); `prefiller`: prefills admitted prompts (over the
+    same model and cache length); `max_waiting`: the queue's bound; `patience`: decode steps
+    the oldest waiting request lets others that fit go first."""
 
-    def __init__(self, decoders: dict[int, StaticDecoder], prefill: StaticDecoder,
+    def __init__(self, decoders: dict[int, StaticDecoder], prefiller: Prefiller,
                  stop: set[int], own_thread: bool = True, max_waiting: int = 64,
                  patience: int = 32):
-        self.decoders, self.prefill, self.stop = decoders, prefill, stop
+        self.decoders, self.prefiller, self.stop = decoders, prefiller, stop
         self.max_waiting, self.patience = max(1, max_waiting), max(0, patience)
         self.step_s = 0.05  # a decode step's time, averaged (`retry_after_s`)
         self.rows = max(decoders)
-        self.cache_len = prefill.max_cache_len
+        self.cache_len = prefiller.cache_len
         self.cache = decoders[self.rows].cache
+        self.job: PrefillJob | None = None  # the prompts being prefilled
+        self.retry: collections.deque[Row] = collections.deque()  # alone, after a batch failed
+        self.size = 0  # the bucket of the last step
         self.slots: list[Row | None] = [None] * self.rows
         self.cursor = 0  # the cache position every row writes next
         self.mask = torch.ones(self.rows, self.cache_len, dtype=torch.long)
@@ -98,9 +105,10 @@ class ContinuousBatcher:
             if row.cancelled or row.ended:
                 return
             row.cancelled = True
-            queued = row in self.waiting
-            if queued:
-                self.waiting.remove(row)
+            queue = next((q for q in (self.waiting, self.retry) if row in q), None)
+            queued = queue is not None
+            if queue is not None:
+                queue.remove(row)
                 row.ended = True
             self.wake.notify()
         if queued:
@@ -110,21 +118,33 @@ class ContinuousBatcher:
         """Rows decoding now."""
         return sum(r is not None for r in self.slots)
 
+    def idle(self) -> bool:
+        """Nothing waits, is prefilled or decodes."""
+        return not (self.waiting or self.retry or self.job or any(self.slots))
+
     def serve(self) -> None:
-        """Decode forever: admit waiting requests, step the busy rows."""
-        with torch.inference_mode(), attention(self.prefill.model, self.prefill.attention):
+        """Decode forever: admit waiting requests, prefill a chunk, step the busy rows."""
+        largest = self.decoders[self.rows]
+        with torch.inference_mode(), attention(largest.model, largest.attention):
             while True:
                 with self.wake:
-                    while not self.waiting and not any(self.slots):
+                    while self.idle():
                         self.wake.wait()
-                try:
-                    self._sweep()
-                    self._admit()
-                    if any(self.slots):
-                        self._step()
-                except Exception as exc:  # noqa: BLE001 (fail the rows, keep serving)
-                    logger.exception("compress batcher: a step failed")
-                    self._fail_all(f"error: {type(exc).__name__}: {exc}")
+                self.turn()
+
+    def turn(self) -> None:
+        """One turn of `serve`: free cancelled rows, start a prefill, run its next chunk
+        (its rows join when it ends), one decode step of the busy rows."""
+        try:
+            self._sweep()
+            self._admit()
+            if self.job is not None:
+                self._prefill_chunk()
+            if any(self.slots):
+                self._step()
+        except Exception as exc:  # noqa: BLE001 (fail the rows, keep serving)
+            logger.exception("compress batcher: a step failed")
+            self._fail_all(f"error: {type(exc).__name__}: {exc}")
 
     def _sweep(self) -> None:
         """Free the slots of cancelled rows."""
@@ -133,46 +153,96 @@ class ContinuousBatcher:
                 self._leave(slot, CANCELLED)
 
     def _admit(self) -> None:
-        """Prefill waiting requests into free slots while any fits: the oldest that fits
-        first, none past the oldest once it has waited `patience` steps."""
-        while None in self.slots:
-            with self.wake:
-                waiting = list(self.waiting)
-            if not waiting:
-                return
-            if self.steps - waiting[0].queued >= self.patience:
-                waiting = waiting[:1]  # the oldest has waited long enough: it goes next
-            row = next((r for r in waiting if self._place(len(r.ids), r.max_new_tokens)), None)
-            if row is None:
-                return
-            with self.wake:
-                if row not in self.waiting:  # cancelled meanwhile
-                    continue
-                self.waiting.remove(row)
-            try:
-                self._place(len(row.ids), row.max_new_tokens, move=True)
-            except Exception as exc:  # the cache may be torn: every row fails (`serve`)
-                self._end(row, f"error: {type(exc).__name__}: {exc}")
-                raise
-            self._prefill(self.slots.index(None), row)
-
-    def _prefill(self, slot: int, row: Row) -> None:
-        """Run a row's prompt and place it in `slot`; a failure ends this row alone."""
-        row.admitted = time.perf_counter()
-        try:
-            logits = self.prefill.prefill(row.ids)
-            length = len(row.ids)
-            row.start = self.cursor - length
-            for mine, one in zip(self.cache.layers, self.prefill.cache.layers, strict=True):
-                mine.keys[slot, :, row.start:self.cursor] = one.keys[0, :, :length]
-                mine.values[slot, :, row.start:self.cursor] = one.values[0, :, :length]
-            self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
-            token = int(pick_tokens(logits, [row.sampling], [row.generator])[0])
-        except Exception as exc:  # noqa: BLE001 (this request fails, the others go on)
-            logger.exception("compress batcher: a prefill failed")
-            self._end(row, CANCELLED if row.cancelled else
-                      f"error: {type(exc).__name__}: {exc}")
+        """Start prefilling waiting requests, as many as there are free slots and they fit:
+        the oldest that fit first, none past the oldest once it has waited `patience` steps
+        (a request whose batch failed goes again alone, first)."""
+        if self.job is not None:
             return
+        free = self.slots.count(None)
+        if not free:
+            return
+        if self.retry:
+            self._start([self.retry.popleft()])
+            return
+        with self.wake:
+            waiting = list(self.waiting)
+        if not waiting:
+            return
+        if self.steps - waiting[0].queued >= self.patience:
+            waiting = waiting[:1]  # the oldest has waited long enough: it goes next
+        chosen = [r for r in waiting if self._place(len(r.ids), r.max_new_tokens)][:free]
+        with self.wake:
+            chosen = [r for r in chosen if r in self.waiting]  # not cancelled meanwhile
+            for row in chosen:
+                self.waiting.remove(row)
+        if chosen:
+            self._start(chosen)
+
+    def _start(self, rows: list[Row]) -> None:
+        """Begin prefilling `rows` together (positions a prompt shares with a cached one
+        copied in); a failure ends them (`_prefill_failed`)."""
+        began = time.perf_counter()
+        for row in rows:
+            row.admitted = began
+        try:
+            self.job = self.prefiller.start(rows)
+        except Exception as exc:  # noqa: BLE001 (these requests fail, the others go on)
+            self._prefill_failed(rows, exc)
+
+    def _prefill_chunk(self) -> None:
+        """The job's next chunk (all of it where no row decodes); its rows join once done."""
+        job = self.job
+        assert job is not None
+        try:
+            self.prefiller.step(job, whole=not any(self.slots))
+        except Exception as exc:  # noqa: BLE001 (these requests fail, the others go on)
+            self.job = None
+            self._prefill_failed(job.rows, exc)
+            return
+        if not job.finished:
+            return
+        self.job = None
+        for index, row in enumerate(job.rows):
+            self._join(job, index, row)
+
+    def _prefill_failed(self, rows: list[Row], exc: Exception) -> None:
+        """A batch's rows go again one at a time; a row alone ends with the error."""
+        if len(rows) > 1:
+            logger.warning("compress batcher: a prefill of %d rows failed (%s: %s); each "
+                           "goes again alone", len(rows), type(exc).__name__, exc)
+            self.retry.extend(rows)
+            return
+        logger.error("compress batcher: a prefill failed", exc_info=exc)
+        self._end(rows[0], CANCELLED if rows[0].cancelled else
+                  f"error: {type(exc).__name__}: {exc}")
+
+    def _join(self, job: PrefillJob, index: int, row: Row) -> None:
+        """Place a prefilled row in a free slot (its keys and values copied just before the
+        cursor) and give it its first token; back to the front of the queue where it no
+        longer fits (its prompt is cached: prefilling it again is cheap)."""
+        if row.cancelled:
+            self._end(row, CANCELLED)
+            return
+        length = len(row.ids)
+        if None not in self.slots or not self._place(length, row.max_new_tokens):
+            with self.wake:
+                self.waiting.appendleft(row)
+            return
+        try:
+            self._place(length, row.max_new_tokens, move=True)
+        except Exception as exc:  # the cache may be torn: every row fails (`turn`)
+            self._end(row, f"error: {type(exc).__name__}: {exc}")
+            raise
+        slot = self.slots.index(None)
+        row.start = self.cursor - length
+        keys, values = self.prefiller.keys_values(job, index)
+        for mine, k, v in zip(self.cache.layers, keys, values, strict=True):
+            mine.keys[slot, :, row.start:self.cursor] = k[0]
+            mine.values[slot, :, row.start:self.cursor] = v[0]
+        self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+        assert job.logits is not None
+        token = int(pick_tokens(job.logits[index:index + 1], [row.sampling],
+                                [row.generator])[0])
         self.slots[slot] = row
         self._take(slot, token)
 
@@ -224,8 +294,10 @@ class ContinuousBatcher:
         tokens = torch.tensor([[r.tokens[-1] if r else 0] for r in rows])
         positions = torch.tensor([[self.cursor - r.start if r else 0] for r in rows])
         began = time.perf_counter()
+        # Dynamo's guards are checked in full where the bucket changes (`StaticDecoder._stance`)
         logits = self.decoders[size].decode_step(tokens, self.cursor, positions,
-                                                 self.mask[:size], first=self.steps == 0)
+                                                 self.mask[:size], first=size != self.size)
+        self.size = size
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - began)
         self.cursor += 1
         self.steps += 1
@@ -269,6 +341,9 @@ class ContinuousBatcher:
         send(row, None, reason)
 
     def _fail_all(self, reason: str) -> None:
+        job, self.job = self.job, None
+        for row in job.rows if job else ():
+            self._end(row, reason)
         for slot in range(self.rows):
             self._leave(slot, reason)
 

@@ -206,21 +206,29 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
 
 
 def quantize_grouped(model: nn.Module, group_size: int,
-                     filter_fn: Callable[[nn.Module, str], bool], bits: int = 8) -> int:
+                     filter_fn: Callable[[nn.Module, str], bool], bits: int = 8,
+                     fit: bool = True) -> int:
     """Replace the Linears of `model` that `filter_fn(module, name)` picks (torchao
-    `quantize_`'s filter) by `GroupedLinear`s in place; how many were replaced."""
+    `quantize_`'s filter) by `GroupedLinear`s in place; how many were replaced. `fit=False`:
+    empty modules of the same shapes, for weights loaded next from a state dict (fitting
+    weights about to be replaced took 30 of a worker's 42 s start)."""
     chosen = [(name, module) for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and filter_fn(module, name)]
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GroupedLinear.from_linear(linear, group_size, bits))
+        setattr(parent, child, GroupedLinear.from_linear(linear, group_size, bits) if fit else
+                GroupedLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                              group_size, bits))
     return len(chosen)
 
 
-def quantize_embedding(model: nn.Module, group_size: int) -> None:
+def quantize_embedding(model: nn.Module, group_size: int, fit: bool = True) -> None:
     """The input embedding of a Hugging Face model as a `GroupedEmbedding`, in place
-    (untie the output head from it first)."""
+    (untie the output head from it first; `fit`: as `quantize_grouped`'s)."""
     table = model.get_input_embeddings()
     if isinstance(table, nn.Embedding):
-        model.set_input_embeddings(GroupedEmbedding.from_embedding(table, group_size))
+        rows, width = table.weight.shape
+        model.set_input_embeddings(GroupedEmbedding.from_embedding(table, group_size) if fit
+                                   else GroupedEmbedding(GroupedLinear(width, rows, False,
+                                                                       group_size)))

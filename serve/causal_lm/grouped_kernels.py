@@ -5,10 +5,14 @@ first use for this CPU (shipped beside `runtime.py`; imports torch only):
 offsets stored as float16, where they all are float16 values).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
-by default ~/.cache/torch_extensions), under a name that carries the CPU's vector flags, so a
-cache moved to another CPU builds again; it needs a C++ compiler and ninja (`pip install
-ninja`, in the `llm` extra). Where they are not at hand, `grouped_mm_available` says False
-(with the reason in `build_error`) and the modules fall back to torch operations.
+by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
+and the CPU's vector flags, so a cache moved to another CPU builds again; it needs a C++
+compiler and ninja (`pip install ninja`, in the `llm` extra). A library of that name lying
+beside this file (`shipped_library`: a TorchServe archive carries the one built where it was
+packaged) is loaded instead: a worker on the same CPU starts without the 13-15 s build, and
+one on another CPU, whose name differs, builds its own. Where they are not at hand,
+`grouped_mm_available` says False (with the reason in `build_error`) and the modules fall
+back to torch operations.
 """
 
 from __future__ import annotations
@@ -40,8 +44,29 @@ def _build_name(flags: set[str]) -> tuple[str, list[str]]:
     vector = sorted(f for f in flags if f.startswith(("avx512", "avx2", "fma")))
     # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one core
     cflags = ["-O3", "-fopenmp"] + (["-march=native"] if vector else [])
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(vector + cflags).encode())
+    digest = hashlib.sha1(SOURCE.read_bytes()
+                          + " ".join([*vector, *cflags, torch.__version__]).encode())
     return f"compress_lm_grouped_{digest.hexdigest()[:12]}", cflags
+
+
+def shipped_library(folder: Path | None = None) -> Path:
+    """Where the library built for this CPU lies when it ships beside the source (in
+    `folder`, by default this file's)."""
+    name, _ = _build_name(_cpu_flags())
+    return (folder or SOURCE.parent) / f"{name}.so"
+
+
+def built_library() -> Path | None:
+    """The library this process built or loaded from the extensions cache (None where the
+    kernels are not at hand): what a package ships as `shipped_library`."""
+    if not grouped_mm_available():
+        return None
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name, _ = _build_name(_cpu_flags())
+    library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    return library if library.is_file() else shipped_library() if shipped_library().is_file() \
+        else None
 
 
 def grouped_mm_available() -> bool:
@@ -62,6 +87,10 @@ def _load() -> bool:
     if os.environ.get("COMPRESS_NO_KERNELS"):
         _state["error"] = "COMPRESS_NO_KERNELS is set"
         return False
+    if shipped_library().is_file():
+        torch.ops.load_library(str(shipped_library()))
+        _register_fake()
+        return True
     from torch.utils.cpp_extension import load
 
     scripts = Path(sys.executable).parent  # pip's ninja, where this environment is not on PATH

@@ -21,7 +21,6 @@ largest max_new_tokens would not fit is decoded in parts), run at the next bucke
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import os
@@ -35,8 +34,10 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from . import batcher as lm_batcher
+from . import compiled_graphs as lm_graphs
 from . import openai as lm_openai
 from . import pipeline as lm_pipeline
+from . import prefill as lm_prefill
 from . import replies as lm_replies
 from . import requests as lm_requests
 from . import runtime as lm_runtime
@@ -117,41 +118,29 @@ class CausalLMHandler(BaseHandler):
             int(settings.get("max_new_tokens", 256)), int(settings.get("default_new_tokens", 64)),
             cache_len, bool(settings.get("chat_template", True)),
             lm_requests.prompt_chars_bound(self.lm.tokenizer, cache_len))
-        self.decoders = {}
         mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
+        if mode != "none":
+            logger.info("%s%s", PROGRESS, lm_graphs.use_shipped(model_dir / lm_graphs.FOLDER))
         rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
                 if self.continuous else int(config.get("batchSize", 1)))
-        sizes = lm_batcher.buckets(rows)
-        # every bucket's decoder compiles the same step function: one graph each
-        torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))
-        for rows in sizes:
-            if self.pipe is not None:  # micro-batches: one a rank where the rows divide;
-                # rank 0 alone gets the requests and leads every generation
-                decoder = lm_pipeline.PipelineDecoder(self.pipe, self.limits.cache_len,
-                                                      self.ranks, lead=True)
-            else:
-                decoder = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len,
-                                                   always_mask=True)
-            self.decoders[rows] = decoder.compile(mode) if mode != "none" else decoder
-        # compiling a decoder drops the graphs of those before it (StaticDecoder.compile):
-        # warm them up only once all are built, so each compiles once, now, not on a request
-        # (the largest first: the others' caches are views of its cache when continuous)
-        for n, rows in enumerate(sorted(self.decoders, reverse=True), 1):
-            decoder = self.decoders[rows]
-            logger.info("%s%s bucket %d of %d (%d rows)", PROGRESS,
-                        "compiling" if decoder.compiled else "warming up", n, len(sizes), rows)
-            decoder.generate([[0]] * rows, 2)
-            if self.continuous and n == 1:
-                lm_batcher.shared_caches(self.decoders)
+        # micro-batches: one a rank where the rows divide; rank 0 alone gets the requests
+        # and leads every generation
+        make = (lambda: lm_pipeline.PipelineDecoder(self.pipe, cache_len, self.ranks,
+                                                    lead=True)) if self.pipe else None
+        self.decoders = lm_graphs.build_decoders(self.lm.model, lm_batcher.buckets(rows),
+                                                 cache_len, mode,
+                                                 bool(settings.get("cpp_wrapper")), make)
+        lm_graphs.warm_up(self.decoders, self.continuous,
+                          lambda line: logger.info("%s%s", PROGRESS, line))
         if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0
             lm_pipeline.follow(self.decoders[max(self.decoders)])
         if self.continuous:  # its loop runs on this thread (`_torch_thread`)
-            prefill = lm_runtime.StaticDecoder(self.lm.model, self.limits.cache_len)
-            bound = ({"max_waiting": int(settings.get("max_waiting", 64))}  # a bounded queue
-                     if "max_waiting" in inspect.signature(lm_batcher.ContinuousBatcher).parameters
-                     else {})
-            self.batcher = lm_batcher.ContinuousBatcher(self.decoders, prefill, self.stop,
-                                                        own_thread=False, **bound)
+            prefiller = lm_prefill.prefiller_of(self.lm.model, settings, self.limits.cache_len,
+                                                compiled=mode != "none")
+            self.batcher = lm_batcher.ContinuousBatcher(
+                self.decoders, prefiller, self.stop, own_thread=False,
+                max_waiting=int(settings.get("max_waiting", 64)))
+            prefiller.warm_up()
             self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.lm.facts.get("scheme") or self.lm.facts.get("dtype"),

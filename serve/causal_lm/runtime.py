@@ -18,6 +18,7 @@ names this module re-exports. From a shell:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,28 +94,30 @@ def untie_head(model: nn.Module) -> nn.Module | None:
 
 
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
-                     head_scheme: str | None = None) -> nn.Module:
+                     head_scheme: str | None = None, fit: bool = True) -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float, except under
-    the grouped schemes, which store it as int8 groups too)."""
+    the grouped schemes, which store it as int8 groups too). `fit=False`, grouped schemes:
+    modules of the right shapes only, their weights loaded next (`load_folder`)."""
     head = untie_head(model)
-    _apply(model, scheme, group_size, head=False)
+    _apply(model, scheme, group_size, head=False, fit=fit)
     if scheme in GROUPED_BITS:  # its float32 activations leave a float32 table otherwise
-        quantize_embedding(model, group_size)
+        quantize_embedding(model, group_size, fit)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
-        _apply(model, head_scheme, group_size, head=True)
+        _apply(model, head_scheme, group_size, head=True, fit=fit)
     return model
 
 
-def _apply(model: nn.Module, scheme: str, group_size: int, head: bool) -> None:
+def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
+           fit: bool = True) -> None:
     """`scheme` on the output projection (`head`) or on every other Linear."""
     def chosen(module: nn.Module, name: str) -> bool:
         return (name == "lm_head") if head else (isinstance(module, nn.Linear)
                                                   and name != "lm_head")
 
     if scheme in GROUPED_BITS:
-        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme])
+        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit)
         return
     from torchao.quantization import quantize_
 
@@ -134,9 +137,11 @@ def load_folder(folder: str | Path) -> LoadedLM:
     if not facts.get("scheme"):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+        with _no_init():  # every weight comes from model.pt
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
+                                                     dtype=dtype)
         quantize_weights(model, facts["scheme"], facts.get("group_size") or 32,
-                         facts.get("head_scheme") or facts["scheme"])
+                         facts.get("head_scheme") or facts["scheme"], fit=False)
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
         if (folder / "generation_config.json").is_file():
@@ -144,6 +149,16 @@ def load_folder(folder: str | Path) -> LoadedLM:
 
             model.generation_config = GenerationConfig.from_pretrained(folder)
     return LoadedLM(model.eval(), tokenizer, facts)
+
+
+def _no_init() -> Any:
+    """transformers' context that skips the random init of weights loaded next (a no-op
+    where this transformers lacks it)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def stop_ids(model: nn.Module, tokenizer: Any) -> set[int]:

@@ -15,6 +15,7 @@ import torch
 
 from serve.causal_lm import batcher as lm_batcher
 from serve.causal_lm.decode import StaticDecoder
+from serve.causal_lm.prefill import Prefiller
 
 CACHE = 64
 
@@ -34,7 +35,7 @@ def make_batcher(model, sizes=(1, 2, 4), stop: set[int] | None = None,
         decoders[rows].generate([[0]] * rows, 2)
         if n == 0:
             lm_batcher.shared_caches(decoders)
-    return lm_batcher.ContinuousBatcher(decoders, StaticDecoder(model, CACHE),
+    return lm_batcher.ContinuousBatcher(decoders, Prefiller(model, CACHE),
                                         stop=stop or set(), **options)
 
 
@@ -133,14 +134,14 @@ def test_an_end_token_ends_its_row_and_max_new_tokens_the_other(model) -> None:
 def test_a_prefill_that_fails_ends_its_own_row_alone(model) -> None:
     bad = prompt(6, 99)
     batcher = make_batcher(model)
-    prefill = batcher.prefill.prefill
+    prefill = batcher.prefiller.step
 
-    def failing(ids):
-        if list(ids) == bad:
+    def failing(job, whole):
+        if any(row.ids == bad for row in job.rows):
             raise RuntimeError("this prompt breaks the model")
-        return prefill(ids)
+        return prefill(job, whole)
 
-    batcher.prefill.prefill = failing
+    batcher.prefiller.step = failing
     gate = Gate(batcher)
     good = [submit(batcher, prompt(4 + i, i), 20) for i in range(2)]
     gate.run(3)  # both decode; then the bad one arrives between steps
@@ -199,14 +200,14 @@ def test_cancel_ends_a_row_in_any_state_once_and_frees_its_slot(model) -> None:
 
     # mid-prefill: the row is cancelled while its prompt runs; it never decodes
     started, release = threading.Event(), threading.Event()
-    prefill = batcher.prefill.prefill
+    prefill = batcher.prefiller.step
 
-    def slow(ids):
+    def slow(job, whole):
         started.set()
         release.wait(10)
-        return prefill(ids)
+        return prefill(job, whole)
 
-    batcher.prefill.prefill = slow
+    batcher.prefiller.step = slow
     middle = submit(batcher, prompt(6, 61), 10)
     gate.open()
     assert started.wait(10)
@@ -221,7 +222,7 @@ def test_cancel_ends_a_row_in_any_state_once_and_frees_its_slot(model) -> None:
         batcher.cancel(row)
         got.drain()
         assert got.ends == ["cancelled"], got.ends
-    batcher.prefill.prefill = prefill
+    batcher.prefiller.step = prefill
     after = submit(batcher, prompt(5, 62), 8)
     assert after[1].wait() == "length" and after[1].tokens == alone(model, after[0].ids, 8)
 
@@ -275,12 +276,14 @@ def test_a_slot_freed_inside_the_bucket_never_poisons_the_next_row(model) -> Non
         batcher.submit(lm_batcher.Row(ids, new, got.emit))
         rows[name] = (ids, new, got)
         batcher._admit()
+        batcher._prefill_chunk()  # a short prompt: one chunk, and it joins
 
     def step_until(done) -> None:
         while not done():
             batcher._step()
 
-    with torch.inference_mode(), attention(batcher.prefill.model, batcher.prefill.attention):
+    largest = batcher.decoders[batcher.rows]
+    with torch.inference_mode(), attention(largest.model, largest.attention):
         submit("long", 40)  # slot 0 from position 0
         step_until(lambda: batcher.cursor >= 34)
         submit("short", 2)  # slot 1, starting at 30

@@ -231,14 +231,14 @@ def test_an_error_after_the_first_chunk_is_an_event_and_a_line(handler, monkeypa
 def test_a_failed_prefill_ends_that_request_alone(handler, monkeypatch) -> None:
     lm = handler.lm
     bad = lm_runtime.prompt_ids(lm.tokenizer, "a broken prompt", chat_template=False)
-    prefill = handler.batcher.prefill.prefill
+    prefill = handler.batcher.prefiller.step
 
-    def failing(ids):
-        if list(ids) == bad:
+    def failing(job, whole):
+        if any(row.ids == bad for row in job.rows):
             raise RuntimeError("prefill broke")
-        return prefill(ids)
+        return prefill(job, whole)
 
-    monkeypatch.setattr(handler.batcher.prefill, "prefill", failing)
+    monkeypatch.setattr(handler.batcher.prefiller, "step", failing)
     prompts = ["the film was", "a broken prompt", "hi there"]
     data, context, _ = batch([{"prompt": p, "max_new_tokens": 8, "stream": False}
                               for p in prompts])

@@ -12,7 +12,8 @@ from compress.recipe.registry import StageSpec, register, spec_of
 from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_problems
 
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
-LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "tensor_parallel",
+LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
+              "precompile", "prefill_chunk", "prefix_cache", "tensor_parallel",
               "pipeline_parallel", "oversubscribe")
 
 
@@ -69,8 +70,22 @@ class PackageConfig(StrictModel):
         "machine has cores (they share them and run slower).")
     decode_compile: Literal["none", "default", "max-autotune"] | None = Field(
         None, description="Causal LMs: torch.compile mode of the served decode step, each "
-        "batch-size bucket compiled as the worker starts (default: the model's, set by a "
-        "compile stage, else none).")
+        "batch-size bucket compiled once (default: the model's, set by a compile stage, else "
+        "none).")
+    decode_cpp_wrapper: bool = Field(
+        True, description="Causal LMs, decode_compile: Inductor writes the step's wrapper in "
+        "C++ (less Python between tokens, as benchmarks/peers_llm.py measures it).")
+    precompile: bool = Field(
+        True, description="Causal LMs, decode_compile, continuous batching: compile the "
+        "served graphs here and ship them in the archive, so that a worker on the same CPU "
+        "and torch starts in seconds (on another it compiles afresh).")
+    prefill_chunk: int = Field(
+        32, ge=1, description="Causal LMs, continuous batching: prompt positions prefilled "
+        "between two decode steps of the running rows (a long prompt does not freeze them).")
+    prefix_cache: bool | int = Field(
+        True, description="Causal LMs, continuous batching: reuse the keys and values of "
+        "prompt prefixes seen before (true: up to 4 x cache_len positions; a number: that "
+        "many; false: off).")
 
 
 def export_stage_index(recipe: Any, i: int) -> int:

@@ -10,19 +10,28 @@ by its file name from the archive's root)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
+from collections import deque
 from pathlib import Path
 
+from compress.errors import CompressError
 from compress.recipe.kinds.package import PackageConfig, lm_new_tokens
 from compress.serving.archive import SERVE
 from compress.stages.context import StageContext, State
 from compress.stages.package import archive
+from serve.causal_lm import grouped_kernels
+from serve.causal_lm.compiled_graphs import FOLDER
 from serve.worker_threads import worker_threads
 
 PACKAGE = SERVE / "causal_lm"  # `causal_lm/` in the archive
 LM_MODULES = tuple(PACKAGE / f"{name}.py"  # the handler's, added to the export's package
                    for name in ("handler", "requests", "replies", "openai", "batcher",
-                                "rows", "buckets"))
+                                "rows", "buckets", "prefill", "prefix_cache",
+                                "compiled_graphs"))
 ENTRY = "generation_handler.py"
 ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):
 TorchServe and LitServe import it by its file name and take the one class defined in it."""
@@ -48,7 +57,8 @@ def handler_settings(cfg: PackageConfig, ctx: StageContext, export_dir: Path) ->
             "max_new_tokens": limit, "default_new_tokens": min(DEFAULT_NEW_TOKENS, limit),
             "cache_len": cache_len,
             "compile": cfg.decode_compile or facts.get("compile") or "none",
-            "chat_template": ctx.recipe.data.chat_template}
+            "cpp_wrapper": cfg.decode_cpp_wrapper, "prefill_chunk": cfg.prefill_chunk,
+            "prefix_cache": cfg.prefix_cache, "chat_template": ctx.recipe.data.chat_template}
 
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
@@ -74,10 +84,35 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
                        cache_len=handler["cache_len"], decode_compile=handler["compile"])
     tree, entry = archive_tree(export_dir, ctx.folder / ".archive_tree")
     try:
+        if cfg.precompile and handler["compile"] != "none" and "rows" in handler:
+            precompile(tree, export_dir, handler, ctx)
         return archive(state, cfg, ctx, handler, entry, (), LM_SERVED_METRICS, settings,
                        trees=(tree,))
     finally:
         shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def precompile(tree: Path, export_dir: Path, handler: dict, ctx: StageContext) -> None:
+    """Compile the graphs a worker of this archive serves, in a process of its own over the
+    archive's `causal_lm` package and an empty Inductor cache, into the archive's
+    `compiled_graphs/` (serve/causal_lm/compiled_graphs.py); its lines go to the log."""
+    began = time.perf_counter()
+    command = [sys.executable, "-m", "causal_lm.compiled_graphs", str(export_dir),
+               json.dumps(handler), str(tree / FOLDER)]
+    env = os.environ | {"PYTHONPATH": str(tree), "TORCHINDUCTOR_CACHE_DIR": ""}
+    with subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as child:
+        lines = deque(maxlen=20)
+        for line in child.stdout or ():
+            lines.append(line.rstrip())
+            if line.startswith("precompile:"):
+                ctx.log(f"package: {line[len('precompile:'):].strip()} "
+                        f"({time.perf_counter() - began:.0f} s)")
+    if child.returncode:
+        raise CompressError("package: compiling the served graphs failed (set precompile: "
+                            "false to compile them as the worker starts):\n"
+                            + "\n".join(lines))
+    ctx.metrics.update(precompile_s=round(time.perf_counter() - began, 1))
 
 
 def archive_tree(export_dir: Path, folder: Path) -> tuple[Path, Path]:
@@ -90,6 +125,9 @@ def archive_tree(export_dir: Path, folder: Path) -> tuple[Path, Path]:
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for module in LM_MODULES:
         shutil.copy2(module, package / module.name)
+    library = grouped_kernels.built_library()  # this CPU's build, used where it matches
+    if library is not None:
+        shutil.copy2(library, grouped_kernels.shipped_library(package))
     entry = folder / ENTRY
     entry.write_text(ENTRY_SOURCE)
     return tree, entry

@@ -1,0 +1,171 @@
+"""How the continuous batcher (`batcher.py`) prefills prompts: the requests admitted at one
+step as one batch (left-padded, each row's rotary positions from its own first token), in
+chunks of positions interleaved with the running rows' decode steps, through one compiled
+graph whose rows and chunk length are dynamic (where the decode step is compiled). With a
+prefix cache (`prefix_cache.py`), the positions a prompt shares with one prefilled before
+are copied in once, not computed. Torch and transformers only; shipped in `causal_lm`."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .decode import left_pad
+from .prefix_cache import PrefixCache
+from .rows import Row
+
+
+def prefill_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
+                  position_ids: torch.Tensor, mask: torch.Tensor,
+                  last_only: bool) -> torch.Tensor:
+    """The last position's logits (rows x vocab) of a chunk of `ids` (rows x chunk) written
+    to `cache` at `positions` (the cache's write position must be set there)."""
+    extra = {"logits_to_keep": 1} if last_only else {}
+    out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
+                attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
+    return out.logits[:, -1]
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """Rows being prefilled together: their prompts left-padded to one length."""
+
+    rows: list[Row]
+    ids: torch.Tensor  # rows x length
+    pads: list[int]
+    done: int = 0  # positions written so far
+    logits: torch.Tensor | None = None  # the last position's, once done
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.length
+
+
+def _size_oblivious(compiled: bool) -> Any:
+    """Where the graph compiles, sizes of 1 take its general path rather than a graph of
+    their own (a prefill of one row is the common one; Dynamo specializes sizes 0 and 1)."""
+    if not compiled:
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config
+
+    return _config.patch(backed_size_oblivious=True)
+
+
+class Prefiller:
+    """Prefills `PrefillJob`s over caches of its own (one per row count, `cache_len`
+    positions), `chunk` positions at a time where others are waiting; `compiled`: through
+    torch.compile, rows and chunk length dynamic (one graph)."""
+
+    def __init__(self, model: nn.Module, cache_len: int, chunk: int = 32,
+                 prefix_cache: PrefixCache | None = None, compiled: bool = False,
+                 last_only: bool = True):
+        self.model, self.cache_len, self.chunk = model, cache_len, max(1, chunk)
+        self.prefix_cache, self.last_only = prefix_cache, last_only
+        self.caches: dict[int, Any] = {}
+        self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
+        self.compiled = compiled
+
+    def warm_up(self) -> None:
+        """Prefill two rows, then one, so that the compiled graphs (rows of 1 have their
+        own) compile now, not on a request; nothing is cached."""
+        for rows in (2, 1):
+            job = self.start([Row([0, 0, 0], 1, lambda token, end: None)] * rows)
+            self.step(job, whole=True)
+
+    def start(self, rows: list[Row]) -> PrefillJob:
+        """A job for `rows`, with the positions their prompts share with cached ones filled."""
+        ids, _, pads = left_pad([r.ids for r in rows])
+        job = PrefillJob(rows, ids, pads.tolist())
+        cache = self._cache(len(rows))
+        hits = [self.prefix_cache.lookup(r.ids) if self.prefix_cache else None for r in rows]
+        for slot, (hit, pad) in enumerate(zip(hits, job.pads, strict=True)):
+            if hit is not None:
+                for layer, keys, values in zip(cache.layers, hit.keys, hit.values, strict=True):
+                    layer.keys[slot, :, pad:pad + hit.length] = keys
+                    layer.values[slot, :, pad:pad + hit.length] = values
+        job.done = min(pad + (hit.length if hit else 0)
+                       for pad, hit in zip(job.pads, hits, strict=True))
+        return job
+
+    def step(self, job: PrefillJob, whole: bool) -> None:
+        """Prefill the job's next chunk (`whole`: every position left, where no row is
+        waiting for a decode step)."""
+        end = job.length if whole else min(job.length, job.done + self.chunk)
+        if self.compiled and end - job.done < 2 < job.length:
+            end = min(job.length, job.done + 2)  # the graph's chunks are 2 or longer
+            job.done = end - 2
+        cache = self.caches[len(job.rows)]
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(job.done)
+        positions = torch.arange(job.done, end)
+        pads = torch.tensor(job.pads)
+        position_ids = (positions[None] - pads[:, None]).clamp(min=0)
+        mask = (torch.arange(self.cache_len)[None] >= pads[:, None]).long()
+        ids = job.ids[:, job.done:end]
+        if self.compiled:  # rows: one graph for 1, one for more (matmul tells them apart)
+            for tensor in (ids, position_ids, mask):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.cache_len)
+            torch._dynamo.mark_dynamic(position_ids, 1, min=2, max=self.cache_len)
+            torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.cache_len)
+        with _size_oblivious(self.compiled):
+            job.logits = self.run(self.model, cache, ids, positions, position_ids, mask,
+                                  self.last_only)
+        job.done = end
+        if job.finished and self.prefix_cache is not None:
+            for slot, row in enumerate(job.rows):
+                keys, values = self.keys_values(job, slot)
+                self.prefix_cache.store(row.ids, [k[0] for k in keys], [v[0] for v in values])
+
+    def keys_values(self, job: PrefillJob, slot: int
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A finished row's keys and values, per layer 1 x heads x prompt x dim (views)."""
+        pad, cache = job.pads[slot], self.caches[len(job.rows)]
+        return ([layer.keys[slot:slot + 1, :, pad:job.length] for layer in cache.layers],
+                [layer.values[slot:slot + 1, :, pad:job.length] for layer in cache.layers])
+
+    def _cache(self, rows: int) -> Any:
+        """The cache for `rows` rows, zeroed: its tensors plain graph inputs, their rows
+        dynamic, so one compiled graph serves every count (transformers marks them static
+        addresses, which a graph would take for constants)."""
+        if rows not in self.caches:
+            from transformers import StaticCache
+
+            cache = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+            config = self.model.config
+            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            dim = getattr(config, "head_dim", None) or config.hidden_size // \
+                config.num_attention_heads
+            dtype = getattr(self.model, "dtype", torch.float32)
+            cache.early_initialization(rows, heads, dim, dtype, torch.device("cpu"))
+            for layer in cache.layers:
+                for tensor in (layer.keys, layer.values):
+                    if hasattr(tensor, "_dynamo_static_input_type"):
+                        del tensor._dynamo_static_input_type
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                if hasattr(layer.cumulative_length, "_dynamo_static_input_type"):
+                    del layer.cumulative_length._dynamo_static_input_type
+            self.caches[rows] = cache
+        return self.caches[rows]
+
+
+def prefiller_of(model: nn.Module, settings: dict[str, Any], cache_len: int,
+                 compiled: bool) -> Prefiller:
+    """The handler's prefiller from model-config's `handler:` settings: `prefill_chunk`
+    (positions a chunk, default 32), `prefix_cache` (true, false, or the positions it
+    holds; true: 4 x cache_len), `prefill_compile` (default: where the decode step is)."""
+    held = settings.get("prefix_cache", True)
+    tokens = 4 * cache_len if held is True else int(held or 0)
+    return Prefiller(model, cache_len, int(settings.get("prefill_chunk", 32)),
+                     PrefixCache(tokens) if tokens else None,
+                     bool(settings.get("prefill_compile", compiled)),
+                     "logits_to_keep" in inspect.signature(model.forward).parameters)

@@ -9,6 +9,7 @@ import threading
 import torch
 
 from serve.causal_lm import batcher as lm_batcher
+from serve.causal_lm.compiled_graphs import warm_up
 from serve.causal_lm.decode import Sampling, StaticDecoder
 from serve.causal_lm.prefill import Prefiller
 
@@ -35,11 +36,10 @@ def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
     if compile_mode:
         for decoder in decoders.values():
             decoder.compile(compile_mode)
-    for n, rows in enumerate(sorted(decoders, reverse=True)):
-        decoders[rows].generate([[0]] * rows, 2)
-        if n == 0:
-            lm_batcher.shared_caches(decoders)
+    warm_up(decoders, shared=True)  # as the handler does: one cache, its rows dynamic
     prefiller = Prefiller(model, CACHE, compiled=bool(compile_mode), **prefill)
+    if compile_mode:
+        prefiller.warm_up()
     return lm_batcher.ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread)
 
 
@@ -90,7 +90,10 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     move = lm_batcher.ContinuousBatcher._move
     monkeypatch.setattr(lm_batcher.ContinuousBatcher, "_move",
                         lambda self, *a: (moves.append(a[2]), move(self, *a))[1])
+    from torch._dynamo.utils import counters
+
     batcher = batcher_of(model, compile_mode=compile_mode)
+    graphs = counters["stats"]["unique_graphs"]
     rows = []
 
     def submit(length: int, new: int, seed: int, hold_at: int | None = None) -> Collect:
@@ -124,3 +127,6 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
         assert got.tokens == alone(model, ids, new), (ids, new)
     assert batcher.busy() == 0 and batcher.steps > 0
     assert min(moves) < 0 < max(moves), moves  # both moves happened
+    # compiled: every graph was compiled before the first request (two decode graphs, one
+    # for 1 row and one for more, and the same two for the prefill); none while serving
+    assert counters["stats"]["unique_graphs"] == graphs

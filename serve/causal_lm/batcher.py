@@ -38,6 +38,7 @@ import torch
 from .attention import attention
 from .buckets import buckets, fitting_groups, rows_of, shared_caches  # noqa: F401 (its API)
 from .decode import StaticDecoder, pick_tokens
+from .placement import Placement
 from .prefill import Prefiller, PrefillJob
 from .rows import CANCELLED, Emit, QueueFull, Row, send  # noqa: F401 (its API)
 
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(Placement):
     """Decodes the rows of every submitted request on one thread, admitting new ones
     between steps. `decoders`: one per bucket size (compiled and warmed up), their caches
     already shared (`shared_caches`); `prefiller`: prefills admitted prompts (over the
@@ -66,7 +67,8 @@ class ContinuousBatcher:
         self.size = 0  # the bucket of the last step
         self.slots: list[Row | None] = [None] * self.rows
         self.cursor = 0  # the cache position every row writes next
-        self.mask = torch.ones(self.rows, self.cache_len, dtype=torch.long)
+        with torch.inference_mode():  # as the warm-up's masks: the graphs' guards match
+            self.mask = torch.ones(self.rows, self.cache_len, dtype=torch.long)
         self.waiting: collections.deque[Row] = collections.deque()
         self.wake = threading.Condition()
         self.steps = 0
@@ -245,46 +247,6 @@ class ContinuousBatcher:
                                 [row.generator])[0])
         self.slots[slot] = row
         self._take(slot, token)
-
-    def _place(self, length: int, new: int, move: bool = False) -> bool:
-        """Whether a prompt of `length` tokens can end at the cursor with `new` tokens after
-        it, as can every busy row's rest: once every row's positions move left by the oldest
-        row's start where the cursor would run past the cache, then right where the prompt
-        is longer than the cursor. `move`: make those moves."""
-        busy = [r for r in self.slots if r is not None]
-        if not busy:
-            if move:
-                self._set_cursor(length)
-            return True
-        left = max(r.max_new_tokens - len(r.tokens) for r in busy)
-        cursor, by = self.cursor, min(r.start for r in busy)
-        if cursor + max(left, new) > self.cache_len and by > 0:
-            if move:
-                self._move(by, cursor, -by)
-            cursor -= by
-        if cursor < length and length + left <= self.cache_len:
-            if move:
-                self._move(0, cursor, length - cursor)
-            cursor = length
-        return cursor + max(left, new) <= self.cache_len and length <= cursor
-
-    def _move(self, begin: int, end: int, by: int) -> None:
-        """Positions begin..end-1 of every slot to begin+by.., and the rows with them."""
-        for layer in self.cache.layers:
-            for t in (layer.keys, layer.values):
-                t[:, :, begin + by:end + by] = t[:, :, begin:end].clone()
-        self._set_cursor(self.cursor + by)
-        for slot, row in enumerate(self.slots):
-            if row is not None:
-                row.start += by
-                self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
-
-    def _set_cursor(self, position: int) -> None:
-        """Every row writes at `position` next (each layer's write position with it; a step
-        advances both by one)."""
-        self.cursor = position
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(position)
 
     def _step(self) -> None:
         """One decode step of every busy row, at the smallest bucket holding them."""

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .decode import StaticDecoder
 
 
 def shared_caches(decoders: dict[int, StaticDecoder]) -> None:
     """Give every decoder a cache that is a view of the first slots of the largest one's
-    (initialized by a first `generate` on the largest), sharing its write positions."""
+    (initialized by a first `generate` on the largest, or `allocate`), sharing its write
+    positions; where the largest's rows are dynamic (`allocate`), so are the views'."""
     largest = decoders[max(decoders)]
     from transformers import StaticCache
 
@@ -25,7 +28,11 @@ def shared_caches(decoders: dict[int, StaticDecoder]) -> None:
             mine.lazy_initialization(big.keys[:rows], big.values[:rows])
             mine.keys, mine.values = big.keys[:rows], big.values[:rows]
             mine.cumulative_length = big.cumulative_length
+            if largest.dynamic_rows:
+                for tensor in (mine.keys, mine.values):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
         decoder.cache, decoder.cache_rows = cache, rows
+        decoder.dynamic_rows = largest.dynamic_rows
 
 
 def rows_of(settings: dict[str, Any], batch_size: int) -> int:

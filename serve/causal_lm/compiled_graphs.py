@@ -88,16 +88,19 @@ def build_decoders(model: nn.Module, sizes: list[int], cache_len: int, mode: str
 def warm_up(decoders: dict[int, Any], shared: bool,
             log: Callable[[str], None] = logger.info) -> None:
     """Run each decoder once, the largest first, so that each compiles now, not on a
-    request; `shared`: the smaller ones' caches become views of the largest's (continuous
-    batching). Compiling a decoder drops the graphs of those before it
+    request. `shared` (continuous batching): the smaller ones' caches are views of the
+    largest's, whose rows are dynamic: one graph serves every bucket of 2 rows or more, and
+    one the bucket of 1 (Dynamo specializes a size of 1); a worker traces two graphs, not
+    one a bucket. Compiling a decoder drops the graphs of those before it
     (`StaticDecoder.compile`): all are built before any runs."""
+    if shared:
+        decoders[max(decoders)].allocate(max(decoders), dynamic_rows=True)
+        shared_caches(decoders)
     for n, rows in enumerate(sorted(decoders, reverse=True), 1):
         decoder = decoders[rows]
         log(f"{'compiling' if decoder.compiled else 'warming up'} bucket {n} of "
             f"{len(decoders)} ({rows} rows)")
         decoder.generate([[0]] * rows, 2)
-        if shared and n == 1:
-            shared_caches(decoders)
 
 
 def precompile(export_dir: Path, settings: dict[str, Any], out: Path) -> None:

@@ -81,6 +81,7 @@ class StaticDecoder:
         self.compiled = False
         self.inductor: dict[str, Any] = {}  # Inductor settings while the step compiles
         self.skip_guards = False  # see `_stance`
+        self.dynamic_rows = False  # see `share_rows`
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
                  position_ids: torch.Tensor | None = None,
@@ -138,6 +139,10 @@ class StaticDecoder:
         position `cursor`: the compiled step where `compile` was called. Run inside
         `attention(self.model, self.attention)` (as `generate` does); `first`: the first step
         of a generation (where Dynamo's guards are checked in full, see `_stance`)."""
+        if self.dynamic_rows:
+            for tensor in (tokens, position_ids, mask):
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
         # Inductor's settings apply where the step compiles (its first call, or a recompile)
         with torch._inductor.config.patch(self.inductor), self._stance(0 if first else 1):
             return self.step(tokens, torch.tensor([cursor]), position_ids, mask,
@@ -159,6 +164,15 @@ class StaticDecoder:
         # at most max_cache_len - 1: the last token produced is never fed back
         torch._dynamo.mark_dynamic(window, 0, min=2, max=self.max_cache_len - 1)
         return window
+
+    def allocate(self, rows: int, dynamic_rows: bool = False) -> None:
+        """A zeroed cache of `rows` rows now (not at the first generation); `dynamic_rows`:
+        its tensors are plain graph inputs whose rows the compiled step takes as dynamic,
+        and so are the step's inputs from now on (one graph for every bucket of 2 rows or
+        more, whose caches are views of this one: `buckets.shared_caches`)."""
+        self.cache, self.cache_rows = empty_cache(self.model, rows, self.max_cache_len,
+                                                  dynamic_rows), rows
+        self.dynamic_rows = dynamic_rows
 
     def _fresh_cache(self, rows: int) -> None:
         if self.cache is None or rows != self.cache_rows:
@@ -221,6 +235,29 @@ class StaticDecoder:
         later = sum(max(len(r) - 1, 0) for r in out)
         rate = later / spent if spent > 0 and later else 0.0
         return Generation(out[0], ttft, rate, out, [str(f) for f in finish])
+
+
+def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool) -> Any:
+    """A zeroed `StaticCache` of `rows` rows and `cache_len` positions for `model`. With
+    `dynamic_rows`, its tensors are no static addresses (transformers marks them so; a graph
+    compiled under Inductor's freezing would take them for constants) and their rows may
+    vary from graph input to graph input."""
+    from transformers import StaticCache
+
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=cache_len)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache.early_initialization(rows, heads, dim, getattr(model, "dtype", torch.float32),
+                               torch.device("cpu"))
+    if dynamic_rows:
+        for layer in cache.layers:
+            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                if hasattr(tensor, "_dynamo_static_input_type"):
+                    del tensor._dynamo_static_input_type
+            for tensor in (layer.keys, layer.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return cache
 
 
 def plan_rows(rows: int, length: int, max_new_tokens: int | Sequence[int],

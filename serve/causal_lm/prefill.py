@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decode import left_pad
+from .attention import attention
+from .decode import empty_cache, left_pad
 from .prefix_cache import PrefixCache
 from .rows import Row
 
@@ -74,12 +75,18 @@ class Prefiller:
         self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
         self.compiled = compiled
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Prefill two rows, then one, so that the compiled graphs (rows of 1 have their
-        own) compile now, not on a request; nothing is cached."""
-        for rows in (2, 1):
-            job = self.start([Row([0, 0, 0], 1, lambda token, end: None)] * rows)
-            self.step(job, whole=True)
+        own) compile now, not on a request (in inference mode, as the batcher runs them);
+        nothing is cached."""
+        from .decode import StaticDecoder
+
+        decoding = StaticDecoder(self.model, self.cache_len).attention  # the batcher's
+        with attention(self.model, decoding):
+            for rows in (2, 1):
+                job = self.start([Row([0, 0, 0], 1, lambda token, end: None)] * rows)
+                self.step(job, whole=True)
 
     def start(self, rows: list[Row]) -> PrefillJob:
         """A job for `rows`, with the positions their prompts share with cached ones filled."""
@@ -138,22 +145,7 @@ class Prefiller:
         dynamic, so one compiled graph serves every count (transformers marks them static
         addresses, which a graph would take for constants)."""
         if rows not in self.caches:
-            from transformers import StaticCache
-
-            cache = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
-            config = self.model.config
-            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            dim = getattr(config, "head_dim", None) or config.hidden_size // \
-                config.num_attention_heads
-            dtype = getattr(self.model, "dtype", torch.float32)
-            cache.early_initialization(rows, heads, dim, dtype, torch.device("cpu"))
-            for layer in cache.layers:
-                for tensor in (layer.keys, layer.values):
-                    if hasattr(tensor, "_dynamo_static_input_type"):
-                        del tensor._dynamo_static_input_type
-                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                if hasattr(layer.cumulative_length, "_dynamo_static_input_type"):
-                    del layer.cumulative_length._dynamo_static_input_type
+            cache = empty_cache(self.model, rows, self.cache_len, dynamic_rows=True)
             self.caches[rows] = cache
         return self.caches[rows]
 

@@ -10,6 +10,7 @@ import http.client
 import json
 import threading
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -396,6 +397,12 @@ def test_a_compiled_two_kv_head_qwen2_starts_and_streams_the_offline_text(
         assert started.returncode == 0, started.stderr[-2000:]
         for n, rows in enumerate((4, 2, 1), 1):  # what the worker said while it started
             assert f"compiling bucket {n} of 3 ({rows} rows)" in started.stderr
+        # from the graphs the package stage compiled for this CPU, shipped in the archive
+        assert "compress worker: shipped compiled graphs used" in started.stderr
+        with zipfile.ZipFile(next((qwen2_run / "01-package").glob("*.mar"))) as archive:
+            target = json.loads(archive.read("compiled_graphs/target.json"))
+            assert target["torch"] == __import__("torch").__version__ and target["cpu_flags"]
+            assert any(n.startswith("compiled_graphs/inductor/") for n in archive.namelist())
         info = server.read_info(qwen2_run / "serve")
         offline = lm_runtime.load_folder(qwen2_run / "00-export/transformers")
         status, _, lines = generate(info, {"prompt": PROMPTS[0], "max_new_tokens": 40})

@@ -147,7 +147,8 @@ def test_the_prefix_cache_is_bounded_and_evicts_the_least_recently_used() -> Non
     assert cache.tokens == 24 and cache.lookup(prompts[1] + [9]) is None
     hit = cache.lookup(prompts[2][:10] + [7, 7])
     keys, _ = kv(prompts[2])
-    assert hit.length == 10 and all(torch.equal(h, k[:, :10]) for h, k in zip(hit.keys, keys))
+    assert hit.length == 10
+    assert all(torch.equal(h, k[:, :10]) for h, k in zip(hit.keys, keys, strict=True))
     assert cache.lookup(prompts[0]).length == 11  # never the last token: its logits are needed
     assert cache.lookup([1] * (MIN_REUSE - 1) + [5]) is None  # too short to be worth a copy
     longer = prompts[0] + [4] * 5

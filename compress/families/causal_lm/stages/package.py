@@ -30,7 +30,7 @@ from serve.worker_threads import worker_threads
 PACKAGE = SERVE / "causal_lm"  # `causal_lm/` in the archive
 LM_MODULES = tuple(PACKAGE / f"{name}.py"  # the handler's, added to the export's package
                    for name in ("handler", "requests", "replies", "openai", "batcher",
-                                "rows", "buckets", "prefill", "prefix_cache",
+                                "rows", "buckets", "placement", "prefill", "prefix_cache",
                                 "compiled_graphs"))
 ENTRY = "generation_handler.py"
 ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):

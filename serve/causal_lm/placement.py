@@ -1,0 +1,65 @@
+"""Where the continuous batcher's rows sit in its shared cache (`batcher.py`): every row
+writes its next token at one cursor position, each row's keys and values end just before
+it. A new prompt must end at the cursor with room after it for its new tokens and every
+busy row's rest; where the cursor would run past the cache, every row moves left by the
+oldest row's start, and where the prompt is longer than the cursor, right (torch only;
+shipped in the `causal_lm` package)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .rows import Row
+
+
+class Placement:
+    """The cursor, the slots' masks and the moves of `ContinuousBatcher` (its state:
+    `slots`, `cache`, `cursor`, `mask`, `cache_len`)."""
+
+    slots: list[Row | None]
+    cache: Any
+    cursor: int
+    mask: torch.Tensor
+    cache_len: int
+
+    def _place(self, length: int, new: int, move: bool = False) -> bool:
+        """Whether a prompt of `length` tokens can end at the cursor with `new` tokens after
+        it, as can every busy row's rest: once every row's positions move left by the oldest
+        row's start where the cursor would run past the cache, then right where the prompt
+        is longer than the cursor. `move`: make those moves."""
+        busy = [r for r in self.slots if r is not None]
+        if not busy:
+            if move:
+                self._set_cursor(length)
+            return True
+        left = max(r.max_new_tokens - len(r.tokens) for r in busy)
+        cursor, by = self.cursor, min(r.start for r in busy)
+        if cursor + max(left, new) > self.cache_len and by > 0:
+            if move:
+                self._move(by, cursor, -by)
+            cursor -= by
+        if cursor < length and length + left <= self.cache_len:
+            if move:
+                self._move(0, cursor, length - cursor)
+            cursor = length
+        return cursor + max(left, new) <= self.cache_len and length <= cursor
+
+    def _move(self, begin: int, end: int, by: int) -> None:
+        """Positions begin..end-1 of every slot to begin+by.., and the rows with them."""
+        for layer in self.cache.layers:
+            for t in (layer.keys, layer.values):
+                t[:, :, begin + by:end + by] = t[:, :, begin:end].clone()
+        self._set_cursor(self.cursor + by)
+        for slot, row in enumerate(self.slots):
+            if row is not None:
+                row.start += by
+                self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+
+    def _set_cursor(self, position: int) -> None:
+        """Every row writes at `position` next (each layer's write position with it; a step
+        advances both by one)."""
+        self.cursor = position
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(position)

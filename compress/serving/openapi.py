@@ -28,7 +28,7 @@ def _sampling(max_new_tokens: int, new_name: str) -> dict[str, Any]:
             "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True,
                       "maximum": 1},
             "stop": STOP, "seed": {"type": "integer", "minimum": 0},
-            "stream": {"type": "boolean"}}
+            "ignore_eos": {"type": "boolean"}, "stream": {"type": "boolean"}}
 
 
 def _post(summary: str, schema: dict[str, Any], streamed: str) -> dict[str, Any]:

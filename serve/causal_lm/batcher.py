@@ -8,21 +8,16 @@ smallest compiled bucket that holds the highest busy slot and no row moves. All 
 their next token at one cursor position. The requests admitted at one turn are prefilled
 together, in chunks between decode steps (`prefill.py`: a prompt of 1,000 tokens does not
 freeze the running rows), and each one's keys and values are copied to the positions just
-before the cursor, in a free slot; its mask opens its own positions only, and its rotary
-positions count from its own first token, so rows of any lengths decode together. When the
-cursor would run past the cache, every row's positions move left by the oldest row's start;
-a prompt longer than the cursor moves them right. A request that cannot fit waits for rows
-to leave; the first waiting requests that fit go in, unless the oldest has waited `patience`
-steps: then none passes it. At most `max_waiting` requests wait (`submit` raises
+before the cursor, in a free slot (`placement.py`); its mask opens its own positions only,
+and its rotary positions count from its own first token, so rows of any lengths decode
+together. The first waiting requests that fit go in, unless the oldest has waited
+`patience` steps: then none passes it. At most `max_waiting` requests wait (`submit` raises
 `QueueFull` past it).
 
 Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
 (max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
 prefill failed: that row alone, a batch that failed is tried again row by row; a decode
 step failed: every row in it).
-
-Both of the handler's batching paths decode at bucket sizes (`buckets`: each compiles once);
-without continuous batching, a TorchServe batch decodes in `fitting_groups`.
 """
 
 from __future__ import annotations
@@ -279,7 +274,7 @@ class ContinuousBatcher(Placement):
         row.tokens.append(token)
         if not send(row, token, None):
             self._leave(slot, CANCELLED)
-        elif token in self.stop:
+        elif token in self.stop and not row.ignore_eos:
             self._leave(slot, "stop")
         elif len(row.tokens) >= row.max_new_tokens:
             self._leave(slot, "length")

@@ -200,7 +200,7 @@ class CausalLMHandler(BaseHandler):
             row = self.batcher.submit(lm_batcher.Row(
                 parsed.ids, parsed.max_new_tokens,
                 lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
-                sampling))
+                sampling, ignore_eos=parsed.ignore_eos))
         except QUEUE_FULL as exc:
             return lm_replies.queue_full(context, i, str(exc), exc.retry_after_s,
                                          openai=answer is not None)
@@ -229,8 +229,11 @@ class CausalLMHandler(BaseHandler):
                 if path:
                     raise LookupError(f"unknown path {path!r}: this model answers POST "
                                       f"/predictions/{self.model_name} only")
-                parsed[i] = lm_requests.parse(lm_requests.read_body(request), self.encode,
-                                              self.limits)
+                one = lm_requests.parse(lm_requests.read_body(request), self.encode,
+                                        self.limits)
+                if one.ignore_eos:  # one stop set a batch here
+                    raise ValueError("ignore_eos: only on a continuous-batching archive")
+                parsed[i] = one
             except (ValueError, LookupError) as exc:
                 results[i] = json.loads(lm_replies.error(context, i, str(exc),
                                                          404 if path else 400, bool(path)))

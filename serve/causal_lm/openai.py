@@ -43,7 +43,7 @@ def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]
     """(the `requests.py` body of an OpenAI request, whether usage goes in its stream).
     Unsupported options raise ValueError (a 400)."""
     known = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
-             "top_p", "stop", "seed", "stream", *NEUTRAL}
+             "top_p", "stop", "seed", "ignore_eos", "stream", *NEUTRAL}
     unknown = sorted(set(body) - known)
     if unknown:
         raise ValueError(f"unsupported field {unknown[0]!r}")
@@ -61,7 +61,7 @@ def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]
     if new is not None:
         native["max_new_tokens"] = new
     native["temperature"] = body.get("temperature", 1.0)  # OpenAI's default: sampling
-    for name in ("top_p", "stop", "seed"):
+    for name in ("top_p", "stop", "seed", "ignore_eos"):
         if body.get(name) is not None:
             native[name] = body[name]
     native["stream"] = body.get("stream", False)

@@ -5,8 +5,10 @@ one class) and `runtime.py`; imports no compress code, and no torch.
 
 A request is a JSON object: `prompt` (a string) or `messages` (chat messages, through the
 tokenizer's chat template), and optionally `max_new_tokens`, `temperature` (0: greedy),
-`top_p`, `stop` (strings that end the text, not included), `seed` (for sampling) and
-`stream` (default true: the text comes in NDJSON chunks as it is generated).
+`top_p`, `stop` (strings that end the text, not included), `seed` (for sampling),
+`ignore_eos` (true: the end token does not end the text, as vLLM's and llama-server's
+option; on continuous-batching archives) and `stream` (default true: the text comes in
+NDJSON chunks as it is generated).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from . import openai as lm_openai
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "stop", "seed",
-          "stream")
+          "ignore_eos", "stream")
 MAX_STOPS = 8
 MAX_STOP_CHARS = 64  # bounds the text a stop check looks at on every token
 MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow to inf and sampling fails
@@ -47,6 +49,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     stream: bool = True
+    ignore_eos: bool = False
 
 
 def read_body(request: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +121,9 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not 0 <= seed < SEED_LIMIT):
         raise ValueError(f"seed: an integer from 0 to 2**64 - 1, got {seed!r}")
-    if not isinstance(body.get("stream", True), bool):
-        raise ValueError("stream: true or false")
+    for name, default in (("stream", True), ("ignore_eos", False)):
+        if not isinstance(body.get(name, default), bool):
+            raise ValueError(f"{name}: true or false")
     chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise ValueError(f"prompt too long: {chars} characters cannot fit the context of "
@@ -129,7 +133,7 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
         raise ValueError(f"prompt too long: {len(ids)} tokens + max_new_tokens {new} exceed "
                          f"the context of {limits.cache_len} tokens")
     return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
-                             seed, body.get("stream", True))
+                             seed, body.get("stream", True), body.get("ignore_eos", False))
 
 
 def prompt_chars_bound(tokenizer: Any, cache_len: int) -> int:

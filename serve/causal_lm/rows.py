@@ -42,6 +42,7 @@ class Row:
     generator: torch.Generator | None = None
     queued: int = 0  # the batcher's step count when it was submitted
     ended: bool = False  # its end was emitted
+    ignore_eos: bool = False  # an end token does not end it
 
 
 def send(row: Row, token: int | None, end: str | None) -> bool:

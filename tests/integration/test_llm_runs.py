@@ -25,7 +25,7 @@ def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(tmp_path: Path,
               "evaluation.generation.prompts=2", "evaluation.generation.max_new_tokens=12",
               "evaluation.generation.batch_sizes=[1]", "evaluation.generation.compile=none",
               "evaluation.generation.cache_len=128", "stages.1.mode=default",
-              "stages.3.max_new_tokens=64"]
+              "stages.3.max_new_tokens=64", "stages.3.precompile=false"]
     result = run_cli("run", str(REPO / "recipes/llm_int8.yaml"), *shrink, "name=llm_int8_small",
                      env={"COMPRESS_DATA_DIR": str(data_dir)}, cwd=REPO, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -131,6 +131,18 @@ def test_an_end_token_ends_its_row_and_max_new_tokens_the_other(model) -> None:
     wait_idle(batcher)
 
 
+def test_a_row_that_ignores_eos_runs_to_its_limit_past_an_end_token(model) -> None:
+    ids = prompt(5, 1)
+    want = alone(model, ids, 24)
+    batcher = make_batcher(model, stop={want[3]})
+    got = [Collect(), Collect()]
+    batcher.submit(lm_batcher.Row(ids, 24, got[0].emit))
+    batcher.submit(lm_batcher.Row(ids, 24, got[1].emit, ignore_eos=True))
+    assert [g.wait() for g in got] == ["stop", "length"]
+    assert got[0].tokens == want[:4] and got[1].tokens == want
+    wait_idle(batcher)
+
+
 def test_a_prefill_that_fails_ends_its_own_row_alone(model) -> None:
     bad = prompt(6, 99)
     batcher = make_batcher(model)

@@ -107,9 +107,10 @@ class Prefiller:
         """Prefill the job's next chunk (`whole`: every position left, where no row is
         waiting for a decode step)."""
         end = job.length if whole else min(job.length, job.done + self.chunk)
-        if self.compiled and end - job.done < 2 < job.length:
-            end = min(job.length, job.done + 2)  # the graph's chunks are 2 or longer
-            job.done = end - 2
+        if end - job.done < 2 <= job.length:  # positions already written are written again:
+            job.done = end - 2  # the graph's chunks are 2 or longer, and a chunk of one
+            # would run the decode attention, whose softmax over a pad's fully masked
+            # positions is NaN (SDPA's is 0), left in the cache for later chunks to read
         cache = self.caches[len(job.rows)]
         for layer in cache.layers:
             layer.cumulative_length.fill_(job.done)

@@ -155,10 +155,11 @@ def prefiller_of(model: nn.Module, settings: dict[str, Any], cache_len: int,
                  compiled: bool) -> Prefiller:
     """The handler's prefiller from model-config's `handler:` settings: `prefill_chunk`
     (positions a chunk, default 32), `prefix_cache` (true, false, or the positions it
-    holds; true: 4 x cache_len), `prefill_compile` (default: where the decode step is)."""
+    holds; true: 4 x cache_len), `prefill_compile` (default false: eager; true: where the
+    decode step is compiled)."""
     held = settings.get("prefix_cache", True)
     tokens = 4 * cache_len if held is True else int(held or 0)
     return Prefiller(model, cache_len, int(settings.get("prefill_chunk", 32)),
                      PrefixCache(tokens) if tokens else None,
-                     bool(settings.get("prefill_compile", compiled)),
+                     compiled and bool(settings.get("prefill_compile", False)),
                      "logits_to_keep" in inspect.signature(model.forward).parameters)

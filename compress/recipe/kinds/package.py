@@ -13,7 +13,8 @@ from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_
 
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
 LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
-              "precompile", "prefill_chunk", "prefix_cache", "tensor_parallel",
+              "precompile", "prefill_chunk", "prefill_compile", "prefix_cache",
+              "tensor_parallel",
               "pipeline_parallel", "oversubscribe")
 
 
@@ -82,6 +83,10 @@ class PackageConfig(StrictModel):
     prefill_chunk: int = Field(
         32, ge=1, description="Causal LMs, continuous batching: prompt positions prefilled "
         "between two decode steps of the running rows (a long prompt does not freeze them).")
+    prefill_compile: bool = Field(
+        False, description="Causal LMs, decode_compile, continuous batching: prefill through "
+        "compiled graphs too (two more graphs a worker traces as it starts, about 5-8 s "
+        "each on 2 cores, even with precompile).")
     prefix_cache: bool | int = Field(
         True, description="Causal LMs, continuous batching: reuse the keys and values of "
         "prompt prefixes seen before (true: up to 4 x cache_len positions; a number: that "

@@ -58,7 +58,8 @@ def handler_settings(cfg: PackageConfig, ctx: StageContext, export_dir: Path) ->
             "cache_len": cache_len,
             "compile": cfg.decode_compile or facts.get("compile") or "none",
             "cpp_wrapper": cfg.decode_cpp_wrapper, "prefill_chunk": cfg.prefill_chunk,
-            "prefix_cache": cfg.prefix_cache, "chat_template": ctx.recipe.data.chat_template}
+            "prefill_compile": cfg.prefill_compile, "prefix_cache": cfg.prefix_cache,
+            "chat_template": ctx.recipe.data.chat_template}
 
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:

@@ -96,11 +96,23 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
               "--run server's archive says, else classification).")
 @click.option("--max-new-tokens", default=32, show_default=True,
               type=click.IntRange(1, 32_768), help="Causal LMs: tokens each request asks for.")
+@click.option("--api", type=click.Choice(["auto", "native", "openai"]), default="auto",
+              show_default=True, help="Causal LMs: compress's native stream (NDJSON), or "
+              "OpenAI's streamed chat completions (auto: openai when URL ends in "
+              "/v1/chat/completions; also llama.cpp's llama-server).")
+@click.option("--shared-prefix", type=click.IntRange(1, 32_768), metavar="N",
+              help="OpenAI API: every request starts with the same system prompt of about "
+              "N tokens, then a distinct short question.")
+@click.option("--ignore-eos", is_flag=True, help="OpenAI API: send llama-server's "
+              "\"ignore_eos\": true (every answer runs to --max-new-tokens; compress's "
+              "servers refuse the field).")
 def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: str | None,
-             token: str | None, run_dir: str | None, task: str, max_new_tokens: int) -> None:
+             token: str | None, run_dir: str | None, task: str, max_new_tokens: int,
+             api: str, shared_prefix: int | None, ignore_eos: bool) -> None:
     """Load-test a served model at URL over loopback: throughput, latency percentiles,
     errors and the batch sizes TorchServe formed; for a causal LM, generated tokens/s and
-    time to first token of the streamed answers (--texts: one prompt a line).
+    time to first token of the streamed answers (--texts: one prompt a line); through
+    OpenAI's API (a URL ending in /v1/chat/completions), inter-token latency too.
 
     \b
     Examples:
@@ -109,6 +121,8 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
           --requests 500 --token TOKEN
       compress loadtest http://127.0.0.1:8080/predictions/llm_int8 --run runs/llm_int8 \\
           --concurrency 1,4,8 --requests 32 --max-new-tokens 64
+      compress loadtest http://127.0.0.1:8080/predictions/llm_int8/v1/chat/completions \\
+          --run runs/llm_int8 --concurrency 1,8 --requests 32 --shared-prefix 512
     """
     from compress.serving.loadtest import (
         failure_summary,
@@ -125,9 +139,30 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
         raise UserError(f"--concurrency {concurrency!r}: expected numbers like 1,8,32") from None
     token = token or (token_of(run_dir) if run_dir else None)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if api == "auto":
+        from compress.serving.chat_load import is_chat_url
+
+        api = "openai" if is_chat_url(url) else "native"
+    if api == "native" and (shared_prefix or ignore_eos):
+        raise UserError("--shared-prefix and --ignore-eos are for OpenAI's API: give a URL "
+                        "ending in /v1/chat/completions (or --api openai)")
     if task == "auto":
-        task = served_task(run_dir) if run_dir else "classification"
-    if task == "causal-lm":
+        task = "causal-lm" if api == "openai" else (
+            served_task(run_dir) if run_dir else "classification")
+    if api == "openai":
+        if task != "causal-lm":
+            raise UserError("--api openai load-tests a causal LM's chat completions: leave "
+                            "--task at auto or causal-lm")
+        from compress.serving.chat_load import format_chat_table, sweep_chat
+        from compress.serving.chat_workload import chat_payloads, read_prompts
+        from compress.serving.generation_load import SAMPLE_PROMPTS
+
+        payloads = chat_payloads(read_prompts(texts, SAMPLE_PROMPTS), max_new_tokens,
+                                 warmup + n_requests, shared_prefix,
+                                 {"ignore_eos": True} if ignore_eos else None)
+        result = sweep_chat(url, levels, n_requests, payloads, headers=headers, warmup=warmup)
+        click.echo(format_chat_table(result))
+    elif task == "causal-lm":
         from compress.serving.generation_load import (
             format_generation_table,
             load_prompts,

@@ -97,11 +97,13 @@ def target_path(folder: Path, source: Path, quant: str) -> Path:
     return folder / f"{base}.{quant}.gguf"
 
 
-def build_ggufs(source: Path, venv: Path, folder: Path, echo: Callable[[str], None],
-                targets: tuple[str, ...] = TARGETS) -> dict[str, Path]:
+def build_ggufs(source: Path, venv: Path | None, folder: Path, echo: Callable[[str], None],
+                targets: tuple[str, ...] = TARGETS,
+                quantize: Callable[[Path, Path, str], None] | None = None) -> dict[str, Path]:
     """{quantization: path} of the GGUFs of `source`'s weights that llama.cpp's quantize
     makes (requantized from the source's types), kept while the source's sha256 is
-    unchanged."""
+    unchanged. `quantize(source, target, quant)` makes one file: by default the `venv`'s
+    llama-cpp-python (peers_llm_llama.py), or e.g. a built `llama-quantize` binary."""
     sha = sha256_file(source)
     paths = {quant: target_path(folder, source, quant) for quant in targets}
     try:
@@ -116,6 +118,11 @@ def build_ggufs(source: Path, venv: Path, folder: Path, echo: Callable[[str], No
     try:
         for quant, path in paths.items():
             echo(f"peers_llm: llama.cpp quantize {source.name} -> {path.name}")
+            if quantize is not None:
+                quantize(source, tmp / path.name, quant)
+                continue
+            if venv is None:
+                raise PeerError(f"quantize to {quant}: no llama.cpp environment given")
             llama_child(venv, {"mode": "quantize", "source": str(source),
                                "target": str(tmp / path.name), "quant": quant,
                                "threads": os.cpu_count() or 1}, f"quantize to {quant}")

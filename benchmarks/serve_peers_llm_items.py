@@ -1,0 +1,116 @@
+"""The servers benchmarks/serve_peers_llm.py measures, and the rounds that measure them:
+each round visits every server in turn (in reverse every other round), starts it, sends
+the chat load at every concurrency through compress.serving.chat_load, and stops it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import serve_peers_llm_archives as archives
+from peers_optimum import PeerError
+from serve_peers_llm_servers import Server
+
+from compress.errors import one_line
+from compress.serving.chat_load import CHAT_PATH, run_chat_load
+from compress.serving.chat_workload import chat_payloads, read_prompts
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+def our_items(args: argparse.Namespace, archives_of: dict[str, tuple], work: Path,
+              echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    """compress's servers: each engine on each scheme's archive; with a shared prefix, on
+    copies of the archive with `handler.prefix_cache` false and true (and room for the
+    prefix in `cache_len` when the archive's is too small)."""
+    items = []
+    for scheme, (target, mar, facts) in archives_of.items():
+        recipe = archives.SCHEMES[scheme]["recipe"]
+        base = {"scheme": recipe, "model_name": facts["model_name"],
+                "version": facts["version"], "cache_len": facts["cache_len"],
+                "pairs": archives.SCHEMES[scheme]["quants"]}
+        if not args.shared_prefix:
+            targets = [(None, str(target))]
+        else:
+            cache_len = archives.prefix_cache_len(facts, args.shared_prefix, args.max_tokens)
+            if cache_len != facts["cache_len"]:
+                echo(f"serve_peers_llm: {recipe}'s cache_len {facts['cache_len']} cannot "
+                     f"hold a {args.shared_prefix}-token prefix, its question and "
+                     f"{args.max_tokens} new tokens: served with cache_len {cache_len}")
+            targets = [(cache, str(archives.with_handler_settings(
+                mar, work / f"prefix-cache-{'on' if cache else 'off'}" / scheme,
+                {"prefix_cache": cache, "cache_len": cache_len})))
+                for cache in (False, True)]
+            base["cache_len"] = cache_len
+        for engine in args.engines:
+            for cache, served in targets:
+                suffix = "" if cache is None else f" cache-{'on' if cache else 'off'}"
+                items.append({**base, "key": f"{engine}-{scheme}{suffix.replace(' ', '-')}",
+                              "name": f"compress {engine}{suffix}", "engine": engine,
+                              "target": served, "prefix_cache": cache, "rounds": []})
+    return items
+
+
+def peer_items(args: argparse.Namespace, archives_of: dict[str, tuple],
+               ggufs: dict[str, Path], server: Path) -> list[dict[str, Any]]:
+    """llama-server on each GGUF paired with a measured scheme, with that archive's
+    per-row cache positions as its per-slot context."""
+    items = []
+    for scheme, (_, _, facts) in archives_of.items():
+        for quant in archives.SCHEMES[scheme]["quants"]:
+            if quant in args.quants:
+                items.append({"key": f"llama-server-{quant}", "name": "llama-server",
+                              "engine": "llama-server", "scheme": quant, "pairs": (),
+                              "gguf": str(ggufs[quant]), "cache_len": facts["cache_len"],
+                              "binary": str(server),
+                              "url_path": CHAT_PATH, "rounds": []})
+    return items
+
+
+def payloads_of(item: dict[str, Any], args: argparse.Namespace) -> list[bytes]:
+    """The request bodies of every level: llama-server's also ask it to ignore EOS."""
+    prompts = read_prompts(args.prompts, ())
+    extra = {"ignore_eos": True} if item["engine"] == "llama-server" else None
+    return chat_payloads(prompts, args.max_tokens, max(args.levels) + args.requests,
+                         args.shared_prefix, extra)
+
+
+def visit(item: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One round's figures of one server: started, loaded at every level, stopped."""
+    server = Server(item, work)
+    figures: dict[str, Any] = {}
+    try:
+        figures["cold_start_s"] = round(server.start(args.start_timeout), 2)
+        payloads = payloads_of(item, args)
+        figures["runs"] = [run_chat_load(server.url, level, args.requests, payloads,
+                                         timeout=REQUEST_TIMEOUT_S, warmup=level)
+                           for level in args.levels]
+    except PeerError as exc:
+        figures["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - this server's round failed; the rest go on
+        figures["error"] = one_line(exc)
+    finally:
+        figures["rss_peak_bytes"] = server.stop()
+    return figures
+
+
+def measure(items: list[dict[str, Any]], args: argparse.Namespace, work: Path,
+            echo: Callable[[str], None]) -> None:
+    """The rounds, alternating the order; each round's figures appended to its item."""
+    for r in range(args.rounds):
+        for item in items if r % 2 == 0 else items[::-1]:
+            echo(f"serve_peers_llm: round {r + 1}/{args.rounds}: {item['name']} "
+                 f"{item['scheme']}: starting")
+            figures = visit(item, args, work)
+            item["rounds"].append(figures)
+            if "error" in figures:
+                echo(f"serve_peers_llm: round {r + 1}/{args.rounds}: {item['name']} "
+                     f"{item['scheme']}: failed: {figures['error']}")
+                continue
+            echo(f"serve_peers_llm: round {r + 1}/{args.rounds}: {item['name']} "
+                 f"{item['scheme']}: cold start {figures['cold_start_s']:.1f} s, " + ", ".join(
+                     f"c{run['concurrency']} {run['tokens_per_s']:.1f} tok/s"
+                     f"{' (' + str(run['errors']) + ' errors)' if run['errors'] else ''}"
+                     for run in figures["runs"]))

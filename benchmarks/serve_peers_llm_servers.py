@@ -1,0 +1,194 @@
+"""Starting, watching and stopping the servers of benchmarks/serve_peers_llm.py: compress's
+(`python -m compress serve TARGET --engine torchserve|litserve --no-auth`, with an empty
+Inductor cache: `TORCHINDUCTOR_CACHE_DIR` a fresh temporary folder) and llama.cpp's
+(`llama-server -m GGUF -np 8 -c <8 x cache_len> -t <cores>`), each on a free loopback port.
+
+Cold start is the time from launching the command to the first answered request: a small
+chat completion is sent every quarter second from the launch until one comes back 200.
+Resident memory is sampled every half second over the server's whole process tree (the
+pid `compress serve` records in `server.json`, or llama-server's, and every descendant:
+TorchServe's Java frontend and its Python workers), and its maximum kept.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from peers_optimum import PeerError
+
+from compress.serving.serve_folder import SERVER_INFO, free_ports, read_info
+from compress.serving.serve_target import resolve_target
+from compress.serving.server_process import stop
+
+PROBE = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                    "temperature": 0, "stream": False}).encode()
+SLOTS = 8  # llama-server's parallel sequences (-np), the continuous batch's rows
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of process `root` and all its descendants (0 when it is gone)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo, page = 0, [root], os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        pid = todo.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+        todo += children.get(pid, [])
+    return total
+
+
+class RssSampler:
+    """A thread that samples the resident memory of a process tree whose root `root()`
+    names (None: not known yet); `peak` is the largest sum seen."""
+
+    def __init__(self, root, every_s: float = 0.5):
+        self.root, self.every_s, self.peak = root, every_s, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            pid = self.root()
+            if pid is not None:
+                self.peak = max(self.peak, tree_rss_bytes(pid))
+            self.stopped.wait(self.every_s)
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join()
+        return self.peak
+
+
+def probe(port: int, path: str, timeout_s: float) -> str | None:
+    """None when one small chat completion at `path` is answered 200, else what came back
+    (a status and the start of the body, or the connection's error)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("POST", path, body=PROBE, headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        body = answer.read()
+        if answer.status == 200:
+            return None
+        return f"HTTP {answer.status}: {body[:160].decode('utf-8', errors='replace')}"
+    except (OSError, http.client.HTTPException) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+class Server:
+    """One server of a round: launched by `start`, answering at `url`, ended by `stop`."""
+
+    def __init__(self, spec: dict[str, Any], log_dir: Path):
+        self.spec, self.log_dir = spec, log_dir
+        self.port = free_ports(1)[0]
+        self.process: subprocess.Popen | None = None
+        self.sampler: RssSampler | None = None
+        self.inductor_dir: Path | None = None
+        self.launched = float("inf")
+        self.path = (spec["url_path"] if spec["engine"] == "llama-server" else
+                     f"/predictions/{spec['model_name']}/{spec['version']}/v1/chat/completions")
+        self.url = f"http://127.0.0.1:{self.port}{self.path}"
+        self.serve_dir = (None if spec["engine"] == "llama-server" else
+                          resolve_target(spec["target"]).serve_dir)
+
+    def start(self, timeout_s: float) -> float:
+        """Launch the server and wait for its first answered request; the cold start in
+        seconds. PeerError (the server stopped) when it never answers."""
+        log = open(self.log_dir / f"{self.spec['key']}.log", "ab")  # noqa: SIM115
+        env = dict(os.environ)
+        if self.spec["engine"] == "llama-server":
+            command = [self.spec["binary"], "-m", self.spec["gguf"], "-np", str(SLOTS),
+                       "-c", str(SLOTS * self.spec["cache_len"]), "-t", str(os.cpu_count() or 1),
+                       "--host", "127.0.0.1", "--port", str(self.port)]
+        else:
+            self.inductor_dir = Path(tempfile.mkdtemp(prefix="serve_peers_inductor-"))
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
+            command = [sys.executable, "-m", "compress", "serve", self.spec["target"],
+                       "--engine", self.spec["engine"], "--port", str(self.port), "--no-auth",
+                       "--timeout", str(int(timeout_s))]
+        self.launched = time.time()
+        self.sampler = RssSampler(self._root)
+        began = time.monotonic()
+        try:
+            with log:
+                self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                env=env, start_new_session=True)
+            ready_at = None  # when `compress serve` said READY (it exits 0 then)
+            while (answer := probe(self.port, self.path, timeout_s)) is not None:
+                waited = time.monotonic() - began
+                code = self.process.poll()
+                if code is not None and (code != 0 or self.spec["engine"] == "llama-server"):
+                    raise PeerError(f"{self.spec['key']}: the server command exited with "
+                                    f"{code}: {_tail(Path(log.name))}")
+                if code == 0:
+                    ready_at = ready_at or time.monotonic()
+                if waited > timeout_s or (ready_at and time.monotonic() - ready_at > 60):
+                    raise PeerError(f"{self.spec['key']}: no answer {waited:.0f} s after the "
+                                    f"launch (last: {answer[:200]}; log: {log.name})")
+                time.sleep(0.25)
+            cold = time.monotonic() - began
+            if self.spec["engine"] != "llama-server":
+                self.process.wait(timeout=timeout_s)  # `compress serve` returns once READY
+        except BaseException:
+            self.stop()
+            raise
+        return cold
+
+    def _root(self) -> int | None:
+        """The server's pid: llama-server's own, or the one `compress serve` recorded."""
+        if self.spec["engine"] == "llama-server":
+            return self.process.pid if self.process else None
+        record = self.serve_dir / SERVER_INFO
+        try:
+            if record.stat().st_mtime < self.launched:  # a record of an earlier start
+                return None
+        except OSError:
+            return None
+        info = read_info(self.serve_dir)
+        return int(info["pid"]) if info and info.get("pid") else None
+
+    def stop(self) -> int:
+        """Stop the server and every process it started; the peak resident bytes seen."""
+        peak = self.sampler.stop() if self.sampler else 0
+        if self.spec["engine"] == "llama-server":
+            if self.process and self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+        else:
+            if self.process and self.process.poll() is None:  # still waiting for READY
+                self.process.terminate()  # what it recorded is stopped below
+                self.process.wait()
+            stop(self.serve_dir, echo=lambda _: None)
+        if self.inductor_dir is not None:
+            shutil.rmtree(self.inductor_dir, ignore_errors=True)
+            self.inductor_dir = None
+        return peak
+
+
+def _tail(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return (lines or ["no output"])[-1][:300]

@@ -129,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.engines or args.quants) else []
     if problems:
         parser.error("; ".join(problems))
+    args.quants = [q for q in args.quants  # the files paired with the schemes measured
+                   if any(q in archives.SCHEMES[s]["quants"] for s in args.schemes)]
     args.markdown = args.markdown or RESULTS / (
         "serve_peers_llm_prefix.md" if args.shared_prefix else "serve_peers_llm.md")
     return args

@@ -48,6 +48,8 @@ def test_quick_defaults_and_explicit_arguments_win() -> None:
     quick = serve_peers_llm.parse_args(["--quick"])
     assert (quick.rounds, quick.levels, quick.requests, quick.schemes) == (1, [1, 8], 8,
                                                                            ["int8"])
+    assert quick.quants == ["Q8_0"]  # the files paired with the schemes measured
+    assert serve_peers_llm.parse_args([]).quants == ["Q8_0", "Q4_0", "Q4_1"]
     full = serve_peers_llm.parse_args(["--quick", "--concurrency", "1,4", "--no-llama"])
     assert full.levels == [1, 4] and full.quants == [] and full.rounds == 1
     prefix = serve_peers_llm.parse_args(["--shared-prefix", "512"])

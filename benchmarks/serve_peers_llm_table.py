@@ -121,7 +121,7 @@ def render_markdown(rows: list[dict[str, Any]], lines: list[str], header: dict[s
             "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|"]
     out += ["| " + " | ".join(row) + " |" for row in _cells(rows)]
     out += ["", "Ratios:", ""] + [f"- {line}" for line in lines] if lines else []
-    out += ["", *header["notes"]]
+    out += ["", "Notes:", ""] + [f"- {note}" for note in header["notes"]]
     return "\n".join(out) + "\n"
 
 

@@ -121,7 +121,7 @@ def test_rows_take_medians_over_rounds_and_the_ratios_pair_the_schemes() -> None
               "command": "python x", "facts": {"torch": "2"}, "notes": ["a note"]}
     markdown = table.render_markdown(rows, lines, header)
     assert "| compress torchserve | llm_int8 | 8 | 320.0 |" in markdown
-    assert "- CPU flags (SIMD, from /proc/cpuinfo): avx2" in markdown and "a note" in markdown
+    assert "- CPU flags (SIMD, from /proc/cpuinfo): avx2" in markdown and "- a note" in markdown
 
 
 def test_prefix_cache_ratio() -> None:

@@ -12,8 +12,9 @@ and llama.cpp's requantizations of it). compress's archives are the run folders
 COMPRESS_DATA_DIR); llama-server is built once from llama-cpp-python's sdist
 (serve_peers_llm_build.py) and runs with `-np 8 -c <8 x the archive's cache_len>`. Every
 request is a streamed greedy `/v1/chat/completions` for 64 new tokens over the chat
-prompts (llama-server also gets `ignore_eos`; compress's API has no such field, so its
-answers end at EOS and tok/req says how long they were), at each concurrency. A round
+prompts, with `"ignore_eos": true` where the server takes it (llama-server does, and
+compress's archives since issue 41; an older archive's answers end at EOS, and tok/req
+says how long they were), at each concurrency. A round
 visits every server in turn (reversed every other round); each server is started for its
 visit and stopped after it, alone on the machine: the cold start (launch to first answer,
 ours with an empty Inductor cache) is measured on every start, and resident memory is its
@@ -182,7 +183,7 @@ def _main(args: argparse.Namespace) -> int:
         f"{i['name']} {i['scheme']}: round {r + 1} failed: {f['error']}"
         for i in items for r, f in enumerate(i["rounds"]) if f.get("error")]
     print(render_text(rows, lines), end="")
-    header = _header(args, archives_of, llama)
+    header = _header(args, archives_of, llama, items)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.markdown, render_markdown(rows, lines, header))
     json_path = args.json or args.markdown.with_suffix(".json")
@@ -198,10 +199,12 @@ def _main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _header(args: argparse.Namespace, archives_of: dict, llama: dict[str, Any]
-            ) -> dict[str, Any]:
+def _header(args: argparse.Namespace, archives_of: dict, llama: dict[str, Any],
+            items: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
+    refused = [f"{i['name']} {i['scheme']}" for i in items
+               if any(r.get("ignore_eos") is False for r in i["rounds"])]
     facts = {"torch": torch.__version__,
              "requests": f"{args.requests} a level after {'/'.join(map(str, args.levels))} "
                          f"warm-up requests (one a connection), {args.rounds} round(s)",
@@ -223,8 +226,10 @@ def _header(args: argparse.Namespace, archives_of: dict, llama: dict[str, Any]
         "answered request (compress's with an empty Inductor cache), median of the starts.",
         "RSS: the largest resident memory of the server's whole process tree, sampled every "
         "0.5 s from the launch to the stop. Figures are medians over rounds; errors a sum.",
-        "llama-server's requests carry `ignore_eos` (every answer 64 tokens); compress's API "
-        "has no such field: its answers end at EOS, tok/req is what they averaged.",
+        f"Requests carry `ignore_eos` where the server takes it (every answer "
+        f"{args.max_tokens} tokens); " + (f"{', '.join(refused)} refused it: answers end at "
+                                          f"EOS, tok/req is what they averaged." if refused
+                                          else "every server took it."),
     ]
     return {"title": "Served SmolLM2-135M: compress serve against llama-server"
             + (" (shared prefix)" if args.shared_prefix else ""),

@@ -18,6 +18,7 @@ from compress.serving.chat_load import CHAT_PATH, run_chat_load
 from compress.serving.chat_workload import chat_payloads, read_prompts
 
 REQUEST_TIMEOUT_S = 600.0
+IGNORE_EOS = {"ignore_eos": True}  # llama-server's field, and compress's since issue 41
 
 
 def our_items(args: argparse.Namespace, archives_of: dict[str, tuple], work: Path,
@@ -69,12 +70,12 @@ def peer_items(args: argparse.Namespace, archives_of: dict[str, tuple],
     return items
 
 
-def payloads_of(item: dict[str, Any], args: argparse.Namespace) -> list[bytes]:
-    """The request bodies of every level: llama-server's also ask it to ignore EOS."""
-    prompts = read_prompts(args.prompts, ())
-    extra = {"ignore_eos": True} if item["engine"] == "llama-server" else None
-    return chat_payloads(prompts, args.max_tokens, max(args.levels) + args.requests,
-                         args.shared_prefix, extra)
+def payloads_of(args: argparse.Namespace, ignore_eos: bool) -> list[bytes]:
+    """The request bodies of every level, with `"ignore_eos": true` when the server takes
+    it (every answer then runs to max_tokens)."""
+    return chat_payloads(read_prompts(args.prompts, ()), args.max_tokens,
+                         max(args.levels) + args.requests, args.shared_prefix,
+                         IGNORE_EOS if ignore_eos else None)
 
 
 def visit(item: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -83,7 +84,8 @@ def visit(item: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[st
     figures: dict[str, Any] = {}
     try:
         figures["cold_start_s"] = round(server.start(args.start_timeout), 2)
-        payloads = payloads_of(item, args)
+        figures["ignore_eos"] = server.accepts(IGNORE_EOS)
+        payloads = payloads_of(args, figures["ignore_eos"])
         figures["runs"] = [run_chat_load(server.url, level, args.requests, payloads,
                                          timeout=REQUEST_TIMEOUT_S, warmup=level)
                            for level in args.levels]
@@ -110,7 +112,8 @@ def measure(items: list[dict[str, Any]], args: argparse.Namespace, work: Path,
                      f"{item['scheme']}: failed: {figures['error']}")
                 continue
             echo(f"serve_peers_llm: round {r + 1}/{args.rounds}: {item['name']} "
-                 f"{item['scheme']}: cold start {figures['cold_start_s']:.1f} s, " + ", ".join(
+                 f"{item['scheme']}: cold start {figures['cold_start_s']:.1f} s, "
+                 f"{'' if figures['ignore_eos'] else 'ignore_eos refused, '}" + ", ".join(
                      f"c{run['concurrency']} {run['tokens_per_s']:.1f} tok/s"
                      f"{' (' + str(run['errors']) + ' errors)' if run['errors'] else ''}"
                      for run in figures["runs"]))

@@ -30,8 +30,8 @@ from compress.serving.serve_folder import SERVER_INFO, free_ports, read_info
 from compress.serving.serve_target import resolve_target
 from compress.serving.server_process import stop
 
-PROBE = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-                    "temperature": 0, "stream": False}).encode()
+PROBE = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0,
+         "stream": False}
 SLOTS = 8  # llama-server's parallel sequences (-np), the continuous batch's rows
 
 
@@ -78,12 +78,14 @@ class RssSampler:
         return self.peak
 
 
-def probe(port: int, path: str, timeout_s: float) -> str | None:
-    """None when one small chat completion at `path` is answered 200, else what came back
-    (a status and the start of the body, or the connection's error)."""
+def probe(port: int, path: str, timeout_s: float, extra: dict[str, Any] | None = None
+          ) -> str | None:
+    """None when one small chat completion at `path` (with `extra` fields) is answered 200,
+    else what came back (a status and the start of the body, or the connection's error)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        conn.request("POST", path, body=PROBE, headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps({**PROBE, **(extra or {})}).encode(),
+                     headers={"Content-Type": "application/json"})
         answer = conn.getresponse()
         body = answer.read()
         if answer.status == 200:
@@ -153,6 +155,11 @@ class Server:
             self.stop()
             raise
         return cold
+
+    def accepts(self, extra: dict[str, Any]) -> bool:
+        """Whether the started server answers a request with the `extra` fields (an
+        archive made before compress took `ignore_eos` refuses it with a 400)."""
+        return probe(self.port, self.path, 120, extra) is None
 
     def _root(self) -> int | None:
         """The server's pid: llama-server's own, or the one `compress serve` recorded."""

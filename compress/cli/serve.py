@@ -103,9 +103,9 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
 @click.option("--shared-prefix", type=click.IntRange(1, 32_768), metavar="N",
               help="OpenAI API: every request starts with the same system prompt of about "
               "N tokens, then a distinct short question.")
-@click.option("--ignore-eos", is_flag=True, help="OpenAI API: send llama-server's "
-              "\"ignore_eos\": true (every answer runs to --max-new-tokens; compress's "
-              "servers refuse the field).")
+@click.option("--ignore-eos", is_flag=True, help="OpenAI API: send \"ignore_eos\": true "
+              "(llama-server's field; compress's continuous-batching archives take it too): "
+              "every answer runs to --max-new-tokens.")
 def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: str | None,
              token: str | None, run_dir: str | None, task: str, max_new_tokens: int,
              api: str, shared_prefix: int | None, ignore_eos: bool) -> None:

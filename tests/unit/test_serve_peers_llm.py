@@ -163,6 +163,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "ignore_eos" in body and os.environ.get("FAKE_REFUSES_IGNORE_EOS"):
+            out = b'{"error": {"message": "unsupported field ignore_eos"}}'
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+            return
         n = body["max_tokens"] if body.get("ignore_eos") else 1
         if not body.get("stream"):
             out = json.dumps({"choices": [{"message": {"content": "x"}}]}).encode()
@@ -192,7 +199,7 @@ ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
 
-def test_a_round_against_a_stand_in_llama_server(tmp_path: Path) -> None:
+def test_a_round_against_a_stand_in_llama_server(tmp_path: Path, monkeypatch) -> None:
     fake = tmp_path / "llama-server"
     fake.write_text(f"#!{sys.executable}\n" + textwrap.dedent(FAKE_SERVER))
     fake.chmod(0o755)
@@ -218,8 +225,19 @@ def test_a_round_against_a_stand_in_llama_server(tmp_path: Path) -> None:
     assert command[command.index("--host") + 1] == "127.0.0.1"
     for figures in rounds:
         assert figures["cold_start_s"] >= 0.3 and figures["rss_peak_bytes"] > 2**20
+        assert figures["ignore_eos"] is True
         assert [r["concurrency"] for r in figures["runs"]] == [1, 2]
         for run in figures["runs"]:  # ignore_eos sent: every answer max_tokens long
             assert (run["ok"], run["completion_tokens"], run["tokens_from"]) == (4, 24, "usage")
     assert not any(Path(f"/proc/{start['pid']}").exists() for start in starts)  # stopped
     assert "round 2/2: llama-server Q8_0: cold start" in said[-1]
+    # a server that refuses ignore_eos (an archive made before compress took it) gets
+    # requests without it, and its answers end where it ends them
+    monkeypatch.setenv("FAKE_REFUSES_IGNORE_EOS", "1")
+    args.rounds = 1
+    again = items_of.peer_items(args, {"int8": (None, None, facts)}, {"Q8_0": gguf}, fake)
+    items_of.measure(again, args, tmp_path, said.append)
+    (figures,) = again[0]["rounds"]
+    assert figures["ignore_eos"] is False and "ignore_eos refused" in said[-1]
+    assert [(r["ok"], r["completion_tokens"]) for r in figures["runs"]] == [(4, 4), (4, 4)]
+

@@ -57,21 +57,27 @@ def measure(batcher: ContinuousBatcher, ids: list[int], long: list[int], new: in
             batcher.turn()
             if joined is None and stamps[7]:
                 joined = batcher.steps - steps
+    # the running rows' gaps while the long prompt is prefilled: from its arrival to the
+    # first decode step after it joined
+    until = min(t for k in range(7) for t in stamps[k] if t > stamps[7][0])
     gaps = [b - a for k in range(7) for a, b in zip(stamps[k], stamps[k][1:], strict=False)
-            if b > began]  # the gaps from the moment the long prompt arrived
+            if began < b <= until]
+    before = [b - a for k in range(7) for a, b in zip(stamps[k], stamps[k][1:], strict=False)
+              if b <= began]  # undisturbed: the rows alone
     assert all(r.ended for r in rows)
-    median = statistics.median(gaps)
+    median = statistics.median(before)
     return {"itl_p50_ms": median * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3,
-            "p99_over_p50": percentile(gaps, 99) / median,
+            "itl_max_ms": max(gaps) * 1e3, "p99_over_p50": percentile(gaps, 99) / median,
             "long_ttft_s": stamps[7][0] - began, "steps_to_join": joined or 0}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("export", type=Path, help="a causal-LM export folder")
+    parser.add_argument("folder", type=Path, metavar="EXPORT_DIR",
+                        help="a causal-LM export folder")
     parser.add_argument("--long", type=int, default=1000, help="the joining prompt's tokens")
     parser.add_argument("--new", type=int, default=160, help="each running row's tokens")
-    parser.add_argument("--settle", type=int, default=16)
+    parser.add_argument("--settle", type=int, default=24)
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--compile", default="default", choices=["none", "default",
                                                                    "max-autotune"])
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=REPO / "benchmarks" / "results" / "llm_chunked_prefill.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    lm = runtime.load_folder(args.export)
+    lm = runtime.load_folder(args.folder)
     cache_len = args.long + 64 + args.new
     ids = runtime.prompt_ids(lm.tokenizer, "Write a long story about the sea.", True)
     long = (ids * (args.long // len(ids) + 1))[:args.long]
@@ -97,15 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             results[mode].append(measure(batcher, ids, long, args.new, args.settle))
             print(mode, {k: round(v, 2) for k, v in results[mode][-1].items()}, flush=True)
     lines = ["# A 1,000-token prompt joining seven running streams (served batcher)", "",
-             f"- command: `python benchmarks/llm_chunked_prefill.py {args.export}`; "
+             f"- command: `python benchmarks/llm_chunked_prefill.py {args.folder}`; "
              f"compile {args.compile}, chunk {args.chunk}, {args.rounds} rounds (medians)",
              f"- threads: {torch.get_num_threads()}", "",
-             "| prefill | ITL p50 ms | ITL p99 ms | p99 / p50 | long TTFT s |",
-             "|---|---|---|---|---|"]
+             "ITL p50: the running rows alone, before the long prompt arrives; p99 and max: "
+             "from its arrival to the first decode step after it joined.", "",
+             "| prefill | ITL p50 ms | ITL p99 ms | ITL max ms | p99 / p50 | long TTFT s |",
+             "|---|---|---|---|---|---|"]
     for mode, runs in results.items():
         med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
         lines.append(f"| {mode} | {med['itl_p50_ms']:.1f} | {med['itl_p99_ms']:.1f} | "
-                     f"{med['p99_over_p50']:.2f} | {med['long_ttft_s']:.2f} |")
+                     f"{med['itl_max_ms']:.1f} | {med['p99_over_p50']:.2f} | "
+                     f"{med['long_ttft_s']:.2f} |")
     print("\n".join(lines))
     args.markdown.write_text("\n".join(lines) + "\n")
     return 0

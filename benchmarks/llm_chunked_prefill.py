@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             results[mode].append(measure(batcher, ids, long, args.new, args.settle))
             print(mode, {k: round(v, 2) for k, v in results[mode][-1].items()}, flush=True)
     lines = ["# A 1,000-token prompt joining seven running streams (served batcher)", "",
-             f"- command: `python benchmarks/llm_chunked_prefill.py {args.folder}`; "
+             "- command: `python " + " ".join(["benchmarks/llm_chunked_prefill.py",
+                                              *(argv or sys.argv[1:])]) + "`; "
              f"compile {args.compile}, chunk {args.chunk}, {args.rounds} rounds (medians)",
              f"- threads: {torch.get_num_threads()}", "",
              "ITL p50: the running rows alone, before the long prompt arrives; p99 and max: "

@@ -14,12 +14,11 @@ answer, and aggregate tok/s is every completion token over the wall time.
 from __future__ import annotations
 
 import statistics
-import threading
 from urllib.parse import urlsplit
 
 from compress.errors import UserError
 from compress.serving.chat_stream import ChatStream
-from compress.serving.http_workers import MAX_ERROR_EXAMPLES, Tickets, percentile, run_workers
+from compress.serving.http_workers import MAX_ERROR_EXAMPLES, drive, percentile
 from compress.serving.loadtest import check_load_args
 
 CHAT_PATH = "/v1/chat/completions"
@@ -43,21 +42,7 @@ def run_chat_load(url: str, concurrency: int, requests: int, payloads: list[byte
                     **(headers or {})}
     workers = [ChatStream(parts.hostname or "", parts.port, timeout)
                for _ in range(min(concurrency, requests))]
-    warm, tickets = Tickets(warmup), Tickets(requests)
-    start_line = threading.Barrier(len(workers) + 1)
-
-    def work(worker: ChatStream) -> None:
-        try:
-            while (i := warm.next()) is not None:
-                worker.send(path, payloads[i % len(payloads)], send_headers, record=False)
-        finally:
-            start_line.wait()
-        while (i := tickets.next()) is not None:
-            worker.send(path, payloads[(warmup + i) % len(payloads)], send_headers,
-                        record=True)
-        worker.close()
-
-    wall = run_workers(workers, work, start_line)
+    wall = drive(workers, path, payloads, send_headers, warmup, requests)
     return chat_figures([r for w in workers for r in w.rows],
                         [e for w in workers for e in w.errors], concurrency, requests, wall)
 

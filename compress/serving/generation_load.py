@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,10 +22,9 @@ from compress.errors import UserError
 from compress.serving.http_workers import (
     BATCH_HEADER,
     MAX_ERROR_EXAMPLES,
-    Tickets,
     batch_stats,
+    drive,
     percentile,
-    run_workers,
 )
 from compress.serving.loadtest import check_load_args
 
@@ -61,6 +59,10 @@ class _Stream:
         self.rows: list[dict[str, float]] = []  # per answer: ttft, latency, tokens, rate
         self.batches: list[str] = []
         self.errors: list[str] = []
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
     def send(self, path: str, body: bytes, headers: dict[str, str], record: bool) -> None:
         """POST one request and read its answer as it streams."""
@@ -106,21 +108,7 @@ def run_generation_load(url: str, concurrency: int, requests: int, payloads: lis
     send_headers = {"Content-Type": "application/json", **(headers or {})}
     workers = [_Stream(parts.hostname or "", parts.port, timeout)
                for _ in range(min(concurrency, requests))]
-    warm, tickets = Tickets(warmup), Tickets(requests)
-    start_line = threading.Barrier(len(workers) + 1)
-
-    def work(worker: _Stream) -> None:
-        try:
-            while (i := warm.next()) is not None:
-                worker.send(path, payloads[i % len(payloads)], send_headers, record=False)
-        finally:
-            start_line.wait()
-        while (i := tickets.next()) is not None:
-            worker.send(path, payloads[i % len(payloads)], send_headers, record=True)
-        if worker.conn is not None:
-            worker.conn.close()
-
-    wall = run_workers(workers, work, start_line)
+    wall = drive(workers, path, payloads, send_headers, warmup, requests)
     rows = [r for w in workers for r in w.rows]
     tokens = sum(int(r["tokens"]) for r in rows)
     sizes, mean, largest = batch_stats([b for w in workers for b in w.batches])

@@ -157,3 +157,24 @@ def run_workers(workers: list, work, start_line: threading.Barrier) -> float:
     for thread in threads:
         thread.join()
     return time.perf_counter() - started
+
+
+def drive(workers: list, path: str, payloads: list[bytes], headers: dict[str, str],
+          warmup: int, requests: int) -> float:
+    """Each worker `send`s requests of `payloads` in turn: `warmup` unrecorded ones among
+    them all, then, released together, `requests` recorded ones; the seconds of the
+    recorded part. A worker closes its connection when it is done."""
+    warm, tickets = Tickets(warmup), Tickets(requests)
+    start_line = threading.Barrier(len(workers) + 1)
+
+    def work(worker) -> None:  # noqa: ANN001 (a stream of either load test)
+        try:
+            while (i := warm.next()) is not None:
+                worker.send(path, payloads[i % len(payloads)], headers, record=False)
+        finally:
+            start_line.wait()
+        while (i := tickets.next()) is not None:
+            worker.send(path, payloads[(warmup + i) % len(payloads)], headers, record=True)
+        worker.close()
+
+    return run_workers(workers, work, start_line)

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from compress.errors import UserError
 from compress.serving.chat_stream import ChatStream
 from compress.serving.http_workers import MAX_ERROR_EXAMPLES, drive, percentile
+from compress.serving.load_report import fixed_width, plain
 from compress.serving.loadtest import check_load_args
 
 CHAT_PATH = "/v1/chat/completions"
@@ -92,13 +93,7 @@ def format_chat_table(result: dict) -> str:
                ("itl p50 ms", "itl_ms_p50"), ("itl p99 ms", "itl_ms_p99"),
                ("tokens/req", "tokens_per_request"), ("prompt tok", "prompt_tokens_mean"),
                ("tokens from", "tokens_from")]
-    rows = [["-" if run.get(key) is None else str(run.get(key)) for _, key in columns]
-            for run in result["runs"]]
-    widths = [max(len(title), *(len(row[i]) for row in rows))
-              for i, (title, _) in enumerate(columns)]
-    lines = ["  ".join(t.rjust(w) for (t, _), w in zip(columns, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines = fixed_width(columns, result["runs"], plain)
     ratio = result.get("tokens_per_s_ratio")
     if len(result["runs"]) > 1:
         levels = sorted(r["concurrency"] for r in result["runs"])

@@ -26,6 +26,7 @@ from compress.serving.http_workers import (
     drive,
     percentile,
 )
+from compress.serving.load_report import fixed_width, plain
 from compress.serving.loadtest import check_load_args
 
 SAMPLE_PROMPTS = (
@@ -153,13 +154,7 @@ def format_generation_table(result: dict) -> str:
                ("ttft p99 ms", "ttft_ms_p99"), ("p50 ms", "latency_ms_p50"),
                ("tok/s/req", "decode_tok_s_per_request"),
                ("batch mean", "batch_size_mean"), ("batch max", "batch_size_max")]
-    rows = [["-" if run.get(key) is None else str(run.get(key)) for _, key in columns]
-            for run in result["runs"]]
-    widths = [max(len(title), *(len(row[i]) for row in rows))
-              for i, (title, _) in enumerate(columns)]
-    lines = ["  ".join(t.rjust(w) for (t, _), w in zip(columns, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines = fixed_width(columns, result["runs"], plain)
     ratio = result.get("tokens_per_s_ratio")
     lines.append(f"tokens/s at concurrency {result['runs'][-1]['concurrency']} / concurrency "
                  f"{result['runs'][0]['concurrency']}: "

@@ -4,6 +4,7 @@ folder (`loadtest.json`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from compress.errors import UserError
@@ -28,6 +29,24 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def plain(value: object) -> str:
+    """A cell as it is ("-" for none)."""
+    return "-" if value is None else str(value)
+
+
+def fixed_width(columns: list[tuple[str, str]], runs: list[dict],
+                cell: Callable[[object], str] = _cell) -> list[str]:
+    """The lines of a right-aligned table: a header of `columns`' titles, a rule, and per
+    run its values under each column's key, written by `cell`."""
+    rows = [[cell(run.get(key)) for _, key in columns] for run in runs]
+    widths = [max(len(title), *(len(row[i]) for row in rows))
+              for i, (title, _) in enumerate(columns)]
+    lines = ["  ".join(title.rjust(w) for (title, _), w in zip(columns, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    return lines + ["  ".join(text.rjust(w) for text, w in zip(row, widths, strict=True))
+                    for row in rows]
+
+
 def format_table(result: dict) -> str:
     """A fixed-width text table of a ``sweep`` result (or of one ``run_load`` result)."""
     runs = result.get("runs", [result])
@@ -35,13 +54,7 @@ def format_table(result: dict) -> str:
                ("errors", "errors"), ("rps", "throughput_rps"), ("p50 ms", "latency_ms_p50"),
                ("p90 ms", "latency_ms_p90"), ("p99 ms", "latency_ms_p99"),
                ("batch mean", "batch_size_mean"), ("batch max", "batch_size_max")]
-    rows = [[_cell(run.get(key)) for _, key in columns] for run in runs]
-    widths = [max(len(title), *(len(row[i]) for row in rows))
-              for i, (title, _) in enumerate(columns)]
-    lines = ["  ".join(title.rjust(w) for (title, _), w in zip(columns, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
-              for row in rows]
+    lines = fixed_width(columns, runs)
     if runs:
         high = max(run["concurrency"] for run in runs)
         low = min(run["concurrency"] for run in runs)

@@ -58,6 +58,16 @@ def register_decode_attention() -> None:
     AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
+def decode_attention_for(model: nn.Module) -> str | None:
+    """The attention a decoder runs `model` with: DECODE_ATTENTION (registered) where the
+    model's own is SDPA or eager, else None (its own)."""
+    own = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if own not in ("sdpa", "eager"):
+        return None
+    register_decode_attention()
+    return DECODE_ATTENTION
+
+
 @contextmanager
 def attention(model: nn.Module, implementation: str | None) -> Iterator[None]:
     """Run `model` with another registered attention implementation (None: its own) for

@@ -2,17 +2,13 @@
 transformers only): a request that arrives while others decode joins at the next decode
 step, and each row leaves when it is done.
 
-How rows share the cache: one `StaticCache` of `rows` slots and `cache_len` positions, every
-smaller bucket's cache a view of its first slots (`shared_caches`), so the step runs at the
-smallest compiled bucket that holds the highest busy slot and no row moves. All rows write
-their next token at one cursor position. The requests admitted at one turn are prefilled
-together, in chunks between decode steps (`prefill.py`: a prompt of 1,000 tokens does not
-freeze the running rows), and each one's keys and values are copied to the positions just
-before the cursor, in a free slot (`placement.py`); its mask opens its own positions only,
-and its rotary positions count from its own first token, so rows of any lengths decode
-together. The first waiting requests that fit go in, unless the oldest has waited
-`patience` steps: then none passes it. At most `max_waiting` requests wait (`submit` raises
-`QueueFull` past it).
+One `StaticCache` of `rows` slots, every smaller bucket's cache a view of its first slots
+(`shared_caches`): the step runs at the smallest bucket holding the highest busy slot. The
+requests admitted at one turn are prefilled together, in chunks between decode steps
+(`prefill.py`), and each row's keys and values end just before the cursor that every row
+writes at next (`placement.py`): its mask opens its own positions, its rotary positions
+count from its first token. The first waiting requests that fit go in, unless the oldest
+has waited `patience` steps. At most `max_waiting` wait (`submit` raises `QueueFull`).
 
 Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
 (max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
@@ -233,10 +229,7 @@ class ContinuousBatcher(Placement):
         slot = self.slots.index(None)
         row.start = self.cursor - length
         keys, values = self.prefiller.keys_values(job, index)
-        for mine, k, v in zip(self.cache.layers, keys, values, strict=True):
-            mine.keys[slot, :, row.start:self.cursor] = k[0]
-            mine.values[slot, :, row.start:self.cursor] = v[0]
-        self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+        self._fill(slot, row.start, keys, values)
         assert job.logits is not None
         token = int(pick_tokens(job.logits[index:index + 1], [row.sampling],
                                 [row.generator])[0])

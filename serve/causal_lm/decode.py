@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import DECODE_ATTENTION, attention, register_decode_attention
+from .attention import attention, decode_attention_for
+from .static_cache import empty_cache, tie_graphs_to
 
 
 @dataclass
@@ -70,10 +71,7 @@ class StaticDecoder:
 
     def __init__(self, model: nn.Module, max_cache_len: int = 512, always_mask: bool = False):
         self.model, self.max_cache_len, self.always_mask = model, max_cache_len, always_mask
-        own = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        self.attention = DECODE_ATTENTION if own in ("sdpa", "eager") else None
-        if self.attention:
-            register_decode_attention()
+        self.attention = decode_attention_for(model)
         self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.cache: Any = None
         self.cache_rows = 0
@@ -110,7 +108,7 @@ class StaticDecoder:
         The Inductor settings are set around each call of the step, where it compiles:
         passed as torch.compile `options`, max-autotune was not applied (no template was
         tried; measured). Each graph checks that it runs on its own decoder's cache
-        (`_tie_graphs_to`); graphs Dynamo holds from earlier decoders are dropped first
+        (`static_cache.tie_graphs_to`); graphs Dynamo holds from earlier decoders are dropped first
         (`torch._dynamo.reset`) so that they do not count towards its recompile limit. An
         earlier decoder still in use compiles again on its next call."""
         torch._dynamo.reset()
@@ -213,7 +211,7 @@ class StaticDecoder:
                                (positions - pads[:, None]).clamp(min=0) if padded else None, mask)
         token = pick_tokens(logits, picks, generators)
         ttft = time.perf_counter() - began
-        _tie_graphs_to(self.cache)
+        tie_graphs_to(self.cache)
         out: list[list[int]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         began, i = time.perf_counter(), 0
@@ -237,29 +235,6 @@ class StaticDecoder:
         return Generation(out[0], ttft, rate, out, [str(f) for f in finish])
 
 
-def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool) -> Any:
-    """A zeroed `StaticCache` of `rows` rows and `cache_len` positions for `model`. With
-    `dynamic_rows`, its tensors are no static addresses (transformers marks them so; a graph
-    compiled under Inductor's freezing would take them for constants) and their rows may
-    vary from graph input to graph input."""
-    from transformers import StaticCache
-
-    config = model.config
-    cache = StaticCache(config=config, max_cache_len=cache_len)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache.early_initialization(rows, heads, dim, getattr(model, "dtype", torch.float32),
-                               torch.device("cpu"))
-    if dynamic_rows:
-        for layer in cache.layers:
-            for tensor in (layer.keys, layer.values, layer.cumulative_length):
-                if hasattr(tensor, "_dynamo_static_input_type"):
-                    del tensor._dynamo_static_input_type
-            for tensor in (layer.keys, layer.values):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-    return cache
-
-
 def plan_rows(rows: int, length: int, max_new_tokens: int | Sequence[int],
               sampling: Sequence[Sampling | None] | None, max_cache_len: int
               ) -> tuple[list[int], list[Sampling | None], list[torch.Generator | None]]:
@@ -274,21 +249,6 @@ def plan_rows(rows: int, length: int, max_new_tokens: int | Sequence[int],
     generators = [torch.Generator().manual_seed(s.seed) if s and s.seed is not None
                   else None for s in picks]
     return limits, picks, generators
-
-
-def _tie_graphs_to(cache: Any) -> None:
-    """Make every graph compiled from now on check that it runs on this cache's tensors.
-
-    transformers marks a StaticCache's keys, values and lengths as static addresses with no
-    guard; under Inductor freezing Dynamo then bakes them into the graph as attributes and
-    checks only their shapes. A decoder whose cache matched those shapes (the batch size
-    made dynamic by an earlier bucket) ran another decoder's graph on that decoder's cache:
-    wrong tokens, or Inductor's size assertion when the rows differed. Guarded, each cache
-    tensor adds an identity check, so each decoder compiles its own graph."""
-    for layer in getattr(cache, "layers", ()):
-        for value in vars(layer).values():
-            if getattr(value, "_dynamo_static_input_type", None) == "unguarded":
-                torch._dynamo.mark_static_address(value, guard=True)
 
 
 def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],

@@ -55,7 +55,7 @@ class Placement:
         for slot, row in enumerate(self.slots):
             if row is not None:
                 row.start += by
-                self.mask[slot] = (torch.arange(self.cache_len) >= row.start).long()
+                self._open_from(slot, row.start)
 
     def _set_cursor(self, position: int) -> None:
         """Every row writes at `position` next (each layer's write position with it; a step
@@ -63,3 +63,16 @@ class Placement:
         self.cursor = position
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(position)
+
+    def _fill(self, slot: int, start: int, keys: list[torch.Tensor],
+              values: list[torch.Tensor]) -> None:
+        """Write a row's keys and values (per layer 1 x heads x length x dim) into `slot`,
+        ending just before the cursor, and open its mask from `start`."""
+        for mine, k, v in zip(self.cache.layers, keys, values, strict=True):
+            mine.keys[slot, :, start:self.cursor] = k[0]
+            mine.values[slot, :, start:self.cursor] = v[0]
+        self._open_from(slot, start)
+
+    def _open_from(self, slot: int, start: int) -> None:
+        """The slot's mask: its positions from `start` on."""
+        self.mask[slot] = (torch.arange(self.cache_len) >= start).long()

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import attention
-from .decode import empty_cache, left_pad
+from .attention import attention, decode_attention_for
+from .decode import left_pad
 from .prefix_cache import PrefixCache
 from .rows import Row
+from .static_cache import empty_cache
 
 
 def prefill_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
@@ -80,10 +81,7 @@ class Prefiller:
         """Prefill two rows, then one, so that the compiled graphs (rows of 1 have their
         own) compile now, not on a request (in inference mode, as the batcher runs them);
         nothing is cached."""
-        from .decode import StaticDecoder
-
-        decoding = StaticDecoder(self.model, self.cache_len).attention  # the batcher's
-        with attention(self.model, decoding):
+        with attention(self.model, decode_attention_for(self.model)):  # the batcher's
             for rows in (2, 1):
                 job = self.start([Row([0, 0, 0], 1, lambda token, end: None)] * rows)
                 self.step(job, whole=True)

@@ -28,6 +28,7 @@ class Prefix:
     keys: list[torch.Tensor]  # per layer: heads x length x dim
     values: list[torch.Tensor]
     length: int
+    ids: torch.Tensor | None = None  # an entry's token ids (compared on each lookup)
 
 
 class PrefixCache:
@@ -48,11 +49,11 @@ class PrefixCache:
         best, best_key = 0, None
         if self.entries:
             wanted = torch.tensor(ids[:-1])
-            for key in self.entries:
+            for key, entry in self.entries.items():
                 length = min(len(key), len(wanted))
-                if length <= best:
+                if length <= best or entry.ids is None:
                     continue
-                same = torch.tensor(key[:length]) == wanted[:length]
+                same = entry.ids[:length] == wanted[:length]
                 shared = int(same.cumprod(0).sum()) if length else 0
                 if shared > best:
                     best, best_key = shared, key
@@ -80,7 +81,7 @@ class PrefixCache:
             self.tokens -= len(other)
             del self.entries[other]
         self.entries[key] = Prefix([k.clone() for k in keys], [v.clone() for v in values],
-                                   len(key))
+                                   len(key), torch.tensor(key))
         self.tokens += len(key)
         while self.tokens > self.max_tokens:
             _, evicted = self.entries.popitem(last=False)

@@ -178,6 +178,7 @@ SPEC = register(StageSpec(
                                            + stages_fit_the_config(recipe, i, config)),
     check_task=_check_task,
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
-        "handler", "requests", "replies", "openai", "batcher", "rows", "buckets", "runtime",
-        "decode", "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
+        "handler", "requests", "replies", "openai", "batcher", "rows", "buckets", "placement",
+        "prefill", "prefix_cache", "compiled_graphs", "runtime", "decode", "static_cache",
+        "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
 ))

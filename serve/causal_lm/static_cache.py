@@ -1,0 +1,48 @@
+"""The static KV caches the decoders write (torch and transformers only; shipped beside
+`decode.py`): a zeroed one made ahead of the first generation (`empty_cache`), and how a
+compiled graph is kept to the cache it was compiled for (`tie_graphs_to`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool) -> Any:
+    """A zeroed `StaticCache` of `rows` rows and `cache_len` positions for `model`. With
+    `dynamic_rows`, its tensors are no static addresses (transformers marks them so; a graph
+    compiled under Inductor's freezing would take them for constants) and their rows may
+    vary from graph input to graph input."""
+    from transformers import StaticCache
+
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=cache_len)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache.early_initialization(rows, heads, dim, getattr(model, "dtype", torch.float32),
+                               torch.device("cpu"))
+    if dynamic_rows:
+        for layer in cache.layers:
+            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                if hasattr(tensor, "_dynamo_static_input_type"):
+                    del tensor._dynamo_static_input_type
+            for tensor in (layer.keys, layer.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return cache
+
+
+def tie_graphs_to(cache: Any) -> None:
+    """Make every graph compiled from now on check that it runs on this cache's tensors.
+
+    transformers marks a StaticCache's keys, values and lengths as static addresses with no
+    guard; under Inductor freezing Dynamo then bakes them into the graph as attributes and
+    checks only their shapes. A decoder whose cache matched those shapes (the batch size
+    made dynamic by an earlier bucket) ran another decoder's graph on that decoder's cache:
+    wrong tokens, or Inductor's size assertion when the rows differed. Guarded, each cache
+    tensor adds an identity check, so each decoder compiles its own graph."""
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if getattr(value, "_dynamo_static_input_type", None) == "unguarded":
+                torch._dynamo.mark_static_address(value, guard=True)

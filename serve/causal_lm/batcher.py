@@ -19,6 +19,7 @@ step failed: every row in it).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
@@ -163,7 +164,8 @@ class ContinuousBatcher(Placement):
             return
         if self.steps - waiting[0].queued >= self.patience:
             waiting = waiting[:1]  # the oldest has waited long enough: it goes next
-        chosen = [r for r in waiting if self._place(len(r.ids), r.max_new_tokens)][:free]
+        fitting = (r for r in waiting if self._place(len(r.ids), r.max_new_tokens))
+        chosen = list(itertools.islice(fitting, free))  # no more checks than free slots
         with self.wake:
             chosen = [r for r in chosen if r in self.waiting]  # not cancelled meanwhile
             for row in chosen:
@@ -200,14 +202,13 @@ class ContinuousBatcher(Placement):
 
     def _prefill_failed(self, rows: list[Row], exc: Exception) -> None:
         """A batch's rows go again one at a time; a row alone ends with the error."""
+        logger.error("compress batcher: a prefill of %d row(s) failed%s", len(rows),
+                     "; each goes again alone" if len(rows) > 1 else "", exc_info=exc)
         if len(rows) > 1:
-            logger.warning("compress batcher: a prefill of %d rows failed (%s: %s); each "
-                           "goes again alone", len(rows), type(exc).__name__, exc)
             self.retry.extend(rows)
-            return
-        logger.error("compress batcher: a prefill failed", exc_info=exc)
-        self._end(rows[0], CANCELLED if rows[0].cancelled else
-                  f"error: {type(exc).__name__}: {exc}")
+        else:
+            self._end(rows[0], CANCELLED if rows[0].cancelled else
+                      f"error: {type(exc).__name__}: {exc}")
 
     def _join(self, job: PrefillJob, index: int, row: Row) -> None:
         """Place a prefilled row in a free slot (its keys and values copied just before the

@@ -100,7 +100,7 @@ def precompile(tree: Path, export_dir: Path, handler: dict, ctx: StageContext) -
     began = time.perf_counter()
     command = [sys.executable, "-m", "causal_lm.compiled_graphs", str(export_dir),
                json.dumps(handler), str(tree / FOLDER)]
-    env = os.environ | {"PYTHONPATH": str(tree), "TORCHINDUCTOR_CACHE_DIR": ""}
+    env = os.environ | {"PYTHONPATH": str(tree)}  # the child sets its own Inductor cache
     with subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True) as child:
         lines = deque(maxlen=20)

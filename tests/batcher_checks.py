@@ -9,6 +9,7 @@ import threading
 import torch
 
 from serve.causal_lm import batcher as lm_batcher
+from serve.causal_lm.aot_steps import use_step
 from serve.causal_lm.compiled_graphs import warm_up
 from serve.causal_lm.decode import Sampling, StaticDecoder
 from serve.causal_lm.prefill import Prefiller
@@ -29,12 +30,15 @@ def varied_model():
 
 
 def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
-               own_thread: bool = True, **prefill):
-    """A batcher of decoders (one per bucket, compiled in `compile_mode` where given), their
-    caches shared; `prefill`: the Prefiller's options (compiled with the decoders)."""
+               own_thread: bool = True, steps: dict | None = None, **prefill):
+    """A batcher of decoders (one per bucket, compiled in `compile_mode` where given, or
+    decoding through the AOTInductor `steps` by their fewest rows), their caches shared;
+    `prefill`: the Prefiller's options (compiled with the decoders)."""
     decoders = {rows: StaticDecoder(model, CACHE, always_mask=True) for rows in sizes}
-    if compile_mode:
-        for decoder in decoders.values():
+    for rows, decoder in decoders.items():
+        if steps:
+            use_step(decoder, steps[min(rows, 2)])
+        elif compile_mode:
             decoder.compile(compile_mode)
     warm_up(decoders, shared=True)  # as the handler does: one cache, its rows dynamic
     prefiller = Prefiller(model, CACHE, compiled=bool(compile_mode), **prefill)
@@ -83,7 +87,8 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
-                                                       compile_mode: str | None = None) -> None:
+                                                       compile_mode: str | None = None,
+                                                       steps: dict | None = None) -> None:
     """Rows joining at any step, through cursor moves both ways, each decode the tokens
     their prompt gets alone."""
     moves: list[int] = []
@@ -92,7 +97,7 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
                         lambda self, *a: (moves.append(a[2]), move(self, *a))[1])
     from torch._dynamo.utils import counters
 
-    batcher = batcher_of(model, compile_mode=compile_mode)
+    batcher = batcher_of(model, compile_mode=compile_mode, steps=steps)
     graphs = counters["stats"]["unique_graphs"]
     rows = []
 

@@ -4,15 +4,18 @@ in its archive (torch and transformers only; shipped in the `causal_lm` package)
 
 A worker that compiles at start spent about 50 s a bucket (180 s before it answered). The
 package stage therefore runs this module in a process of its own (`python -m
-causal_lm.compiled_graphs EXPORT SETTINGS OUT`), which builds the worker's graphs over an
-empty Inductor cache and ships that cache in the archive (FX graphs, AOTAutograd entries,
-the C++ libraries built from them, max-autotune's choices). A worker whose CPU flags and
-torch match the packager's (`target`) starts from a copy of it (`use_shipped`): Dynamo
-still traces each graph, but nothing is compiled. Inductor's libraries are built for the
-packager's CPU (-march=native), so on another CPU the worker says so in one line and
-compiles afresh. Measured (2-core Zen 4, llm_int8): a cache moved to another folder hits;
-`torch.compiler.save_cache_artifacts` ships the generated source, not the libraries, and
-its load compiled them again with g++ (18.5 s a bucket against 8.2 s)."""
+causal_lm.compiled_graphs EXPORT SETTINGS OUT`), which exports the decode steps as
+AOTInductor packages (`aot_steps`) and ships them, with the Inductor cache of any graph
+still compiled at start (the prefill, where compiled), in the archive. A worker whose CPU
+flags and torch match the packager's (`target`) loads the packages in about a second each
+(`use_shipped`); where the export fails (a model torch.export cannot take), the package
+stage ships Inductor's cache of the compiled decoders instead (FX graphs, AOTAutograd
+entries, the C++ libraries built from them, max-autotune's choices), from which a worker
+still traces each graph with Dynamo (~10 s each) but compiles nothing. Both are built for
+the packager's CPU (-march=native), so on another CPU the worker says so in one line and
+compiles afresh. Measured (2-core Zen 4, llm_int8): `torch.compiler.save_cache_artifacts`
+ships the generated source, not the libraries, and its load compiled them again with g++
+(18.5 s a bucket against 8.2 s)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import aot_steps
 from .buckets import shared_caches
 from .decode import StaticDecoder
 
@@ -51,11 +55,17 @@ def target() -> dict[str, Any]:
     return {"torch": torch.__version__, "machine": platform.machine(), "cpu_flags": flags}
 
 
-def use_shipped(folder: Path) -> str:
-    """Point Inductor's cache at a copy of the graphs shipped in `folder`, where they were
-    built for this CPU and torch; what happened, in words."""
+def first_line(error: BaseException) -> str:
+    """An error's first line (its kind where it says nothing)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def use_shipped(folder: Path, model: nn.Module) -> tuple[dict[int, Any], str]:
+    """The decode steps shipped in `folder` for this CPU and torch, holding `model`'s
+    weights (`aot_steps.load_steps`; empty where none are), with Inductor's cache pointed at
+    a copy of the one shipped; and what happened, in words."""
     if not (folder / TARGET).is_file():
-        return "no compiled graphs shipped: compiling at start"
+        return {}, "no compiled graphs shipped: compiling at start"
     shipped, here = json.loads((folder / TARGET).read_text()), target()
     if shipped != here:
         differ = [k for k in here if shipped.get(k) != here[k]]
@@ -63,25 +73,38 @@ def use_shipped(folder: Path) -> str:
         logger.warning("compress worker: the shipped compiled graphs were built for another "
                        "%s%s: compiling afresh", " and ".join(differ),
                        f" (this CPU lacks {', '.join(missing)})" if missing else "")
-        return "shipped graphs refused: compiling afresh"
-    cache = Path(tempfile.mkdtemp(prefix="compress-inductor-"))
-    shutil.copytree(folder / INDUCTOR, cache, dirs_exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    return "shipped compiled graphs used"
+        return {}, "shipped graphs refused: compiling afresh"
+    if (folder / INDUCTOR).is_dir():
+        cache = Path(tempfile.mkdtemp(prefix="compress-inductor-"))
+        shutil.copytree(folder / INDUCTOR, cache, dirs_exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    try:
+        steps = aot_steps.load_steps(folder, model)
+    except (RuntimeError, ValueError) as error:
+        logger.warning("compress worker: the shipped decode steps did not load (%s): "
+                       "compiling afresh", first_line(error))
+        return {}, "shipped steps refused: compiling afresh"
+    return steps, ("shipped decode steps loaded" if steps else "shipped compiled graphs used")
 
 
 def build_decoders(model: nn.Module, sizes: list[int], cache_len: int, mode: str,
-                   cpp_wrapper: bool, make: Callable[[], Any] | None = None
-                   ) -> dict[int, Any]:
-    """One decoder per bucket size (`make()` where given, else a masked `StaticDecoder`),
-    compiled in `mode` unless "none": Inductor's C++ wrapper where asked, Dynamo's guards
-    checked once a generation (`StaticDecoder.compile`)."""
+                   cpp_wrapper: bool, make: Callable[[], Any] | None = None,
+                   steps: dict[int, Any] | None = None) -> dict[int, Any]:
+    """One decoder per bucket size (`make()` where given, else a masked `StaticDecoder`):
+    decoding through the shipped step for its rows (`steps`, by the fewest rows each
+    serves), else compiled in `mode` unless "none": Inductor's C++ wrapper where asked,
+    Dynamo's guards checked once a generation (`StaticDecoder.compile`)."""
     torch._dynamo.config.recompile_limit = max(8, 2 * len(sizes))  # a graph a bucket
     decoders = {}
     for rows in sizes:
         decoder = make() if make else StaticDecoder(model, cache_len, always_mask=True)
-        decoders[rows] = (decoder.compile(mode, cpp_wrapper=cpp_wrapper, skip_guards=True)
-                          if mode != "none" else decoder)
+        package = (steps or {}).get(min(rows, 2))
+        if package is not None:
+            decoders[rows] = aot_steps.use_step(decoder, package)
+        elif mode != "none":
+            decoders[rows] = decoder.compile(mode, cpp_wrapper=cpp_wrapper, skip_guards=True)
+        else:
+            decoders[rows] = decoder
     return decoders
 
 
@@ -98,14 +121,17 @@ def warm_up(decoders: dict[int, Any], shared: bool,
         shared_caches(decoders)
     for n, rows in enumerate(sorted(decoders, reverse=True), 1):
         decoder = decoders[rows]
-        log(f"{'compiling' if decoder.compiled else 'warming up'} bucket {n} of "
+        compiling = decoder.compiled and not isinstance(decoder.step, aot_steps.LoadedStep)
+        log(f"{'compiling' if compiling else 'warming up'} bucket {n} of "
             f"{len(decoders)} ({rows} rows)")
         decoder.generate([[0]] * rows, 2)
 
 
 def precompile(export_dir: Path, settings: dict[str, Any], out: Path) -> None:
-    """Build and warm up the graphs a continuous-batching worker of `settings` serves, over
-    an empty Inductor cache in `out`, and record the target they were built for."""
+    """Export the decode steps a continuous-batching worker of `settings` serves
+    (`aot_steps.export_steps`), or where that fails build and warm up its compiled decoders,
+    over an empty Inductor cache in `out`; warm up its prefiller; record the target they
+    were built for."""
     from . import runtime
     from .buckets import buckets, rows_of
     from .prefill import prefiller_of
@@ -116,9 +142,20 @@ def precompile(export_dir: Path, settings: dict[str, Any], out: Path) -> None:
         torch.set_num_threads(int(settings["threads"]))
     lm = runtime.load_folder(export_dir)
     cache_len, mode = int(settings.get("cache_len", 512)), settings.get("compile") or "none"
-    decoders = build_decoders(lm.model, buckets(rows_of(settings, 1)), cache_len, mode,
-                              bool(settings.get("cpp_wrapper")))
-    warm_up(decoders, shared=True, log=lambda line: print(f"precompile: {line}", flush=True))
+    rows = rows_of(settings, 1)
+    try:
+        aot_steps.export_steps(lm.model, rows, cache_len, mode, out)
+        shutil.rmtree(out / INDUCTOR)  # the export's own entries: no worker looks them up
+        print("precompile: decode steps exported ahead of time", flush=True)
+    except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
+        for name in (aot_steps.ONE, aot_steps.ROWS):
+            (out / name).unlink(missing_ok=True)
+        print(f"precompile: the ahead-of-time export failed ({first_line(error)}): "
+              "shipping Inductor's cache instead", flush=True)
+        decoders = build_decoders(lm.model, buckets(rows), cache_len, mode,
+                                  bool(settings.get("cpp_wrapper")))
+        warm_up(decoders, shared=True, log=lambda line: print(f"precompile: {line}",
+                                                               flush=True))
     prefiller_of(lm.model, settings, cache_len, mode != "none").warm_up()
     (out / TARGET).write_text(json.dumps(target(), indent=1) + "\n")
 

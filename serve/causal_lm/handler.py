@@ -119,8 +119,10 @@ class CausalLMHandler(BaseHandler):
             cache_len, bool(settings.get("chat_template", True)),
             lm_requests.prompt_chars_bound(self.lm.tokenizer, cache_len))
         mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
+        steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
         if mode != "none":
-            logger.info("%s%s", PROGRESS, lm_graphs.use_shipped(model_dir / lm_graphs.FOLDER))
+            steps, said = lm_graphs.use_shipped(model_dir / lm_graphs.FOLDER, self.lm.model)
+            logger.info("%s%s", PROGRESS, said)
         rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
                 if self.continuous else int(config.get("batchSize", 1)))
         # micro-batches: one a rank where the rows divide; rank 0 alone gets the requests
@@ -129,7 +131,8 @@ class CausalLMHandler(BaseHandler):
                                                     lead=True)) if self.pipe else None
         self.decoders = lm_graphs.build_decoders(self.lm.model, lm_batcher.buckets(rows),
                                                  cache_len, mode,
-                                                 bool(settings.get("cpp_wrapper")), make)
+                                                 bool(settings.get("cpp_wrapper")), make,
+                                                 steps)
         lm_graphs.warm_up(self.decoders, self.continuous,
                           lambda line: logger.info("%s%s", PROGRESS, line))
         if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0

@@ -24,7 +24,7 @@ def shipped(tmp_path, monkeypatch):
 
 def test_graphs_built_for_this_cpu_and_torch_are_used_from_a_copy(shipped) -> None:
     (shipped / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
-    assert compiled_graphs.use_shipped(shipped) == "shipped compiled graphs used"
+    assert compiled_graphs.use_shipped(shipped, None) == ({}, "shipped compiled graphs used")
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert cache != str(shipped / compiled_graphs.INDUCTOR)  # a copy: the archive stays as is
     with open(os.path.join(cache, "fxgraph", "entry")) as entry:
@@ -40,15 +40,16 @@ def test_graphs_built_elsewhere_are_refused_in_one_line(shipped, caplog, change)
         built["torch"] = "1.0.0"
     (shipped / compiled_graphs.TARGET).write_text(json.dumps(built))
     with caplog.at_level(logging.WARNING):
-        said = compiled_graphs.use_shipped(shipped)
-    assert said == "shipped graphs refused: compiling afresh"
+        said = compiled_graphs.use_shipped(shipped, None)
+    assert said == ({}, "shipped graphs refused: compiling afresh")
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     [line] = [r.getMessage() for r in caplog.records]
     assert ("cpu_flags" in line and "lacks" in line) if change == "cpu" else "torch" in line
 
 
 def test_an_archive_without_graphs_compiles_at_start(tmp_path) -> None:
-    assert compiled_graphs.use_shipped(tmp_path).startswith("no compiled graphs shipped")
+    steps, said = compiled_graphs.use_shipped(tmp_path, None)
+    assert steps == {} and said.startswith("no compiled graphs shipped")
 
 
 def test_the_target_names_the_vector_flags_that_march_native_uses() -> None:

@@ -179,6 +179,6 @@ SPEC = register(StageSpec(
     check_task=_check_task,
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
         "handler", "requests", "replies", "openai", "batcher", "rows", "buckets", "placement",
-        "prefill", "prefix_cache", "compiled_graphs", "runtime", "decode", "static_cache",
-        "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
+        "prefill", "prefix_cache", "compiled_graphs", "aot_steps", "runtime", "decode",
+        "static_cache", "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
 ))

@@ -31,7 +31,7 @@ PACKAGE = SERVE / "causal_lm"  # `causal_lm/` in the archive
 LM_MODULES = tuple(PACKAGE / f"{name}.py"  # the handler's, added to the export's package
                    for name in ("handler", "requests", "replies", "openai", "batcher",
                                 "rows", "buckets", "placement", "prefill", "prefix_cache",
-                                "compiled_graphs"))
+                                "compiled_graphs", "aot_steps"))
 ENTRY = "generation_handler.py"
 ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):
 TorchServe and LitServe import it by its file name and take the one class defined in it."""

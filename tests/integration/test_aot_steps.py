@@ -1,0 +1,90 @@
+"""Decode steps compiled ahead of time by AOTInductor (serve/causal_lm/aot_steps.py), as the
+package stage ships them and a worker loads them: rows joining a continuous batch that
+decodes through them get the tokens their prompts get alone, with nothing compiled while
+serving; the grouped kernel's int8 weights decode through them too; a worker whose model
+lacks a weight the packages name refuses them in one line. (Integration tier: each export
+compiles C++ for 20-40 s.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from batcher_checks import (
+    CACHE,
+    rows_joining_at_any_step_decode_their_tokens_alone,
+    varied_model,
+)
+
+from serve.causal_lm import aot_steps, compiled_graphs
+from serve.causal_lm.decode import StaticDecoder
+from serve.causal_lm.grouped_kernels import grouped_mm_available
+from serve.causal_lm.runtime import quantize_weights
+
+
+@pytest.fixture(scope="module")
+def model():
+    return varied_model()
+
+
+@pytest.fixture(scope="module")
+def shipped(model, tmp_path_factory):
+    """The archive's compiled_graphs/ folder of `model`: packages for 1 and 2..4 rows."""
+    folder = tmp_path_factory.mktemp("compiled_graphs")
+    aot_steps.export_steps(model, 4, CACHE, "default", folder)
+    (folder / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
+    return folder
+
+
+def test_the_steps_read_the_workers_own_weights(shipped, model) -> None:
+    """The packages hold no weights: they run on the model's tensors (no copy)."""
+    assert sorted(p.name for p in shipped.glob("*.pt2")) == [aot_steps.ONE, aot_steps.ROWS]
+    steps = aot_steps.load_steps(shipped, model)
+    decoder = aot_steps.use_step(StaticDecoder(model, CACHE, always_mask=True), steps[1])
+    decoder.allocate(1)
+    step = (torch.tensor([[5]]), 3, torch.tensor([[3]]), torch.ones(1, CACHE, dtype=torch.long))
+    with torch.inference_mode():
+        before = decoder.decode_step(*step).clone()
+        model.lm_head.weight.mul_(2)
+        try:
+            after = decoder.decode_step(*step)
+        finally:
+            model.lm_head.weight.div_(2)
+    assert before.abs().max() > 0 and torch.allclose(after, 2 * before, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_joining_a_batch_of_shipped_steps_decode_their_tokens_alone(
+        shipped, model, monkeypatch) -> None:
+    steps, said = compiled_graphs.use_shipped(shipped, model)
+    assert said == "shipped decode steps loaded" and sorted(steps) == [1, 2]
+    # nothing compiles while serving (the check counts Dynamo's graphs)
+    rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch, steps=steps)
+
+
+def test_a_model_lacking_a_weight_the_packages_name_refuses_them(shipped, caplog) -> None:
+    other = varied_model()
+    del other.model.layers[1]  # the second layer's weights are gone
+    with caplog.at_level(logging.WARNING):
+        steps, said = compiled_graphs.use_shipped(shipped, other)
+    assert steps == {} and said == "shipped steps refused: compiling afresh"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "needs weights the model lacks" in line and "layers.1." in line
+
+
+@pytest.mark.skipif(not grouped_mm_available(), reason="the grouped kernel did not build")
+def test_int8_grouped_weights_decode_their_eager_tokens_through_a_shipped_step(
+        tmp_path) -> None:
+    model = varied_model()
+    quantize_weights(model, "int8_grouped", 32)
+    prompts = [[5, 17, 3, 9], [8, 2, 44, 61, 7]]
+    want = StaticDecoder(model, CACHE, always_mask=True).generate(prompts, 12).rows
+    aot_steps.export_steps(model, 2, CACHE, "default", tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.pt2")) == [aot_steps.ONE, aot_steps.ROWS]
+    steps = aot_steps.load_steps(tmp_path, model)
+    for rows, batch in ((2, prompts), (1, prompts[:1])):
+        decoder = aot_steps.use_step(StaticDecoder(model, CACHE, always_mask=True),
+                                     steps[rows])
+        with torch.inference_mode():
+            assert decoder.generate(batch, 12).rows == want[:rows]

@@ -23,11 +23,15 @@ from .static_cache import empty_cache
 
 
 def prefill_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
-                  position_ids: torch.Tensor, mask: torch.Tensor,
+                  position_ids: torch.Tensor, mask: torch.Tensor, window: torch.Tensor | None,
                   last_only: bool) -> torch.Tensor:
     """The last position's logits (rows x vocab) of a chunk of `ids` (rows x chunk) written
-    to `cache` at `positions` (the cache's write position must be set there)."""
-    extra = {"logits_to_keep": 1} if last_only else {}
+    to `cache` at `positions` (the cache's write position must be set there), attending to
+    the first `len(window)` cache positions where given (those written once this chunk is;
+    the model runs the decode attention)."""
+    extra: dict[str, Any] = {"decode_window": window} if window is not None else {}
+    if last_only:
+        extra["logits_to_keep"] = 1
     out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
                 attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
     return out.logits[:, -1]
@@ -75,6 +79,7 @@ class Prefiller:
         self.caches: dict[int, Any] = {}
         self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
         self.compiled = compiled
+        self.windowed = decode_attention_for(model) is not None  # see `prefill_chunk`
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -117,15 +122,18 @@ class Prefiller:
         position_ids = (positions[None] - pads[:, None]).clamp(min=0)
         mask = (torch.arange(self.cache_len)[None] >= pads[:, None]).long()
         ids = job.ids[:, job.done:end]
+        window = torch.empty(end, dtype=torch.int8) if self.windowed else None
         if self.compiled:  # rows: one graph for 1, one for more (matmul tells them apart)
             for tensor in (ids, position_ids, mask):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.cache_len)
             torch._dynamo.mark_dynamic(position_ids, 1, min=2, max=self.cache_len)
             torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.cache_len)
+            if window is not None:  # (a full window slices nothing: a guard of its own)
+                torch._dynamo.maybe_mark_dynamic(window, 0)
         with _size_oblivious(self.compiled):
             job.logits = self.run(self.model, cache, ids, positions, position_ids, mask,
-                                  self.last_only)
+                                  window, self.last_only)
         job.done = end
         if job.finished and self.prefix_cache is not None:
             for slot, row in enumerate(job.rows):

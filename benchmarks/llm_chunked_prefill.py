@@ -1,8 +1,9 @@
 """A long prompt joining running streams, in the served continuous batcher: the running
-rows' inter-token latency while a 1,000-token prompt is prefilled beside them, chunked
-(the default, `prefill_chunk` positions between two decode steps) and whole (one chunk,
-as before issue 41). In process, on a causal-LM export folder, with the worker's own
-decoders and prefiller (serve/causal_lm), compiled as a worker compiles them:
+rows' inter-token latency while a 1,000-token prompt is prefilled beside them: in chunks
+sized to a decode step's time (the default, at most `prefill_chunk` positions), in fixed
+chunks of `prefill_chunk` positions, and whole (one chunk, as before issue 41). In
+process, on a causal-LM export folder, with the worker's own decoders and prefiller
+(serve/causal_lm), compiled as a worker compiles them:
 
     python benchmarks/llm_chunked_prefill.py runs/llm_int8/02-export/transformers
 
@@ -59,7 +60,11 @@ def measure(batcher: ContinuousBatcher, ids: list[int], long: list[int], new: in
                 joined = batcher.steps - steps
     # the running rows' gaps while the long prompt is prefilled: from its arrival to the
     # first decode step after it joined
-    until = min(t for k in range(7) for t in stamps[k] if t > stamps[7][0])
+    after = [t for k in range(7) for t in stamps[k] if t > stamps[7][0]]
+    if not after:
+        raise SystemExit("llm_chunked_prefill: the running rows ended before the long prompt "
+                         "joined: give them more tokens (--new)")
+    until = min(after)
     gaps = [b - a for k in range(7) for a, b in zip(stamps[k], stamps[k][1:], strict=False)
             if began < b <= until]
     before = [b - a for k in range(7) for a, b in zip(stamps[k], stamps[k][1:], strict=False)
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, metavar="EXPORT_DIR",
                         help="a causal-LM export folder")
     parser.add_argument("--long", type=int, default=1000, help="the joining prompt's tokens")
-    parser.add_argument("--new", type=int, default=160, help="each running row's tokens")
+    parser.add_argument("--new", type=int, default=400, help="each running row's tokens")
     parser.add_argument("--settle", type=int, default=24)
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--compile", default="default", choices=["none", "default",
@@ -92,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     long = (ids * (args.long // len(ids) + 1))[:args.long]
     decoders = build_decoders(lm.model, buckets(8), cache_len, args.compile, False)
     warm_up(decoders, shared=True, log=lambda line: print(line, flush=True))
-    prefillers = {mode: Prefiller(lm.model, cache_len, chunk, compiled=args.compile != "none")
-                  for mode, chunk in (("chunked", args.chunk), ("whole", cache_len))}
+    prefillers = {mode: Prefiller(lm.model, cache_len, chunk, compiled=args.compile != "none",
+                                  budgeted=budgeted)
+                  for mode, chunk, budgeted in (("timed", args.chunk, True),
+                                                (f"fixed {args.chunk}", args.chunk, False),
+                                                ("whole", cache_len, False))}
     for prefiller in prefillers.values():
         prefiller.warm_up()
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in prefillers}

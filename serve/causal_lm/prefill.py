@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,18 +69,21 @@ def _size_oblivious(compiled: bool) -> Any:
 
 class Prefiller:
     """Prefills `PrefillJob`s over caches of its own (one per row count, `cache_len`
-    positions), `chunk` positions at a time where others are waiting; `compiled`: through
-    torch.compile, rows and chunk length dynamic (one graph)."""
+    positions), at most `chunk` positions at a time where others are waiting, and where
+    `budgeted` no more than fit a time budget (`step`); `compiled`: through torch.compile,
+    rows and chunk length dynamic (one graph)."""
 
     def __init__(self, model: nn.Module, cache_len: int, chunk: int = 32,
                  prefix_cache: PrefixCache | None = None, compiled: bool = False,
-                 last_only: bool = True):
+                 last_only: bool = True, budgeted: bool = True):
         self.model, self.cache_len, self.chunk = model, cache_len, max(1, chunk)
         self.prefix_cache, self.last_only = prefix_cache, last_only
         self.caches: dict[int, Any] = {}
         self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
         self.compiled = compiled
         self.windowed = decode_attention_for(model) is not None  # see `prefill_chunk`
+        self.budgeted = budgeted
+        self.position_s: dict[int, float] = {}  # by rows: a row's position, averaged
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -90,6 +94,7 @@ class Prefiller:
             for rows in (2, 1):
                 job = self.start([Row([0, 0, 0], 1, lambda token, end: None)] * rows)
                 self.step(job, whole=True)
+        self.position_s.clear()  # a compiling warm-up says nothing of a chunk's time
 
     def start(self, rows: list[Row]) -> PrefillJob:
         """A job for `rows`, with the positions their prompts share with cached ones filled."""
@@ -106,15 +111,27 @@ class Prefiller:
                        for pad, hit in zip(job.pads, hits, strict=True))
         return job
 
-    def step(self, job: PrefillJob, whole: bool) -> None:
+    def chunk_for(self, rows: int, budget_s: float | None) -> int:
+        """Positions of a chunk of `rows` rows that take about `budget_s` (at most `chunk`,
+        at least 2), from the time chunks of as many rows took so far (8 before any)."""
+        if budget_s is None or not self.budgeted:
+            return self.chunk
+        if rows not in self.position_s:
+            return min(self.chunk, 8)
+        return max(2, min(self.chunk, int(budget_s / (self.position_s[rows] * rows))))
+
+    def step(self, job: PrefillJob, whole: bool, budget_s: float | None = None) -> None:
         """Prefill the job's next chunk (`whole`: every position left, where no row is
-        waiting for a decode step)."""
-        end = job.length if whole else min(job.length, job.done + self.chunk)
+        waiting for a decode step; else about `budget_s` of work where given: a running
+        row's gap between two tokens grows by that much, not by a whole chunk's time)."""
+        rows = len(job.rows)
+        end = job.length if whole else min(job.length,
+                                           job.done + self.chunk_for(rows, budget_s))
         if end - job.done < 2 <= job.length:  # positions already written are written again:
             job.done = end - 2  # the graph's chunks are 2 or longer, and a chunk of one
             # would run the decode attention, whose softmax over a pad's fully masked
             # positions is NaN (SDPA's is 0), left in the cache for later chunks to read
-        cache = self.caches[len(job.rows)]
+        cache = self.caches[rows]
         for layer in cache.layers:
             layer.cumulative_length.fill_(job.done)
         positions = torch.arange(job.done, end)
@@ -131,9 +148,12 @@ class Prefiller:
             torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.cache_len)
             if window is not None:  # (a full window slices nothing: a guard of its own)
                 torch._dynamo.maybe_mark_dynamic(window, 0)
+        began = time.perf_counter()
         with _size_oblivious(self.compiled):
             job.logits = self.run(self.model, cache, ids, positions, position_ids, mask,
                                   window, self.last_only)
+        spent = (time.perf_counter() - began) / (rows * (end - job.done))
+        self.position_s[rows] = 0.5 * (self.position_s.get(rows, spent) + spent)
         job.done = end
         if job.finished and self.prefix_cache is not None:
             for slot, row in enumerate(job.rows):

@@ -148,10 +148,10 @@ def test_a_prefill_that_fails_ends_its_own_row_alone(model) -> None:
     batcher = make_batcher(model)
     prefill = batcher.prefiller.step
 
-    def failing(job, whole):
+    def failing(job, whole, budget_s=None):
         if any(row.ids == bad for row in job.rows):
             raise RuntimeError("this prompt breaks the model")
-        return prefill(job, whole)
+        return prefill(job, whole, budget_s)
 
     batcher.prefiller.step = failing
     gate = Gate(batcher)
@@ -214,10 +214,10 @@ def test_cancel_ends_a_row_in_any_state_once_and_frees_its_slot(model) -> None:
     started, release = threading.Event(), threading.Event()
     prefill = batcher.prefiller.step
 
-    def slow(job, whole):
+    def slow(job, whole, budget_s=None):
         started.set()
         release.wait(10)
-        return prefill(job, whole)
+        return prefill(job, whole, budget_s)
 
     batcher.prefiller.step = slow
     middle = submit(batcher, prompt(6, 61), 10)

@@ -233,10 +233,10 @@ def test_a_failed_prefill_ends_that_request_alone(handler, monkeypatch) -> None:
     bad = lm_runtime.prompt_ids(lm.tokenizer, "a broken prompt", chat_template=False)
     prefill = handler.batcher.prefiller.step
 
-    def failing(job, whole):
+    def failing(job, whole, budget_s=None):
         if any(row.ids == bad for row in job.rows):
             raise RuntimeError("prefill broke")
-        return prefill(job, whole)
+        return prefill(job, whole, budget_s)
 
     monkeypatch.setattr(handler.batcher.prefiller, "step", failing)
     prompts = ["the film was", "a broken prompt", "hi there"]

@@ -51,12 +51,16 @@ class Rows:
             assert tokens == alone(model, row.ids, row.max_new_tokens), row.ids
 
 
-def spy(prefiller: Prefiller, batcher: lm_batcher.ContinuousBatcher) -> list[tuple]:
-    """Record (rows, positions done before, decode steps so far) of every chunk."""
+def spy(prefiller: Prefiller, batcher: lm_batcher.ContinuousBatcher,
+        budgets: list | None = None) -> list[tuple]:
+    """Record (rows, positions done before, decode steps so far) of every chunk, and the
+    time budget the batcher gave it in `budgets`; chunks of the fixed size (no budget)."""
     seen, step = [], prefiller.step
 
-    def recorded(job, whole):
+    def recorded(job, whole, budget_s=None):
         seen.append((len(job.rows), job.done, batcher.steps))
+        if budgets is not None:
+            budgets.append(budget_s)
         return step(job, whole)
 
     prefiller.step = recorded
@@ -91,15 +95,41 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(model) -> Non
     rows.check_alone(model)
 
 
+def test_a_chunk_beside_running_rows_takes_about_one_decode_steps_time(model) -> None:
+    batcher = batcher_of(model, own_thread=False, chunk=16)
+    prefiller, budgets = batcher.prefiller, []
+    chunks = spy(prefiller, batcher, budgets)
+    rows = Rows(batcher)
+    rows.submit(prompt(5, 1), 30)
+    rows.run(until=lambda: batcher.busy() == 1)
+    rows.submit(prompt(30, 3), 8)
+    rows.run()
+    assert len(chunks) == len(budgets) >= 2
+    assert budgets[0] is None or budgets[0] > 0  # the first row: nothing was decoding
+    assert all(b is not None and b > 0 for b in budgets[1:])  # the decode step's time
+    rows.check_alone(model)
+    # positions a chunk: as many as fit the budget, from the time a position of as many
+    # rows took (8 before any chunk of that many rows ran)
+    assert prefiller.position_s[1] > 0
+    prefiller.position_s = {2: 0.001}
+    assert prefiller.chunk_for(2, 0.01) == 5
+    assert prefiller.chunk_for(2, 0.0001) == 2  # at least 2
+    assert prefiller.chunk_for(2, 10.0) == 16  # at most `chunk`
+    assert prefiller.chunk_for(2, None) == 16
+    assert prefiller.chunk_for(3, 0.01) == 8  # not measured yet
+    prefiller.budgeted = False  # fixed chunks
+    assert prefiller.chunk_for(2, 0.01) == 16
+
+
 def test_a_batch_whose_prefill_fails_goes_again_row_by_row(model) -> None:
     batcher = batcher_of(model, own_thread=False)
     bad = prompt(6, 9)
     step = batcher.prefiller.step
 
-    def failing(job, whole):
+    def failing(job, whole, budget_s=None):
         if any(r.ids == bad for r in job.rows):
             raise RuntimeError("this prompt breaks the model")
-        return step(job, whole)
+        return step(job, whole, budget_s)
 
     batcher.prefiller.step = failing
     rows = Rows(batcher)

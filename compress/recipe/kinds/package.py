@@ -81,8 +81,9 @@ class PackageConfig(StrictModel):
         "served graphs here and ship them in the archive, so that a worker on the same CPU "
         "and torch starts in seconds (on another it compiles afresh).")
     prefill_chunk: int = Field(
-        32, ge=1, description="Causal LMs, continuous batching: prompt positions prefilled "
-        "between two decode steps of the running rows (a long prompt does not freeze them).")
+        32, ge=1, description="Causal LMs, continuous batching: the most prompt positions "
+        "prefilled between two decode steps of the running rows, fewer where they would take "
+        "longer than a decode step (a long prompt does not freeze them).")
     prefill_compile: bool = Field(
         False, description="Causal LMs, decode_compile, continuous batching: prefill through "
         "compiled graphs too (two more graphs a worker traces as it starts, about 5-8 s "

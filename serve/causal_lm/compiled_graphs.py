@@ -38,7 +38,7 @@ from .buckets import shared_caches
 from .decode import StaticDecoder
 
 logger = logging.getLogger(__name__)
-TARGET = "target.json"  # the CPU and torch the shipped graphs were built for
+TARGET = "target.json"  # the CPU, torch and settings the shipped graphs were built for
 INDUCTOR = "inductor"  # the shipped Inductor cache, in the archive's `compiled_graphs/`
 FOLDER = "compiled_graphs"  # at the archive's root
 CPU_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "vnni")  # what -march=native uses
@@ -60,19 +60,32 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def use_shipped(folder: Path, model: nn.Module) -> tuple[dict[int, Any], str]:
-    """The decode steps shipped in `folder` for this CPU and torch, holding `model`'s
-    weights (`aot_steps.load_steps`; empty where none are), with Inductor's cache pointed at
-    a copy of the one shipped; and what happened, in words."""
+def shapes_of(settings: dict[str, Any]) -> dict[str, Any]:
+    """What of a worker's `handler:` settings its graphs are built for."""
+    return {"cache_len": int(settings.get("cache_len", 512)), "rows": settings.get("rows"),
+            "compile": settings.get("compile")}
+
+
+def use_shipped(folder: Path, model: nn.Module, settings: dict[str, Any] | None = None
+                ) -> tuple[dict[int, Any], str]:
+    """The decode steps shipped in `folder` for this CPU and torch, and for the cache and
+    rows of `settings` (the handler's), holding `model`'s weights
+    (`aot_steps.load_steps`; empty where none are), with Inductor's cache pointed at a copy
+    of the one shipped; and what happened, in words."""
     if not (folder / TARGET).is_file():
         return {}, "no compiled graphs shipped: compiling at start"
     shipped, here = json.loads((folder / TARGET).read_text()), target()
+    built_for = shipped.pop("shapes", None)
     if shipped != here:
         differ = [k for k in here if shipped.get(k) != here[k]]
         missing = sorted(set(shipped.get("cpu_flags", ())) - set(here["cpu_flags"]))
         logger.warning("compress worker: the shipped compiled graphs were built for another "
                        "%s%s: compiling afresh", " and ".join(differ),
                        f" (this CPU lacks {', '.join(missing)})" if missing else "")
+        return {}, "shipped graphs refused: compiling afresh"
+    if settings is not None and built_for is not None and built_for != shapes_of(settings):
+        logger.warning("compress worker: the shipped compiled graphs were built for %s, this "
+                       "worker serves %s: compiling afresh", built_for, shapes_of(settings))
         return {}, "shipped graphs refused: compiling afresh"
     if (folder / INDUCTOR).is_dir():
         cache = Path(tempfile.mkdtemp(prefix="compress-inductor-"))
@@ -157,7 +170,8 @@ def precompile(export_dir: Path, settings: dict[str, Any], out: Path) -> None:
         warm_up(decoders, shared=True, log=lambda line: print(f"precompile: {line}",
                                                                flush=True))
     prefiller_of(lm.model, settings, cache_len, mode != "none").warm_up()
-    (out / TARGET).write_text(json.dumps(target(), indent=1) + "\n")
+    built = target() | {"shapes": shapes_of(settings)}
+    (out / TARGET).write_text(json.dumps(built, indent=1) + "\n")
 
 
 if __name__ == "__main__":  # python -m causal_lm.compiled_graphs EXPORT_DIR SETTINGS OUT

@@ -121,7 +121,8 @@ class CausalLMHandler(BaseHandler):
         mode = (settings.get("compile") or "none") if self.ranks == 1 else "none"
         steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
         if mode != "none":
-            steps, said = lm_graphs.use_shipped(model_dir / lm_graphs.FOLDER, self.lm.model)
+            steps, said = lm_graphs.use_shipped(model_dir / lm_graphs.FOLDER, self.lm.model,
+                                                settings)
             logger.info("%s%s", PROGRESS, said)
         rows = (lm_batcher.rows_of(settings, int(config.get("batchSize", 1)))
                 if self.continuous else int(config.get("batchSize", 1)))

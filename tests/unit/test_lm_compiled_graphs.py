@@ -57,3 +57,19 @@ def test_the_target_names_the_vector_flags_that_march_native_uses() -> None:
     assert flags == sorted(flags) and all(f.startswith(compiled_graphs.CPU_PREFIXES)
                                           for f in flags)
     assert "avx2" in flags or not os.path.exists("/proc/cpuinfo")
+
+
+def test_graphs_built_for_another_cache_or_rows_are_refused_in_one_line(shipped,
+                                                                         caplog) -> None:
+    built = {"cache_len": 512, "rows": 8, "compile": "max-autotune"}
+    (shipped / compiled_graphs.TARGET).write_text(json.dumps(
+        compiled_graphs.target() | {"shapes": built}))
+    assert compiled_graphs.use_shipped(shipped, None, built) == (
+        {}, "shipped compiled graphs used")
+    for change in ({"cache_len": 1024}, {"rows": 4}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            said = compiled_graphs.use_shipped(shipped, None, built | change)
+        assert said == ({}, "shipped graphs refused: compiling afresh")
+        [line] = [r.getMessage() for r in caplog.records]
+        assert "were built for" in line and str(next(iter(change.values()))) in line

@@ -138,7 +138,9 @@ class Prefiller:
         pads = torch.tensor(job.pads)
         position_ids = (positions[None] - pads[:, None]).clamp(min=0)
         mask = (torch.arange(self.cache_len)[None] >= pads[:, None]).long()
-        ids = job.ids[:, job.done:end]
+        # fresh strides (not `contiguous()`, which keeps a one-row slice's): a graph traced on
+        # a whole prompt guards them, and a chunk's slice would compile another
+        ids = job.ids[:, job.done:end].clone(memory_format=torch.contiguous_format)
         window = torch.empty(end, dtype=torch.int8) if self.windowed else None
         if self.compiled:  # rows: one graph for 1, one for more (matmul tells them apart)
             for tensor in (ids, position_ids, mask):

@@ -189,8 +189,7 @@ class ContinuousBatcher(Placement):
         job = self.job
         assert job is not None
         try:
-            # a chunk of about one decode step's time: a running row waits two steps
-            self.prefiller.step(job, whole=not any(self.slots), budget_s=self.step_s)
+            self.prefiller.step(job, not any(self.slots), self.step_s)  # ~a step's time
         except Exception as exc:  # noqa: BLE001 (these requests fail, the others go on)
             self.job = None
             self._prefill_failed(job.rows, exc)

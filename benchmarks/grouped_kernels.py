@@ -2,10 +2,13 @@
 every product of one decode step (30 layers x q, k, v, o, gate, up, down, and the output
 projection), at 8 and 4 bits, for 1, 2, 8 and 128 activation rows; per shape the median
 time and the GB/s of the records it reads; per row count the step's total, its GB/s and
-GFLOP/s. Random codes, float16 scales, as a GGUF's groups give them.
+GFLOP/s (or GOP/s). Random codes, float16 scales, as a GGUF's groups give them. With
+`--activations int8`, the opt-in mode's product (`grouped_mm_int8`: activations rounded to
+int8 per group of 32, VNNI integer products) instead of the float32 one.
 
     python benchmarks/grouped_kernels.py            # about a minute
     python benchmarks/grouped_kernels.py --rows 1 --repeats 50
+    python benchmarks/grouped_kernels.py --rows 8,128 --activations int8
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ def packed_weight(out: int, inputs: int, bits: int) -> torch.Tensor:
 
 
 def median_s(x: torch.Tensor, packed: list[torch.Tensor], out: int, bits: int,
-             repeats: int) -> float:
+             repeats: int, product: str = "grouped_mm") -> float:
     """Median seconds of one product, cycling through copies so that none stays cached."""
-    times = []
+    times, call = [], getattr(torch.ops.compress_lm, product)
     for i in range(repeats):
         weight = packed[i % len(packed)]
         start = time.perf_counter()
-        torch.ops.compress_lm.grouped_mm(x, weight, out, bits, True)
+        call(x, weight, out, bits, True)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -50,11 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,8,128", help="activation rows (1,2,8,128)")
     parser.add_argument("--repeats", type=int, default=30, help="timings a shape (30)")
+    parser.add_argument("--activations", choices=("float32", "int8"), default="float32",
+                        help="the product: float32 activations (grouped_mm), or int8 "
+                             "(grouped_mm_int8)")
     args = parser.parse_args(argv)
+    product = "grouped_mm" if args.activations == "float32" else "grouped_mm_int8"
     if not grouped_mm_available():
         print(f"error: the kernel could not be built: {build_error()}", file=sys.stderr)
         return 1
-    print(f"threads {torch.get_num_threads()}; shapes: (out, in, calls a step)")
+    print(f"threads {torch.get_num_threads()}; {args.activations} activations; shapes: "
+          "(out, in, calls a step)")
     for bits in (8, 4):
         weights = {}
         for out, inputs, _ in SHAPES:  # ~64 MB of copies a shape: past the caches
@@ -66,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             for out, inputs, calls in SHAPES:
                 x = torch.randn(rows, inputs)
                 packed = weights[out, inputs]
-                seconds = median_s(x, packed, out, bits, args.repeats if out < 10000 else 5)
+                seconds = median_s(x, packed, out, bits, args.repeats if out < 10000 else 5,
+                                   product)
                 size = packed[0].numel()
                 total_s += seconds * calls
                 total_bytes += size * calls

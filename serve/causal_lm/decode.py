@@ -207,8 +207,9 @@ class StaticDecoder:
                                                dtype=mask.dtype)], dim=1)
         began = time.perf_counter()
         positions = torch.arange(length)
-        logits = self._forward(ids, positions,
-                               (positions - pads[:, None]).clamp(min=0) if padded else None, mask)
+        logits = self._forward(ids, positions,  # attention over the prompt's positions only
+                               (positions - pads[:, None]).clamp(min=0) if padded else None,
+                               mask, self._window(length))
         token = pick_tokens(logits, picks, generators)
         ttft = time.perf_counter() - began
         tie_graphs_to(self.cache)

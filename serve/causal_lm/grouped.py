@@ -61,6 +61,7 @@ class GroupedLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
         self.half_scales = False  # whether `packed` holds float16 scales and offsets
+        self.int8_activations = False  # the opt-in mode: see `forward`
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -103,9 +104,14 @@ class GroupedLinear(nn.Module):
         return dequantize_groups(self.codes(), self.scale, self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T (+ bias) in float32; with `int8_activations` (the opt-in mode
+        `activations: int8`), x of two rows or more is first rounded to int8 per group of
+        32, as llama.cpp's Q8_0 blocks are (`grouped_int8_activations.cpp`)."""
         if self.packed is not None:
-            out = torch.ops.compress_lm.grouped_mm(x.float(), self.packed, self.out_features,
-                                                   self.bits, self.half_scales)
+            product = (torch.ops.compress_lm.grouped_mm_int8 if self.int8_activations
+                       else torch.ops.compress_lm.grouped_mm)
+            out = product(x.float(), self.packed, self.out_features, self.bits,
+                          self.half_scales)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias
@@ -207,19 +213,22 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
 
 def quantize_grouped(model: nn.Module, group_size: int,
                      filter_fn: Callable[[nn.Module, str], bool], bits: int = 8,
-                     fit: bool = True) -> int:
+                     fit: bool = True, int8_activations: bool = False) -> int:
     """Replace the Linears of `model` that `filter_fn(module, name)` picks (torchao
     `quantize_`'s filter) by `GroupedLinear`s in place; how many were replaced. `fit=False`:
     empty modules of the same shapes, for weights loaded next from a state dict (fitting
-    weights about to be replaced took 30 of a worker's 42 s start)."""
+    weights about to be replaced took 30 of a worker's 42 s start). `int8_activations`:
+    the modules' opt-in mode (`GroupedLinear.forward`)."""
     chosen = [(name, module) for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and filter_fn(module, name)]
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GroupedLinear.from_linear(linear, group_size, bits) if fit else
-                GroupedLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                              group_size, bits))
+        module = (GroupedLinear.from_linear(linear, group_size, bits) if fit else
+                  GroupedLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                                group_size, bits))
+        module.int8_activations = int8_activations
+        setattr(parent, child, module)
     return len(chosen)
 
 

@@ -25,8 +25,9 @@
 // alternating inputs keep the multiply-adds of one chain from waiting on each other. More
 // than 8 rows (a prefill) go in chunks of 8 while a tile's records stay in cache.
 #include <torch/library.h>
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "grouped_layout.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -37,16 +38,8 @@
 #include <immintrin.h>
 #endif
 
+namespace compress_lm {
 namespace {
-
-constexpr int64_t GROUP = 32;
-constexpr int64_t TILE = 16;  // output features per record
-constexpr int64_t ROWS = 8;   // activation rows per pass over a tile
-
-constexpr int64_t code_bytes(int64_t bits) { return TILE * GROUP * bits / 8; }
-constexpr int64_t record_bytes(int64_t bits, bool half) {
-  return code_bytes(bits) + 2 * TILE * (half ? 2 : 4);
-}
 
 #if defined(__AVX512F__)
 
@@ -225,17 +218,14 @@ at::Tensor grouped_pack(const at::Tensor& codes, const at::Tensor& scale,
   return packed;
 }
 
+}  // namespace
+
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
                       bool half) {
-  TORCH_CHECK(bits == 8 || bits == 4, "grouped_mm: bits must be 8 or 4, not ", bits);
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "grouped_mm: activations must be float32");
+  const at::Tensor x2 = product_rows(x, packed, n, bits, half, "grouped_mm");
   const int64_t k = x.size(-1), groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
-  TORCH_CHECK(k % GROUP == 0 && packed.numel() == tiles * groups * record_bytes(bits, half),
-              "grouped_mm: ", packed.numel(), " packed bytes do not hold ", n, " x ", k,
-              " at ", bits, " bits");
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
   const int64_t rows = x2.size(0);
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* xp = x2.data_ptr<float>();
@@ -263,14 +253,16 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   return out.view(out_shape);
 }
 
-}  // namespace
+}  // namespace compress_lm
 
 TORCH_LIBRARY(compress_lm, m) {
   m.def("grouped_pack(Tensor codes, Tensor scale, Tensor offset, int bits, bool half) -> Tensor");
   m.def("grouped_mm(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
+  // grouped_int8_activations.cpp
+  m.def("grouped_mm_int8(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(compress_lm, CPU, m) {
-  m.impl("grouped_pack", &grouped_pack);
-  m.impl("grouped_mm", &grouped_mm);
+  m.impl("grouped_pack", &compress_lm::grouped_pack);
+  m.impl("grouped_mm", &compress_lm::grouped_mm);
 }

@@ -2,7 +2,9 @@
 first use for this CPU (shipped beside `runtime.py`; imports torch only):
 `torch.ops.compress_lm.grouped_pack(codes, scale, offset, bits, half)` lays a weight out for
 `torch.ops.compress_lm.grouped_mm(x, packed, out_features, bits, half)` (`half`: scales and
-offsets stored as float16, where they all are float16 values).
+offsets stored as float16, where they all are float16 values), and
+`torch.ops.compress_lm.grouped_mm_int8` (same arguments) multiplies by x rounded to int8 per
+group of 32 (`grouped_int8_activations.cpp`; one row goes to `grouped_mm`).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
@@ -12,7 +14,8 @@ beside this file (`shipped_library`: a TorchServe archive carries the one built 
 packaged) is loaded instead: a worker on the same CPU starts without the 13-15 s build, and
 one on another CPU, whose name differs, builds its own. Where they are not at hand,
 `grouped_mm_available` says False (with the reason in `build_error`) and the modules fall
-back to torch operations.
+back to torch operations. `COMPRESS_KERNEL_MARCH` (a `-march` value) builds for another CPU
+level than this one's (the tests build the AVX2 paths so on an AVX-512 machine).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("grouped_kernels.cpp")
+SOURCE = Path(__file__).with_name("grouped_kernels.cpp")  # the operators' registration
+# every file of the build: float32 activations (and the layout), int8 ones, the shared layout
+SOURCES = (SOURCE, SOURCE.with_name("grouped_int8_activations.cpp"),
+           SOURCE.with_name("grouped_layout.h"))
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 
@@ -42,9 +48,11 @@ def _cpu_flags() -> set[str]:
 def _build_name(flags: set[str]) -> tuple[str, list[str]]:
     """The extension's name (source and CPU in it) and the compiler flags."""
     vector = sorted(f for f in flags if f.startswith(("avx512", "avx2", "fma")))
-    # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one core
-    cflags = ["-O3", "-fopenmp"] + (["-march=native"] if vector else [])
-    digest = hashlib.sha1(SOURCE.read_bytes()
+    # -fopenmp: at::parallel_for is inline OpenMP; without it the kernel runs on one core;
+    # COMPRESS_KERNEL_MARCH builds for another CPU level (x86-64-v3: AVX2, no AVX-512)
+    march = os.environ.get("COMPRESS_KERNEL_MARCH") or ("native" if vector else "")
+    cflags = ["-O3", "-fopenmp"] + ([f"-march={march}"] if march else [])
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in SOURCES)
                           + " ".join([*vector, *cflags, torch.__version__]).encode())
     return f"compress_lm_grouped_{digest.hexdigest()[:12]}", cflags
 
@@ -98,7 +106,8 @@ def _load() -> bool:
         os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
     name, cflags = _build_name(_cpu_flags())
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+        load(name=name, sources=[str(path) for path in SOURCES if path.suffix == ".cpp"],
+             extra_cflags=cflags, extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as error:  # no compiler, or it failed
         _state["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
@@ -109,6 +118,11 @@ def _load() -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("compress_lm::grouped_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
+          ) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("compress_lm::grouped_mm_int8")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
           ) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], n)

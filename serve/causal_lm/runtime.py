@@ -94,30 +94,34 @@ def untie_head(model: nn.Module) -> nn.Module | None:
 
 
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
-                     head_scheme: str | None = None, fit: bool = True) -> nn.Module:
+                     head_scheme: str | None = None, fit: bool = True,
+                     int8_activations: bool = False) -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float, except under
     the grouped schemes, which store it as int8 groups too). `fit=False`, grouped schemes:
-    modules of the right shapes only, their weights loaded next (`load_folder`)."""
+    modules of the right shapes only, their weights loaded next (`load_folder`).
+    `int8_activations`: the grouped schemes' opt-in int8 mode (`grouped.GroupedLinear`)."""
     head = untie_head(model)
-    _apply(model, scheme, group_size, head=False, fit=fit)
+    _apply(model, scheme, group_size, head=False, fit=fit, int8_activations=int8_activations)
     if scheme in GROUPED_BITS:  # its float32 activations leave a float32 table otherwise
         quantize_embedding(model, group_size, fit)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
-        _apply(model, head_scheme, group_size, head=True, fit=fit)
+        _apply(model, head_scheme, group_size, head=True, fit=fit,
+               int8_activations=int8_activations)
     return model
 
 
 def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
-           fit: bool = True) -> None:
+           fit: bool = True, int8_activations: bool = False) -> None:
     """`scheme` on the output projection (`head`) or on every other Linear."""
     def chosen(module: nn.Module, name: str) -> bool:
         return (name == "lm_head") if head else (isinstance(module, nn.Linear)
                                                   and name != "lm_head")
 
     if scheme in GROUPED_BITS:
-        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit)
+        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit,
+                         int8_activations)
         return
     from torchao.quantization import quantize_
 
@@ -141,7 +145,8 @@ def load_folder(folder: str | Path) -> LoadedLM:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
                                                      dtype=dtype)
         quantize_weights(model, facts["scheme"], facts.get("group_size") or 32,
-                         facts.get("head_scheme") or facts["scheme"], fit=False)
+                         facts.get("head_scheme") or facts["scheme"], fit=False,
+                         int8_activations=facts.get("activations") == "int8")
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
         if (folder / "generation_config.json").is_file():

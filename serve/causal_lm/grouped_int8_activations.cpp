@@ -1,0 +1,245 @@
+// Grouped int8 / 4-bit weights times int8 activations: the opt-in `activations: int8` mode
+// of the grouped schemes, for prefills and batched decode (built with grouped_kernels.cpp).
+//
+// Each activation row is rounded per group of 32 inputs as llama.cpp's Q8_0 blocks are:
+// d = amax / 127, q = round(x / d) in -127..127. Then, per output feature n and group g,
+//
+//   out[m, n] = sum_g d[m, g] * (scale[n, g] * sum_{i in g} code[n, i] * q[m, i]
+//                                + offset[n, g] * sum_{i in g} q[m, i])
+//
+// which is the exact product of the rounded activations (q * d) with the weight
+// (code * scale + offset), to float32 rounding. The integer sums run on AVX512-VNNI's
+// `vpdpbusd` (64 byte products an instruction where a float32 FMA does 16): each record's
+// 4 inputs x 16 outputs of codes are regrouped by one `vpermb` so that each 32-bit lane
+// holds one output's 4 codes, and every activation row's 4 bytes are broadcast against
+// them. vpdpbusd multiplies unsigned by signed bytes, so the codes are the unsigned side:
+// 4-bit ones (0..15) as they are, int8 ones shifted by +128 (one xor per 4 inputs, shared
+// by every row), whose 128 x sum q is taken back with the offset: scale * d * sum (code +
+// 128) q + (offset - 128 scale) * d * sum q. Without AVX512-VNNI and VBMI the same
+// integer arithmetic is left to the compiler (AVX2's vpmaddwd where there is AVX2). One
+// activation row goes to the float32 product, which is exact and as fast there: the
+// weights' reading bounds it, not the arithmetic.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "grouped_layout.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define COMPRESS_LM_VNNI 1
+#endif
+
+namespace compress_lm {
+namespace {
+
+// rows x k activations rounded per group: int8 codes, each group's step d and d times the
+// group's sum of codes
+struct Rounded {
+  std::vector<int8_t> codes;
+  std::vector<float> step, step_sum;
+};
+
+Rounded round_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / GROUP;
+  Rounded r{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups),
+            std::vector<float>(rows * groups)};
+  at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t rg = begin; rg < end; ++rg) {
+      const float* xg = x + (rg / groups) * k + (rg % groups) * GROUP;
+      float amax = 0.f;
+      for (int i = 0; i < GROUP; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float d = amax / 127.f;
+      int total = 0;
+      int8_t* out = r.codes.data() + (rg / groups) * k + (rg % groups) * GROUP;
+      for (int i = 0; i < GROUP; ++i) {
+        const int q = d > 0.f ? static_cast<int>(std::nearbyint(xg[i] / d)) : 0;
+        total += q;
+        out[i] = static_cast<int8_t>(q);
+      }
+      r.step[rg] = d;
+      r.step_sum[rg] = d * static_cast<float>(total);
+    }
+  });
+  return r;
+}
+
+#if defined(COMPRESS_LM_VNNI)
+
+// the vpermb index that turns 4 inputs x 16 outputs of codes into 16 lanes of 4 codes
+inline __m512i quad_order(int bits) {
+  alignas(64) uint8_t index[64];
+  for (int j = 0; j < TILE; ++j)
+    for (int b = 0; b < 4; ++b)  // at 4 bits: low nibbles, then high ones (see `quad`)
+      index[4 * j + b] = static_cast<uint8_t>(
+          bits == 8 ? 16 * b + j : (b % 2 ? 32 : 0) + (b / 2) * 16 + j);
+  return _mm512_load_si512(index);
+}
+
+// codes of inputs 4p..4p+3 of the record's 16 outputs, one output a 32-bit lane, as
+// unsigned bytes (int8 codes + 128)
+template <int BITS>
+inline __m512i quad(const uint8_t* codes, int p, __m512i order) {
+  if constexpr (BITS == 8) {
+    const __m512i shifted = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * p),
+                                             _mm512_set1_epi8(static_cast<char>(0x80)));
+    return _mm512_permutexvar_epi8(order, shifted);
+  } else {
+    const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * p));
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m512i split = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(both, low)),
+        _mm256_and_si256(_mm256_srli_epi16(both, 4), low), 1);
+    return _mm512_permutexvar_epi8(order, split);
+  }
+}
+
+template <int BITS, bool HALF, int R>
+inline void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* q, int64_t k,
+                      const float* step, const float* step_sum, float* out, int64_t n_out,
+                      int64_t valid, __m512i order) {
+  constexpr int64_t RB = record_bytes(BITS, HALF);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, rec += RB) {
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    const int8_t* qg = q + g * GROUP;
+#pragma GCC unroll 8
+    for (int p = 0; p < GROUP / 4; ++p) {
+      const __m512i w = quad<BITS>(rec, p, order);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, qg + r * k + 4 * p, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    __m512 s, o;
+    if constexpr (!HALF) {
+      const float* scale = reinterpret_cast<const float*>(rec + code_bytes(BITS));
+      s = _mm512_loadu_ps(scale);
+      o = _mm512_loadu_ps(scale + TILE);
+    } else {
+      const __m256i* half = reinterpret_cast<const __m256i*>(rec + code_bytes(BITS));
+      s = _mm512_cvtph_ps(_mm256_loadu_si256(half));
+      o = _mm512_cvtph_ps(_mm256_loadu_si256(half + 1));
+    }
+    if constexpr (BITS == 8) o = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, o);
+    for (int r = 0; r < R; ++r) {
+      const __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(step[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), scaled, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(step_sum[r * groups + g]), o, acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * n_out, keep, acc[r]);
+}
+
+#else  // portable: the same integer arithmetic, left to the compiler to vectorize
+
+using Order = int;
+inline Order quad_order(int) { return 0; }
+
+template <int BITS, bool HALF, int R>
+inline void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* q, int64_t k,
+                      const float* step, const float* step_sum, float* out, int64_t n_out,
+                      int64_t valid, Order) {
+  constexpr int64_t RB = record_bytes(BITS, HALF);
+  float acc[R][TILE] = {};
+  for (int64_t g = 0; g < groups; ++g, rec += RB) {
+    int32_t dot[R][TILE] = {};
+    const int8_t* qg = q + g * GROUP;
+    for (int i = 0; i < GROUP; ++i) {
+      int32_t w[TILE];
+      for (int j = 0; j < TILE; ++j) {
+        if constexpr (BITS == 8) {
+          w[j] = static_cast<int8_t>(rec[i * TILE + j]);
+        } else {
+          const uint8_t both = rec[(i / 2) * TILE + j];
+          w[j] = i % 2 ? both >> 4 : both & 15;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t a = qg[r * k + i];
+        for (int j = 0; j < TILE; ++j) dot[r][j] += w[j] * a;
+      }
+    }
+    float scale[2 * TILE];
+    if constexpr (!HALF) {
+      std::memcpy(scale, rec + code_bytes(BITS), sizeof(scale));
+    } else {
+      const at::Half* half = reinterpret_cast<const at::Half*>(rec + code_bytes(BITS));
+      for (int j = 0; j < 2 * TILE; ++j) scale[j] = static_cast<float>(half[j]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < TILE; ++j)
+        acc[r][j] += static_cast<float>(dot[r][j]) * (scale[j] * step[r * groups + g]) +
+                     step_sum[r * groups + g] * scale[TILE + j];
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < valid; ++j) out[r * n_out + j] = acc[r][j];
+}
+
+#endif
+
+template <int BITS, bool HALF>
+void tiles_pass(const Rounded& x, int64_t rows, int64_t k, int64_t n, const uint8_t* packed,
+                float* out, int64_t begin, int64_t end) {
+  const int64_t groups = k / GROUP, tile_bytes = groups * record_bytes(BITS, HALF);
+  const auto order = quad_order(BITS);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
+    const uint8_t* rec = packed + t * tile_bytes;
+    for (int64_t m = 0; m < rows; m += ROWS) {
+      const int8_t* q = x.codes.data() + m * k;
+      const float *d = x.step.data() + m * groups, *ds = x.step_sum.data() + m * groups;
+      float* o = out + m * n + n0;
+      switch (std::min(ROWS, rows - m)) {
+        case 1: tile_rows<BITS, HALF, 1>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        case 2: tile_rows<BITS, HALF, 2>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        case 3: tile_rows<BITS, HALF, 3>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        case 4: tile_rows<BITS, HALF, 4>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        case 5: tile_rows<BITS, HALF, 5>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        case 6: tile_rows<BITS, HALF, 6>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        case 7: tile_rows<BITS, HALF, 7>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+        default: tile_rows<BITS, HALF, 8>(rec, groups, q, k, d, ds, o, n, valid, order); break;
+      }
+    }
+  }
+}
+
+at::Tensor grouped_mm_int8(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                           int64_t bits, bool half) {
+  const at::Tensor x2 = product_rows(x, packed, n, bits, half, "grouped_mm_int8");
+  const int64_t k = x2.size(1), rows = x2.size(0), tiles = (n + TILE - 1) / TILE;
+  if (rows == 1) return grouped_mm(x, packed, n, bits, half);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const Rounded rounded = round_rows(x2.data_ptr<float>(), rows, k);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    if (bits == 8 && half)
+      tiles_pass<8, true>(rounded, rows, k, n, pp, yp, begin, end);
+    else if (bits == 8)
+      tiles_pass<8, false>(rounded, rows, k, n, pp, yp, begin, end);
+    else if (half)
+      tiles_pass<4, true>(rounded, rows, k, n, pp, yp, begin, end);
+    else
+      tiles_pass<4, false>(rounded, rows, k, n, pp, yp, begin, end);
+  });
+  return out.view(out_shape);
+}
+
+}  // namespace
+}  // namespace compress_lm
+
+TORCH_LIBRARY_IMPL(compress_lm, CPU, m) {
+  m.impl("grouped_mm_int8", &compress_lm::grouped_mm_int8);
+}

@@ -1,0 +1,118 @@
+"""The grouped kernels' opt-in int8-activation product (serve/causal_lm/
+grouped_int8_activations.cpp) against its reference: the activations rounded to int8 per
+group of 32 as llama.cpp's Q8_0 blocks are (d = amax / 127, q = round(x / d)), then the exact
+product with the dequantized weight; at every row count the kernel treats apart, both bit
+widths, float16 and float32 scales. Also built for an AVX2-only CPU (no AVX-512: the
+portable integer code), so that path is checked on this machine too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+from torch import nn
+
+from serve.causal_lm import grouped
+from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
+
+ROWS = [1, 2, 3, 7, 8, 9, 16, 17, 40]
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per group of 32 inputs and back: q * d."""
+    groups = x.reshape(*x.shape[:-1], -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.where(step > 0, torch.round(groups / safe), torch.zeros_like(groups))
+    assert q.abs().max() <= 127
+    return (q * step).reshape(x.shape)
+
+
+def module_of(bits: int, half: bool, seed: int) -> grouped.GroupedLinear:
+    torch.manual_seed(seed)
+    module = grouped.GroupedLinear.from_linear(nn.Linear(96, 77), 32, bits)
+    if not half:  # scales and offsets that float16 does not hold: float32 records
+        module.scale.mul_(1 + 2 ** -20)
+        module.offset.add_(2 ** -21)
+    else:
+        module.scale.copy_(module.scale.half().float())
+        module.offset.copy_(module.offset.half().float())
+    module.pack()
+    assert module.half_scales == half and module.packed is not None
+    module.int8_activations = True
+    return module
+
+
+@pytest.mark.parametrize("half", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_int8_activation_product_is_the_rounded_activations_exact_product(
+        bits, half) -> None:
+    assert grouped_mm_available(), build_error()
+    module = module_of(bits, half, bits + half)
+    weight = module.dequantize().double()
+    for rows in ROWS:
+        x = torch.randn(rows, 96) * torch.rand(rows, 1) * 4
+        x[0, :32] = 0  # a group of zeros rounds to zeros (its step is 0)
+        got = module(x).double() - module.bias.double()
+        exact = x.double() @ weight.T
+        # one row: the float32 product (as fast there, and exact); more: rounded activations
+        want = exact if rows == 1 else rounded(x).double() @ weight.T
+        error = (got - want).abs().max() / want.abs().max()
+        assert error < 1e-6, (rows, error)
+        if rows > 1:  # and it is not the float32 product
+            assert (got - exact).abs().max() / exact.abs().max() > 1e-4
+
+
+def test_the_int8_activation_product_keeps_leading_dimensions() -> None:
+    module = module_of(8, True, 3)
+    x = torch.randn(2, 5, 96)
+    got = module(x)
+    assert got.shape == (2, 5, 77)
+    want = rounded(x).double() @ module.dequantize().double().T + module.bias.double()
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
+
+
+CHILD = """
+import json, sys, torch
+from serve.causal_lm import grouped, grouped_kernels
+assert grouped_kernels.grouped_mm_available(), grouped_kernels.build_error()
+torch.manual_seed(0)
+errors = {}
+for bits in (8, 4):
+    module = grouped.GroupedLinear.from_linear(torch.nn.Linear(96, 40), 32, bits)
+    x = torch.randn(9, 96)
+    weight = module.dequantize().double()
+    groups = x.view(9, 3, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(groups / step) * step).view(9, 96)
+    for name, on in (("float32", False), ("int8", True)):
+        module.int8_activations = on
+        got = module(x).double() - module.bias.double()
+        want = (xq if on else x).double() @ weight.T
+        errors[f"{name}_{bits}"] = float((got - want).abs().max() / want.abs().max())
+print(json.dumps({"errors": errors, "library": grouped_kernels.shipped_library().name}))
+"""
+
+
+def test_an_avx2_build_computes_both_products(tmp_path) -> None:
+    """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512: `COMPRESS_KERNEL_MARCH`)
+    into their own cache run the portable paths, which give the same products."""
+    env = {**os.environ, "COMPRESS_KERNEL_MARCH": "x86-64-v3",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["library"] != grouped_kernels_library_here()
+    assert all(error < 1e-6 for error in found["errors"].values()), found
+
+
+def grouped_kernels_library_here() -> str:
+    from serve.causal_lm.grouped_kernels import shipped_library
+
+    return shipped_library().name

@@ -6,7 +6,9 @@ llama environment's Python.)
 Two modes:
 - "compress": SmolLM2 loaded from the GGUF (`load_causal_lm`, dequantized to float32) or a
   stage's folder (`load_folder`), a weight scheme applied as the quantize stage does it
-  (as benchmarks/llm_decode.py does), `StaticDecoder` compiled; then perplexity and greedy
+  (as benchmarks/llm_decode.py does; a `_a8` variant in the opt-in int8-activation mode),
+  `StaticDecoder` compiled (or, with `step` "aoti", decoding through AOTInductor packages
+  exported into `aoti_dir` once, as the package stage ships them); then perplexity and greedy
   tokens (when asked), decode tok/s at batch 1 and 8, time to first token, and the weight
   bytes a decode step reads.
 - "triad": memory bandwidth, a = b + s * c on float32 arrays far larger than the caches,
@@ -36,7 +38,9 @@ from compress.families.causal_lm.stages.quantize import activation_dtype
 from serve.causal_lm.runtime import DTYPES, load_folder
 
 FLOAT, INT4 = "float", "int4_weight_only"
-VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4)  # compress's rows: float, schemes
+A8 = "_a8"  # a grouped scheme's variant in the int8-activation mode
+VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4, f"int8_grouped{A8}",
+            f"int4_grouped{A8}")  # compress's rows: float, schemes
 TRIAD_FLOATS = 1 << 25  # 128 MiB an array, three arrays: far past any L3
 
 
@@ -84,21 +88,40 @@ def load_variant(source: str, variant: str) -> tuple[nn.Module, Any]:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
     lm = load_causal_lm(source)
+    scheme = variant.removesuffix(A8)
     if variant != FLOAT:
-        dtype = DTYPES[activation_dtype("auto", variant)]
+        dtype = DTYPES[activation_dtype("auto", scheme)]
         for parameter in lm.model.parameters():
             parameter.data = parameter.data.to(dtype)
-        quantize_weights(lm.model, variant)
+        quantize_weights(lm.model, scheme, int8_activations=variant.endswith(A8))
     return lm.model, lm.tokenizer
 
 
-def _decoder(model: nn.Module, longest: int, mode: str, cpp_step: bool) -> StaticDecoder:
-    """A decoder compiled in `mode`; with `cpp_step`, Inductor's C++ wrapper and guards
-    checked on each generation's first step only (`StaticDecoder.compile`)."""
-    decoder = StaticDecoder(model, max_cache_len=max(512, longest + 8))
+def _decoder(model: nn.Module, longest: int, mode: str, step: str, rows: int = 1,
+             aoti_dir: str | None = None) -> StaticDecoder:
+    """A decoder compiled in `mode`. `step` cpp: Inductor's C++ wrapper and guards checked
+    on each generation's first step only (`StaticDecoder.compile`); aoti: the AOTInductor
+    packages in `aoti_dir` for `rows` (exported there first where absent, as the package
+    stage does it: `aot_steps`), no Dynamo between tokens; python: torch.compile's Python
+    wrapper."""
+    cache_len = max(512, longest + 8)
+    if step == "aoti" and mode != "none":
+        from serve.causal_lm import aot_steps
+
+        folder = Path(aoti_dir or ".") / f"rows_{rows}"
+        if not (folder / (aot_steps.ONE if rows == 1 else aot_steps.ROWS)).is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            aot_steps.export_steps(model, rows, cache_len, mode, folder)
+        package = aot_steps.load_steps(folder, model)[min(rows, 2)]
+        decoder = StaticDecoder(model, cache_len, always_mask=True)
+        if rows > 1:
+            decoder.allocate(rows, dynamic_rows=True)
+        return aot_steps.use_step(decoder, package)
+    decoder = StaticDecoder(model, max_cache_len=cache_len)
     if mode == "none":
         return decoder
-    return decoder.compile(mode, cpp_wrapper=cpp_step, skip_guards=cpp_step)
+    cpp = step == "cpp"
+    return decoder.compile(mode, cpp_wrapper=cpp, skip_guards=cpp)
 
 
 def compress(spec: dict[str, Any]) -> dict[str, Any]:
@@ -112,8 +135,9 @@ def compress(spec: dict[str, Any]) -> dict[str, Any]:
                                "threads": torch.get_num_threads()}
     tokens, repeats, prompts = spec["tokens"], spec.get("repeats", 3), inputs["prompts"]
     longest = max(len(p) for p in [*prompts, inputs["ttft_prompt"]]) + tokens
-    mode, cpp_step = spec.get("compile", "max-autotune"), spec.get("cpp_step", False)
-    decoder = _decoder(model, longest, mode, cpp_step)
+    mode = spec.get("compile", "max-autotune")
+    step = spec.get("step") or ("cpp" if spec.get("cpp_step") else "python")
+    decoder = _decoder(model, longest, mode, step, 1, spec.get("aoti_dir"))
     if spec.get("quality"):
         figures.update(perplexity(model, tokenizer, inputs["texts"]))
         if figures["eval_tokens"] != inputs["eval_tokens"]:
@@ -128,7 +152,7 @@ def compress(spec: dict[str, Any]) -> dict[str, Any]:
     figures["ttft_ms"] = 1000 * statistics.median(
         decoder.generate([inputs["ttft_prompt"]], 1).ttft_s for _ in range(repeats))
     batch = prompts[:spec.get("batch", 8)]
-    decoder = _decoder(model, longest, mode, cpp_step)
+    decoder = _decoder(model, longest, mode, step, len(batch), spec.get("aoti_dir"))
     decoder.generate(batch, 4)  # warm-up
     runs = [decoder.generate(batch, tokens) for _ in range(repeats)]
     figures["tok_s_b8"] = statistics.median(r.decode_tokens_per_s for r in runs)

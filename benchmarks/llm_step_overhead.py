@@ -1,0 +1,87 @@
+"""Where a decode step's time goes outside the weight products: SmolLM2-135M int8_grouped
+(or int4_grouped) at batch 1 through each way compress drives the step (torch.compile's
+Python wrapper, its C++ wrapper with guards checked once a generation, the AOTInductor
+package an archive serves), alternating rounds in one process. Per step: the wall time,
+the time inside the grouped products (`compress_lm::grouped_mm`, from torch.profiler), and
+the rest: norms, RoPE, attention, sampling and the framework between kernels.
+
+    python benchmarks/llm_step_overhead.py                       # int8_grouped, 3 rounds
+    python benchmarks/llm_step_overhead.py --scheme int4_grouped --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llm_decode import MODEL, PROMPTS, prompt_ids  # noqa: E402
+
+from compress.families.causal_lm.model import (  # noqa: E402
+    StaticDecoder,
+    load_causal_lm,
+    quantize_weights,
+)
+from serve.causal_lm import aot_steps  # noqa: E402
+
+CACHE_LEN = 512
+
+
+def decoders(model: torch.nn.Module, folder: Path) -> dict[str, StaticDecoder]:
+    """The three ways to drive the step, each warmed up (compiled or exported)."""
+    made = {"python": StaticDecoder(model, CACHE_LEN).compile("max-autotune"),
+            "cpp": StaticDecoder(model, CACHE_LEN).compile("max-autotune", cpp_wrapper=True,
+                                                            skip_guards=True)}
+    aot_steps.export_steps(model, 1, CACHE_LEN, "max-autotune", folder)
+    made["aoti"] = aot_steps.use_step(StaticDecoder(model, CACHE_LEN, always_mask=True),
+                                      aot_steps.load_steps(folder, model)[1])
+    return made
+
+
+def products_ms(decoder: StaticDecoder, ids: list[int], tokens: int) -> float:
+    """Milliseconds a step spends in the grouped products (torch.profiler's self time)."""
+    with torch.profiler.profile() as prof:
+        decoder.generate([ids], tokens)
+    inside = sum(e.self_cpu_time_total for e in prof.key_averages()
+                 if e.key.startswith("compress_lm::grouped_mm"))
+    return inside / 1000 / (tokens - 1)  # the prefill's products are few next to decode's
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scheme", choices=("int8_grouped", "int4_grouped"),
+                        default="int8_grouped")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    lm = load_causal_lm(MODEL)
+    quantize_weights(lm.model, args.scheme)
+    ids = prompt_ids(lm.tokenizer, PROMPTS[0])[0].tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        made = decoders(lm.model, Path(tmp))
+        for decoder in made.values():
+            decoder.generate([ids], 4)
+        steps: dict[str, list[float]] = {name: [] for name in made}
+        for r in range(args.rounds):
+            for name in made if r % 2 == 0 else list(made)[::-1]:
+                out = made[name].generate([ids], args.tokens)
+                steps[name].append(1000 / out.decode_tokens_per_s)
+        inside = {name: products_ms(decoder, ids, 16) for name, decoder in made.items()}
+    print(f"SmolLM2-135M {args.scheme}, batch 1, {args.tokens} tokens, "
+          f"{torch.get_num_threads()} threads, {args.rounds} rounds (median, min-max)")
+    print(f"{'step':<8}{'ms/token':>10}{'spread':>16}{'products ms':>13}{'rest ms':>9}"
+          f"{'tok/s':>8}")
+    for name, times in steps.items():
+        median = statistics.median(times)
+        print(f"{name:<8}{median:>10.2f}{f'{min(times):.2f}-{max(times):.2f}':>16}"
+              f"{inside[name]:>13.2f}{median - inside[name]:>9.2f}{1000 / median:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ From the repository root:
     python benchmarks/peers_llm.py --rounds 1 --tokens 8 --prompts 8 --ppl-texts 8 \
         --repeats 1 --compile none                                               # a smoke run
     python benchmarks/peers_llm.py --no-llama --variants float,int4              # no llama.cpp
+    python benchmarks/peers_llm.py --zentorch                                    # and zentorch's
 
 Builds (once, cached) llama-cpp-python in its own environment and the Q8_0 / Q4_0 files
 (peers_llm_env.py); per row and round, a process measures batch-1 and batch-8 decode tok/s,
@@ -31,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
 import peers_llm_env as env  # noqa: E402
+import peers_llm_zentorch_env as zenv  # noqa: E402
 from llm_decode import MODEL, PROMPTS, sentences  # noqa: E402
 from peers_llm_table import render_markdown, render_text, table_rows  # noqa: E402
 from peers_optimum import PeerError  # noqa: E402
@@ -44,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("peers_llm_child.py")
 DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers_llm.md"
 LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int4_grouped",
-          "int4": "int4_weight_only"}
+          "int4": "int4_weight_only", "int8_grouped_a8": "int8_grouped_a8",
+          "int4_grouped_a8": "int4_grouped_a8"}  # _a8: the opt-in int8-activation mode
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
 MAX_LENGTH = 256  # perplexity's truncation (compress.families.causal_lm.model.perplexity)
 
@@ -98,11 +101,13 @@ def spec_of(item: dict[str, Any], args: argparse.Namespace, inputs: Path, first:
     common = {"inputs": str(inputs), "tokens": args.tokens, "greedy_tokens": args.greedy_tokens,
               "repeats": args.repeats, "batch": args.batch, "quality": first,
               "threads": os.cpu_count() or 1}
+    if "spec" in item:  # a peer that names its own mode (zentorch)
+        return {**common, **item["spec"]}
     if item["runtime"] == "llama.cpp":
         return {**common, "mode": "measure", "model": item["file"]}
     return {**common, "mode": "compress", "source": item["source"],
-            "variant": item["variant"], "compile": args.compile,
-            "cpp_step": args.step == "cpp"}
+            "variant": item["variant"], "compile": args.compile, "step": args.step,
+            "aoti_dir": str(inputs.parent / "aoti" / item["variant"])}  # exported once
 
 
 def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
@@ -112,8 +117,8 @@ def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
     echo(f"peers_llm: triad (before): {triads[0].get('triad_gbs', triads[0].get('error'))}")
     for r in range(args.rounds):
         for item in items if r % 2 == 0 else items[::-1]:
-            python, child = (item["python"], str(env.CHILD)) if "python" in item else (
-                sys.executable, str(CHILD))
+            python, child = ((item["python"], item.get("child", str(env.CHILD)))
+                             if "python" in item else (sys.executable, str(CHILD)))
             figures = run_json_child([python, child, json.dumps(spec_of(item, args, inputs,
                                                                         r == 0))])
             if "error" in figures:
@@ -147,12 +152,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quants", default=",".join(QUANTS),
                         help=f"llama.cpp's files, comma-separated ({','.join(QUANTS)})")
     parser.add_argument("--no-llama", action="store_true", help="compress's rows alone")
+    parser.add_argument("--zentorch", nargs="?", const="fp32,bf16", metavar="DTYPES",
+                        help="AMD zentorch rows in its own environment (fp32,bf16)")
     parser.add_argument("--compile", choices=["max-autotune", "default", "none"],
                         default="max-autotune", help="compress's decode step (max-autotune)")
-    parser.add_argument("--step", choices=["cpp", "python"], default="cpp",
+    parser.add_argument("--step", choices=["cpp", "aoti", "python"], default="cpp",
                         help="compress's compiled step: cpp (Inductor's C++ wrapper, guards "
-                        "checked once a generation; the default) or python (its Python "
-                        "wrapper, guards checked every token)")
+                        "checked once a generation; the default), aoti (AOTInductor "
+                        "packages, no Dynamo: what a packaged archive serves; exported once "
+                        "a variant, 1-3 min) or python (torch.compile's Python wrapper, "
+                        "guards checked every token)")
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default: the Markdown path with .json)")
@@ -167,6 +176,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--prompts must be between --batch and {len(PROMPTS)}")
     args.variants = [v for v in args.variants.split(",") if v]
     args.quants = [] if args.no_llama else [q for q in args.quants.split(",") if q]
+    try:
+        args.zentorch = zenv.parse_dtypes(args.zentorch)
+    except zenv.ZentorchError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -200,11 +213,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
+    zentorch = zenv.zentorch_items(gguf, args.zentorch, echo) if args.zentorch else []
     inputs = make_inputs(gguf, args, inputs_path)
     items, facts = llama_items(gguf, args) if args.quants else ([], {})
     for name in args.variants:
         items.append({"name": f"compress {name}", "runtime": "compress", "weights": name,
                       "source": str(gguf), "variant": LABELS[name], "rounds": []})
+    items += zentorch
     triads = measure(items, args, inputs_path)
     bandwidth = max((t["triad_gbs"] for t in triads if "triad_gbs" in t), default=None)
     rows = table_rows(items, bandwidth)
@@ -219,7 +234,8 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
               "versions": {**{k: v for k, v in libraries.items()
                               if k in ("torch", "torchao", "transformers")},
                            **({"llama-cpp-python": facts.get("llama-cpp-python")}
-                              if facts else {})},
+                              if facts else {}),
+                           **({"zentorch": zentorch[0]["facts"]["zentorch"]} if zentorch else {})},
               "rounds": args.rounds, "tokens": args.tokens, "ttft_tokens": args.ttft_tokens,
               "ppl_texts": len(inputs["texts"]), "prompts": len(inputs["prompts"]),
               "greedy_tokens": args.greedy_tokens, "bandwidth_gbs": bandwidth,

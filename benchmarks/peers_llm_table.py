@@ -17,6 +17,7 @@ from peers_table import cell, ratio
 from compress.families.causal_lm.model import greedy_agreement
 
 FLOAT = "compress float"  # the greedy-agreement reference
+REFERENCES = (FLOAT, "zentorch fp32")  # the first that ran: the same float weights
 # each compress row against llama.cpp on the file with comparable weights
 PAIRS = {"compress int8_grouped": "llama.cpp Q8_0", "compress int4_grouped": "llama.cpp Q4_1",
          "compress int4": "llama.cpp Q4_1"}
@@ -34,6 +35,10 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("x llama b1", "x_peer_b1", 2),
     ("x llama b8", "x_peer_b8", 2),
 )
+ZENTORCH = ("- zentorch (its own environment, torch 2.13 CPU): the Hugging Face model from "
+            "the same GGUF (float32, or cast to bf16), forward compiled by torch.compile("
+            "backend=\"zentorch\"), generate on a static KV cache; zentorch.llm.optimize is "
+            "deprecated in these releases (AMD points LLMs at its vLLM plugin)")
 
 
 def bandwidth_share(bytes_per_token: float | None, tokens_per_s: float | None,
@@ -82,7 +87,8 @@ def table_rows(items: list[dict[str, Any]], bandwidth_gbs: float | None
         row["pct_bandwidth_b1"] = None if share is None else 100 * share
         rows.append(row)
     by_name = {row["name"]: row for row in rows}
-    reference = by_name.get(FLOAT, {}).get("greedy")
+    reference = next((by_name[n]["greedy"] for n in REFERENCES
+                      if by_name.get(n, {}).get("greedy") is not None), None)
     for row in rows:
         greedy, rows_b8 = row.pop("greedy", None), row.pop("b8_rows", None)
         row["b8_agreement"] = (greedy_agreement(greedy[:len(rows_b8)], rows_b8)
@@ -151,6 +157,7 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
            "Inductor's C++ wrapper, Dynamo's guards checked on each generation's first step)"]
           if header.get("compress_step") else []),
         *([f"- llama.cpp ({header['llama_build']})"] if header.get("llama_build") else []),
+        *([ZENTORCH] if any(r.get("runtime") == "zentorch" for r in rows) else []),
         f"- memory bandwidth (triad a = b + s*c, best of before and after the rounds): "
         f"{cell(header.get('bandwidth_gbs'), 1)} GB/s",
         "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
@@ -158,7 +165,8 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", "b1 / b8 tok/s: greedy decode tokens per second after the first, batch 1 "
               "and 8 (every row counted). TTFT: the prompt in, the first token out. agree: "
-              "greedy tokens equal to compress float's, position by position. MB/token: "
+              "greedy tokens equal to compress float's (zentorch fp32's when compress float "
+              "did not run), position by position. MB/token: "
               "weight bytes one decode step reads (the embedding one row unless it is the "
               "output projection too). % bw b1: MB/token x b1 tok/s / triad bandwidth. "
               "x llama: the row's tok/s / llama.cpp's on the comparable file ("

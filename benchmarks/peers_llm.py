@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("peers_llm_child.py")
 DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers_llm.md"
 LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int4_grouped",
-          "int4": "int4_weight_only"}
+          "int4": "int4_weight_only", "int8_grouped_a8": "int8_grouped_a8",
+          "int4_grouped_a8": "int4_grouped_a8"}  # _a8: the opt-in int8-activation mode
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
 MAX_LENGTH = 256  # perplexity's truncation (compress.families.causal_lm.model.perplexity)
 
@@ -105,8 +106,8 @@ def spec_of(item: dict[str, Any], args: argparse.Namespace, inputs: Path, first:
     if item["runtime"] == "llama.cpp":
         return {**common, "mode": "measure", "model": item["file"]}
     return {**common, "mode": "compress", "source": item["source"],
-            "variant": item["variant"], "compile": args.compile,
-            "cpp_step": args.step == "cpp"}
+            "variant": item["variant"], "compile": args.compile, "step": args.step,
+            "aoti_dir": str(inputs.parent / "aoti" / item["variant"])}  # exported once
 
 
 def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
@@ -155,10 +156,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="AMD zentorch rows in its own environment (fp32,bf16)")
     parser.add_argument("--compile", choices=["max-autotune", "default", "none"],
                         default="max-autotune", help="compress's decode step (max-autotune)")
-    parser.add_argument("--step", choices=["cpp", "python"], default="cpp",
+    parser.add_argument("--step", choices=["cpp", "aoti", "python"], default="cpp",
                         help="compress's compiled step: cpp (Inductor's C++ wrapper, guards "
-                        "checked once a generation; the default) or python (its Python "
-                        "wrapper, guards checked every token)")
+                        "checked once a generation; the default), aoti (AOTInductor "
+                        "packages, no Dynamo: what a packaged archive serves; exported once "
+                        "a variant, 1-3 min) or python (torch.compile's Python wrapper, "
+                        "guards checked every token)")
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default: the Markdown path with .json)")

@@ -169,9 +169,9 @@ def write(args: argparse.Namespace, table: list[str]) -> None:
 - drafts kept: accepted draft tokens over drafted ones; tokens / verification: tokens a
   verifying forward produced (kept drafts + the model's own); steps verifying: the share of
   decode steps where a draft was found (the others are plain one-token steps); closest
-  margin: the smallest top-two logit margin any verification decided a token on (the
-  verifying forward's logits differ from a one-token step's by float32 rounding, up to
-  ~4e-5 on SmolLM2, from the grouped kernel's summation order at several rows).
+  margin: the smallest top-two logit margin any verification decided a token on (with
+  k <= 4 the verifying forward's logits equal a one-token step's bit for bit: the grouped
+  kernel sums each of up to 5 rows as it sums a lone row).
 - identical: every speculative output equals plain greedy decoding's, token for token, in
   every round.
 """

@@ -21,8 +21,9 @@
 // float32 once and multiplied with every activation row's value of that input (a
 // broadcast), summed over the group, then scaled once per group; the offset is one
 // multiply-add per group against the row's sum of x over the group. There is no
-// dequantization per weight and no horizontal sum. At 1-2 rows, partial sums over
-// alternating inputs keep the multiply-adds of one chain from waiting on each other. More
+// dequantization per weight and no horizontal sum. Up to 5 rows, 4 partial sums over
+// alternating inputs keep the multiply-adds of one chain from waiting on each other (and
+// give every row the arithmetic of a one-row product, bit for bit). More
 // than 8 rows (a prefill) go in chunks of 8 while a tile's records stay in cache.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -48,7 +49,10 @@ template <int BITS, bool HALF, int R>
 inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
                       const float* xsum, float* out, int64_t n_out, int64_t valid) {
   constexpr int64_t RB = record_bytes(BITS, HALF);
-  constexpr int P = R >= 4 ? 1 : (R >= 2 ? 2 : 4);  // partial sums per row
+  // partial sums per row: 4 (the multiply-adds of one chain need not wait on each other)
+  // up to 5 rows, so that a row's sums are those of a one-row step, bit for bit (a
+  // speculative verification of 2-5 positions gives a decode step's logits); then 1
+  constexpr int P = R <= 5 ? 4 : 1;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RB) {

@@ -9,17 +9,18 @@ the model's own next token; a sampled row keeps each draft t with probability p(
 the first rejection samples from p without t (`accept_sampled`: the standard rule for a
 point-mass draft, so the tokens follow the plain sampler's distribution, not its draws).
 
-Greedy rows get plain decoding's tokens: each position of the verifying forward computes
-what a one-token decode step computes there, up to float32 rounding. Its attention
-(`verify_attention`) is `decode_attention`'s arithmetic query by query, bit for bit (not
-SDPA, whose other summation order would move the logits); the projections and norms work row
-by row. Not bit for bit where a kernel sums in another order for more rows: the grouped int8
-kernel keeps 4 partial sums a row at one row and 1 at four or more (`grouped_kernels.cpp`),
-which moves SmolLM2's logits by up to ~4e-5; only a top-two margin that small could flip a
-token, and `SpeculativeGeneration.closest` reports the smallest margin a verification
-decided on. Rejected positions need no rollback beyond the cache's write cursor
-(`cumulative_length`): a query reads only positions up to its own, all written by accepted
-tokens, and stale ones are written over before any query reaches them."""
+Greedy rows get plain decoding's tokens by construction where the verifying forward
+computes, bit for bit, what a one-token decode step computes at each position: its
+attention (`verify_attention`) is `decode_attention`'s arithmetic query by query (not
+SDPA, whose other summation order would move the logits), norms work row by row, and the
+grouped kernel sums each of up to 5 rows as it sums a lone row (`grouped_kernels.cpp`), so
+with k <= 4 SmolLM2's int8_grouped and int4_grouped logits are equal, eager and compiled
+(checked). A float model's products (torch's GEMM) may sum in another order for more rows,
+which moves logits by float32 rounding; `SpeculativeGeneration.closest` reports the
+smallest top-two margin a verification decided on. Rejected positions need no rollback
+beyond the cache's write cursor (`cumulative_length`): a query reads only positions up to
+its own, all written by accepted tokens, and stale ones are written over before any query
+reaches them."""
 
 from __future__ import annotations
 

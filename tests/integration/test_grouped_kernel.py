@@ -43,6 +43,19 @@ def test_the_kernel_computes_the_dequantized_product(rows, bits) -> None:
             x, fallback.dequantize(), linear.bias.detach()), atol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_up_to_5_rows_each_row_gets_its_one_row_product_bit_for_bit(bits) -> None:
+    """What makes a speculative verification of 2-5 positions exact: the kernel sums each
+    row as it sums a lone row."""
+    torch.manual_seed(bits)
+    module = grouped.GroupedLinear.from_linear(nn.Linear(576, 200), 32, bits)
+    x = torch.randn(8, 576)
+    alone = torch.cat([module(x[r:r + 1]) for r in range(8)])
+    for rows in range(2, 6):
+        assert torch.equal(module(x[:rows]), alone[:rows]), rows
+    assert not torch.equal(module(x), alone)  # 6 rows and more: one sum a row, faster
+
+
 def test_int8_grouped_weights_count_the_kernel_records() -> None:
     import peers_llm_child as child
     from transformers import LlamaConfig, LlamaForCausalLM

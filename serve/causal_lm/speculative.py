@@ -14,10 +14,12 @@ computes, bit for bit, what a one-token decode step computes at each position: i
 attention (`verify_attention`) is `decode_attention`'s arithmetic query by query (not
 SDPA, whose other summation order would move the logits), norms work row by row, and the
 grouped kernel sums each of up to 5 rows as it sums a lone row (`grouped_kernels.cpp`), so
-with k <= 4 SmolLM2's int8_grouped and int4_grouped logits are equal, eager and compiled
-(checked). A float model's products (torch's GEMM) may sum in another order for more rows,
-which moves logits by float32 rounding; `SpeculativeGeneration.closest` reports the
-smallest top-two margin a verification decided on. Rejected positions need no rollback
+with k <= 4 and heads of 32 dimensions or more the logits are equal (SmolLM2's
+int8_grouped and int4_grouped, eager and compiled: checked; at 8 or 16 dimensions torch's
+eager reductions over a head sum 5 queries in another order, ~5e-7). A float model's
+products (torch's GEMM) may sum in another order for more rows, which moves logits by
+float32 rounding; `SpeculativeGeneration.closest` reports the smallest top-two margin a
+verification decided on. Rejected positions need no rollback
 beyond the cache's write cursor (`cumulative_length`): a query reads only positions up to
 its own, all written by accepted tokens, and stale ones are written over before any query
 reaches them."""

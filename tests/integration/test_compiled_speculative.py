@@ -4,10 +4,14 @@ gives the compiled decode step's greedy tokens, drafts kept and refused, limits 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from batcher_checks import varied_model
 
+from serve.causal_lm.attention import attention
 from serve.causal_lm.decode import StaticDecoder
+from serve.causal_lm.grouped_kernels import grouped_mm_available
+from serve.causal_lm.runtime import quantize_weights
 from serve.causal_lm.speculative import SpeculativeDecoder
 
 
@@ -26,3 +30,36 @@ def test_compiled_speculative_greedy_tokens_equal_the_compiled_decoders() -> Non
         assert speculative.generate(prompt, 7).tokens == want[:7]
         kept, drafted = kept + got.accepted, drafted + got.drafted
     assert 0 < kept < drafted
+
+
+@pytest.mark.skipif(not grouped_mm_available(), reason="the grouped kernel did not build")
+@pytest.mark.parametrize("scheme", ["int8_grouped", "int4_grouped"])
+def test_a_verification_gives_the_decode_steps_logits_bit_for_bit(scheme) -> None:
+    """Grouped weights: the kernel sums each of up to 5 rows as a lone row, so a
+    verification of 4 drafts reproduces the one-token steps' logits exactly, with heads of
+    32 dimensions or more (SmolLM2's are 64; at 8 or 16 torch's eager reductions over a
+    head sum in another order for 5 queries: about 5e-7 apart)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = quantize_weights(LlamaForCausalLM(LlamaConfig(
+        vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, initializer_range=0.1)).eval(), scheme)
+    decoder = StaticDecoder(model, 96)
+    speculative = SpeculativeDecoder(decoder, k=4)
+    prompt = [5, 17, 3, 9, 5, 17]
+    with torch.inference_mode(), attention(model, decoder.attention):
+        decoder._fresh_cache(1)
+        tokens = [int(decoder._forward(torch.tensor([prompt]),
+                                       torch.arange(len(prompt))).argmax())]
+        steps = []
+        for i in range(5):
+            logits = decoder.decode_step(torch.tensor([[tokens[-1]]]), len(prompt) + i,
+                                         None, None)
+            steps.append(logits[0].clone())
+            tokens.append(int(logits.argmax()))
+        for layer in decoder.cache.layers:
+            layer.cumulative_length.fill_(len(prompt))
+        verified = speculative._verify(tokens[:5], len(prompt))
+    assert torch.equal(verified, torch.stack(steps))

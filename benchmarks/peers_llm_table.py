@@ -18,9 +18,13 @@ from compress.families.causal_lm.model import greedy_agreement
 
 FLOAT = "compress float"  # the greedy-agreement reference
 REFERENCES = (FLOAT, "zentorch fp32")  # the first that ran: the same float weights
-# each compress row against llama.cpp on the file with comparable weights
-PAIRS = {"compress int8_grouped": "llama.cpp Q8_0", "compress int4_grouped": "llama.cpp Q4_1",
-         "compress int4": "llama.cpp Q4_1"}
+# each compress row against llama.cpp on the file with comparable weights: the first of
+# them that ran (int4_grouped: Q4_0, the faster 4-bit file, else Q4_1, the same weights)
+PAIRS = {"compress int8_grouped": ("llama.cpp Q8_0",),
+         "compress int4_grouped": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
+         "compress int4": ("llama.cpp Q4_1",),
+         "compress int8_grouped_a8": ("llama.cpp Q8_0",),
+         "compress int4_grouped_a8": ("llama.cpp Q4_0", "llama.cpp Q4_1")}
 MEASURED = ("tok_s_", "ttft_ms", "load_s")  # figures that vary by round: medians
 
 # (heading, key of a row, decimals)
@@ -34,6 +38,8 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("% bw b1", "pct_bandwidth_b1", 1),
     ("x llama b1", "x_peer_b1", 2),
     ("x llama b8", "x_peer_b8", 2),
+    ("x llama TTFT", "x_peer_ttft", 2),
+    ("b8 / b1", "b8_over_b1", 2),
 )
 ZENTORCH = ("- zentorch (its own environment, torch 2.13 CPU): the Hugging Face model from "
             "the same GGUF (float32, or cast to bf16), forward compiled by torch.compile("
@@ -95,10 +101,12 @@ def table_rows(items: list[dict[str, Any]], bandwidth_gbs: float | None
                                if greedy is not None and rows_b8 is not None else None)
         row["agreement"] = (greedy_agreement(reference, greedy)
                             if reference is not None and greedy is not None else None)
-        peer = by_name.get(PAIRS.get(row["name"], ""), {})
-        row["peer"] = PAIRS.get(row["name"]) if peer else None
+        row["peer"] = next((n for n in PAIRS.get(row["name"], ()) if n in by_name), None)
+        peer = by_name.get(row["peer"] or "", {})
         for batch in ("b1", "b8"):
             row[f"x_peer_{batch}"] = ratio(row.get(f"tok_s_{batch}"), peer.get(f"tok_s_{batch}"))
+        row["x_peer_ttft"] = ratio(row.get("ttft_ms"), peer.get("ttft_ms"))
+        row["b8_over_b1"] = ratio(row.get("tok_s_b8"), row.get("tok_s_b1"))
     return rows
 
 
@@ -170,6 +178,7 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
               "weight bytes one decode step reads (the embedding one row unless it is the "
               "output projection too). % bw b1: MB/token x b1 tok/s / triad bandwidth. "
               "x llama: the row's tok/s / llama.cpp's on the comparable file ("
-              + ", ".join(f"{a} against {b}" for a, b in PAIRS.items()) + ")."]
+              + ", ".join(f"{a} against {' or '.join(b)}" for a, b in PAIRS.items())
+              + "); x llama TTFT: the row's TTFT / that file's (below 1: sooner)."]
     lines += [f"- {line}" for line in notes(rows)]
     return "\n".join(lines) + "\n"

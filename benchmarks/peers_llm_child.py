@@ -59,12 +59,15 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     tensor once), except the input embedding's, of which one row is read, unless the
     output projection shares them; a grouped Linear that the kernel multiplies counts its
     kernel records (`packed`: codes, scales and offsets as the kernel reads them) instead
-    of its codes, scales and offsets."""
+    of its codes, scales and offsets (a fused block's group its parts' records)."""
     embed = model.get_input_embeddings()
     in_embed = {id(m) for m in embed.modules()}  # a grouped table is read a row, not packed
     kernel = [m for m in model.modules()
               if getattr(m, "packed", None) is not None and id(m) not in in_embed]
-    replaced = {id(t) for m in kernel for t in (m.qweight, m.scale, m.offset)}
+    # a fused projection's records are its block's group's (serve/causal_lm/fused.py)
+    replaced = {id(t) for m in model.modules()
+                if (m in kernel or getattr(m, "fused", False)) and hasattr(m, "qweight")
+                for t in (m.qweight, m.scale, m.offset)}
     head = model.get_output_embeddings()
     head_ids = {id(t) for t in (head.state_dict(keep_vars=True).values() if head else [])}
     embed_tensors = list(embed.state_dict(keep_vars=True).values())

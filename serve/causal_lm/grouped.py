@@ -62,6 +62,8 @@ class GroupedLinear(nn.Module):
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
         self.half_scales = False  # whether `packed` holds float16 scales and offsets
         self.int8_activations = False  # the opt-in mode: see `forward`
+        self.fused = False  # its records are in its block's ProjectionGroup (`fused.py`)
+        self.handed: torch.Tensor | None = None  # its output, handed over by that group
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -87,6 +89,9 @@ class GroupedLinear(nn.Module):
                 self.qweight, self.scale, self.offset, self.bits, self.half_scales)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        if self.fused:
+            raise RuntimeError("grouped weights: load a state dict before fuse_projections "
+                               "(a fused block computes from its own copy of the records)")
         super()._load_from_state_dict(*args, **kwargs)
         self.pack()
 
@@ -106,7 +111,11 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight^T (+ bias) in float32; with `int8_activations` (the opt-in mode
         `activations: int8`), x of two rows or more is first rounded to int8 per group of
-        32, as llama.cpp's Q8_0 blocks are (`grouped_int8_activations.cpp`)."""
+        32, as llama.cpp's Q8_0 blocks are (`grouped_int8_activations.cpp`). A fused
+        projection returns what its block's group handed it (`fused.py`)."""
+        if self.handed is not None:
+            out, self.handed = self.handed, None
+            return out
         if self.packed is not None:
             product = (torch.ops.compress_lm.grouped_mm_int8 if self.int8_activations
                        else torch.ops.compress_lm.grouped_mm)

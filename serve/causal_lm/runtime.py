@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
+from .fused import fuse_projections
 from .grouped import BITS as GROUPED_BITS
 from .grouped import quantize_embedding, quantize_grouped
 
@@ -100,7 +101,8 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
     output projection (untied from the embedding first, which stays in float, except under
     the grouped schemes, which store it as int8 groups too). `fit=False`, grouped schemes:
     modules of the right shapes only, their weights loaded next (`load_folder`).
-    `int8_activations`: the grouped schemes' opt-in int8 mode (`grouped.GroupedLinear`)."""
+    `int8_activations`: the grouped schemes' opt-in int8 mode (`grouped.GroupedLinear`).
+    Fitted grouped weights get their blocks' projections fused (`fused.py`)."""
     head = untie_head(model)
     _apply(model, scheme, group_size, head=False, fit=fit, int8_activations=int8_activations)
     if scheme in GROUPED_BITS:  # its float32 activations leave a float32 table otherwise
@@ -109,6 +111,8 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
     if head is not None and head_scheme != "float":
         _apply(model, head_scheme, group_size, head=True, fit=fit,
                int8_activations=int8_activations)
+    if fit and scheme in GROUPED_BITS:  # else once the weights are loaded (`load_folder`)
+        fuse_projections(model)
     return model
 
 
@@ -149,6 +153,8 @@ def load_folder(folder: str | Path) -> LoadedLM:
                          int8_activations=facts.get("activations") == "int8")
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
+        if facts["scheme"] in GROUPED_BITS:
+            fuse_projections(model)
         if (folder / "generation_config.json").is_file():
             from transformers import GenerationConfig
 

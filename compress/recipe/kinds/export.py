@@ -200,6 +200,6 @@ SPEC = register(StageSpec(
     export_formats=lambda cfg: (cfg.format,),
     check_task=_check_task,
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
-        "runtime", "decode", "static_cache", "attention", "tensor_parallel", "pipeline",
-        "pipeline_parallel"))},
+        "runtime", "decode", "static_cache", "attention", "grouped", "grouped_kernels", "fused",
+        "tensor_parallel", "pipeline", "pipeline_parallel"))},
 ))

@@ -181,5 +181,6 @@ SPEC = register(StageSpec(
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
         "handler", "requests", "replies", "openai", "batcher", "rows", "buckets", "placement",
         "prefill", "prefix_cache", "compiled_graphs", "aot_steps", "runtime", "decode",
-        "static_cache", "attention", "tensor_parallel", "pipeline", "pipeline_parallel"))},
+        "static_cache", "attention", "grouped", "grouped_kernels", "fused", "tensor_parallel",
+        "pipeline", "pipeline_parallel"))},
 ))

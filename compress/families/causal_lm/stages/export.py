@@ -35,7 +35,8 @@ from serve.causal_lm import runtime as lm_runtime
 
 PACKAGE = Path(lm_runtime.__file__).parent  # serve/causal_lm: `causal_lm/` in the folder
 RUNTIME_MODULES = ("__init__", "runtime", "decode", "static_cache", "attention", "grouped",
-                   "grouped_kernels", "tensor_parallel", "pipeline", "pipeline_parallel")
+                   "grouped_kernels", "fused", "speculative", "tensor_parallel", "pipeline",
+                   "pipeline_parallel")
 RUNTIME_FILES = (*(PACKAGE / f"{name}.py" for name in RUNTIME_MODULES), *grouped_kernels.SOURCES)
 PARITY_BATCH = 8
 

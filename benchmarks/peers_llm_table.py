@@ -162,7 +162,9 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"sentences; agreement on {header.get('prompts', '?')} chat prompts x "
         f"{header.get('greedy_tokens', '?')} greedy tokens",
         *([f"- compress's decode step: torch.compile {header['compress_step']} (cpp: "
-           "Inductor's C++ wrapper, Dynamo's guards checked on each generation's first step)"]
+           "Inductor's C++ wrapper, Dynamo's guards checked on each generation's first step; "
+           "aoti: AOTInductor packages, no Dynamo, as a packaged archive serves; TTFT: the "
+           "compiled prefill a served worker runs)"]
           if header.get("compress_step") else []),
         *([f"- llama.cpp ({header['llama_build']})"] if header.get("llama_build") else []),
         *([ZENTORCH] if any(r.get("runtime") == "zentorch" for r in rows) else []),

@@ -206,23 +206,10 @@ MODES = {"measure": measure, "facts": facts}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The spec's mode, its JSON line on stdout (the rest on stderr); 1 with {"error": one
-    line} when it fails (compress's `child_main`, which this environment cannot import)."""
-    argv = sys.argv[1:] if argv is None else argv
-    out = sys.stdout
-    try:
-        spec = json.loads(argv[0])
-        with contextlib.redirect_stdout(sys.stderr):
-            answer = MODES[spec.get("mode", "measure")](spec)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
-        import traceback
+    """The spec's mode, its JSON line on stdout (`peers_child_main.run_modes`)."""
+    from peers_child_main import run_modes  # a sibling: the script's folder is on the path
 
-        traceback.print_exc(file=sys.stderr)
-        line = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-        print(json.dumps({"error": line, "pid": os.getpid()}), file=out, flush=True)
-        return 1
-    print(json.dumps(answer), file=out, flush=True)
-    return 0
+    return run_modes(MODES, argv)
 
 
 if __name__ == "__main__":

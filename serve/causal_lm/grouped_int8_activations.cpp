@@ -120,15 +120,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* q, int64
       }
     }
     __m512 s, o;
-    if constexpr (!HALF) {
-      const float* scale = reinterpret_cast<const float*>(rec + code_bytes(BITS));
-      s = _mm512_loadu_ps(scale);
-      o = _mm512_loadu_ps(scale + TILE);
-    } else {
-      const __m256i* half = reinterpret_cast<const __m256i*>(rec + code_bytes(BITS));
-      s = _mm512_cvtph_ps(_mm256_loadu_si256(half));
-      o = _mm512_cvtph_ps(_mm256_loadu_si256(half + 1));
-    }
+    record_scales<BITS, HALF>(rec, s, o);
     if constexpr (BITS == 8) o = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), s, o);
     for (int r = 0; r < R; ++r) {
       const __m512 scaled = _mm512_mul_ps(s, _mm512_set1_ps(step[r * groups + g]));
@@ -170,12 +162,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* q, int64
       }
     }
     float scale[2 * TILE];
-    if constexpr (!HALF) {
-      std::memcpy(scale, rec + code_bytes(BITS), sizeof(scale));
-    } else {
-      const at::Half* half = reinterpret_cast<const at::Half*>(rec + code_bytes(BITS));
-      for (int j = 0; j < 2 * TILE; ++j) scale[j] = static_cast<float>(half[j]);
-    }
+    record_scales<BITS, HALF>(rec, scale);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < TILE; ++j)
         acc[r][j] += static_cast<float>(dot[r][j]) * (scale[j] * step[r * groups + g]) +
@@ -199,16 +186,9 @@ void tiles_pass(const Rounded& x, int64_t rows, int64_t k, int64_t n, const uint
       const int8_t* q = x.codes.data() + m * k;
       const float *d = x.step.data() + m * groups, *ds = x.step_sum.data() + m * groups;
       float* o = out + m * n + n0;
-      switch (std::min(ROWS, rows - m)) {
-        case 1: tile_rows<BITS, HALF, 1>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        case 2: tile_rows<BITS, HALF, 2>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        case 3: tile_rows<BITS, HALF, 3>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        case 4: tile_rows<BITS, HALF, 4>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        case 5: tile_rows<BITS, HALF, 5>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        case 6: tile_rows<BITS, HALF, 6>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        case 7: tile_rows<BITS, HALF, 7>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-        default: tile_rows<BITS, HALF, 8>(rec, groups, q, k, d, ds, o, n, valid, order); break;
-      }
+      with_rows(std::min(ROWS, rows - m), [&](auto r) {
+        tile_rows<BITS, HALF, decltype(r)::value>(rec, groups, q, k, d, ds, o, n, valid, order);
+      });
     }
   }
 }

@@ -85,15 +85,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
       }
     }
     __m512 s, o;
-    if constexpr (!HALF) {
-      const float* scale = reinterpret_cast<const float*>(rec + code_bytes(BITS));
-      s = _mm512_loadu_ps(scale);
-      o = _mm512_loadu_ps(scale + TILE);
-    } else {
-      const __m256i* half = reinterpret_cast<const __m256i*>(rec + code_bytes(BITS));
-      s = _mm512_cvtph_ps(_mm256_loadu_si256(half));
-      o = _mm512_cvtph_ps(_mm256_loadu_si256(half + 1));
-    }
+    record_scales<BITS, HALF>(rec, s, o);
     for (int r = 0; r < R; ++r) {
       __m512 sum = part[0][r];
       for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, part[p][r]);
@@ -129,12 +121,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
         for (int j = 0; j < TILE; ++j) part[r][j] += w[j] * xg[r * k + i];
     }
     float scale[2 * TILE];
-    if constexpr (!HALF) {
-      std::memcpy(scale, rec + code_bytes(BITS), sizeof(scale));
-    } else {
-      const at::Half* half = reinterpret_cast<const at::Half*>(rec + code_bytes(BITS));
-      for (int j = 0; j < 2 * TILE; ++j) scale[j] = static_cast<float>(half[j]);
-    }
+    record_scales<BITS, HALF>(rec, scale);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < TILE; ++j)
         acc[r][j] += part[r][j] * scale[j] + xsum[r * groups + g] * scale[TILE + j];
@@ -146,21 +133,6 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 #endif
 
 template <int BITS, bool HALF>
-void chunk(int64_t r, const uint8_t* rec, int64_t groups, const float* x, int64_t k,
-           const float* xsum, float* out, int64_t n_out, int64_t valid) {
-  switch (r) {
-    case 1: tile_rows<BITS, HALF, 1>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 2: tile_rows<BITS, HALF, 2>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 3: tile_rows<BITS, HALF, 3>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 4: tile_rows<BITS, HALF, 4>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 5: tile_rows<BITS, HALF, 5>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 6: tile_rows<BITS, HALF, 6>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    case 7: tile_rows<BITS, HALF, 7>(rec, groups, x, k, xsum, out, n_out, valid); break;
-    default: tile_rows<BITS, HALF, 8>(rec, groups, x, k, xsum, out, n_out, valid); break;
-  }
-}
-
-template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
   const int64_t groups = k / GROUP;
@@ -168,8 +140,11 @@ void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int6
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
     for (int64_t m = 0; m < rows; m += ROWS)
-      chunk<BITS, HALF>(std::min(ROWS, rows - m), packed + t * tile_bytes, groups, x + m * k,
-                        k, xsum + m * groups, out + m * n + n0, n, valid);
+      with_rows(std::min(ROWS, rows - m), [&](auto r) {
+        tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x + m * k,
+                                                  k, xsum + m * groups, out + m * n + n0, n,
+                                                  valid);
+      });
   }
 }
 

@@ -10,6 +10,12 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace compress_lm {
 
@@ -32,6 +38,48 @@ inline at::Tensor product_rows(const at::Tensor& x, const at::Tensor& packed, in
               name, ": ", packed.numel(), " packed bytes do not hold ", n, " x ", k, " at ",
               bits, " bits");
   return x.reshape({-1, k}).contiguous();
+}
+
+// a record's 16 scales, then its 16 offsets, as float32
+template <int BITS, bool HALF>
+inline void record_scales(const uint8_t* rec, float* out) {
+  if constexpr (!HALF) {
+    std::memcpy(out, rec + code_bytes(BITS), 2 * TILE * sizeof(float));
+  } else {
+    const at::Half* half = reinterpret_cast<const at::Half*>(rec + code_bytes(BITS));
+    for (int j = 0; j < 2 * TILE; ++j) out[j] = static_cast<float>(half[j]);
+  }
+}
+
+#if defined(__AVX512F__)
+// the same, one vector each
+template <int BITS, bool HALF>
+inline void record_scales(const uint8_t* rec, __m512& scale, __m512& offset) {
+  if constexpr (!HALF) {
+    const float* values = reinterpret_cast<const float*>(rec + code_bytes(BITS));
+    scale = _mm512_loadu_ps(values);
+    offset = _mm512_loadu_ps(values + TILE);
+  } else {
+    const __m256i* half = reinterpret_cast<const __m256i*>(rec + code_bytes(BITS));
+    scale = _mm512_cvtph_ps(_mm256_loadu_si256(half));
+    offset = _mm512_cvtph_ps(_mm256_loadu_si256(half + 1));
+  }
+}
+#endif
+
+// f(std::integral_constant<int, R>{}) for R = r, 1..ROWS: a kernel specialized per row count
+template <typename F>
+inline void with_rows(int64_t r, F&& f) {
+  switch (r) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
 }
 
 // x (..., k) times the packed weight with float32 activations (grouped_kernels.cpp)

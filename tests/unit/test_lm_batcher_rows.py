@@ -29,13 +29,15 @@ def model(varied_llama_folder):
 
 def make_batcher(model, sizes=(1, 2, 4), stop: set[int] | None = None,
                  **options) -> lm_batcher.ContinuousBatcher:
-    """A batcher of uncompiled decoders (one per bucket), their caches shared."""
+    """A batcher of uncompiled decoders (one per bucket), their caches shared, its prefill
+    chunks of a fixed size (not sized to the measured step time, which made where rows
+    join depend on the machine's load)."""
     decoders = {rows: StaticDecoder(model, CACHE, always_mask=True) for rows in sizes}
     for n, rows in enumerate(sorted(decoders, reverse=True)):
         decoders[rows].generate([[0]] * rows, 2)
         if n == 0:
             lm_batcher.shared_caches(decoders)
-    return lm_batcher.ContinuousBatcher(decoders, Prefiller(model, CACHE),
+    return lm_batcher.ContinuousBatcher(decoders, Prefiller(model, CACHE, budgeted=False),
                                         stop=stop or set(), **options)
 
 

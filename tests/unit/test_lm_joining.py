@@ -195,7 +195,10 @@ def test_an_exception_mid_answer_ends_it_alone_and_frees_its_row(handler) -> Non
         return answers[0], await steps_until_idle(handler, seen["steps"])
 
     answer, steps = asyncio.run(answer())
-    assert steps <= 3
+    # freed within a few steps of the failure, not after its 200 tokens (the batcher's
+    # thread may run a few more steps than 3 before the handler's cancel lands: CI saw 5
+    # on a loaded machine)
+    assert steps <= 10
     assert answer.endswith("\n") and json.loads(answer)["status"] == 500  # an NDJSON line
 
 

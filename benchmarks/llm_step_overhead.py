@@ -52,8 +52,7 @@ def products_ms(model: torch.nn.Module, repeats: int = 30) -> float:
     table = {id(m) for m in model.get_input_embeddings().modules()}
     kernels = [m for m in model.modules()
                if getattr(m, "packed", None) is not None and id(m) not in table]
-    calls = [(torch.randn(1, _inputs_of(m)), m.packed,
-              sum(m.sizes) if hasattr(m, "sizes") else m.out_features, m.bits, m.half_scales)
+    calls = [(torch.randn(1, m.in_features), m.packed, m.out_features, m.bits, m.half_scales)
              for m in kernels]
     times = []
     for _ in range(repeats):
@@ -62,15 +61,6 @@ def products_ms(model: torch.nn.Module, repeats: int = 30) -> float:
             torch.ops.compress_lm.grouped_mm(*call)
         times.append(time.perf_counter() - began)
     return 1000 * statistics.median(times)
-
-
-def _inputs_of(module: torch.nn.Module) -> int:
-    """A kernel module's input features (a fused group's: its block's hidden size)."""
-    if hasattr(module, "in_features"):
-        return module.in_features
-    rows = sum(module.sizes)  # records: rows/16 tiles x groups x record bytes
-    record = 16 * 32 * module.bits // 8 + 2 * 16 * (2 if module.half_scales else 4)
-    return module.packed.numel() // ((rows + 15) // 16) // record * 32
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,8 +65,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     kernel = [m for m in model.modules()
               if getattr(m, "packed", None) is not None and id(m) not in in_embed]
     # a fused projection's records are its block's group's (serve/causal_lm/fused.py)
+    kernel_ids = {id(m) for m in kernel}
     replaced = {id(t) for m in model.modules()
-                if (m in kernel or getattr(m, "fused", False)) and hasattr(m, "qweight")
+                if (id(m) in kernel_ids or getattr(m, "fused", False)) and hasattr(m, "qweight")
                 for t in (m.qweight, m.scale, m.offset)}
     head = model.get_output_embeddings()
     head_ids = {id(t) for t in (head.state_dict(keep_vars=True).values() if head else [])}

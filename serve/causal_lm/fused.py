@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .grouped import GroupedLinear
+from .grouped import GroupedLinear, grouped_product
 
 # block class -> its projections of the block's input, in the order of their outputs
 BLOCKS = {
@@ -40,6 +40,7 @@ class ProjectionGroup(nn.Module):
         super().__init__()
         first = parts[0]
         self.sizes = [p.out_features for p in parts]
+        self.in_features, self.out_features = first.in_features, sum(self.sizes)
         self.bits, self.half_scales = first.bits, first.half_scales
         self.int8_activations = first.int8_activations
         self.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
@@ -48,9 +49,8 @@ class ProjectionGroup(nn.Module):
         self.register_buffer("bias", torch.cat(biases) if has_bias else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        product = (torch.ops.compress_lm.grouped_mm_int8 if self.int8_activations
-                   else torch.ops.compress_lm.grouped_mm)
-        out = product(x.float(), self.packed, sum(self.sizes), self.bits, self.half_scales)
+        out = grouped_product(self.int8_activations)(x.float(), self.packed, self.out_features,
+                                                     self.bits, self.half_scales)
         if self.bias is not None:
             out = out + self.bias
         return out.split(self.sizes, dim=-1)

@@ -117,10 +117,9 @@ class GroupedLinear(nn.Module):
             out, self.handed = self.handed, None
             return out
         if self.packed is not None:
-            product = (torch.ops.compress_lm.grouped_mm_int8 if self.int8_activations
-                       else torch.ops.compress_lm.grouped_mm)
-            out = product(x.float(), self.packed, self.out_features, self.bits,
-                          self.half_scales)
+            out = grouped_product(self.int8_activations)(x.float(), self.packed,
+                                                         self.out_features, self.bits,
+                                                         self.half_scales)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias
@@ -128,6 +127,12 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bits={self.bits}")
+
+
+def grouped_product(int8_activations: bool) -> Callable[..., torch.Tensor]:
+    """The kernel operator of records: float32 activations, or the opt-in int8 mode's."""
+    return (torch.ops.compress_lm.grouped_mm_int8 if int8_activations
+            else torch.ops.compress_lm.grouped_mm)
 
 
 class GroupedEmbedding(nn.Module):

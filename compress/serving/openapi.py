@@ -22,6 +22,46 @@ STOP = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 64},
                    "items": {"type": "string", "minLength": 1, "maxLength": 64}}]}
 
 
+PART = {"type": "object", "required": ["type", "text"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+CHAT_MESSAGES = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role"],
+    "properties": {"role": {"type": "string",
+                            "enum": ["system", "developer", "user", "assistant", "tool"]},
+                   "content": {"oneOf": [{"type": "string"},
+                                         {"type": "array", "items": PART}]},
+                   "tool_call_id": {"type": "string"}}}}
+SCHEMA = {"type": "object"}  # any JSON schema
+TOOLS = {"type": "array", "maxItems": 4, "items": {
+    "type": "object", "required": ["type", "function"],
+    "properties": {"type": {"type": "string", "enum": ["function"]},
+                   "function": {"type": "object", "required": ["name"], "properties": {
+                       "name": {"type": "string", "minLength": 1, "maxLength": 64},
+                       "description": {"type": "string"}, "parameters": SCHEMA}}}}}
+# OpenAI's options beyond sampling that the routes take
+CHAT_OPTIONS = {
+    "n": {"type": "integer", "minimum": 1, "maximum": 8},
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"type": "string", "enum": ["json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "schema": SCHEMA,
+                "strict": {"type": "boolean"}}}}}]},
+    "tools": TOOLS,
+    "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                              {"type": "object"}]},
+    "parallel_tool_calls": {"type": "boolean"}, "user": {"type": "string"}}
+COMPLETION_OPTIONS = {"n": {"type": "integer", "minimum": 1, "maximum": 8},
+                      "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                      "echo": {"type": "boolean"}, "user": {"type": "string"}}
+
+
 def _sampling(max_new_tokens: int, new_name: str) -> dict[str, Any]:
     return {new_name: {"type": "integer", "minimum": 1, "maximum": max_new_tokens},
             "temperature": {"type": "number", "minimum": 0, "maximum": 10},
@@ -57,12 +97,13 @@ def lm_openapi(model: str, version: str, max_new_tokens: int,
                                                                "max_new_tokens")},
               "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
     chat = {"type": "object", "required": ["messages"],
-            "properties": {"model": {"type": "string"}, "messages": MESSAGES,
-                           **_sampling(max_new_tokens, "max_tokens")}}
+            "properties": {"model": {"type": "string"}, "messages": CHAT_MESSAGES,
+                           **_sampling(max_new_tokens, "max_tokens"), **CHAT_OPTIONS}}
     completion = {"type": "object", "required": ["prompt"],
                   "properties": {"model": {"type": "string"},
                                  "prompt": {"type": "string", "minLength": 1},
-                                 **_sampling(max_new_tokens, "max_tokens")}}
+                                 **_sampling(max_new_tokens, "max_tokens"),
+                                 **COMPLETION_OPTIONS}}
     base = f"/predictions/{model}"
     openai = f"{base}/{version}/v1"
     paths = {base: _post("generate (NDJSON chunks when streamed)", native,

@@ -7,3 +7,12 @@ the libraries of those names). The shared serving modules (`handler_metrics`, `h
 `worker_threads`) lie at the archive's root. Nothing is imported here: `causal_lm.runtime`
 loads without TorchServe.
 """
+
+# the modules an export folder ships (`causal_lm/` beside the weights)
+RUNTIME_MODULES = ("runtime", "decode", "static_cache", "attention", "grouped",
+                   "grouped_kernels", "fused", "speculative", "tensor_parallel", "pipeline",
+                   "pipeline_parallel")
+# the modules an archive adds: the handler, its requests and answers, the continuous batch
+SERVING_MODULES = ("handler", "requests", "replies", "openai", "openai_request", "choices",
+                   "tools", "grammar", "picking", "batcher", "rows", "buckets", "placement",
+                   "prefill", "prefix_cache", "compiled_graphs", "aot_steps")

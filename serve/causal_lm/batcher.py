@@ -29,7 +29,8 @@ import torch
 
 from .attention import attention
 from .buckets import buckets, fitting_groups, rows_of, shared_caches  # noqa: F401 (its API)
-from .decode import StaticDecoder, pick_tokens
+from .decode import StaticDecoder
+from .picking import pick_for_rows
 from .placement import Placement
 from .prefill import Prefiller, PrefillJob
 from .rows import CANCELLED, Emit, QueueFull, Row, send  # noqa: F401 (its API)
@@ -83,6 +84,16 @@ class ContinuousBatcher(Placement):
             self.waiting.append(row)
             self.wake.notify()
         return row
+
+    def submit_all(self, rows: list[Row]) -> list[Row]:
+        """Queue a request's rows together (its `n` choices: admitted at one turn where
+        slots are free, their prompt prefilled once); QueueFull where they do not all fit."""
+        with self.wake:
+            if len(self.waiting) + len(rows) > self.max_waiting:
+                raise QueueFull(len(self.waiting), self._retry_after())
+            for row in rows:
+                self.submit(row)
+        return rows
 
     def _retry_after(self) -> int:
         """Seconds until the queue has likely moved: the tokens still to decode (rows in
@@ -231,9 +242,7 @@ class ContinuousBatcher(Placement):
         row.start = self.cursor - length
         keys, values = self.prefiller.keys_values(job, index)
         self._fill(slot, row.start, keys, values)
-        assert job.logits is not None
-        token = int(pick_tokens(job.logits[index:index + 1], [row.sampling],
-                                [row.generator])[0])
+        (token,) = pick_for_rows(job.row_logits(index), [row])
         self.slots[slot] = row
         self._take(slot, token)
 
@@ -252,8 +261,7 @@ class ContinuousBatcher(Placement):
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - began)
         self.cursor += 1
         self.steps += 1
-        picked = pick_tokens(logits, [r.sampling if r else None for r in rows],
-                             [r.generator if r else None for r in rows]).tolist()
+        picked = pick_for_rows(logits, rows)
         for slot, row in enumerate(rows):
             if row is not None:
                 self._take(slot, picked[slot])

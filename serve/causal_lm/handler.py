@@ -34,7 +34,9 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from . import batcher as lm_batcher
+from . import choices as lm_choices
 from . import compiled_graphs as lm_graphs
+from . import grammar as lm_grammar
 from . import openai as lm_openai
 from . import pipeline as lm_pipeline
 from . import prefill as lm_prefill
@@ -186,37 +188,55 @@ class CausalLMHandler(BaseHandler):
             context.set_response_content_type(i, "application/json")
             return json.dumps(lm_openai.models(self.model_name))
         encode = self.encode if route != lm_openai.COMPLETIONS else self.encode_raw
-        try:  # off the event loop: a body of up to the request limit, a chat template
-            parsed, usage_in_stream = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizing, lm_requests.parse_request, request, route, encode, self.limits)
+        try:  # off the event loop: a body of up to the request limit, a chat template, a
+            # grammar (compiled once a request, its tokenizer view once a worker)
+            parsed, wanted, constraints = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, self._parse, request, route, encode)
         except ValueError as exc:
             return lm_replies.error(context, i, str(exc), 400, openai=route is not None)
         finally:
             request.clear()  # only the parsed request is kept (the engine holds `request`)
-        answer = lm_openai.Answer(route, self.model_name) if route else None
+        answer = (lm_openai.Answer(route, self.model_name, wanted, self.token_text)
+                  if route else None)
         context.set_response_content_type(
             i, (lm_openai.STREAM_TYPE if answer else lm_replies.STREAM_TYPE)
             if parsed.stream else "application/json")
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        sampling = (lm_runtime.Sampling(parsed.temperature, parsed.top_p, parsed.seed)
-                    if parsed.temperature > 0 else None)
+        loop = asyncio.get_running_loop()
+        runs = [lm_choices.row_run(k, parsed, loop, constraints[k], self.lm.tokenizer)
+                for k in range(parsed.n)]
         try:
-            row = self.batcher.submit(lm_batcher.Row(
-                parsed.ids, parsed.max_new_tokens,
-                lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
-                sampling, ignore_eos=parsed.ignore_eos))
+            self.batcher.submit_all([run.row for run in runs])
         except QUEUE_FULL as exc:
             return lm_replies.queue_full(context, i, str(exc), exc.retry_after_s,
                                          openai=answer is not None)
-        stream = lm_requests.TextStream(self.lm.tokenizer, parsed.stop)
         try:
-            return await lm_replies.stream_answer(context, i, self.batcher, row, queue, stream,
-                                                  parsed, answer, usage_in_stream, began)
+            return await lm_choices.answer_rows(context, i, self.batcher, runs, parsed, answer,
+                                                began)
         except Exception as exc:  # noqa: BLE001 (a failed send, say: this request alone)
             return lm_replies.failed(context, i, exc, openai=answer is not None,
-                                     streamed=parsed.stream and stream.sent > 0)
+                                     streamed=parsed.stream and any(r.stream.sent
+                                                                    for r in runs))
         finally:
-            self.batcher.cancel(row)
+            for run in runs:
+                self.batcher.cancel(run.row)
+
+    def _parse(self, request: dict[str, Any], route: str | None, encode) -> tuple[Any, ...]:
+        """(the request parsed, what its OpenAI answer carries, a grammar constraint per
+        choice or Nones). ValueError: a 400."""
+        parsed, wanted = lm_requests.parse_request(request, route, encode, self.limits)
+        if route is None and (parsed.n > 1 or parsed.logprobs is not None):
+            raise ValueError("n and logprobs: on the OpenAI routes (v1/chat/completions, "
+                             "v1/completions)")
+        constraints: list[Any] = [None] * parsed.n
+        if parsed.json_schema is not None:
+            grammar = lm_grammar.json_grammar(parsed.json_schema)
+            constraints = [lm_grammar.Constraint(self.lm.tokenizer, grammar)
+                           for _ in range(parsed.n)]
+        return parsed, wanted, constraints
+
+    def token_text(self, token: int) -> str:
+        """A token's text, as log-probabilities name it."""
+        return self.lm.tokenizer.decode([token])
 
     def encode_raw(self, prompt: str | list[dict[str, str]]) -> list[int]:
         """Token ids of a prompt as it is (OpenAI's completions: no chat template)."""
@@ -235,8 +255,9 @@ class CausalLMHandler(BaseHandler):
                                       f"/predictions/{self.model_name} only")
                 one = lm_requests.parse(lm_requests.read_body(request), self.encode,
                                         self.limits)
-                if one.ignore_eos:  # one stop set a batch here
-                    raise ValueError("ignore_eos: only on a continuous-batching archive")
+                if one.ignore_eos or one.n > 1 or one.logprobs is not None or one.json_schema:
+                    raise ValueError("ignore_eos, n, logprobs and json_schema: only on a "
+                                     "continuous-batching archive")
                 parsed[i] = one
             except (ValueError, LookupError) as exc:
                 results[i] = json.loads(lm_replies.error(context, i, str(exc),

@@ -3,9 +3,11 @@ the routes `v1/chat/completions`, `v1/completions` and `v1/models` under the mod
 prediction URL, so that the `openai` client reaches it with
 `base_url=http://HOST:PORT/predictions/MODEL/VERSION/v1` and the inference token as its key.
 
-A request body becomes the native request of `requests.py` (`native_body`); answers are
-OpenAI's objects, streamed as server-sent events (`data: {chunk}` lines, the last chunk with
-`finish_reason` and `usage`, then `data: [DONE]`); errors are OpenAI error objects.
+A request body becomes the native request of `requests.py` (`openai_request.py`); answers
+are OpenAI's objects (`Answer`), streamed as server-sent events (`data: {chunk}` lines, each
+choice's last chunk with its `finish_reason`, a chunk with empty `choices` and the `usage`
+where `stream_options.include_usage` asks for it, then `data: [DONE]`); errors are OpenAI
+error objects.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-CHAT, COMPLETIONS, MODELS = "v1/chat/completions", "v1/completions", "v1/models"
+from . import tools as lm_tools
+from .openai_request import CHAT, COMPLETIONS, Wanted, native_body  # noqa: F401 (its API)
+
+MODELS = "v1/models"
 ROUTES = (CHAT, COMPLETIONS, MODELS)
 STREAM_TYPE = "text/event-stream"
 DONE = "data: [DONE]\n\n"
-# fields OpenAI's clients send that change nothing here at their default values
-NEUTRAL = {"model": None, "n": 1, "frequency_penalty": 0, "presence_penalty": 0,
-           "logprobs": None, "user": None, "stream_options": None, "echo": False,
-           "best_of": 1, "suffix": None, "parallel_tool_calls": None}
+# a token's log-probability and its rivals', as `picking.py` records them
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 class RouteError(LookupError):
@@ -39,80 +44,134 @@ def route_of(url_path: str | None) -> str | None:
     return path
 
 
-def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """(the `requests.py` body of an OpenAI request, whether usage goes in its stream).
-    Unsupported options raise ValueError (a 400)."""
-    known = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
-             "top_p", "stop", "seed", "ignore_eos", "stream", *NEUTRAL}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ValueError(f"unsupported field {unknown[0]!r}")
-    for name, neutral in NEUTRAL.items():
-        if name not in ("model", "user", "stream_options") and body.get(name) not in (
-                None, neutral):
-            raise ValueError(f"{name}: only {neutral!r} is supported")
-    text = "messages" if route == CHAT else "prompt"
-    if text not in body:
-        raise ValueError(f"{text} is required")
-    native: dict[str, Any] = {text: body[text]}
-    if route == COMPLETIONS and isinstance(body[text], list) and len(body[text]) == 1:
-        native[text] = body[text][0]  # a list of one prompt
-    new = body.get("max_completion_tokens", body.get("max_tokens"))
-    if new is not None:
-        native["max_new_tokens"] = new
-    native["temperature"] = body.get("temperature", 1.0)  # OpenAI's default: sampling
-    for name in ("top_p", "stop", "seed", "ignore_eos"):
-        if body.get(name) is not None:
-            native[name] = body[name]
-    native["stream"] = body.get("stream", False)
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ValueError("stream_options: an object")
-    return native, bool(options.get("include_usage", True))
+@dataclass
+class Choice:
+    """One choice's text as it grows: its tokens' ids and log-probabilities."""
+
+    index: int
+    text: str = ""
+    finish: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    reported: int = 0  # tokens whose log-probabilities went out in a chunk
 
 
 class Answer:
-    """The OpenAI objects of one completion: chunks as the text grows, then the end."""
+    """The OpenAI objects of one request's choices: chunks as the texts grow, then the
+    end. `token_text(id)`: a token's text (its log-probabilities name it)."""
 
-    def __init__(self, route: str, model: str):
+    def __init__(self, route: str, model: str, wanted: Wanted | None = None,
+                 token_text: Callable[[int], str] = str):
         self.route, self.model = route, model
+        self.wanted = wanted or Wanted()
+        self.token_text = token_text
         self.id = ("chatcmpl-" if route == CHAT else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.started = False
+        self.started: set[int] = set()  # choices whose first chunk went out
+
+    @property
+    def holds_text(self) -> bool:
+        """Whether the text is kept until the end (it is JSON read back as tool calls)."""
+        return self.wanted.tools is not None
 
     def _base(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, piece: str) -> str:
-        """One server-sent event carrying `piece` of the text."""
-        if self.route == CHAT:
-            delta = {"content": piece} | ({} if self.started else {"role": "assistant"})
-            choice = {"index": 0, "delta": delta, "finish_reason": None}
-            body = self._base("chat.completion.chunk") | {"choices": [choice]}
-        else:
-            choice = {"index": 0, "text": piece, "finish_reason": None, "logprobs": None}
-            body = self._base("text_completion") | {"choices": [choice]}
-        self.started = True
-        return event(body)
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        kind = "chat.completion.chunk" if self.route == CHAT else "text_completion"
+        return event(self._base(kind) | {"choices": [choice]}
+                     | ({"usage": None} if self.wanted.include_usage else {}))
 
-    def last_chunk(self, finish: str, usage: dict[str, int] | None) -> str:
-        """The final event (empty text, `finish_reason`, `usage`) and `[DONE]`."""
-        if self.route == CHAT:
-            choice = {"index": 0, "delta": {}, "finish_reason": finish}
-            body = self._base("chat.completion.chunk") | {"choices": [choice]}
-        else:
-            choice = {"index": 0, "text": "", "finish_reason": finish, "logprobs": None}
-            body = self._base("text_completion") | {"choices": [choice]}
-        return event(body | ({"usage": usage} if usage else {})) + DONE
+    def chunk(self, choice: Choice, piece: str) -> str:
+        """One server-sent event carrying `piece` of a choice's text (and the
+        log-probabilities of its tokens not yet reported)."""
+        return self._chunk(self._choice(choice, piece, None, streamed=True))
 
-    def whole(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
+    def _choice(self, choice: Choice, piece: str, finish: str | None, streamed: bool,
+                delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        logprobs = self._logprobs(choice, streamed)
+        if self.route == CHAT:
+            if delta is None:
+                delta = {"content": piece} if piece or not streamed else {}
+            if streamed and choice.index not in self.started:
+                delta = {"role": "assistant"} | delta
+            self.started.add(choice.index)
+            key = "delta" if streamed else "message"
+            body = {"index": choice.index, key: delta, "logprobs": logprobs,
+                    "finish_reason": finish}
+            return body
+        text = (self.wanted.echo or "") + piece if not streamed or (
+            choice.index not in self.started) else piece
+        self.started.add(choice.index)
+        return {"index": choice.index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _logprobs(self, choice: Choice, streamed: bool) -> dict[str, Any] | None:
+        if not self.wanted.logprobs:
+            return None
+        first = choice.reported if streamed else 0
+        # the batcher may have recorded tokens this choice has not taken yet: only its own
+        entries = list(zip(choice.tokens[first:], choice.logprobs[first:], strict=False))
+        choice.reported = first + len(entries)
+        if self.route == CHAT:
+            return {"content": [self._token(t, lp) | {"top_logprobs": [
+                self._token(r, rlp) for r, rlp in rivals]} for t, (lp, rivals) in entries],
+                    "refusal": None}
+        texts = [self.token_text(t) for t, _ in entries]
+        offsets, at = [], len(self.wanted.echo or "")
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in entries],
+                "top_logprobs": [{self.token_text(r): rlp for r, rlp in rivals}
+                                 for _, (_, rivals) in entries],
+                "text_offset": offsets}
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def last_chunks(self, choice: Choice, held: str) -> str:
+        """A choice's last events: what the text held back (`held`; with tools, all of it,
+        read back as tool calls), then its `finish_reason`."""
+        events = ""
+        if self.route == CHAT and self.holds_text:
+            calls, content = lm_tools.called(choice.text)
+            if calls is not None:
+                for k, call in enumerate(calls):
+                    events += self._chunk(self._choice(choice, "", None, True, {
+                        "tool_calls": [{"index": k} | call]}))
+                choice.finish = "tool_calls"
+            elif content:
+                events += self._chunk(self._choice(choice, content, None, True))
+        elif held:
+            events += self._chunk(self._choice(choice, held, None, True))
+        return events + self._chunk(self._choice(choice, "", choice.finish, True, {}))
+
+    def end(self, usage: dict[str, int]) -> str:
+        """A stream's end: the usage chunk (where asked for), then `[DONE]`."""
+        if not self.wanted.include_usage:
+            return DONE
+        kind = "chat.completion.chunk" if self.route == CHAT else "text_completion"
+        return event(self._base(kind) | {"choices": [], "usage": usage}) + DONE
+
+    def whole(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         """The non-streamed answer."""
-        if self.route == CHAT:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            return self._base("chat.completion") | {"choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        return self._base("text_completion") | {"choices": [choice], "usage": usage}
+        bodies = []
+        for choice in choices:
+            if self.route != CHAT:
+                bodies.append(self._choice(choice, choice.text, choice.finish, False))
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            if self.holds_text:
+                calls, content = lm_tools.called(choice.text)
+                message["content"] = None if calls is not None else content
+                if calls is not None:
+                    message["tool_calls"] = calls
+                    choice.finish = "tool_calls"
+            bodies.append(self._choice(choice, "", choice.finish, False, message))
+        kind = "chat.completion" if self.route == CHAT else "text_completion"
+        return self._base(kind) | {"choices": bodies, "usage": usage}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

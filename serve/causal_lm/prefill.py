@@ -43,10 +43,17 @@ class PrefillJob:
     """Rows being prefilled together: their prompts left-padded to one length."""
 
     rows: list[Row]
-    ids: torch.Tensor  # rows x length
-    pads: list[int]
+    ids: torch.Tensor  # prompts x length: rows with the same prompt share one
+    pads: list[int]  # per prompt
+    source: list[int]  # per row: its prompt's index (its slot in the prefill's cache)
     done: int = 0  # positions written so far
-    logits: torch.Tensor | None = None  # the last position's, once done
+    logits: torch.Tensor | None = None  # the last position's, per prompt, once done
+
+    def row_logits(self, index: int) -> torch.Tensor:
+        """Row `index`'s logits (1 x vocab), a copy (the batcher masks them in place)."""
+        assert self.logits is not None
+        slot = self.source[index]
+        return self.logits[slot:slot + 1].clone()
 
     @property
     def length(self) -> int:
@@ -92,16 +99,21 @@ class Prefiller:
         nothing is cached."""
         with attention(self.model, decode_attention_for(self.model)):  # the batcher's
             for rows in (2, 1):
-                job = self.start([Row([0, 0, 0], 1, lambda token, end: None)] * rows)
+                job = self.start([Row([0, 0, k], 1, lambda token, end: None)
+                                  for k in range(rows)])
                 self.step(job, whole=True)
         self.position_s.clear()  # a compiling warm-up says nothing of a chunk's time
 
     def start(self, rows: list[Row]) -> PrefillJob:
-        """A job for `rows`, with the positions their prompts share with cached ones filled."""
-        ids, _, pads = left_pad([r.ids for r in rows])
-        job = PrefillJob(rows, ids, pads.tolist())
-        cache = self._cache(len(rows))
-        hits = [self.prefix_cache.lookup(r.ids) if self.prefix_cache else None for r in rows]
+        """A job for `rows`, with the positions their prompts share with cached ones filled;
+        rows with the same prompt (a request's `n` choices) are prefilled once."""
+        prompts: dict[tuple[int, ...], int] = {}
+        source = [prompts.setdefault(tuple(r.ids), len(prompts)) for r in rows]
+        ids, _, pads = left_pad([list(p) for p in prompts])
+        job = PrefillJob(rows, ids, pads.tolist(), source)
+        cache = self._cache(len(prompts))
+        hits = [self.prefix_cache.lookup(list(p)) if self.prefix_cache else None
+                for p in prompts]
         for slot, (hit, pad) in enumerate(zip(hits, job.pads, strict=True)):
             if hit is not None:
                 for layer, keys, values in zip(cache.layers, hit.keys, hit.values, strict=True):
@@ -124,7 +136,7 @@ class Prefiller:
         """Prefill the job's next chunk (`whole`: every position left, where no row is
         waiting for a decode step; else about `budget_s` of work where given: a running
         row's gap between two tokens grows by that much, not by a whole chunk's time)."""
-        rows = len(job.rows)
+        rows = job.ids.shape[0]
         end = job.length if whole else min(job.length,
                                            job.done + self.chunk_for(rows, budget_s))
         if end - job.done < 2 <= job.length:  # positions already written are written again:
@@ -158,14 +170,18 @@ class Prefiller:
         self.position_s[rows] = 0.5 * (self.position_s.get(rows, spent) + spent)
         job.done = end
         if job.finished and self.prefix_cache is not None:
-            for slot, row in enumerate(job.rows):
-                keys, values = self.keys_values(job, slot)
-                self.prefix_cache.store(row.ids, [k[0] for k in keys], [v[0] for v in values])
+            for index, row in enumerate(job.rows):
+                if job.source.index(job.source[index]) == index:  # a prompt's first row
+                    keys, values = self.keys_values(job, index)
+                    self.prefix_cache.store(row.ids, [k[0] for k in keys],
+                                            [v[0] for v in values])
 
     def keys_values(self, job: PrefillJob, slot: int
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A finished row's keys and values, per layer 1 x heads x prompt x dim (views)."""
-        pad, cache = job.pads[slot], self.caches[len(job.rows)]
+        """A finished row's keys and values (row `slot` of the job's rows), per layer
+        1 x heads x prompt x dim (views)."""
+        slot = job.source[slot]
+        pad, cache = job.pads[slot], self.caches[job.ids.shape[0]]
         return ([layer.keys[slot:slot + 1, :, pad:job.length] for layer in cache.layers],
                 [layer.values[slot:slot + 1, :, pad:job.length] for layer in cache.layers])
 

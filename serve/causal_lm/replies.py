@@ -1,6 +1,6 @@
 """How a served causal LM's answers leave its handler: each streamed chunk sent for one
-request alone, the error answers, and the bodies of compress's own NDJSON answers or of
-OpenAI's (through `lm_openai.Answer`).
+request alone, the error answers, and the bodies of compress's own NDJSON answers (OpenAI's
+are `lm_openai.Answer`'s; `choices.py` follows a request's rows to them).
 
 Shipped in the causal-LM TorchServe archive beside `handler.py` (which may define only
 one class); imports no compress code. A native streamed answer is NDJSON: `{"delta": text,
@@ -21,13 +21,11 @@ import asyncio
 import json
 import logging
 import threading
-import time
 from typing import Any
 
 from ts.handler_utils.utils import send_intermediate_predict_response
 
 from . import openai as lm_openai
-from . import requests as lm_requests
 
 try:  # inside the archive the shared modules lie at its root, beside the `causal_lm` package
     from handler_metrics import record
@@ -115,61 +113,3 @@ def native_answer(text: str, prompt_tokens: int, completion_tokens: int,
     return {"text": text, "usage": {"prompt_tokens": prompt_tokens,
                                     "completion_tokens": completion_tokens},
             "finish_reason": finish}
-
-
-def chunk(answer: lm_openai.Answer | None, piece: str, tokens: int) -> str:
-    """A streamed piece of the text: OpenAI's server-sent event on its routes (`answer`),
-    else a native NDJSON line."""
-    return answer.chunk(piece) if answer else native_chunk(piece, tokens)
-
-
-def last(answer: lm_openai.Answer | None, text: str, prompt_tokens: int,
-         completion_tokens: int, finish: str, stream: bool, usage_in_stream: bool) -> str:
-    """A request's last answer: the native NDJSON line, or on OpenAI's routes (`answer`) the
-    final event of a stream (with `usage` when the request asked for it) or the whole
-    completion."""
-    if answer is None:
-        return json.dumps(native_answer(text, prompt_tokens, completion_tokens, finish)) + "\n"
-    usage = lm_openai.usage(prompt_tokens, completion_tokens)
-    if stream:
-        return answer.last_chunk(finish, usage if usage_in_stream else None)
-    return json.dumps(answer.whole(text, finish, usage))
-
-
-async def stream_answer(context, i: int, batcher: Any, row: Any, queue: asyncio.Queue,
-                        stream: lm_requests.TextStream, parsed: lm_requests.GenerationRequest,
-                        answer: lm_openai.Answer | None, usage_in_stream: bool,
-                        began: float) -> str:
-    """Request `i`'s answer from the `(token, end)` pairs its `row` of `batcher` puts in
-    `queue`: each new piece of text sent as it comes (if it streams), then its last answer;
-    what was held back for a stop string that never came is sent before it, so the deltas
-    add up to the text. A stop string lets the row go (`batcher.cancel`)."""
-    while True:
-        token, end = await queue.get()
-        if token is None:
-            finish = end or "stop"
-            break
-        if stream.stopped:
-            continue
-        if len(stream.tokens) == 0:
-            busy = batcher.busy()
-            context.set_response_header(i, BATCH_HEADER, str(busy))
-            record(context, "CompressBatchRows", busy)
-            record(context, "CompressQueueTime", 1000 * (row.admitted - began))
-            record(context, "CompressTimeToFirstToken", 1000 * (time.perf_counter() - began))
-        piece = stream.add(token)
-        if stream.stopped:
-            batcher.cancel(row)
-        if piece and parsed.stream:
-            send(context, i, chunk(answer, piece, len(stream.tokens)))
-    record(context, "CompressGeneratedTokens", len(stream.tokens))
-    if finish.startswith("error"):
-        return error(context, i, finish, 500, openai=answer is not None,
-                     streamed=parsed.stream and stream.sent > 0)
-    # "cancelled": the batcher's end of a row that a stop string let go
-    finish = "stop" if stream.stopped or finish not in ("length", "stop") else finish
-    piece = stream.flush()
-    if piece and parsed.stream:
-        send(context, i, chunk(answer, piece, len(stream.tokens)))
-    return last(answer, stream.text, len(parsed.ids), len(stream.tokens), finish,
-                parsed.stream, usage_in_stream)

@@ -8,7 +8,9 @@ tokenizer's chat template), and optionally `max_new_tokens`, `temperature` (0: g
 `top_p`, `stop` (strings that end the text, not included), `seed` (for sampling),
 `ignore_eos` (true: the end token does not end the text, as vLLM's and llama-server's
 option; on continuous-batching archives) and `stream` (default true: the text comes in
-NDJSON chunks as it is generated).
+NDJSON chunks as it is generated). On continuous-batching archives also `n` (answers that
+share one prefill), `logprobs` (0-20: each token's log-probability and that many likeliest
+rivals) and `json_schema` (the answer is JSON valid against it: `grammar.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import openai as lm_openai
+from . import openai_request as lm_openai_request
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "stop", "seed",
-          "ignore_eos", "stream")
+          "ignore_eos", "stream", "n", "logprobs", "json_schema")
+MAX_CHOICES = 8  # `n`: answers to one prompt, each a row of the batch
+MAX_LOGPROBS = 20  # `logprobs`: rivals reported per token
 MAX_STOPS = 8
 MAX_STOP_CHARS = 64  # bounds the text a stop check looks at on every token
 MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow to inf and sampling fails
@@ -50,6 +54,9 @@ class GenerationRequest:
     seed: int | None = None
     stream: bool = True
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 def read_body(request: dict[str, Any]) -> dict[str, Any]:
@@ -74,15 +81,15 @@ def read_body(request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def parse_request(request: dict[str, Any], route: str | None, encode,
-                  limits: Limits) -> tuple[GenerationRequest, bool]:
-    """(a TorchServe request parsed, whether usage goes in its stream): the native API, or
-    OpenAI's `route` (lm_openai). ValueError: a 400 that says why."""
+def parse_request(request: dict[str, Any], route: str | None, encode, limits: Limits
+                  ) -> tuple[GenerationRequest, lm_openai_request.Wanted | None]:
+    """(a TorchServe request parsed, what its OpenAI answer carries beyond the text: None
+    on the native API), on OpenAI's `route` where given. ValueError: a 400 that says why."""
     body = read_body(request)
     if route is None:
-        return parse(body, encode, limits), True
-    body, usage_in_stream = lm_openai.native_body(route, body)
-    return parse(body, encode, limits), usage_in_stream
+        return parse(body, encode, limits), None
+    body, wanted = lm_openai_request.native_body(route, body)
+    return parse(body, encode, limits), wanted
 
 
 def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
@@ -124,6 +131,13 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
     for name, default in (("stream", True), ("ignore_eos", False)):
         if not isinstance(body.get(name, default), bool):
             raise ValueError(f"{name}: true or false")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _number(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+    schema = body.get("json_schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError("json_schema: a JSON schema (an object)")
     chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise ValueError(f"prompt too long: {chars} characters cannot fit the context of "
@@ -133,7 +147,8 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
         raise ValueError(f"prompt too long: {len(ids)} tokens + max_new_tokens {new} exceed "
                          f"the context of {limits.cache_len} tokens")
     return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
-                             seed, body.get("stream", True), body.get("ignore_eos", False))
+                             seed, body.get("stream", True), body.get("ignore_eos", False),
+                             int(n), logprobs, schema)
 
 
 def prompt_chars_bound(tokenizer: Any, cache_len: int) -> int:

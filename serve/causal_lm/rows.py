@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,10 @@ class Row:
     queued: int = 0  # the batcher's step count when it was submitted
     ended: bool = False  # its end was emitted
     ignore_eos: bool = False  # an end token does not end it
+    constraint: Any = None  # a `grammar.Constraint`: its tokens follow a grammar
+    logprobs: int | None = None  # record each token's log-probability and this many rivals
+    # per token, where `logprobs` is set: (its log-probability, [(rival id, its log-prob)])
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 def send(row: Row, token: int | None, end: str | None) -> bool:

@@ -146,7 +146,8 @@ def test_the_openai_client_streams_the_offline_text_and_gets_its_own_errors(
     messages = [{"role": "user", "content": PROMPTS[0]}]
     pieces, finish, usage = [], None, None
     for chunk in client.chat.completions.create(model="tiny_lm", messages=messages,
-                                                max_tokens=24, temperature=0, stream=True):
+                                                max_tokens=24, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
         if chunk.choices:
             pieces.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+import serve.causal_lm as causal_lm_code
 from compress.recipe.options import CalibrationOptions, StageName, StrictModel
 from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register
@@ -199,7 +200,6 @@ SPEC = register(StageSpec(
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
     check_task=_check_task,
-    runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
-        "runtime", "decode", "static_cache", "attention", "grouped", "grouped_kernels", "fused",
-        "tensor_parallel", "pipeline", "pipeline_parallel"))},
+    runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}"
+                                    for m in causal_lm_code.RUNTIME_MODULES)},
 ))

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+import serve.causal_lm as causal_lm_code
 from compress.recipe.options import StageName, StrictModel
 from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register, spec_of
@@ -179,8 +180,5 @@ SPEC = register(StageSpec(
                                            + stages_fit_the_config(recipe, i, config)),
     check_task=_check_task,
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
-        "handler", "requests", "replies", "openai", "batcher", "rows", "buckets", "placement",
-        "prefill", "prefix_cache", "compiled_graphs", "aot_steps", "runtime", "decode",
-        "static_cache", "attention", "grouped", "grouped_kernels", "fused", "tensor_parallel",
-        "pipeline", "pipeline_parallel"))},
+        *causal_lm_code.SERVING_MODULES, *causal_lm_code.RUNTIME_MODULES))},
 ))

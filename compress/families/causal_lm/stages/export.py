@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import serve.causal_lm as causal_lm_code
 from compress.errors import ParityError
 from compress.families.causal_lm.folder import save_lm
 from compress.families.causal_lm.model import greedy_agreement
@@ -34,9 +35,7 @@ from serve.causal_lm import grouped_kernels
 from serve.causal_lm import runtime as lm_runtime
 
 PACKAGE = Path(lm_runtime.__file__).parent  # serve/causal_lm: `causal_lm/` in the folder
-RUNTIME_MODULES = ("__init__", "runtime", "decode", "static_cache", "attention", "grouped",
-                   "grouped_kernels", "fused", "speculative", "tensor_parallel", "pipeline",
-                   "pipeline_parallel")
+RUNTIME_MODULES = ("__init__", *causal_lm_code.RUNTIME_MODULES)
 RUNTIME_FILES = (*(PACKAGE / f"{name}.py" for name in RUNTIME_MODULES), *grouped_kernels.SOURCES)
 PARITY_BATCH = 8
 

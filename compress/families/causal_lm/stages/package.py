@@ -18,6 +18,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import serve.causal_lm as causal_lm_code
 from compress.errors import CompressError
 from compress.recipe.kinds.package import PackageConfig, lm_new_tokens
 from compress.serving.archive import SERVE
@@ -29,9 +30,7 @@ from serve.worker_threads import worker_threads
 
 PACKAGE = SERVE / "causal_lm"  # `causal_lm/` in the archive
 LM_MODULES = tuple(PACKAGE / f"{name}.py"  # the handler's, added to the export's package
-                   for name in ("handler", "requests", "replies", "openai", "batcher",
-                                "rows", "buckets", "placement", "prefill", "prefix_cache",
-                                "compiled_graphs", "aot_steps"))
+                   for name in causal_lm_code.SERVING_MODULES)
 ENTRY = "generation_handler.py"
 ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):
 TorchServe and LitServe import it by its file name and take the one class defined in it."""

@@ -38,7 +38,6 @@ from .rows import CANCELLED, Emit, QueueFull, Row, send  # noqa: F401 (its API)
 logger = logging.getLogger(__name__)
 
 
-
 class ContinuousBatcher(Placement):
     """Decodes the rows of every submitted request on one thread, admitting new ones
     between steps. `decoders`: one per bucket size (compiled and warmed up), their caches
@@ -70,29 +69,26 @@ class ContinuousBatcher(Placement):
 
     def submit(self, row: Row) -> Row:
         """Queue a request; its tokens go to `row.emit` from the batcher's thread."""
-        if len(row.ids) + row.max_new_tokens > self.cache_len:
-            raise ValueError(f"prompt of {len(row.ids)} tokens + {row.max_new_tokens} new "
-                             f"exceeds the cache of {self.cache_len}")
-        if row.sampling is not None and row.sampling.temperature <= 0:
-            row.sampling = None  # greedy
-        if row.sampling is not None and row.sampling.seed is not None:
-            row.generator = torch.Generator().manual_seed(row.sampling.seed)
-        with self.wake:
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(len(self.waiting), self._retry_after())
-            row.queued = self.steps
-            self.waiting.append(row)
-            self.wake.notify()
-        return row
+        return self.submit_all([row])[0]
 
     def submit_all(self, rows: list[Row]) -> list[Row]:
         """Queue a request's rows together (its `n` choices: admitted at one turn where
         slots are free, their prompt prefilled once); QueueFull where they do not all fit."""
+        for row in rows:
+            if len(row.ids) + row.max_new_tokens > self.cache_len:
+                raise ValueError(f"prompt of {len(row.ids)} tokens + {row.max_new_tokens} new "
+                                 f"exceeds the cache of {self.cache_len}")
+            how = row.sampling if row.sampling and row.sampling.temperature > 0 else None
+            row.sampling = how  # None: greedy
+            if how is not None and how.seed is not None:
+                row.generator = torch.Generator().manual_seed(how.seed)
         with self.wake:
             if len(self.waiting) + len(rows) > self.max_waiting:
                 raise QueueFull(len(self.waiting), self._retry_after())
             for row in rows:
-                self.submit(row)
+                row.queued = self.steps
+                self.waiting.append(row)
+            self.wake.notify()
         return rows
 
     def _retry_after(self) -> int:

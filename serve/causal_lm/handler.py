@@ -1,23 +1,17 @@
-"""compress's TorchServe handler for causal LMs: one batched decode per TorchServe batch,
-every request's tokens streamed as they are produced.
+"""compress's TorchServe handler for causal LMs: each request joins the continuous batch
+(`batcher.py`; `choices.py` follows its rows to the answer), or, on a parallel worker, one
+batched decode per TorchServe batch; every request's tokens streamed as they are produced.
 
-Packed into a causal-LM `.mar` by the package stage with `runtime.py` (loading and the
-static-cache decoder), `requests.py` (parsing, streamed text) and `replies.py` (the
-answers it sends); imports nothing from compress. `model-config.yaml`'s `handler:` section
-holds threads, max_new_tokens, default_new_tokens, cache_len, compile, chat_template, and
-with continuous batching rows and max_waiting (past it a request gets 503 + Retry-After).
-
-Requests (see lm_requests): `{"prompt": "..."}` or `{"messages": [...]}` with optional
-`max_new_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`. A streamed answer is
-NDJSON: TorchServe intermediate responses `{"delta": text, "tokens": n}` as the text grows,
-then `{"text", "usage": {"prompt_tokens", "completion_tokens"}, "finish_reason"}` ("stop":
-an end token or a stop string; "length": max_new_tokens). A bad request gets a 400 for it
-alone; every answer carries `X-Batch-Size`. The rows of a batch are left-padded into one
-decode over a static KV cache of `cache_len` positions (a batch whose longest prompt plus
-largest max_new_tokens would not fit is decoded in parts), run at the next bucket size
-(1, 2, 4, ... up to batchSize) so each bucket compiles once, as the worker starts.
+Packed into a causal-LM `.mar` by the package stage with the modules of
+`causal_lm.SERVING_MODULES`; imports nothing from compress. `model-config.yaml`'s
+`handler:` section holds threads, max_new_tokens, default_new_tokens, cache_len, compile,
+chat_template, and with continuous batching rows and max_waiting (past it a request gets
+503 + Retry-After). Requests and answers: `requests.py` (native NDJSON), `openai.py`
+(OpenAI's routes). A bad request gets a 400 for it alone; every answer carries
+`X-Batch-Size`. On the batch path the rows of a batch are left-padded into one decode at
+the next bucket size (1, 2, 4, ... up to batchSize), each compiled once as the worker
+starts.
 """
-
 from __future__ import annotations
 
 import asyncio

@@ -7,8 +7,8 @@ and prefiller (serve/causal_lm), compiled as a worker compiles them:
     COMPRESS_DATA_DIR=../shared/data python benchmarks/llm_structured.py
 
 Per round (alternating which batch goes first): the aggregate decode tok/s over the first
-`--steps` steps where all 8 rows decode, and the time the grammar row's mask and advance take a token. The
-constrained answers are checked valid against the schema. Prints a table and, with
+`--steps` steps where all 8 rows decode, and the time the grammar row's mask and advance
+take a token. The constrained answers are checked valid against the schema. Prints a table and, with
 `--write`, writes benchmarks/results/llm_structured.md.
 """
 

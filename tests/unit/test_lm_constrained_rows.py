@@ -20,8 +20,8 @@ jsonschema_rs = pytest.importorskip("jsonschema_rs")
 pytest.importorskip("llguidance")
 
 SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"], "additionalProperties": False}
+    "name": {"type": "string", "maxLength": 8},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ pytest.importorskip("llguidance")
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
-    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"], "additionalProperties": False}
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+    "required": ["name", "n", "ok"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")

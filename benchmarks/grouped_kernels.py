@@ -4,11 +4,16 @@ projection), at 8 and 4 bits, for 1, 2, 8 and 128 activation rows; per shape the
 time and the GB/s of the records it reads; per row count the step's total, its GB/s and
 GFLOP/s (or GOP/s). Random codes, float16 scales, as a GGUF's groups give them. With
 `--activations int8`, the opt-in mode's product (`grouped_mm_int8`: activations rounded to
-int8 per group of 32, VNNI integer products) instead of the float32 one.
+int8 per group of 32, VNNI integer products) instead of the float32 one; with `--activations
+bf16`, the other opt-in mode's (`grouped_mm_bf16`: activations rounded to bfloat16,
+AVX512-BF16's vdpbf16ps; the float32 product where the build lacks it). With `--peak`, each
+step's GFLOP/s also as a share of this CPU's measured peak for its arithmetic
+(`cpu_peak.py`: float32 FMA for float32, vdpbf16ps for bf16).
 
     python benchmarks/grouped_kernels.py            # about a minute
     python benchmarks/grouped_kernels.py --rows 1 --repeats 50
     python benchmarks/grouped_kernels.py --rows 8,128 --activations int8
+    python benchmarks/grouped_kernels.py --rows 8,128 --activations bf16 --peak
 """
 
 from __future__ import annotations
@@ -23,8 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available  # noqa: E402
+from serve.causal_lm.grouped_kernels import (  # noqa: E402
+    bf16_native,
+    build_error,
+    grouped_mm_available,
+)
 
+PRODUCTS = {"float32": "grouped_mm", "int8": "grouped_mm_int8", "bf16": "grouped_mm_bf16"}
 # (out, in, calls a step) of SmolLM2-135M: q, k, v, o, gate, up, down per layer; the head
 SHAPES = ((576, 576, 60), (192, 576, 60), (1536, 576, 60), (576, 1536, 30), (49152, 576, 1))
 
@@ -53,16 +63,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,8,128", help="activation rows (1,2,8,128)")
     parser.add_argument("--repeats", type=int, default=30, help="timings a shape (30)")
-    parser.add_argument("--activations", choices=("float32", "int8"), default="float32",
-                        help="the product: float32 activations (grouped_mm), or int8 "
-                             "(grouped_mm_int8)")
+    parser.add_argument("--activations", choices=tuple(PRODUCTS), default="float32",
+                        help="the product: float32 activations (grouped_mm), int8 "
+                             "(grouped_mm_int8) or bf16 (grouped_mm_bf16)")
+    parser.add_argument("--peak", action="store_true",
+                        help="also each step's share of the measured float32 / bf16 peak")
     args = parser.parse_args(argv)
-    product = "grouped_mm" if args.activations == "float32" else "grouped_mm_int8"
+    product = PRODUCTS[args.activations]
     if not grouped_mm_available():
         print(f"error: the kernel could not be built: {build_error()}", file=sys.stderr)
         return 1
-    print(f"threads {torch.get_num_threads()}; {args.activations} activations; shapes: "
-          "(out, in, calls a step)")
+    native = "" if args.activations != "bf16" or bf16_native() else \
+        " (built without AVX512-BF16: the float32 product)"
+    print(f"threads {torch.get_num_threads()}; {args.activations} activations{native}; "
+          "shapes: (out, in, calls a step)")
+    peak = None
+    if args.peak and args.activations != "int8":
+        from cpu_peak import peaks
+
+        found = peaks()
+        peak = found["bf16" if args.activations == "bf16" and native == "" else "fp32"]
+        print(f"peak: float32 FMA {found['fp32']:.1f} GFLOP/s, vdpbf16ps "
+              f"{found['bf16'] or 0:.1f} GFLOP/s (0: no AVX512-BF16)")
     for bits in (8, 4):
         weights = {}
         for out, inputs, _ in SHAPES:  # ~64 MB of copies a shape: past the caches
@@ -84,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{seconds * 1e6:9.1f} us  {size / seconds / 1e9:5.1f} GB/s")
             print(f"bits {bits} rows {rows:>3} step {total_s * 1e3:7.2f} ms  "
                   f"{total_bytes / total_s / 1e9:5.1f} GB/s  {flops / total_s / 1e9:6.1f} GFLOP/s"
-                  f"  {rows / total_s:6.0f} rows/s")
+                  f"  {rows / total_s:6.0f} rows/s"
+                  + (f"  {flops / total_s / 1e9 / peak:4.0%} of peak" if peak else ""))
     return 0
 
 

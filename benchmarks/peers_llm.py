@@ -47,7 +47,8 @@ CHILD = Path(__file__).resolve().with_name("peers_llm_child.py")
 DEFAULT_MARKDOWN = REPO / "benchmarks" / "results" / "peers_llm.md"
 LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int4_grouped",
           "int4": "int4_weight_only", "int8_grouped_a8": "int8_grouped_a8",
-          "int4_grouped_a8": "int4_grouped_a8"}  # _a8: the opt-in int8-activation mode
+          "int4_grouped_a8": "int4_grouped_a8", "int8_grouped_bf16": "int8_grouped_bf16",
+          "int4_grouped_bf16": "int4_grouped_bf16"}  # _a8, _bf16: the opt-in activation modes
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
 MAX_LENGTH = 256  # perplexity's truncation (compress.families.causal_lm.model.perplexity)
 

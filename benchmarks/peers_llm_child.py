@@ -6,7 +6,8 @@ llama environment's Python.)
 Two modes:
 - "compress": SmolLM2 loaded from the GGUF (`load_causal_lm`, dequantized to float32) or a
   stage's folder (`load_folder`), a weight scheme applied as the quantize stage does it
-  (as benchmarks/llm_decode.py does; a `_a8` variant in the opt-in int8-activation mode),
+  (as benchmarks/llm_decode.py does; a `_a8` / `_bf16` variant in the opt-in int8- / bf16-
+  activation mode),
   `StaticDecoder` compiled (or, with `step` "aoti", decoding through AOTInductor packages
   exported into `aoti_dir` once, as the package stage ships them), the prefill compiled as a
   served worker's (`ttft_ms`); then perplexity and greedy
@@ -39,9 +40,11 @@ from compress.families.causal_lm.stages.quantize import activation_dtype
 from serve.causal_lm.runtime import DTYPES, load_folder
 
 FLOAT, INT4 = "float", "int4_weight_only"
-A8 = "_a8"  # a grouped scheme's variant in the int8-activation mode
-VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4, f"int8_grouped{A8}",
-            f"int4_grouped{A8}")  # compress's rows: float, schemes
+# a grouped scheme's variants in the opt-in activation modes: suffix -> mode
+MODES = {"_a8": "int8", "_bf16": "bf16"}
+VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4,
+            *(f"{scheme}{suffix}" for suffix in MODES
+              for scheme in ("int8_grouped", "int4_grouped")))  # compress's rows
 TRIAD_FLOATS = 1 << 25  # 128 MiB an array, three arrays: far past any L3
 
 
@@ -93,12 +96,13 @@ def load_variant(source: str, variant: str) -> tuple[nn.Module, Any]:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
     lm = load_causal_lm(source)
-    scheme = variant.removesuffix(A8)
+    suffix = next((s for s in MODES if variant.endswith(s)), "")
+    scheme = variant.removesuffix(suffix)
     if variant != FLOAT:
         dtype = DTYPES[activation_dtype("auto", scheme)]
         for parameter in lm.model.parameters():
             parameter.data = parameter.data.to(dtype)
-        quantize_weights(lm.model, scheme, int8_activations=variant.endswith(A8))
+        quantize_weights(lm.model, scheme, activations=MODES.get(suffix, "float32"))
     return lm.model, lm.tokenizer
 
 

@@ -24,7 +24,9 @@ PAIRS = {"compress int8_grouped": ("llama.cpp Q8_0",),
          "compress int4_grouped": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
          "compress int4": ("llama.cpp Q4_1",),
          "compress int8_grouped_a8": ("llama.cpp Q8_0",),
-         "compress int4_grouped_a8": ("llama.cpp Q4_0", "llama.cpp Q4_1")}
+         "compress int4_grouped_a8": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
+         "compress int8_grouped_bf16": ("llama.cpp Q8_0",),
+         "compress int4_grouped_bf16": ("llama.cpp Q4_0", "llama.cpp Q4_1")}
 MEASURED = ("tok_s_", "ttft_ms", "load_s")  # figures that vary by round: medians
 
 # (heading, key of a row, decimals)

@@ -42,15 +42,15 @@ class ProjectionGroup(nn.Module):
         self.sizes = [p.out_features for p in parts]
         self.in_features, self.out_features = first.in_features, sum(self.sizes)
         self.bits, self.half_scales = first.bits, first.half_scales
-        self.int8_activations = first.int8_activations
+        self.activations = first.activations
         self.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
         biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
         has_bias = any(p.bias is not None for p in parts)
         self.register_buffer("bias", torch.cat(biases) if has_bias else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = grouped_product(self.int8_activations)(x.float(), self.packed, self.out_features,
-                                                     self.bits, self.half_scales)
+        out = grouped_product(self.activations)(x.float(), self.packed, self.out_features,
+                                                self.bits, self.half_scales)
         if self.bias is not None:
             out = out + self.bias
         return out.split(self.sizes, dim=-1)
@@ -64,7 +64,7 @@ def _fusable(parts: list[Any]) -> bool:
     first = parts[0]
     return all(p.in_features == first.in_features and p.bits == first.bits
                and p.half_scales == first.half_scales
-               and p.int8_activations == first.int8_activations
+               and p.activations == first.activations
                and p.out_features % TILE == 0 for p in parts)
 
 

@@ -33,6 +33,8 @@ from .grouped_kernels import GROUP, grouped_mm_available
 
 BITS = {"int8_grouped": 8, "int4_grouped": 4}  # scheme: bits per code
 SCHEMES = tuple(BITS)
+# activation modes: the exact float32 product, and the opt-in int8 and bf16 ones (`forward`)
+ACTIVATIONS = ("float32", "int8", "bf16")
 
 
 class GroupedLinear(nn.Module):
@@ -61,7 +63,7 @@ class GroupedLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
         self.half_scales = False  # whether `packed` holds float16 scales and offsets
-        self.int8_activations = False  # the opt-in mode: see `forward`
+        self.activations = "float32"  # one of ACTIVATIONS: see `forward`
         self.fused = False  # its records are in its block's ProjectionGroup (`fused.py`)
         self.handed: torch.Tensor | None = None  # its output, handed over by that group
 
@@ -109,17 +111,18 @@ class GroupedLinear(nn.Module):
         return dequantize_groups(self.codes(), self.scale, self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T (+ bias) in float32; with `int8_activations` (the opt-in mode
-        `activations: int8`), x of two rows or more is first rounded to int8 per group of
-        32, as llama.cpp's Q8_0 blocks are (`grouped_int8_activations.cpp`). A fused
-        projection returns what its block's group handed it (`fused.py`)."""
+        """x @ weight^T (+ bias) in float32. In the opt-in modes (`activations`), x of two
+        rows or more is first rounded: "int8" to int8 per group of 32, as llama.cpp's Q8_0
+        blocks are (`grouped_int8_activations.cpp`), "bf16" to bfloat16
+        (`grouped_bf16_activations.cpp`, AVX512-BF16; exact float32 on a CPU without it).
+        A fused projection returns what its block's group handed it (`fused.py`)."""
         if self.handed is not None:
             out, self.handed = self.handed, None
             return out
         if self.packed is not None:
-            out = grouped_product(self.int8_activations)(x.float(), self.packed,
-                                                         self.out_features, self.bits,
-                                                         self.half_scales)
+            out = grouped_product(self.activations)(x.float(), self.packed,
+                                                    self.out_features, self.bits,
+                                                    self.half_scales)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias
@@ -129,10 +132,11 @@ class GroupedLinear(nn.Module):
                 f"group_size={self.group_size}, bits={self.bits}")
 
 
-def grouped_product(int8_activations: bool) -> Callable[..., torch.Tensor]:
-    """The kernel operator of records: float32 activations, or the opt-in int8 mode's."""
-    return (torch.ops.compress_lm.grouped_mm_int8 if int8_activations
-            else torch.ops.compress_lm.grouped_mm)
+def grouped_product(activations: str) -> Callable[..., torch.Tensor]:
+    """The kernel operator of records for an activation mode (one of ACTIVATIONS)."""
+    ops = torch.ops.compress_lm
+    return {"float32": ops.grouped_mm, "int8": ops.grouped_mm_int8,
+            "bf16": ops.grouped_mm_bf16}[activations]
 
 
 class GroupedEmbedding(nn.Module):
@@ -227,12 +231,15 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
 
 def quantize_grouped(model: nn.Module, group_size: int,
                      filter_fn: Callable[[nn.Module, str], bool], bits: int = 8,
-                     fit: bool = True, int8_activations: bool = False) -> int:
+                     fit: bool = True, activations: str = "float32") -> int:
     """Replace the Linears of `model` that `filter_fn(module, name)` picks (torchao
     `quantize_`'s filter) by `GroupedLinear`s in place; how many were replaced. `fit=False`:
     empty modules of the same shapes, for weights loaded next from a state dict (fitting
-    weights about to be replaced took 30 of a worker's 42 s start). `int8_activations`:
-    the modules' opt-in mode (`GroupedLinear.forward`)."""
+    weights about to be replaced took 30 of a worker's 42 s start). `activations`: the
+    modules' mode, one of ACTIVATIONS (`GroupedLinear.forward`)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"grouped weights: activations {activations!r} is not one of "
+                         f"{', '.join(ACTIVATIONS)}")
     chosen = [(name, module) for name, module in model.named_modules()
               if isinstance(module, nn.Linear) and filter_fn(module, name)]
     for name, linear in chosen:
@@ -241,7 +248,7 @@ def quantize_grouped(model: nn.Module, group_size: int,
         module = (GroupedLinear.from_linear(linear, group_size, bits) if fit else
                   GroupedLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                 group_size, bits))
-        module.int8_activations = int8_activations
+        module.activations = activations
         setattr(parent, child, module)
     return len(chosen)
 

@@ -239,6 +239,8 @@ TORCH_LIBRARY(compress_lm, m) {
   m.def("grouped_mm(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
   // grouped_int8_activations.cpp
   m.def("grouped_mm_int8(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
+  // grouped_bf16_activations.cpp
+  m.def("grouped_mm_bf16(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(compress_lm, CPU, m) {

@@ -4,7 +4,10 @@ first use for this CPU (shipped beside `runtime.py`; imports torch only):
 `torch.ops.compress_lm.grouped_mm(x, packed, out_features, bits, half)` (`half`: scales and
 offsets stored as float16, where they all are float16 values), and
 `torch.ops.compress_lm.grouped_mm_int8` (same arguments) multiplies by x rounded to int8 per
-group of 32 (`grouped_int8_activations.cpp`; one row goes to `grouped_mm`).
+group of 32 (`grouped_int8_activations.cpp`; one row goes to `grouped_mm`), and
+`torch.ops.compress_lm.grouped_mm_bf16` by x rounded to bfloat16 (`grouped_bf16_activations.cpp`,
+AVX512-BF16's vdpbf16ps; one row, or a build without AVX512-BF16, is `grouped_mm`'s exact
+float32 product: `bf16_native` says which).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
@@ -29,9 +32,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("grouped_kernels.cpp")  # the operators' registration
-# every file of the build: float32 activations (and the layout), int8 ones, the shared layout
+# every file of the build: float32 activations (and the layout), int8 ones, bfloat16 ones,
+# the shared layout
 SOURCES = (SOURCE, SOURCE.with_name("grouped_int8_activations.cpp"),
-           SOURCE.with_name("grouped_layout.h"))
+           SOURCE.with_name("grouped_bf16_activations.cpp"), SOURCE.with_name("grouped_layout.h"))
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 
@@ -84,6 +88,13 @@ def grouped_mm_available() -> bool:
     return bool(_state["ok"])
 
 
+def bf16_native() -> bool:
+    """Whether `grouped_mm_bf16` rounds x of 2 rows or more to bfloat16 and multiplies on
+    AVX512-BF16 (the kernels were built for a CPU that has it); where False it is
+    `grouped_mm`'s exact float32 product, and so is the `activations: bf16` mode."""
+    return grouped_mm_available() and bool(torch.ops.compress_lm.grouped_bf16_native())
+
+
 def build_error() -> str | None:
     """Why the kernels could not be built, or None."""
     return _state.get("error")  # type: ignore[return-value]
@@ -123,6 +134,11 @@ def _register_fake() -> None:
         return x.new_empty(*x.shape[:-1], n)
 
     @torch.library.register_fake("compress_lm::grouped_mm_int8")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
+          ) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("compress_lm::grouped_mm_bf16")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
           ) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], n)

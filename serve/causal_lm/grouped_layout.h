@@ -1,5 +1,6 @@
 // The record layout the grouped kernels share (grouped_kernels.cpp lays weights out and
-// multiplies float32 activations; grouped_int8_activations.cpp multiplies int8 ones).
+// multiplies float32 activations; grouped_int8_activations.cpp multiplies int8 ones,
+// grouped_bf16_activations.cpp bfloat16 ones).
 //
 // Output features come in tiles of 16; per tile and group of 32 inputs, one record: the
 // codes input by input (16 outputs' codes of input i side by side; at 4 bits inputs 2p and

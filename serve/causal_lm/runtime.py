@@ -96,36 +96,35 @@ def untie_head(model: nn.Module) -> nn.Module | None:
 
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      head_scheme: str | None = None, fit: bool = True,
-                     int8_activations: bool = False) -> nn.Module:
+                     activations: str = "float32") -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float, except under
     the grouped schemes, which store it as int8 groups too). `fit=False`, grouped schemes:
     modules of the right shapes only, their weights loaded next (`load_folder`).
-    `int8_activations`: the grouped schemes' opt-in int8 mode (`grouped.GroupedLinear`).
+    `activations`: the grouped schemes' mode, float32 or the opt-in int8 or bf16
+    (`grouped.GroupedLinear`).
     Fitted grouped weights get their blocks' projections fused (`fused.py`)."""
     head = untie_head(model)
-    _apply(model, scheme, group_size, head=False, fit=fit, int8_activations=int8_activations)
+    _apply(model, scheme, group_size, head=False, fit=fit, activations=activations)
     if scheme in GROUPED_BITS:  # its float32 activations leave a float32 table otherwise
         quantize_embedding(model, group_size, fit)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
-        _apply(model, head_scheme, group_size, head=True, fit=fit,
-               int8_activations=int8_activations)
+        _apply(model, head_scheme, group_size, head=True, fit=fit, activations=activations)
     if fit and scheme in GROUPED_BITS:  # else once the weights are loaded (`load_folder`)
         fuse_projections(model)
     return model
 
 
 def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
-           fit: bool = True, int8_activations: bool = False) -> None:
+           fit: bool = True, activations: str = "float32") -> None:
     """`scheme` on the output projection (`head`) or on every other Linear."""
     def chosen(module: nn.Module, name: str) -> bool:
         return (name == "lm_head") if head else (isinstance(module, nn.Linear)
                                                   and name != "lm_head")
 
     if scheme in GROUPED_BITS:
-        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit,
-                         int8_activations)
+        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations)
         return
     from torchao.quantization import quantize_
 
@@ -150,7 +149,7 @@ def load_folder(folder: str | Path) -> LoadedLM:
                                                      dtype=dtype)
         quantize_weights(model, facts["scheme"], facts.get("group_size") or 32,
                          facts.get("head_scheme") or facts["scheme"], fit=False,
-                         int8_activations=facts.get("activations") == "int8")
+                         activations=facts.get("activations") or "float32")
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
         if facts["scheme"] in GROUPED_BITS:

@@ -44,7 +44,7 @@ def module_of(bits: int, half: bool, seed: int) -> grouped.GroupedLinear:
         module.offset.copy_(module.offset.half().float())
     module.pack()
     assert module.half_scales == half and module.packed is not None
-    module.int8_activations = True
+    module.activations = "int8"
     return module
 
 
@@ -90,10 +90,10 @@ for bits in (8, 4):
     groups = x.view(9, 3, 32)
     step = groups.abs().amax(-1, keepdim=True) / 127
     xq = (torch.round(groups / step) * step).view(9, 96)
-    for name, on in (("float32", False), ("int8", True)):
-        module.int8_activations = on
+    for name in ("float32", "int8"):
+        module.activations = name
         got = module(x).double() - module.bias.double()
-        want = (xq if on else x).double() @ weight.T
+        want = (xq if name == "int8" else x).double() @ weight.T
         errors[f"{name}_{bits}"] = float((got - want).abs().max() / want.abs().max())
 print(json.dumps({"errors": errors, "library": grouped_kernels.shipped_library().name}))
 """

@@ -117,7 +117,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
             "causal_lm/runtime.py", "causal_lm/decode.py", "causal_lm/attention.py",
             "causal_lm/grouped.py", "causal_lm/grouped_kernels.py",
             "causal_lm/grouped_kernels.cpp", "causal_lm/grouped_int8_activations.cpp",
-            "causal_lm/grouped_layout.h", "export.json", "parity.json",
+            "causal_lm/grouped_bf16_activations.cpp", "causal_lm/grouped_layout.h",
+            "export.json", "parity.json",
             "tokenizer.json"} <= names
     assert not any(n.endswith(("requests.py", "openai.py")) for n in names)  # handler side
     assert json.loads((folder / "parity.json").read_text())["parity_first_difference"] is None
@@ -147,7 +148,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     package = {f"causal_lm/{name}" for name in (
         "__init__.py", "handler.py", "runtime.py", "decode.py", "attention.py", "grouped.py",
         "grouped_kernels.py", "grouped_kernels.cpp", "grouped_int8_activations.cpp",
-        "grouped_layout.h", "requests.py", "replies.py", "openai.py",
+        "grouped_bf16_activations.cpp", "grouped_layout.h", "requests.py", "replies.py",
+        "openai.py",
         "batcher.py", "rows.py", "buckets.py", "pipeline.py")}
     assert package | {"generation_handler.py", "handler_metrics.py", "http_answers.py",
                       "worker_threads.py", "model.pt", "causal_lm.json",

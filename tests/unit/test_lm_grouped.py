@@ -94,23 +94,24 @@ def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
     assert "Traceback" not in err
 
 
-def test_int8_activations_are_a_saved_opt_in_of_the_grouped_schemes(
-        tmp_path, varied_llama_folder, monkeypatch, capsys) -> None:
-    stages = [{"kind": "quantize", "scheme": "int4_grouped", "activations": "int8"}]
+@pytest.mark.parametrize("mode, scheme", [("int8", "int4_grouped"), ("bf16", "int8_grouped")])
+def test_rounded_activations_are_a_saved_opt_in_of_the_grouped_schemes(
+        tmp_path, varied_llama_folder, monkeypatch, capsys, mode, scheme) -> None:
+    stages = [{"kind": "quantize", "scheme": scheme, "activations": mode}]
     recipe = load_recipe(lm_recipe(tmp_path, varied_llama_folder, stages), check_sources=True)
     run_dir = run_recipe(recipe, echo=lambda _: None)
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    assert stage["metrics"]["activation_dtype"] == "int8"
+    assert stage["metrics"]["activation_dtype"] == mode
     from compress.models.folders import load_saved
 
     saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
-    modes = {m.int8_activations for name, m in saved.model.named_modules()
+    modes = {m.activations for name, m in saved.model.named_modules()
              if isinstance(m, grouped.GroupedLinear) and "embed" not in name}
-    assert modes == {True}  # the body's and the head's, as saved in the folder's facts
+    assert modes == {mode}  # the body's and the head's, as saved in the folder's facts
 
     bad = lm_recipe(tmp_path, varied_llama_folder, [
-        {"kind": "quantize", "scheme": "int8_weight_only", "activations": "int8"}])
+        {"kind": "quantize", "scheme": "int8_weight_only", "activations": mode}])
     code, _, err = cli(monkeypatch, capsys, "validate", str(bad))
-    assert code == 2 and "stages.0.activations: int8 activations are a mode of the " \
+    assert code == 2 and f"stages.0.activations: {mode} activations are a mode of the " \
         "grouped schemes" in err
     assert "Traceback" not in err

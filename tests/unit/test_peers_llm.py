@@ -205,7 +205,7 @@ def test_venv_marker_and_a_folder_that_is_no_venv(tmp_path: Path) -> None:
     (["--gguf", "/nowhere/model.gguf"], "error: /nowhere/model.gguf: no such GGUF file"),
     (["--gguf", "GGUF", "--variants", "float,int3", "--no-llama"],
      "error: unknown variant 'int3' (known: float, int8_grouped, int4_grouped, int4, "
-     "int8_grouped_a8, int4_grouped_a8)"),
+     "int8_grouped_a8, int4_grouped_a8, int8_grouped_bf16, int4_grouped_bf16)"),
     (["--gguf", "GGUF", "--quants", "Q5_K"], "error: unknown llama.cpp file 'Q5_K'"),
 ])
 def test_bad_input_is_one_error_line(args: list[str], message: str, capsys,

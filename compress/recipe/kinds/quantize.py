@@ -36,14 +36,16 @@ class QuantizeConfig(StrictModel):
                          "int8_grouped", "float"] = Field(
         "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
         "weight-only under int4, else the model's scheme; float keeps it in float).")
-    activations: Literal["auto", "bfloat16", "float32", "int8"] = Field(
+    activations: Literal["auto", "bfloat16", "float32", "int8", "bf16"] = Field(
         "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
         "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
         "a CPU that computes bf16 natively; else float32). The grouped schemes take float32 "
         "(exact), or int8: an opt-in mode that rounds the activations of prefills and batched "
         "decode to int8 per group of 32 (llama.cpp's Q8_0 blocks) for VNNI integer products, "
-        "several times faster prefills, at the price of some tokens; batch-1 decode stays "
-        "exact.")
+        "several times faster prefills, at the price of some tokens; or bf16: an opt-in mode "
+        "that rounds them to bfloat16 for AVX512-BF16's vdpbf16ps (about twice the float32 "
+        "prefill on such a CPU, exact float32 on one without it). In both, batch-1 decode "
+        "stays exact. (bfloat16 casts the model for torchao's schemes.)")
     equalize: bool = Field(
         False, description="Causal LMs, weight-only schemes: activation-aware scaling (AWQ) "
         "before quantizing: each Linear's input channels scaled by mean|x|^alpha (alpha searched "
@@ -87,12 +89,18 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                             "schemes (it enlarges the activations int8_dynamic quantizes)")
         if cfg.scheme in GROUPED and cfg.activations == "bfloat16":
             problems.append(f"{where}.activations: {cfg.scheme} computes in float32 (its point "
-                            "is float32 activations), or int8 (the opt-in mode); drop "
-                            "`activations` or use int8_weight_only")
+                            "is float32 activations), or in the opt-in modes int8 and bf16 "
+                            "(its kernels round float32 activations); drop `activations`, "
+                            "use `activations: bf16`, or use int8_weight_only")
         if cfg.activations == "int8" and cfg.scheme not in GROUPED:
             problems.append(f"{where}.activations: int8 activations are a mode of the grouped "
                             f"schemes ({', '.join(GROUPED)}), not of {cfg.scheme}; "
                             "int8_dynamic quantizes activations per token")
+        if cfg.activations == "bf16" and cfg.scheme not in GROUPED:
+            problems.append(f"{where}.activations: bf16 activations are a mode of the grouped "
+                            f"schemes ({', '.join(GROUPED)}), not of {cfg.scheme}; "
+                            "torchao's schemes compute in bfloat16 with `activations: "
+                            "bfloat16`")
         if cfg.scheme == "int4_grouped" and cfg.group_size != 32:
             problems.append(f"{where}.group_size: int4_grouped packs groups of 32 (a GGUF's Q4 "
                             f"blocks), not {cfg.group_size}; drop group_size")
@@ -113,7 +121,8 @@ def _precision(cfg: QuantizeConfig) -> str:
 
 def _runtime(config: dict, metrics: dict) -> str:
     if config.get("scheme") in GROUPED:
-        acts = "int8" if config.get("activations") == "int8" else "float32"
+        chosen = config.get("activations")
+        acts = chosen if chosen in ("int8", "bf16") else "float32"
         return f"{config['scheme']} (compress, {acts} activations), compiled decode"
     if config.get("scheme"):
         return f"torchao {config['scheme']}, compiled decode"

@@ -31,10 +31,10 @@ def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
     with bfloat16 inputs: compiled SmolLM2 int8 decode ran 92 tok/s with bf16 activations
     and 41 with float32 ones on an AVX2-only EPYC; the int4 kernels are several times
     faster with bf16 inputs too), and for int8_dynamic only where the CPU computes bf16
-    natively (AVX512-BF16 or AMX); the grouped schemes float32 (their int8 mode keeps float32
-    tensors: the kernels round the activations, see `run`)."""
+    natively (AVX512-BF16 or AMX); the grouped schemes float32 (their int8 and bf16 modes
+    keep float32 tensors: the kernels round the activations, see `run`)."""
     if scheme in ("int8_grouped", "int4_grouped"):
-        return "float32" if choice in ("auto", "int8") else choice
+        return "float32" if choice in ("auto", "int8", "bf16") else choice
     if choice != "auto":
         return choice
     from compress.runfolder.files import bf16_supported
@@ -56,19 +56,20 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
         train_on_grid(model, source.tokenizer, cfg, head, ctx)
     for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
         parameter.data = parameter.data.to(DTYPES[dtype])  # model loaded in that dtype
-    int8_activations = cfg.activations == "int8"  # the grouped schemes' opt-in mode
+    # the grouped schemes' opt-in modes: the kernels round float32 activations
+    rounded = cfg.activations if cfg.activations in ("int8", "bf16") else None
     try:
         quantize_weights(model, cfg.scheme, cfg.group_size, head,
-                         int8_activations=int8_activations)
+                         activations=rounded or "float32")
     except ValueError as exc:  # a group size that does not divide a Linear's inputs
         raise CompressError(f"{exc}") from None
     facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
              "group_size": cfg.group_size, "head_scheme": head}
-    if int8_activations:
-        facts["activations"] = "int8"
+    if rounded:
+        facts["activations"] = rounded
     bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer, lm=facts)
     ctx.metrics.update({"scheme": cfg.scheme, "head_scheme": head,
-                        "activation_dtype": "int8" if int8_activations else dtype,
+                        "activation_dtype": rounded or dtype,
                         "quantize_s": round(time.perf_counter() - began, 2)})
     ctx.save_model(bundle)
     return State(bundle)

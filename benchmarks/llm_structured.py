@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"- ratio mixed / free: **{mixed / free:.3f}** (the target: at least 0.90)",
               f"- the grammar row's mask + advance: median {statistics.median(spent) * 1e6:.0f}"
               f" us a token, p99 {sorted(spent)[int(0.99 * (len(spent) - 1))] * 1e6:.0f} us",
-              f"- constrained answers valid against the schema: {valid} of {len(answers)}"]
+              f"- constrained answers valid against the schema: {valid} of {len(answers)}",
+              "- its slowest tokens (ms): " + ", ".join(
+                  f"{t * 1e3:.1f}" for t in sorted(spent, reverse=True)[:5])]
     print("\n".join(lines))
     if args.write:
         RESULTS.write_text("\n".join(lines) + "\n")

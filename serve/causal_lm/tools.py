@@ -23,14 +23,14 @@ class ToolUse:
 
     functions: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"}
     mode: str
-    parallel: bool = True  # more than one call in an answer
+    parallel: bool = False  # more than one call in an answer (`parallel_tool_calls: true`)
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema of the answer."""
         chosen = [f for f in self.functions if self.mode in ("auto", "required")
                   or f["name"] == self.mode]
         call = {"anyOf": [{"type": "object", "properties": {
-            "name": {"const": f["name"]}, "arguments": f.get("parameters") or ANY_OBJECT},
+            "name": {"const": f["name"]}, "arguments": closed(f.get("parameters") or ANY_OBJECT)},
             "required": ["name", "arguments"], "additionalProperties": False}
             for f in chosen]}
         calls = {"type": "array", "items": call, "minItems": 1}
@@ -95,7 +95,27 @@ def tool_use(body: dict[str, Any]) -> ToolUse | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ValueError("parallel_tool_calls: true or false")
-    return ToolUse(functions, mode, parallel is not False)
+    return ToolUse(functions, mode, parallel is True)
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that names its properties and says nothing of others
+    closed to them (`additionalProperties: false`, as OpenAI's strict mode requires): a small model
+    otherwise copies the schema's own keywords into its arguments."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "$defs", "definitions"):  # name -> schema
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(v) for name, v in out[key].items()}
+    for key in ("items", "anyOf", "oneOf", "allOf", "prefixItems"):  # schemas
+        if key in out:
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out:  # {"type": "object"}
+        out["additionalProperties"] = False  # alone stays any object
+    return out
 
 
 def with_instructions(messages: list[dict[str, str]], use: ToolUse) -> list[dict[str, str]]:

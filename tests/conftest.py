@@ -563,3 +563,36 @@ def _no_kernel_build_in_unit_tests(request, monkeypatch):
     yield
     grouped_kernels._state.clear()
     grouped_kernels._state.update(saved)
+
+
+def fuzz_routes(served: dict, model: str) -> None:
+    """schemathesis cases (valid and invalid bodies) for every route of a causal-LM
+    archive's OpenAPI description (`lm_openapi`, at most 16 new tokens to keep it short):
+    each answered 2xx or 4xx within 60 s. COMPRESS_FUZZ_EXAMPLES sets the cases per route
+    and mode (default 10)."""
+    import collections
+
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    from compress.serving.openapi import lm_openapi
+
+    schema = schemathesis.openapi.from_dict(lm_openapi(model, "1.0", 16))
+    base = served["url"].split("/predictions/")[0]
+    auth = {"Authorization": f"Bearer {served['token']}"}
+    statuses: collections.Counter = collections.Counter()
+    examples = int(os.environ.get("COMPRESS_FUZZ_EXAMPLES", "10"))
+    for operation in (result.ok() for result in schema.get_all_operations()):
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def call(case) -> None:
+                response = case.call(base_url=base, headers=auth, timeout=60)
+                statuses[response.status_code] += 1
+                assert response.status_code < 500, (json.dumps(case.body), response.text[:300])
+
+            call()
+    print(f"fuzz: {sum(statuses.values())} cases, statuses {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) >= 4 * examples and statuses[400] > 0

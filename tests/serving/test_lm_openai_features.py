@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import packaged_lm_run, serving
+from conftest import fuzz_routes, packaged_lm_run, serving
 
 pytest.importorskip("ts")
 openai = pytest.importorskip("openai")
@@ -249,3 +249,14 @@ def test_langchain_chat_openai_works_unchanged(served: dict) -> None:
     bound = chat.bind_tools([GetWeather], tool_choice="GetWeather")
     call = bound.invoke("What is the weather in Paris?").tool_calls[0]
     assert call["name"] == "GetWeather" and GetWeather(**call["args"])
+
+
+def test_fuzzing_the_new_fields_on_a_grammar_capable_archive_gets_no_server_error(
+        served: dict, client) -> None:
+    """schemathesis over the routes with structured output, tools, logprobs and n (this
+    archive's tokenizer takes grammars: fuzzed schemas reach the engine); then a good
+    request is still answered."""
+    fuzz_routes(served, "smol_lm")
+    answer = client.chat.completions.create(model="smol_lm", messages=ASK, max_tokens=4,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason in ("length", "stop")

@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import packaged_lm_run, run_cli, serving
+from conftest import fuzz_routes, packaged_lm_run, run_cli, serving
 
 pytest.importorskip("ts")
 
@@ -298,38 +298,13 @@ def test_prometheus_metrics_show_the_models_batches_tokens_and_errors(served: di
 
 def test_fuzzing_the_openapi_description_gets_no_server_error(served: dict) -> None:
     """schemathesis cases (valid and invalid bodies) for every route of the OpenAPI
-    description of the archive's routes: each answered 2xx or 4xx, none within 60 s hangs.
-    COMPRESS_FUZZ_EXAMPLES sets the cases per route and mode (default 10); the description
-    says at most 16 new tokens (the archive allows 160) to keep the run short."""
-    import collections
-    import os
-
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-
+    description of the archive's routes: each answered 2xx or 4xx, none within 60 s hangs
+    (`fuzz_routes`)."""
     from compress.serving.openapi import lm_openapi
 
     written = json.loads((Path(served["serve_dir"]) / "openapi.json").read_text())
     assert written == lm_openapi("tiny_lm", "1.0", 160)  # what compress serve wrote
-    schema = schemathesis.openapi.from_dict(lm_openapi("tiny_lm", "1.0", 16))
-    base = served["url"].split("/predictions/")[0]
-    auth = {"Authorization": f"Bearer {served['token']}"}
-    statuses: collections.Counter = collections.Counter()
-    examples = int(os.environ.get("COMPRESS_FUZZ_EXAMPLES", "10"))
-    for operation in (result.ok() for result in schema.get_all_operations()):
-        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def call(case) -> None:
-                response = case.call(base_url=base, headers=auth, timeout=60)
-                statuses[response.status_code] += 1
-                assert response.status_code < 500, (json.dumps(case.body), response.text[:300])
-
-            call()
-    print(f"fuzz: {sum(statuses.values())} cases, statuses {dict(sorted(statuses.items()))}")
-    assert sum(statuses.values()) >= 4 * examples and statuses[400] > 0
+    fuzz_routes(served, "tiny_lm")
     _, _, lines = generate(served, {"prompt": PROMPTS[2], "max_new_tokens": 8})
     assert json.loads(lines[-1][1])["finish_reason"] == "length"
 

@@ -54,6 +54,7 @@ class Choice:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     reported: int = 0  # tokens whose log-probabilities went out in a chunk
+    chars: int = 0  # the length of those tokens' texts (completions' `text_offset`)
 
 
 class Answer:
@@ -118,10 +119,12 @@ class Answer:
                 self._token(r, rlp) for r, rlp in rivals]} for t, (lp, rivals) in entries],
                     "refusal": None}
         texts = [self.token_text(t) for t, _ in entries]
-        offsets, at = [], len(self.wanted.echo or "")
+        at = len(self.wanted.echo or "") + (choice.chars if streamed else 0)
+        offsets = []
         for text in texts:
             offsets.append(at)
             at += len(text)
+        choice.chars = at - len(self.wanted.echo or "")
         return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in entries],
                 "top_logprobs": [{self.token_text(r): rlp for r, rlp in rivals}
                                  for _, (_, rivals) in entries],

@@ -142,10 +142,19 @@ def test_logprobs_equal_an_offline_log_softmax(client, offline) -> None:
 
 def test_n_choices_the_usage_chunk_and_what_clients_send_as_null(client, served) -> None:
     three = client.chat.completions.create(model="smol_lm", messages=ASK, n=3, max_tokens=6,
-                                           temperature=1.0, seed=7)
+                                           temperature=1.0, seed=7, logprobs=True)
     assert [c.index for c in three.choices] == [0, 1, 2]
-    assert three.usage.completion_tokens == sum(
-        6 for c in three.choices if c.finish_reason == "length") or three.usage.completion_tokens
+    assert len({c.message.content for c in three.choices}) > 1  # each choice its own sample
+    assert three.usage.completion_tokens == sum(len(c.logprobs.content) for c in three.choices)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="smol_lm", messages=ASK, n=2,
+                                                max_tokens=6, temperature=0, stream=True):
+        for choice in chunk.choices:  # each choice's deltas under its index
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    assert set(texts) == {0, 1} and texts[0] == texts[1]  # greedy: the same text twice
+    assert finishes[0] and finishes[1]
     chunks = list(client.chat.completions.create(
         model="smol_lm", messages=ASK, max_tokens=5, temperature=0, stream=True,
         stream_options={"include_usage": True}))

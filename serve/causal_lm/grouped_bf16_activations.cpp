@@ -143,17 +143,9 @@ inline void tile_rows(const uint8_t* rec, const __m512i* wide, __m512i table, in
         part[p % P][r] = _mm512_dpbf16_ps(part[p % P][r], w,
                                           (__m512bh)_mm512_set1_epi32(xg[p * R + r]));
     }
-    __m512 s, o;
-    record_scales<BITS, HALF>(rec, s, o);
-    for (int r = 0; r < R; ++r) {
-      __m512 sum = part[0][r];
-      for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, part[p][r]);
-      acc[r] = _mm512_fmadd_ps(sum, s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), o, acc[r]);
-    }
+    add_group<BITS, HALF>(rec, part, xsum, groups, g, acc);
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * n_out, keep, acc[r]);
+  store_rows(acc, out, n_out, valid);
 }
 
 template <int BITS, bool HALF>
@@ -192,14 +184,9 @@ at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& x2, const at::Ten
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    if (bits == 8 && half)
-      tiles_pass<8, true>(rounded, rows, k, n, pp, yp, begin, end);
-    else if (bits == 8)
-      tiles_pass<8, false>(rounded, rows, k, n, pp, yp, begin, end);
-    else if (half)
-      tiles_pass<4, true>(rounded, rows, k, n, pp, yp, begin, end);
-    else
-      tiles_pass<4, false>(rounded, rows, k, n, pp, yp, begin, end);
+    with_layout(bits, half, [&](auto b, auto h) {
+      tiles_pass<decltype(b)::value, decltype(h)::value>(rounded, rows, k, n, pp, yp, begin, end);
+    });
   });
   return out.view(out_shape);
 }

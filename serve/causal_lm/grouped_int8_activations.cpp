@@ -205,14 +205,9 @@ at::Tensor grouped_mm_int8(const at::Tensor& x, const at::Tensor& packed, int64_
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    if (bits == 8 && half)
-      tiles_pass<8, true>(rounded, rows, k, n, pp, yp, begin, end);
-    else if (bits == 8)
-      tiles_pass<8, false>(rounded, rows, k, n, pp, yp, begin, end);
-    else if (half)
-      tiles_pass<4, true>(rounded, rows, k, n, pp, yp, begin, end);
-    else
-      tiles_pass<4, false>(rounded, rows, k, n, pp, yp, begin, end);
+    with_layout(bits, half, [&](auto b, auto h) {
+      tiles_pass<decltype(b)::value, decltype(h)::value>(rounded, rows, k, n, pp, yp, begin, end);
+    });
   });
   return out.view(out_shape);
 }

@@ -68,6 +68,45 @@ inline void record_scales(const uint8_t* rec, __m512& scale, __m512& offset) {
 }
 #endif
 
+// f(std::integral_constant<int, BITS>{}, std::bool_constant<HALF>{}): a kernel specialized
+// for a weight's record layout (8 or 4 bits, float16 or float32 scales)
+template <typename F>
+inline void with_layout(int64_t bits, bool half, F&& f) {
+  if (bits == 8 && half)
+    f(std::integral_constant<int, 8>{}, std::true_type{});
+  else if (bits == 8)
+    f(std::integral_constant<int, 8>{}, std::false_type{});
+  else if (half)
+    f(std::integral_constant<int, 4>{}, std::true_type{});
+  else
+    f(std::integral_constant<int, 4>{}, std::false_type{});
+}
+
+#if defined(__AVX512F__)
+// a group's P partial sums of R rows into their accumulators: the codes' sum scaled once,
+// plus the record's offsets times the row's sum of x over the group (`xsum`: row-major,
+// `groups` a row)
+template <int BITS, bool HALF, int P, int R>
+inline void add_group(const uint8_t* rec, __m512 (&part)[P][R], const float* xsum,
+                      int64_t groups, int64_t g, __m512 (&acc)[R]) {
+  __m512 s, o;
+  record_scales<BITS, HALF>(rec, s, o);
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = part[0][r];
+    for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, part[p][r]);
+    acc[r] = _mm512_fmadd_ps(sum, s, acc[r]);
+    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), o, acc[r]);
+  }
+}
+
+// R rows' accumulators stored as the tile's `valid` outputs of each output row
+template <int R>
+inline void store_rows(const __m512 (&acc)[R], float* out, int64_t n_out, int64_t valid) {
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * n_out, keep, acc[r]);
+}
+#endif
+
 // f(std::integral_constant<int, R>{}) for R = r, 1..ROWS: a kernel specialized per row count
 template <typename F>
 inline void with_rows(int64_t r, F&& f) {

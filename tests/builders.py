@@ -181,3 +181,22 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
     groups = weight.reshape(weight.shape[0], -1, 32)
     step = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
     return (torch.round(groups / step).clamp(-127, 127) * step).reshape(weight.shape)
+
+
+def grouped_module(bits: int, half: bool, seed: int, activations: str):
+    """A packed 96 -> 77 `GroupedLinear` in an activation mode, its records float16
+    (`half`) or float32 (scales and offsets that float16 does not hold)."""
+    from serve.causal_lm import grouped
+
+    torch.manual_seed(seed)
+    module = grouped.GroupedLinear.from_linear(nn.Linear(96, 77), 32, bits)
+    if not half:
+        module.scale.mul_(1 + 2 ** -20)
+        module.offset.add_(2 ** -21)
+    else:
+        module.scale.copy_(module.scale.half().float())
+        module.offset.copy_(module.offset.half().float())
+    module.pack()
+    assert module.half_scales == half and module.packed is not None
+    module.activations = activations
+    return module

@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 from batcher_checks import varied_model
+from builders import grouped_module
 from conftest import REPO
-from torch import nn
 
 from serve.causal_lm import grouped
 from serve.causal_lm.fused import ProjectionGroup
@@ -33,18 +33,7 @@ NO_BF16 = "the kernels were built without AVX512-BF16 (not in this CPU's flags, 
 
 
 def module_of(bits: int, half: bool, seed: int) -> grouped.GroupedLinear:
-    torch.manual_seed(seed)
-    module = grouped.GroupedLinear.from_linear(nn.Linear(96, 77), 32, bits)
-    if not half:  # scales and offsets that float16 does not hold: float32 records
-        module.scale.mul_(1 + 2 ** -20)
-        module.offset.add_(2 ** -21)
-    else:
-        module.scale.copy_(module.scale.half().float())
-        module.offset.copy_(module.offset.half().float())
-    module.pack()
-    assert module.half_scales == half and module.packed is not None
-    module.activations = "bf16"
-    return module
+    return grouped_module(bits, half, seed, "bf16")
 
 
 def product(module: grouped.GroupedLinear, x: torch.Tensor, activations: str) -> torch.Tensor:

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 import torch
+from builders import grouped_module
 from conftest import REPO
-from torch import nn
 
 from serve.causal_lm import grouped
 from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
@@ -34,18 +34,7 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def module_of(bits: int, half: bool, seed: int) -> grouped.GroupedLinear:
-    torch.manual_seed(seed)
-    module = grouped.GroupedLinear.from_linear(nn.Linear(96, 77), 32, bits)
-    if not half:  # scales and offsets that float16 does not hold: float32 records
-        module.scale.mul_(1 + 2 ** -20)
-        module.offset.add_(2 ** -21)
-    else:
-        module.scale.copy_(module.scale.half().float())
-        module.offset.copy_(module.offset.half().float())
-    module.pack()
-    assert module.half_scales == half and module.packed is not None
-    module.activations = "int8"
-    return module
+    return grouped_module(bits, half, seed, "int8")
 
 
 @pytest.mark.parametrize("half", [True, False])

@@ -72,22 +72,18 @@ class ContinuousBatcher(Placement):
         return self.submit_all([row])[0]
 
     def submit_all(self, rows: list[Row]) -> list[Row]:
-        """Queue a request's rows together (its `n` choices: admitted at one turn where
-        slots are free, their prompt prefilled once); QueueFull where they do not all fit."""
+        """Queue a request's rows (its `n` choices) together, or none (QueueFull)."""
         for row in rows:
             if len(row.ids) + row.max_new_tokens > self.cache_len:
                 raise ValueError(f"prompt of {len(row.ids)} tokens + {row.max_new_tokens} new "
                                  f"exceeds the cache of {self.cache_len}")
-            how = row.sampling if row.sampling and row.sampling.temperature > 0 else None
-            row.sampling = how  # None: greedy
-            if how is not None and how.seed is not None:
-                row.generator = torch.Generator().manual_seed(how.seed)
+            row.seed_sampling()
         with self.wake:
             if len(self.waiting) + len(rows) > self.max_waiting:
                 raise QueueFull(len(self.waiting), self._retry_after())
             for row in rows:
                 row.queued = self.steps
-                self.waiting.append(row)
+            self.waiting.extend(rows)
             self.wake.notify()
         return rows
 

@@ -1,7 +1,8 @@
-"""A request's rows in the continuous batch followed to its answer: each of its `n` choices
-is one row, whose `(token, end)` pairs come through a queue of its own; each new piece of
-text is sent as it comes (where the request streams), then the request's last answer is
-returned (shipped in the causal-LM archive beside `handler.py`; imports no compress code).
+"""A request's rows in the continuous batch, from its parsed body (`parse_choices`) to its
+answer: each of its `n` choices is one row, whose `(token, end)` pairs come through a
+queue of its own; each new piece of text is sent as it comes (where the request streams),
+then the request's last answer is returned (shipped in the causal-LM archive beside
+`handler.py`; imports no compress code).
 
 What a stop string held back and never claimed is sent before a choice's end, so that the
 deltas add up to the text. A stop string lets the row go (`batcher.cancel`).
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import grammar as lm_grammar
 from . import openai as lm_openai
 from . import replies as lm_replies
 from . import requests as lm_requests
@@ -35,6 +37,21 @@ class RowRun:
     queue: asyncio.Queue
     stream: lm_requests.TextStream
     choice: lm_openai.Choice
+
+
+def parse_choices(request: dict[str, Any], route: str | None, encode,
+                  limits: lm_requests.Limits, tokenizer: Any) -> tuple[Any, ...]:
+    """(the request parsed, what its OpenAI answer carries, a grammar constraint per choice
+    or Nones: the grammar compiled once). ValueError: a 400."""
+    parsed, wanted = lm_requests.parse_request(request, route, encode, limits)
+    if route is None and (parsed.n > 1 or parsed.logprobs is not None):
+        raise ValueError("n and logprobs: on the OpenAI routes (v1/chat/completions, "
+                         "v1/completions)")
+    constraints: list[Any] = [None] * parsed.n
+    if parsed.json_schema is not None:
+        grammar = lm_grammar.json_grammar(parsed.json_schema)
+        constraints = [lm_grammar.Constraint(tokenizer, grammar) for _ in range(parsed.n)]
+    return parsed, wanted, constraints
 
 
 def row_run(k: int, parsed: lm_requests.GenerationRequest, loop: asyncio.AbstractEventLoop,

@@ -30,7 +30,6 @@ from ts.torch_handler.base_handler import BaseHandler
 from . import batcher as lm_batcher
 from . import choices as lm_choices
 from . import compiled_graphs as lm_graphs
-from . import grammar as lm_grammar
 from . import openai as lm_openai
 from . import pipeline as lm_pipeline
 from . import prefill as lm_prefill
@@ -185,7 +184,8 @@ class CausalLMHandler(BaseHandler):
         try:  # off the event loop: a body of up to the request limit, a chat template, a
             # grammar (compiled once a request, its tokenizer view once a worker)
             parsed, wanted, constraints = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizing, self._parse, request, route, encode)
+                self.tokenizing, lm_choices.parse_choices, request, route, encode,
+                self.limits, self.lm.tokenizer)
         except ValueError as exc:
             return lm_replies.error(context, i, str(exc), 400, openai=route is not None)
         finally:
@@ -213,20 +213,6 @@ class CausalLMHandler(BaseHandler):
         finally:
             for run in runs:
                 self.batcher.cancel(run.row)
-
-    def _parse(self, request: dict[str, Any], route: str | None, encode) -> tuple[Any, ...]:
-        """(the request parsed, what its OpenAI answer carries, a grammar constraint per
-        choice or Nones). ValueError: a 400."""
-        parsed, wanted = lm_requests.parse_request(request, route, encode, self.limits)
-        if route is None and (parsed.n > 1 or parsed.logprobs is not None):
-            raise ValueError("n and logprobs: on the OpenAI routes (v1/chat/completions, "
-                             "v1/completions)")
-        constraints: list[Any] = [None] * parsed.n
-        if parsed.json_schema is not None:
-            grammar = lm_grammar.json_grammar(parsed.json_schema)
-            constraints = [lm_grammar.Constraint(self.lm.tokenizer, grammar)
-                           for _ in range(parsed.n)]
-        return parsed, wanted, constraints
 
     def token_text(self, token: int) -> str:
         """A token's text, as log-probabilities name it."""

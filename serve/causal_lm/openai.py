@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import tools as lm_tools
-from .openai_request import CHAT, COMPLETIONS, Wanted, native_body  # noqa: F401 (its API)
+from .openai_request import CHAT, COMPLETIONS, Wanted
 
 MODELS = "v1/models"
 ROUTES = (CHAT, COMPLETIONS, MODELS)
@@ -97,10 +97,8 @@ class Answer:
             if streamed and choice.index not in self.started:
                 delta = {"role": "assistant"} | delta
             self.started.add(choice.index)
-            key = "delta" if streamed else "message"
-            body = {"index": choice.index, key: delta, "logprobs": logprobs,
-                    "finish_reason": finish}
-            return body
+            return {"index": choice.index, "delta" if streamed else "message": delta,
+                    "logprobs": logprobs, "finish_reason": finish}
         text = (self.wanted.echo or "") + piece if not streamed or (
             choice.index not in self.started) else piece
         self.started.add(choice.index)

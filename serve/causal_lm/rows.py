@@ -49,6 +49,13 @@ class Row:
     # per token, where `logprobs` is set: (its log-probability, [(rival id, its log-prob)])
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
+    def seed_sampling(self) -> None:
+        """Greedy (no sampling) at temperature 0; a seeded sample its own generator."""
+        how = self.sampling if self.sampling and self.sampling.temperature > 0 else None
+        self.sampling = how
+        if how is not None and how.seed is not None:
+            self.generator = torch.Generator().manual_seed(how.seed)
+
 
 def send(row: Row, token: int | None, end: str | None) -> bool:
     """`row.emit(token, end)`; False where it raised (its client is gone: the row leaves)."""

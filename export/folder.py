@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from export.errors import ExportError, one_line
-from export.graphs import TEXT_INPUTS, Bundle, positional_inputs
+from export.graphs import TEXT_INPUTS, Bundle, output_name, positional_inputs
 from serve.runtimes import load_runtime
 
 META = "export.json"
@@ -50,7 +50,8 @@ def format_module(fmt: str):
 def write_meta(folder: Path, fmt: str, file: str, bundle: Bundle, **extra: Any) -> None:
     """`export.json` and the tokenizer files beside an exported file."""
     meta = {"format": fmt, "file": file, "text": bundle.is_text,
-            "inputs": list(TEXT_INPUTS) if bundle.is_text else ["input"], "outputs": ["logits"],
+            "inputs": list(TEXT_INPUTS) if bundle.is_text else ["input"],
+            "outputs": [output_name(bundle)],
             "label_names": bundle.label_names, "input_shape": bundle.input_shape, **extra}
     (folder / META).write_text(json.dumps(meta, indent=2))
     if bundle.is_text:
@@ -58,11 +59,13 @@ def write_meta(folder: Path, fmt: str, file: str, bundle: Bundle, **extra: Any) 
 
 
 def write_export(bundle: Bundle, cfg: Any, folder: Path, calibration: Any = None,
-                 log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+                 log: Callable[[str], None] = print, meta: dict[str, Any] | None = None
+                 ) -> tuple[Path, dict[str, Any]]:
     """Write `bundle` in `cfg.format` into `folder` (built under a temporary name, then
     renamed) with `export.json`; the exported file and what was done. `calibration` (an
-    iterable of input batches) feeds ONNX Runtime static int8. ExportError / CaptureError
-    on failure."""
+    iterable of input batches) feeds ONNX Runtime static int8; `meta` goes into
+    `export.json` beside the facts (what a server of the file must know). ExportError /
+    CaptureError on failure."""
     folder = Path(folder)
     module = format_module(cfg.format)
     tmp = folder.with_name(f".{folder.name}.tmp")
@@ -70,7 +73,8 @@ def write_export(bundle: Bundle, cfg: Any, folder: Path, calibration: Any = None
     tmp.mkdir(parents=True)
     began = time.perf_counter()
     path, facts = module.export(bundle, cfg, tmp, calibration, log)
-    write_meta(tmp, cfg.format, path.name, bundle, source_kind=bundle.kind, **facts)
+    write_meta(tmp, cfg.format, path.name, bundle, source_kind=bundle.kind,
+               **facts, **(meta or {}))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder / path.name, {**facts, "export_s": round(time.perf_counter() - began, 3)}

@@ -37,7 +37,8 @@ MAX_BATCH = 4096
 
 
 class TextLogits(nn.Module):
-    """A Hugging Face classifier as a graph of positional tensors returning logits only."""
+    """A text model as a graph of positional tensors returning one tensor: a Hugging Face
+    classifier's logits, or the output of a model that returns a tensor (an embedding)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -47,7 +48,14 @@ class TextLogits(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor) -> torch.Tensor:
         extra = {"token_type_ids": token_type_ids} if self.takes_token_types else {}
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def output_name(bundle: Bundle) -> str:
+    """The name of the graph's one output: the model's `output_name` ("embedding"), else
+    "logits"."""
+    return getattr(bundle.model, "output_name", "logits")
 
 
 def positional_inputs(text: bool, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:

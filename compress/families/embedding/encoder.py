@@ -30,6 +30,7 @@ class EncoderLayout:
     pooling: str  # one of MODES
     normalize: bool
     max_seq_length: int | None
+    matryoshka: bool = False  # trained so that a prefix of the embedding is one too
 
 
 def read_layout(folder: Path) -> EncoderLayout:
@@ -58,17 +59,44 @@ def read_layout(folder: Path) -> EncoderLayout:
     bert_config = kinds["Transformer"] / "sentence_bert_config.json"
     length = (json.loads(bert_config.read_text()).get("max_seq_length")
               if bert_config.is_file() else None)
-    return EncoderLayout(kinds["Transformer"], chosen[0], "Normalize" in kinds, length)
+    return EncoderLayout(kinds["Transformer"], chosen[0], "Normalize" in kinds, length,
+                         declares_matryoshka(folder))
+
+
+def declares_matryoshka(folder: Path) -> bool:
+    """Whether the folder says its model was trained with sentence-transformers'
+    MatryoshkaLoss (its model card names the loss, or `config_sentence_transformers.json`
+    has `"matryoshka": true`), so that a shorter prefix of an embedding is usable."""
+    config = folder / "config_sentence_transformers.json"
+    if config.is_file() and json.loads(config.read_text()).get("matryoshka") is True:
+        return True
+    card = folder / "README.md"
+    return card.is_file() and "MatryoshkaLoss" in card.read_text(errors="replace")
 
 
 class SentenceEncoder(nn.Module):
-    """transformer -> pooling -> (normalization): token ids in, one embedding per row."""
+    """transformer -> pooling -> (normalization): token ids in, one embedding per row.
 
-    def __init__(self, transformer: nn.Module, pooling: str, normalize: bool):
+    The transformer's own pooler (BERT's dense + tanh over the first token), which
+    sentence-transformers never reads, is dropped: a captured graph would otherwise carry
+    it as dead work (and PT2E's x86 quantizer fails on its unused output)."""
+
+    output_name = "embedding"  # the name of an exported graph's output
+
+    def __init__(self, transformer: nn.Module, pooling: str, normalize: bool,
+                 max_seq_length: int | None = None, matryoshka: bool = False):
         super().__init__()
         if pooling not in MODES:
             raise ValueError(f"pooling {pooling!r}: one of {', '.join(MODES)}")
+        if getattr(transformer, "pooler", None) is not None:
+            transformer.pooler = None
         self.transformer, self.pooling, self.normalize = transformer, pooling, normalize
+        self.max_seq_length, self.matryoshka = max_seq_length, matryoshka
+
+    @property
+    def config(self):
+        """The transformer's config (its position table bounds an export's length)."""
+        return self.transformer.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,9 +126,16 @@ def load_encoder(folder: Path) -> tuple[SentenceEncoder, object, EncoderLayout]:
     """(the encoder in eval mode, its tokenizer, its layout) of a sentence-transformers
     folder."""
     from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging
 
     layout = read_layout(folder)
-    transformer = AutoModel.from_pretrained(layout.transformer)
+    quiet = logging.get_verbosity()
+    logging.set_verbosity_error()  # a folder saved without the unused pooler: no warning
+    try:
+        transformer = AutoModel.from_pretrained(layout.transformer)
+    finally:
+        logging.set_verbosity(quiet)
     tokenizer = AutoTokenizer.from_pretrained(layout.transformer)
-    return SentenceEncoder(transformer, layout.pooling, layout.normalize).eval(), tokenizer, \
-        layout
+    encoder = SentenceEncoder(transformer, layout.pooling, layout.normalize,
+                              layout.max_seq_length, layout.matryoshka)
+    return encoder.eval(), tokenizer, layout

@@ -21,6 +21,7 @@ LM_FORMAT = "transformers"  # the one format of a causal LM
 LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples",
               "tensor_parallel", "pipeline_parallel", "oversubscribe", "tolerance")
 PARALLEL = ("tensor_parallel", "pipeline_parallel", "oversubscribe")
+CLASSIFIER_PARITY = ("min_agreement", "max_accuracy_drop")  # by argmax and accuracy
 
 
 class TensorRTShapes(StrictModel):
@@ -56,6 +57,10 @@ class ExportConfig(StrictModel):
     max_accuracy_drop: float | None = Field(
         None, ge=0, le=100, description="Largest accuracy loss in points against the source "
         "model (default: 1.5 when the export itself quantizes, else unchecked).")
+    min_fidelity: float | None = Field(
+        None, gt=0, le=1, description="Embedding models: smallest mean cosine accepted "
+        "between the file's embeddings and the source model's (default: 0.99999, or 0.99 "
+        "when the file or the model is int8 or bf16).")
     parity_samples: int | None = Field(
         None, ge=1, description="Eval examples (causal LMs: prompts) compared with the source "
         "model (default: all).")
@@ -166,19 +171,25 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
 
 
 def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
-    """A causal LM exports with format transformers and only its options; a classifier with
-    any other format."""
+    """A causal LM exports with format transformers and only its options; a classifier or
+    an embedding model with any other format, each with its own parity bounds."""
     where = f"stages.{index}"
     if task != "causal-lm":
         split = [o for o in PARALLEL if o in cfg.model_fields_set]
         if split:
             return [f"{where}.{split[0]}: splits a causal LM's decoder layers across "
-                    "processes; a classifier exports whole"]
+                    "processes; this model exports whole"]
         if cfg.format == LM_FORMAT:
             return [f"{where}.format: transformers exports a causal LM (its folder with a "
-                    "standalone decoding runtime); a classifier exports with torchscript, "
+                    "standalone decoding runtime); this model exports with torchscript, "
                     "onnx, aoti or tensorrt"]
-        return []
+        theirs = (CLASSIFIER_PARITY if task == "embedding" else ("min_fidelity",))
+        return [f"{where}.{o}: not a parity bound of this model (model.task: {task}); "
+                + ("an embedding export is held to min_fidelity and tolerance"
+                   if task == "embedding" else
+                   "a classifier export is held to tolerance, min_agreement and "
+                   "max_accuracy_drop")
+                for o in theirs if o in cfg.model_fields_set]
     if cfg.format != LM_FORMAT:
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
                 f"LM exports with format: {LM_FORMAT} (its folder with causal_lm/runtime.py, which "

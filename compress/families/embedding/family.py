@@ -1,0 +1,106 @@
+"""The embedding family's functions (see `compress.recipe.family_specs`): sentence-transformers
+models scored by how close their embeddings stay to the float model's.
+
+The model measured first in a run (the baseline) is the reference: its embeddings of the
+eval texts go to `<run>/embedding_reference.safetensors`, and every later model is compared
+with them (fidelity, recall@10). Labels, where the data has them, give k-NN accuracy.
+Speed is the recipe's latency sweep plus the eval texts at their real lengths
+(`real_items_per_s_bN`: sentences per second at batch N).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.data.datasets import DataBundle, Examples, iterate
+from compress.families.embedding.folder import load_recipe_encoder, provenance  # noqa: F401
+from compress.families.embedding.measures import fidelity, knn_accuracy, recall_at_k
+from compress.measure.evaluate import logits_of
+from compress.measure.figures import compare_to_input, latency_of, real_latency
+from compress.models.bundle import ModelBundle, count_params, sparsity
+
+REFERENCE = "embedding_reference.safetensors"
+RECALL_K = 10
+
+
+def load_data(recipe, source) -> DataBundle:
+    """Every split the recipe uses: texts, and labels where the data has them (k-NN)."""
+    from compress.data.datasets import load_data as load_tables
+
+    return load_tables(recipe, source, labels_required=False)
+
+
+def load_model(recipe, source, data: DataBundle) -> ModelBundle:
+    """The recipe's sentence-transformers model in float32."""
+    return load_recipe_encoder(source.location, recipe.model.checkpoint)
+
+
+@torch.inference_mode()
+def embed(model: torch.nn.Module, examples: Examples, batch_size: int, tokenizer,
+          max_length: int) -> torch.Tensor:
+    """The embeddings of every example, in order (float32, texts x width)."""
+    model.eval()
+    rows = [logits_of(model, inputs).float()
+            for inputs, _ in iterate(examples, batch_size, tokenizer, max_length,
+                                     list(range(len(examples))))]
+    return torch.cat(rows)
+
+
+def quality(embeddings: torch.Tensor, reference: torch.Tensor | None,
+            labels: list[int]) -> dict[str, Any]:
+    """Fidelity and recall@10 against `reference` (when given), k-NN accuracy (when labelled)."""
+    out: dict[str, Any] = {}
+    if reference is not None:
+        out.update(fidelity(embeddings, reference))
+        out[f"recall_at_{RECALL_K}"] = recall_at_k(embeddings, reference, RECALL_K)
+    if labels:
+        out["knn_accuracy"] = knn_accuracy(embeddings, torch.tensor(labels))
+    return out
+
+
+def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any] | None,
+            run_dir: Path, reference: bool = False) -> dict[str, Any]:
+    """Fidelity, recall@10 and k-NN accuracy on the eval split, latency (swept and at real
+    lengths, with sentences/s), params and sparsity. The reference writes its embeddings."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = recipe.evaluation
+    examples = data.splits["eval"]
+    embeddings = embed(bundle.model, examples, cfg.batch_size, bundle.tokenizer,
+                       data.max_length)
+    ref_file = run_dir / REFERENCE
+    if reference:
+        tmp = ref_file.with_name(f".{ref_file.name}.tmp")
+        save_file({"embeddings": embeddings.contiguous()}, str(tmp))
+        tmp.replace(ref_file)
+    ref = load_file(str(ref_file))["embeddings"] if ref_file.is_file() else None
+    metrics: dict[str, Any] = {**(known or {}),
+                               **quality(embeddings, ref, examples.labels),
+                               "dimensions": int(embeddings.shape[1])}
+    if cfg.latency.enabled:
+        metrics.update(latency_of(bundle, recipe))
+        if cfg.latency.real_lengths:
+            metrics.update(real_latency(bundle, examples, cfg.latency.batch_sizes,
+                                        data.max_length, cfg.latency.threads,
+                                        warmup=cfg.latency.warmup))
+    metrics["params"] = count_params(bundle.model)
+    metrics["sparsity"] = round(sparsity(bundle.model), 6)
+    return metrics
+
+
+def latency(bundle: ModelBundle, data: DataBundle, recipe) -> dict[str, Any]:
+    """The recipe's latency sweep."""
+    return latency_of(bundle, recipe)
+
+
+def compare(metrics: dict[str, Any], input_latency: dict[str, Any],
+            input_metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """Latency ratios and the fidelity change against the stage's input."""
+    out = compare_to_input(metrics, input_latency, None)
+    before = (input_metrics or {}).get("fidelity")
+    if before is not None and "fidelity" in metrics:
+        out["fidelity_delta_vs_input"] = round(metrics["fidelity"] - before, 6)
+    return out

@@ -29,19 +29,27 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
+    from batching import BATCH_HEADER, answer_rows, padded, text_items, token_rows, write_answer
     from handler_metrics import record
-    from http_answers import check_unicode, json_answer, load_json, reason_phrase
+    from http_answers import read_body, refusal, request_content_type
     from runtimes import load_runtime
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
+    from serve.batching import (
+        BATCH_HEADER,
+        answer_rows,
+        padded,
+        text_items,
+        token_rows,
+        write_answer,
+    )
     from serve.handler_metrics import record
-    from serve.http_answers import check_unicode, json_answer, load_json, reason_phrase
+    from serve.http_answers import read_body, refusal, request_content_type
     from serve.runtimes import load_runtime
     from serve.worker_threads import worker_threads
 
 logger = logging.getLogger(__name__)
 
-BATCH_HEADER = "X-Batch-Size"
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 # TorchServe wants exactly one class in a handler module: a request this handler cannot
 # answer raises ValueError from `parse`, and its message goes back with a 400.
@@ -100,16 +108,7 @@ class CompressHandler(BaseHandler):
 
     def write(self, i: int, result: Any, context) -> str:
         """Answer `i` as strict JSON; an error `(status, message)` also sets its status."""
-        if not isinstance(result, tuple):
-            try:
-                return json_answer(result)
-            except (TypeError, ValueError):
-                logger.exception("request %d: its answer is not JSON", i)
-                result = (500, "the answer could not be written as JSON")
-        status, message = result
-        context.set_response_status(status, reason_phrase(message), idx=i)
-        record(context, "CompressBadRequests" if status < 500 else "CompressFailedRequests", 1)
-        return json_answer({"error": message, "status": status})
+        return write_answer(context, i, result)
 
     def preprocess(self, data: list[dict[str, Any]], context) -> tuple[list, list, list]:
         """Read each request alone: (items of the forward pass, the request index of each
@@ -119,11 +118,12 @@ class CompressHandler(BaseHandler):
         results: list[Any] = []
         for i, request in enumerate(data):
             try:
-                parsed, many = self.parse(request, _content_type(context, i, request))
+                parsed, many = self.parse(request, request_content_type(context, i,
+                                                                        request))
                 if self.text:
                     parsed = self.encode(parsed)
             except Exception as exc:  # noqa: BLE001 (whatever one request raises is its own)
-                results.append((400, _refusal(exc)))
+                results.append((400, refusal(exc)))
                 continue
             results.append(many)
             items += parsed
@@ -132,49 +132,12 @@ class CompressHandler(BaseHandler):
 
     def parse(self, request: dict[str, Any], content_type: str) -> tuple[list[Any], bool]:
         """The items of one request and whether it asked for a list of answers."""
-        body = request.get("body", request.get("data"))
-        if body is None and "text" in request:  # a form field: curl -d text=...
-            text = request["text"]
-            body = {"text": bytes(text).decode("utf-8", "replace")
-                    if isinstance(text, bytes | bytearray) else text}
-        if body is None:
-            raise ValueError('no request body: send {"text": "..."} as application/json, or '
-                             "the text itself as text/plain")
-        raw = isinstance(body, bytes | bytearray)
-        if raw:
-            try:
-                body = bytes(body).decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError("the body is not UTF-8 text") from None
-        # TorchServe decodes a JSON body itself: a str it hands over with a JSON content
-        # type is a JSON string, parsed again only where it looks like JSON (as a plain-text
-        # body is); raw bytes are parsed where the content type says JSON
-        if isinstance(body, str) and ((raw and "json" in content_type)
-                                      or body.lstrip()[:1] in "{["):
-            body = load_json(body)
+        body = read_body(request, content_type)
         return self.parse_text(body) if self.text else self.parse_array(body)
 
     def parse_text(self, body: Any) -> tuple[list[str], bool]:
         """`{"text": s}`, `{"texts": [s, ...]}` or a plain string."""
-        many = isinstance(body, dict) and "texts" in body
-        if isinstance(body, dict):
-            texts = body.get("texts") if many else body.get("text")
-        else:
-            texts = body
-        texts = texts if many else [texts]
-        if not isinstance(texts, list) or not texts or not all(
-                isinstance(t, str) and t.strip() for t in texts):
-            raise ValueError('no text: send {"text": "..."}, {"texts": ["...", ...]} or a '
-                             "plain-text body")
-        if len(texts) > self.max_items:
-            raise ValueError(f"too many texts: {len(texts)}, at most {self.max_items} in one "
-                             f"request")
-        longest = max(len(t) for t in texts)
-        if longest > self.max_chars:
-            raise ValueError(f"text too long: {longest} characters, at most {self.max_chars}")
-        for text in texts:
-            check_unicode(text)
-        return texts, many
+        return text_items(body, self.max_items, self.max_chars)
 
     def parse_array(self, body: Any) -> tuple[list[torch.Tensor], bool]:
         """`{"input": array}`, `{"inputs": [array, ...]}` or a bare nested array of finite
@@ -206,49 +169,21 @@ class CompressHandler(BaseHandler):
         """One request's texts tokenized alone, unpadded: per text, the token lists of the
         model's inputs (a mask of ones and token types of zeros where the tokenizer gives
         none)."""
-        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
-        rows = []
-        for r, ids in enumerate(encoded["input_ids"]):
-            defaults = {"attention_mask": [1] * len(ids), "token_type_ids": [0] * len(ids)}
-            rows.append([encoded[name][r] if name in encoded else defaults[name]
-                         for name in self.meta["inputs"]])
-        return rows
+        return token_rows(self.tokenizer, texts, self.max_length, self.meta["inputs"])
 
     def collate(self, items: list[Any]) -> tuple[torch.Tensor, ...]:
         """One batch: token rows padded to the longest (on the tokenizer's side); arrays
         stacked."""
         if not self.text:
             return (torch.stack(items),)
-        longest = max(len(row[0]) for row in items)
-        left = self.tokenizer.padding_side == "left"
-        pads = [(self.tokenizer.pad_token_id or 0) if name == "input_ids" else 0
-                for name in self.meta["inputs"]]
-        columns = []
-        for k, pad in enumerate(pads):
-            padded = [([pad] * (longest - len(row[k])) if left else []) + row[k]
-                      + ([] if left else [pad] * (longest - len(row[k]))) for row in items]
-            columns.append(torch.tensor(padded, dtype=torch.long))
-        return tuple(columns)
+        return padded(items, self.tokenizer.pad_token_id or 0, self.meta["inputs"],
+                      left=self.tokenizer.padding_side == "left")
 
     def answer_rows(self, items: list[Any], owners: list[int]) -> dict[int, Any]:
         """Each request's answers, one per item, from one forward pass; where the batch
         fails, each request is run alone, so only one that fails alone gets its exception."""
-        if not items:
-            return {}
-        try:
-            return _grouped(self.postprocess(self.probabilities(items)), owners)
-        except Exception:  # noqa: BLE001 (a failing row must not fail the others)
-            logger.exception("a batch of %d rows failed: running each request alone",
-                             len(items))
-        rows: dict[int, Any] = {}
-        for owner in dict.fromkeys(owners):
-            mine = [item for item, o in zip(items, owners, strict=True) if o == owner]
-            try:
-                rows[owner] = self.postprocess(self.probabilities(mine))
-            except Exception as exc:  # noqa: BLE001
-                logger.exception("request %d failed alone", owner)
-                rows[owner] = exc
-        return rows
+        return answer_rows(items, owners,
+                           lambda rows: self.postprocess(self.probabilities(rows)))
 
     def probabilities(self, items: list[Any]) -> torch.Tensor:
         """Softmax of the model's logits for these items, in float32."""
@@ -269,29 +204,3 @@ class CompressHandler(BaseHandler):
                             "probabilities": dict(zip(self.labels, row, strict=True))})
         return answers
 
-
-def _grouped(answers: list[Any], owners: list[int]) -> dict[int, list[Any]]:
-    """Answers in rows order, grouped by the request that owns each row."""
-    grouped: dict[int, list[Any]] = {}
-    for owner, answer in zip(owners, answers, strict=True):
-        grouped.setdefault(owner, []).append(answer)
-    return grouped
-
-
-def _refusal(exc: Exception) -> str:
-    """The 400 message of one request's exception: a ValueError's own message, else its
-    kind (the traceback goes to the log)."""
-    if isinstance(exc, ValueError):
-        return str(exc)
-    logger.warning("a request could not be read", exc_info=exc)
-    return f"the request could not be read ({type(exc).__name__})"
-
-
-def _content_type(context, idx: int, request: dict[str, Any]) -> str:
-    """The content type of the request's body parameter ("" when unknown)."""
-    name = "body" if "body" in request else "data"
-    try:
-        header = context.get_request_header(idx, name)
-    except (AttributeError, IndexError, KeyError):
-        return ""
-    return (header or {}).get("content-type", "") if isinstance(header, dict) else ""

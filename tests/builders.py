@@ -118,6 +118,30 @@ def chosen(model: nn.Module) -> dict[str, nn.Module]:
     return select_layers(model, ["*"], EXCLUDE)
 
 
+# ---- embedding models ------------------------------------------------------------------------
+
+def cls_bert_folder(folder: Path) -> Path:
+    """A random-init BERT sentence-transformers folder in `folder`: CLS pooling, no Normalize
+    (2 layers, 32 wide, MiniLM's tokenizer)."""
+    from conftest import minilm_folder
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling/config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True,
+         "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}))
+    return folder
+
+
 # ---- causal LMs ------------------------------------------------------------------------------
 
 def lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,

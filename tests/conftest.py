@@ -94,6 +94,14 @@ def tiny_bert(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def cls_bert_folder(tmp_path_factory) -> Path:
+    """A random-init BERT sentence-transformers folder: CLS pooling, no Normalize."""
+    from builders import cls_bert_folder as build
+
+    return build(tmp_path_factory.mktemp("cls_bert"))
+
+
 def http_post(url: str, body: bytes, token: str | None = None,
               content_type: str = "application/json") -> tuple[int, dict, object]:
     """(status, headers, JSON answer) of one POST; the headers' names are case-insensitive,

@@ -22,7 +22,8 @@ SERVE = Path(serve.__file__).parent  # what ships inside an archive
 HANDLER = SERVE / "handler.py"
 # what every handler imports beside it
 HANDLER_MODULES = (SERVE / "runtimes.py", SERVE / "worker_threads.py",
-                   SERVE / "handler_metrics.py", SERVE / "http_answers.py")
+                   SERVE / "handler_metrics.py", SERVE / "http_answers.py",
+                   SERVE / "batching.py")
 SERVED_METRICS = ("accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8",
                   "parity_max_abs_diff", "parity_argmax_agreement", "runtime_threads")
 

@@ -22,6 +22,13 @@ from typing import Any
 from . import tools as lm_tools
 from .openai_request import CHAT, COMPLETIONS, Wanted
 
+try:  # inside the archive the shared modules lie at its root, beside the `causal_lm` package
+    from http_answers import openai_error as error  # noqa: F401 (OpenAI's error object)
+    from http_answers import openai_models as models  # noqa: F401 (GET v1/models)
+except ImportError:  # in the compress repository
+    from serve.http_answers import openai_error as error  # noqa: F401
+    from serve.http_answers import openai_models as models  # noqa: F401
+
 MODELS = "v1/models"
 ROUTES = (CHAT, COMPLETIONS, MODELS)
 STREAM_TYPE = "text/event-stream"
@@ -182,16 +189,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
-
-
-def error(message: str, status: int) -> dict[str, Any]:
-    """OpenAI's error object."""
-    kind = {400: "invalid_request_error", 401: "authentication_error",
-            404: "not_found_error"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
-
-
-def models(name: str) -> dict[str, Any]:
-    """`GET v1/models`: this model alone."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                        "owned_by": "compress"}]}

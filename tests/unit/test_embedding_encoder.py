@@ -1,10 +1,10 @@
 """The embedding family's reader and measures (compress/families/embedding): the shipped
-MiniLM and a random BERT folder with CLS pooling and no normalization, made here, embed as
-sentence-transformers' own `encode` does; the measures score known cases exactly."""
+MiniLM and a random BERT folder with CLS pooling and no normalization (the `cls_bert_folder`
+fixture) embed as sentence-transformers' own `encode` does; the measures score known cases
+exactly."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -40,28 +40,6 @@ def test_the_shipped_minilm_embeds_as_sentence_transformers_does() -> None:
     assert ours.shape == (4, 384)
     assert fidelity(ours, theirs)["fidelity_p1"] > 0.99999
     assert torch.allclose(ours.norm(dim=-1), torch.ones(4), atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def cls_bert_folder(tmp_path_factory) -> Path:
-    """A random-init BERT sentence-transformers folder: CLS pooling, no Normalize."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    folder = tmp_path_factory.mktemp("cls_bert")
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, intermediate_size=64)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"}]))
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling/config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True,
-         "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}))
-    return folder
 
 
 def test_a_cls_pooled_folder_keeps_its_pooling(cls_bert_folder: Path) -> None:

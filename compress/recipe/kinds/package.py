@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 import serve.causal_lm as causal_lm_code
+import serve.embedding as embedding_code
 from compress.recipe.options import StageName, StrictModel
 from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register, spec_of
@@ -21,7 +22,8 @@ LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapp
 
 class PackageConfig(StrictModel):
     """A TorchServe archive (.mar) of an exported file with compress's batching handler
-    (causal LMs: the streaming generation handler).
+    (causal LMs: the streaming generation handler; embedding models: the embedding handler,
+    which also answers OpenAI's v1/embeddings).
 
     A leaf like export: it adds `<model_name>.mar` and hands nothing on."""
 
@@ -170,8 +172,8 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
 SPEC = register(StageSpec(
     kind="package", config=PackageConfig, runner="compress.stages.package:run", order=70,
     makes_model=False, takes_model=False, measured=False,
-    code_modules=("serve.handler", "serve.runtimes", "serve.worker_threads",
-                  "compress.serving.archive"),
+    code_modules=("serve.handler", "serve.runtimes", "serve.worker_threads", "serve.batching",
+                  "serve.http_answers", "compress.serving.archive"),
     runtime=_runtime,
     input_stage=export_stage_index,
     check=lambda recipe, i: (_servable(recipe, i) + _fits_the_cache(recipe, i)
@@ -180,5 +182,7 @@ SPEC = register(StageSpec(
                                            + stages_fit_the_config(recipe, i, config)),
     check_task=_check_task,
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
-        *causal_lm_code.SERVING_MODULES, *causal_lm_code.RUNTIME_MODULES))},
+        *causal_lm_code.SERVING_MODULES, *causal_lm_code.RUNTIME_MODULES)),
+                 "embedding": tuple(f"serve.embedding.{m}"
+                                    for m in embedding_code.SERVING_MODULES)},
 ))

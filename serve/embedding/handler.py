@@ -1,0 +1,196 @@
+"""compress's TorchServe handler for embedding models: one forward pass per TorchServe batch,
+every input of every good request a row of it.
+
+Packed into an embedding `.mar` by the package stage with the modules of
+`embedding.SERVING_MODULES` (and the shared serving modules at the archive's root); imports
+nothing from compress. The exported file (`export.json` names it; its `embedding` block
+says the pooling, normalization, width, max_seq_length and Matryoshka training) returns
+each row's embedding already pooled and normalized. `model-config.yaml`'s `handler:`
+section holds threads, max_items (inputs in one request, 64 by default) and max_text_chars.
+
+Routes: POST on the model's URL (text, texts or plain text: `{"embedding": [...]}`, or
+`{"embeddings": [[...], ...]}` for texts) and under it OpenAI's `v1/embeddings` and
+`v1/models`, so that the `openai` client reaches it with
+`base_url=http://HOST:PORT/predictions/MODEL/VERSION/v1` and the inference token as its key
+(`requests.py` reads the bodies). OpenAI's answer is `{"object": "list", "data":
+[{"object": "embedding", "index", "embedding"}], "model", "usage": {"prompt_tokens",
+"total_tokens"}}`, each embedding a list of floats or, with `encoding_format: base64`, the
+base64 of its little-endian float32 bytes (what OpenAI's client asks for by default).
+
+Each request is read and tokenized alone, so whatever its body holds is a 400 for it only
+(OpenAI's error object on its routes); an embedding that is not finite is a 422; a batch
+whose forward pass fails is run again one request at a time, and only a request that fails
+alone gets a 500. Every answer carries `X-Batch-Size`: how many requests TorchServe served in
+the same batch.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from ts.torch_handler.base_handler import BaseHandler
+
+from . import requests as embedding_requests
+
+try:  # inside the archive the shared modules lie at its root, beside the `embedding` package
+    from batching import BATCH_HEADER, answer_rows, padded, write_answer
+    from handler_metrics import record
+    from http_answers import openai_models, read_body, refusal, request_content_type
+    from runtimes import load_runtime
+    from worker_threads import worker_threads
+except ImportError:  # in the compress repository
+    from serve.batching import BATCH_HEADER, answer_rows, padded, write_answer
+    from serve.handler_metrics import record
+    from serve.http_answers import openai_models, read_body, refusal, request_content_type
+    from serve.runtimes import load_runtime
+    from serve.worker_threads import worker_threads
+
+logger = logging.getLogger(__name__)
+PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
+DEFAULT_MAX_CHARS = 10_000
+DEFAULT_MAX_ITEMS = 64  # inputs in one request: each is a row of the batch
+EMBEDDINGS, MODELS = "v1/embeddings", "v1/models"
+ROUTES = (EMBEDDINGS, MODELS)
+
+
+class EmbeddingHandler(BaseHandler):
+    """Loads an exported sentence encoder and answers each TorchServe batch with one pass."""
+
+    def initialize(self, context) -> None:
+        """Load the exported file with a fixed intra-op thread count, and the tokenizer."""
+        from transformers import AutoTokenizer
+
+        model_dir = Path(context.system_properties["model_dir"])
+        config = context.model_yaml_config or {}
+        settings = config.get("handler") or {}
+        logger.info("%sloading %s", PROGRESS, model_dir.name)
+        self.meta = json.loads((model_dir / "export.json").read_text())
+        facts = self.meta["embedding"]
+        threads = worker_threads(settings.get("threads"), config.get("maxWorkers", 1))
+        torch.set_num_threads(threads)
+        self.forward = load_runtime(model_dir, self.meta, threads, spinning=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.normalize = bool(facts.get("normalize"))
+        self.model_name = context.model_name
+        limits = embedding_requests.Limits(
+            int(settings.get("max_items", DEFAULT_MAX_ITEMS)),
+            int(settings.get("max_text_chars", DEFAULT_MAX_CHARS)),
+            int(facts.get("max_seq_length") or self.tokenizer.model_max_length),
+            int(facts["dimensions"]), bool(facts.get("matryoshka")))
+        self.reader = embedding_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
+        self.initialized = True
+        logger.info("compress embedding handler: %s %s, %d threads, %d dimensions, %s "
+                    "pooling, max_seq_length %d", self.meta["format"], self.meta["file"],
+                    threads, limits.width, facts.get("pooling"), limits.max_tokens)
+
+    def handle(self, data: list[dict[str, Any]], context) -> list[str]:
+        """Answer every request of the batch: one forward pass over all good inputs."""
+        results: list[Any] = []
+        openai = [False] * len(data)
+        parsed: dict[int, embedding_requests.EmbeddingRequest] = {}
+        for i, request in enumerate(data):
+            context.set_response_header(i, BATCH_HEADER, str(len(data)))
+            context.set_response_content_type(i, "application/json")
+            try:
+                route = route_of(context.get_request_header(i, "url_path"))
+            except LookupError as exc:
+                results.append((404, str(exc)))
+                openai[i] = True
+                continue
+            openai[i] = route is not None
+            if route == MODELS:
+                results.append(openai_models(self.model_name))
+                continue
+            try:
+                parsed[i] = self.read(request, route, request_content_type(context, i,
+                                                                            request))
+            except Exception as exc:  # noqa: BLE001 (whatever one request raises is its own)
+                results.append((400, refusal(exc)))
+                continue
+            results.append(None)
+        items = [row for i in parsed for row in parsed[i].rows]
+        owners = [i for i in parsed for _ in parsed[i].rows]
+        rows = answer_rows(items, owners, self.embed)
+        for i, one in parsed.items():
+            results[i] = self.answer(one, rows.get(i, []))
+        record(context, "CompressBatchRows", len(data))
+        return [write_answer(context, i, result, openai[i])
+                for i, result in enumerate(results)]
+
+    def read(self, request: dict[str, Any], route: str | None,
+             content_type: str) -> embedding_requests.EmbeddingRequest:
+        """One request's body read into token rows (ValueError: a 400 that says why)."""
+        body = read_body(request, content_type)
+        return self.reader.native(body) if route is None else self.reader.openai(body)
+
+    def embed(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
+        """The embeddings of these token rows (right-padded, as the export's pooling reads
+        them), one float32 vector a row."""
+        inputs = padded(rows, self.tokenizer.pad_token_id or 0, self.meta["inputs"])
+        with torch.inference_mode():
+            out = self.forward(*inputs)
+        out = out[0] if isinstance(out, list | tuple) else out
+        return list(out.float())
+
+    def answer(self, one: embedding_requests.EmbeddingRequest,
+               vectors: list[torch.Tensor] | Exception) -> Any:
+        """The answer to one request from its rows' embeddings, or its error."""
+        if isinstance(vectors, Exception):
+            return (500, "embedding failed")
+        matrix = torch.stack(vectors)
+        if not torch.isfinite(matrix).all():
+            return (422, "the model's embedding of this input is not a finite number (NaN "
+                         "or infinity)")
+        if not one.openai:
+            return native_answer(matrix, one.many)
+        matrix = narrowed(matrix, one.dimensions, self.normalize)
+        return openai_answer(matrix, self.model_name, one.tokens, one.base64)
+
+
+def route_of(url_path: str | None) -> str | None:
+    """The OpenAI route of a request's `url_path` header, None for the native route;
+    LookupError (a 404) for another path."""
+    path = (url_path or "").strip("/")
+    if not path:
+        return None
+    if path not in ROUTES:
+        raise LookupError(f"unknown path {path!r}: this model answers {', '.join(ROUTES)} "
+                          "and POST on its own URL")
+    return path
+
+
+def narrowed(vectors: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """The embeddings cut to their first `dimensions` values (None: whole), made unit length
+    again where the model normalizes (sentence-transformers' truncate_dim, then Normalize)."""
+    if dimensions is None:
+        return vectors
+    cut = vectors[:, :dimensions]
+    return torch.nn.functional.normalize(cut, p=2, dim=-1) if normalize else cut
+
+
+def as_base64(vector: torch.Tensor) -> str:
+    """One embedding as OpenAI's base64: its float32 values' little-endian bytes."""
+    data = vector.detach().to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+    return base64.b64encode(data).decode("ascii")
+
+
+def openai_answer(vectors: torch.Tensor, model: str, tokens: int,
+                  base64_format: bool) -> dict[str, Any]:
+    """OpenAI's answer to one `v1/embeddings` request: one entry per input, in order."""
+    data = [{"object": "embedding", "index": k,
+             "embedding": as_base64(row) if base64_format else row.tolist()}
+            for k, row in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def native_answer(vectors: torch.Tensor, many: bool) -> dict[str, Any]:
+    """The native answer: `{"embedding": [...]}`, or `{"embeddings": [[...], ...]}` for a
+    request that sent `texts`."""
+    rows = vectors.tolist()
+    return {"embeddings": rows} if many else {"embedding": rows[0]}

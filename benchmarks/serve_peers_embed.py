@@ -1,0 +1,259 @@
+"""Served embeddings: `compress serve` of a run's embedding archive against infinity-emb on
+the same model, both driven by the same OpenAI client (`embeddings.create`), in one
+invocation. From the repository root:
+
+    COMPRESS_DATA_DIR=../shared/data python benchmarks/serve_peers_embed.py runs/embed_int8
+    python benchmarks/serve_peers_embed.py RUN --quick            # 1 round, c1 and c8
+    python benchmarks/serve_peers_embed.py RUN --no-compress      # infinity's variants alone
+
+infinity-emb 0.0.78 lives in its own environment (peers_embed_venv.py) and runs four
+variants (serve_peers_embed_servers.py): torch, torch with --compile, ONNX Runtime on
+sentence-transformers' fp32 ONNX and on its dynamic int8 file for this CPU (both built by
+peers_embed.py's onnx environment). A round visits every server in turn (reversed every
+other round); each is started for its visit and stopped after it, so it runs alone. At each
+concurrency: as many warm-up calls as the level, then `--requests` measured calls of
+`--inputs` eval texts each (serve_peers_embed_load.py). Prints the table
+(serve_peers_embed_table.py) and writes Markdown and JSON. Exit 2: bad arguments, a run
+that is missing, unfinished or not packaged (give --no-compress for infinity alone);
+1: a server or a build failed (the others are still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
+from peers_contenders import check_finished  # noqa: E402
+from peers_embed import eval_texts, source_model  # noqa: E402
+from peers_embed_items import BUILT, st_onnx_build  # noqa: E402
+from peers_embed_venv import INFINITY, ensure  # noqa: E402
+from peers_optimum import PeerError  # noqa: E402
+from serve_peers_embed_load import run_levels  # noqa: E402
+from serve_peers_embed_servers import INFINITY_VARIANTS, Server, infinity_folder  # noqa: E402
+from serve_peers_embed_table import ratios, render_markdown, render_text, table_rows  # noqa: E402
+from serve_peers_llm_table import cpu_facts  # noqa: E402
+
+from compress.errors import UserError, one_line  # noqa: E402
+from compress.runfolder.files import atomic_write_json, atomic_write_text, now  # noqa: E402
+from compress.serving.serve_target import resolve_target  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = ("torchserve", "litserve")
+FULL = {"rounds": 2, "concurrency": "1,8,32", "requests": 256}
+QUICK = {"rounds": 1, "concurrency": "1,8", "requests": 32}
+
+
+def echo(text: str) -> None:  # progress goes to stderr; stdout has the table alone
+    print(text, file=sys.stderr, flush=True)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse adds its usage)
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="a finished run of an embedding recipe with a package stage")
+    parser.add_argument("--quick", action="store_true", help="a development run: "
+                        + ", ".join(f"--{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument("--rounds", type=int, help=f"alternating rounds ({FULL['rounds']})")
+    parser.add_argument("--concurrency", help=f"levels, comma-separated ({FULL['concurrency']})")
+    parser.add_argument("--requests", type=int, help=f"measured calls a level ({FULL['requests']})")
+    parser.add_argument("--inputs", type=int, default=1, help="texts a call (1)")
+    parser.add_argument("--engines", default="torchserve",
+                        help=f"compress's engines, of {','.join(ENGINES)} (torchserve)")
+    parser.add_argument("--infinity", default=",".join(INFINITY_VARIANTS),
+                        help=f"infinity's variants ({','.join(INFINITY_VARIANTS)}); '' for none")
+    parser.add_argument("--no-compress", action="store_true", help="infinity alone")
+    parser.add_argument("--batch", type=int, default=32, help="infinity's --batch-size (32)")
+    parser.add_argument("--start-timeout", type=int, default=600,
+                        help="seconds a server may take to answer its first call (600)")
+    parser.add_argument("--markdown", type=Path, metavar="PATH",
+                        default=REPO / "benchmarks" / "results" / "serve_peers_embed.md",
+                        help="default: benchmarks/results/serve_peers_embed.md")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="every figure (default: the Markdown path with .json)")
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--concurrency {args.concurrency!r}: expected numbers like 1,8,32")
+    args.engines = [] if args.no_compress else [e for e in args.engines.split(",") if e]
+    args.variants = [v for v in args.infinity.split(",") if v]
+    problems = [f"unknown engine {e!r} (known: {', '.join(ENGINES)})"
+                for e in args.engines if e not in ENGINES]
+    problems += [f"unknown infinity variant {v!r} (known: {', '.join(INFINITY_VARIANTS)})"
+                 for v in args.variants if v not in INFINITY_VARIANTS]
+    problems += [f"--{n.replace('_', '-')} must be at least 1" for n in (
+        "rounds", "requests", "inputs", "batch", "start_timeout") if getattr(args, n) < 1]
+    problems += ["--concurrency: give levels of at least 1"] if not args.levels or min(
+        args.levels) < 1 else []
+    problems += ["no server to measure"] if not args.engines and not args.variants else []
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def archive_facts(mar: Path) -> dict[str, Any]:
+    """Model name, version and batching of an embedding archive; PeerError for another."""
+    with zipfile.ZipFile(mar) as archive:
+        manifest = json.loads(archive.read("MAR-INF/MANIFEST.json"))
+        names = archive.namelist()
+        config = yaml.safe_load(archive.read("model-config.yaml")) \
+            if "model-config.yaml" in names else {}
+    handler = (config or {}).get("handler") or {}
+    if handler.get("task") != "embedding":
+        raise UserError(f"{mar}: not an embedding archive (handler task "
+                        f"{handler.get('task')!r})")
+    return {"model_name": manifest["model"]["modelName"],
+            "version": str(manifest["model"].get("modelVersion") or "1.0"),
+            "batch_size": config.get("batchSize"), "max_batch_delay": config.get("maxBatchDelay"),
+            "workers": config.get("minWorkers"), "threads": handler.get("threads")}
+
+
+def server_items(args: argparse.Namespace, run_dir: Path, source: Path
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The servers (each ready, or carrying why not) and the facts for the header."""
+    items, facts = [], {}
+    if args.engines:
+        target = resolve_target(run_dir)
+        facts["compress archive"] = archive_facts(target.mar)
+        for engine in args.engines:
+            items.append({"key": f"compress-{engine}", "name": f"compress {engine}",
+                          "kind": "compress", "engine": engine, "target": str(run_dir),
+                          "serve_dir": str(target.serve_dir), **facts["compress archive"],
+                          "rounds": []})
+    if args.variants:
+        infinity = ensure(INFINITY, echo)
+        facts["infinity environment"] = infinity
+        built = st_onnx_build(run_dir, source, echo) if any(
+            v.startswith("optimum") for v in args.variants) else None
+        for variant in args.variants:
+            item = {"key": f"infinity-{variant}", "name": f"infinity {variant}",
+                    "kind": "infinity", "variant": variant, "folder": str(source),
+                    "binary": str(INFINITY.path() / "bin" / "infinity_emb"), "rounds": []}
+            if variant.startswith("optimum") and isinstance(built, dict):
+                key = "int8" if variant.endswith("int8") else "fp32"
+                item["folder"] = str(infinity_folder(Path(built["folder"]), built["files"][key],
+                                                     run_dir / BUILT / f"infinity_{key}"))
+            elif variant.startswith("optimum"):
+                item["error"] = f"no ONNX files: {built}"
+            items.append(item)
+    return items, facts
+
+
+def visit(item: dict[str, Any], args: argparse.Namespace, texts: list[str], work: Path
+          ) -> dict[str, Any]:
+    """One round's figures of one server: started, loaded at every level, stopped."""
+    server = Server(item, work, args.batch)
+    figures: dict[str, Any] = {}
+    try:
+        figures["cold_start_s"] = round(server.start(args.start_timeout), 2)
+        figures["runs"] = run_levels(server.base_url, server.model, texts, args.levels,
+                                     args.requests, args.inputs)
+    except PeerError as exc:
+        figures["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - this server's round failed; the rest go on
+        figures["error"] = one_line(exc)
+    finally:
+        figures["rss_peak_bytes"] = server.stop()
+    return figures
+
+
+def measure(items: list[dict[str, Any]], args: argparse.Namespace, texts: list[str],
+            work: Path) -> None:
+    """The rounds, alternating the order; each round's figures appended to its item."""
+    for r in range(args.rounds):
+        for item in items if r % 2 == 0 else items[::-1]:
+            if item.get("error"):
+                continue
+            echo(f"serve_peers_embed: round {r + 1}/{args.rounds}: {item['name']}: starting")
+            figures = visit(item, args, texts, work)
+            item["rounds"].append(figures)
+            echo(f"serve_peers_embed: round {r + 1}/{args.rounds}: {item['name']}: " + (
+                f"failed: {figures['error']}" if "error" in figures else
+                f"cold start {figures['cold_start_s']:.1f} s, " + ", ".join(
+                    f"c{run['concurrency']} {run['embeddings_per_s']} emb/s"
+                    + (f" ({run['errors']} errors)" if run["errors"] else "")
+                    for run in figures["runs"])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and report; 0, 1 when a server or a build failed, 2 for bad input."""
+    args = parse_args(argv)
+    mirror = REPO.parent / "shared" / "data"
+    if not os.environ.get("COMPRESS_DATA_DIR") and mirror.is_dir():
+        os.environ["COMPRESS_DATA_DIR"] = str(mirror)
+    try:
+        return _main(args)
+    except UserError as exc:
+        for message in exc.messages:
+            print(f"error: {message}", file=sys.stderr)
+        return 2
+    except PeerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir.resolve()
+    check_finished(run_dir)
+    texts, recipe, _ = eval_texts(run_dir, None)
+    source, _ = source_model(recipe)
+    items, facts = server_items(args, run_dir, source)
+    work = Path(tempfile.mkdtemp(prefix="serve_peers_embed-"))
+    echo(f"serve_peers_embed: server logs in {work}")
+    measure(items, args, texts, work)
+    rows = table_rows(items, args.levels)
+    lines = ratios(rows, args.levels) + [f"{i['name']}: failed: {i['error']}" for i in items
+                                         if i.get("error")] + [
+        f"{i['name']}: round {r + 1} failed: {f['error']}"
+        for i in items for r, f in enumerate(i["rounds"]) if f.get("error")]
+    print(render_text(rows, lines), end="")
+    header = {"title": "Served embeddings: compress serve against infinity-emb",
+              "date": now(), **cpu_facts(), "cores": os.cpu_count(),
+              "command": shlex.join(["python", "benchmarks/serve_peers_embed.py", *sys.argv[1:]]),
+              "facts": {"model": f"{recipe.model.source} ({source})",
+                        "load": f"{args.requests} calls a level after as many warm-up calls "
+                                f"as the level, {args.inputs} eval text(s) a call "
+                                f"({len(texts)} texts, cycled), {args.rounds} round(s)",
+                        **{k: json.dumps(v) for k, v in facts.items()}},
+              "notes": ["Each server is started for its visit in a round and stopped after "
+                        "it, so it runs alone; cold start is from launching its command to "
+                        "its first answered call, median of the starts.",
+                        "emb/s: embeddings returned over the level's wall time; p50 / p99: "
+                        "from a call to its parsed answer. Figures are medians over rounds; "
+                        "errors a sum; RSS the largest of the server's process tree."]}
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.markdown, render_markdown(rows, lines, header))
+    json_path = args.json or args.markdown.with_suffix(".json")
+    atomic_write_json(json_path, {"header": header, "items": items, "rows": rows,
+                                  "ratios": lines})
+    echo(f"serve_peers_embed: wrote {args.markdown} and {json_path}")
+    failed = [i for i in items if i.get("error") or any(r.get("error") for r in i["rounds"])]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""benchmarks/peers_embed.py's and serve_peers_embed.py's pure parts: the tables (spread,
+ratios to sentence-transformers' ONNX int8 by median and by best, the int8 peak share; the
+served rows and their ratios to infinity), row selection, which exports are embedding
+exports, the CPU's quantize config, the child's timing loop, the calls' texts and the
+arguments. No environment is built, no server started and nothing timed for real."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import peers_embed  # noqa: E402
+import peers_embed_child as child  # noqa: E402
+import serve_peers_embed  # noqa: E402
+import serve_peers_embed_load as load  # noqa: E402
+import serve_peers_embed_table as serve_table  # noqa: E402
+from peers_embed_items import is_embedding_export, quantize_config  # noqa: E402
+from peers_embed_table import (  # noqa: E402
+    peak_share,
+    render_markdown,
+    render_text,
+    select,
+    spread,
+    table_rows,
+)
+
+
+def _item(name: str, rates: list[float], **extra) -> dict:
+    return {"name": name, "runtime": f"runtime of {name}", "size_mb": 22.5,
+            "rounds": [{"items_per_s": r} for r in rates], **extra}
+
+
+def test_spread_is_min_median_max_of_the_rounds():
+    assert spread([300.0, 100.0, 200.0]) == {"sps_min": 100.0, "sps_median": 200.0,
+                                            "sps_max": 300.0}
+    assert spread([]) == {"sps_min": None, "sps_median": None, "sps_max": None}
+
+
+def test_ratios_are_against_the_st_onnx_int8_row_by_median_and_by_best():
+    rows = table_rows([_item("st_onnx_int8", [100.0, 200.0, 400.0]),
+                       _item("int8_aoti", [300.0, 330.0, 360.0],
+                             quality={"fidelity": 0.99, "fidelity_p1": 0.98,
+                                      "recall_at_10": 0.9})])
+    ours = rows[1]
+    assert ours["ratio_median"] == pytest.approx(330 / 200)
+    assert ours["ratio_best"] == pytest.approx(360 / 400)
+    assert rows[0]["ratio_median"] == 1.0
+    assert (ours["fidelity"], ours["fidelity_p1"], ours["recall_at_10"]) == (0.99, 0.98, 0.9)
+
+
+def test_without_the_reference_row_there_are_no_ratios():
+    rows = table_rows([_item("int8_aoti", [300.0])])
+    assert rows[0]["ratio_median"] is None and rows[0]["ratio_best"] is None
+
+
+def test_a_failed_row_keeps_its_place_and_says_why():
+    rows = table_rows([_item("st_onnx_int8", [100.0]),
+                       _item("fastembed_fp32", [], error="cannot load the model")])
+    assert rows[1]["sps_median"] is None and rows[1]["ratio_median"] is None
+    text = render_text(rows)
+    assert "fastembed_fp32: failed: cannot load the model" in text
+    assert text.splitlines()[2].split()[-1] == "-"  # the failed row's cells
+
+
+def test_peak_share_is_the_pass_flops_over_its_time_over_the_peak():
+    # 872 texts at 436 sentences/s take 2 s; 2e12 FLOPs in 2 s is 1e12/s, 10% of 1e4 GOP/s
+    assert peak_share(2e12, 436.0, 872, 1e4) == pytest.approx(10.0)
+    assert peak_share(None, 436.0, 872, 1e4) is None
+    assert peak_share(2e12, 436.0, 872, None) is None
+    rows = table_rows([_item("st_onnx_int8", [436.0])], flops=2e12, count=872, peak_gops=1e4)
+    assert rows[0]["pct_int8_peak"] == pytest.approx(10.0)
+
+
+def test_select_keeps_table_order_and_names_unknown_rows():
+    names = ["st_fp32", "st_onnx_int8", "int8_aoti"]
+    assert select(names, None) == (names, [])
+    assert select(names, ["int8_aoti", "st_fp32"]) == (["st_fp32", "int8_aoti"], [])
+    assert select(names, ["int8_aotl"]) == ([], ["int8_aotl"])
+
+
+def test_markdown_has_the_header_the_table_and_the_failures():
+    rows = table_rows([_item("st_onnx_int8", [100.0, 120.0]),
+                       _item("st_openvino_int8", [], error="no calibration")])
+    text = render_markdown(rows, {"date": "2026-11-26", "cpu": "AMD EPYC", "cores": 2,
+                                  "isa": {"avx512_vnni": True}, "rounds": 2, "passes": 3,
+                                  "warmup": 3, "texts": 872, "batch": 32,
+                                  "versions": {"torch": "2.13.0"}, "notes": ["a note"]})
+    assert "AMD EPYC (2 cores); avx512_vnni yes" in text
+    assert "| st_onnx_int8 | runtime of st_onnx_int8 | - | - | - | 110.0 | 100.0 | 120.0 |" \
+        in text
+    assert "- a note" in text and "- st_openvino_int8: failed: no calibration" in text
+
+
+def test_quantize_config_follows_the_cpu():
+    assert quantize_config({"avx2", "avx512_vnni"}, "x86_64") == "avx512_vnni"
+    assert quantize_config({"avx2"}, "x86_64") == "avx2"
+    assert quantize_config(set(), "aarch64") == "arm64"
+
+
+def test_only_embedding_exports_are_rows(tmp_path):
+    embedding, block, classifier, broken = (tmp_path / n for n in "abcd")
+    for folder, meta in ((embedding, {"outputs": ["embedding"]}),
+                         (block, {"outputs": ["logits"], "embedding": {"pooling": "mean"}}),
+                         (classifier, {"outputs": ["logits"]})):
+        folder.mkdir()
+        (folder / "export.json").write_text(json.dumps({"file": "model.onnx", **meta}))
+    broken.mkdir()
+    (broken / "export.json").write_text("{not json")
+    assert is_embedding_export(embedding)["file"] == "model.onnx"
+    assert is_embedding_export(block) is not None  # an AOTI package naming "logits"
+    assert is_embedding_export(classifier) is None
+    assert is_embedding_export(broken) is None
+    assert is_embedding_export(tmp_path / "missing") is None
+
+
+def test_the_timing_loop_pads_nothing_itself_and_keeps_the_first_pass():
+    seen = []
+
+    def encode(texts):
+        seen.append(len(texts))
+        return np.ones((len(texts), 4), dtype=np.float32) * len(seen)
+
+    figures, first = child.time_passes(encode, [f"t{i}" for i in range(70)], 32, 1, 2)
+    assert seen == [32, 32, 32, 6, 32, 32, 6]  # 1 warm-up batch, then 2 passes of 3
+    assert first.shape == (70, 4) and first[0, 0] == 2.0  # the first timed pass
+    assert len(figures["items_per_s_passes"]) == 2 and figures["items_per_s"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["RUN", "--rounds", "0"], "--rounds must be at least 1"),
+    (["RUN", "--limit", "0"], "--limit must be at least 1"),
+    (["RUN", "--warmup", "-1"], "--warmup must be at least 0"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        peers_embed.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_run_folder_is_a_user_error(tmp_path, capsys):
+    assert peers_embed.main([str(tmp_path / "nowhere"), "--no-peers"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- serve_peers_embed.py
+
+
+def _server(key: str, kind: str, rates: list[float], p50: float = 10.0) -> dict:
+    return {"key": key, "name": key.replace("-", " "), "kind": kind, "rounds": [
+        {"cold_start_s": 5.0 + i, "rss_peak_bytes": (100 + i) * 2**20,
+         "runs": [{"concurrency": 8, "embeddings_per_s": rate, "latency_ms_p50": p50,
+                   "latency_ms_p99": 2 * p50, "errors": 1}]}
+        for i, rate in enumerate(rates)]}
+
+
+def test_serve_rows_are_medians_over_rounds_with_errors_summed():
+    rows = serve_table.table_rows([_server("compress-torchserve", "compress", [90, 110, 100])],
+                                  [8, 32])
+    at8, at32 = rows
+    assert (at8["embeddings_per_s"], at8["errors"], at8["rounds"]) == (100, 3, 3)
+    assert at8["rss_mb"] == 102 and at8["cold_start_s"] == 6.0
+    assert at32["rounds"] == 0 and at32["embeddings_per_s"] is None and at32["errors"] is None
+
+
+def test_serve_ratios_name_the_fastest_infinity_and_divide_by_each():
+    rows = serve_table.table_rows([_server("compress-torchserve", "compress", [300], p50=20),
+                                   _server("infinity-torch", "infinity", [100]),
+                                   _server("infinity-optimum-int8", "infinity", [200], p50=40)],
+                                  [8])
+    lines = serve_table.ratios(rows, [8])
+    assert lines[0] == "c8: the fastest infinity is infinity optimum int8 (200 emb/s)"
+    assert lines[1] == ("c8: compress torchserve emb/s / infinity torch 3.00x, / infinity "
+                        "optimum int8 1.50x, p50 latency / the fastest's 0.50x")
+    text = serve_table.render_text(rows, lines)
+    assert "compress torchserve" in text and lines[1] in text
+
+
+def test_calls_cycle_through_the_texts():
+    assert load.batches_of(["a", "b", "c"], 2, 3) == [["a", "b"], ["c", "a"], ["b", "c"]]
+    assert load.batches_of(["a", "b", "c"], 1, 2, start=2) == [["c"], ["a"]]
+    figures = load.level_figures([10.0, 30.0, 20.0], 3, ["HTTP 500"], 8, 4, 0.5)
+    assert figures["embeddings_per_s"] == 6.0 and figures["latency_ms_p50"] == 20.0
+    assert figures["errors"] == 1 and figures["ok"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["RUN", "--concurrency", "1,x"], "--concurrency"),
+    (["RUN", "--infinity", "tensorrt"], "unknown infinity variant 'tensorrt'"),
+    (["RUN", "--engines", "triton"], "unknown engine 'triton'"),
+    (["RUN", "--no-compress", "--infinity", ""], "no server to measure"),
+])
+def test_serve_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve_peers_embed.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_quick_fills_only_what_was_not_given():
+    args = serve_peers_embed.parse_args(["RUN", "--quick", "--requests", "5"])
+    assert (args.rounds, args.levels, args.requests) == (1, [1, 8], 5)
+    assert serve_peers_embed.parse_args(["RUN"]).levels == [1, 8, 32]

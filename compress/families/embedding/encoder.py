@@ -98,6 +98,11 @@ class SentenceEncoder(nn.Module):
         """The transformer's config (its position table bounds an export's length)."""
         return self.transformer.config
 
+    @property
+    def base_model(self) -> nn.Module:
+        """The transformer (where layer-level code finds `encoder.layer`)."""
+        return self.transformer
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}

@@ -118,8 +118,17 @@ def _teacher_has_the_layers(recipe: Any, i: int, model_config: dict[str, Any]) -
 
 
 def _check_task(cfg: DistillConfig, task: str, index: int) -> list[str]:
-    """A causal LM's student keeps some of its teacher's decoder layers."""
+    """A causal LM's or an embedding model's student keeps some of its teacher's layers."""
     where = f"stages.{index}"
+    if task == "embedding":
+        options = [o for o in ("temperature", "alpha", "layerwise", "quantization_aware")
+                   if o in cfg.model_fields_set]
+        options += [f"student.{o}" for o in ("factory", "hf_config")
+                    if getattr(cfg.student, o) is not None]
+        return [f"{where}.{o}: not an option of an embedding model's distillation, whose "
+                "student keeps some of the teacher's layers (student.layers or "
+                "student.layer_indices) and learns its embeddings by MSE and cosine"
+                for o in options]
     if task != "causal-lm":
         problems = ([f"{where}.quantization_aware: only a causal LM takes this option; a "
                      "classifier's student is quantized by a later `quantize` stage (mode: qat)"]

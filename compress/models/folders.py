@@ -26,6 +26,10 @@ def save_model(bundle: ModelBundle, folder: Path) -> Path:
         from compress.recipe.family_specs import part
 
         return part("causal-lm", "folder").save_lm(bundle, folder)
+    if bundle.kind == "embedding":  # a sentence-transformers folder
+        from compress.recipe.family_specs import part
+
+        return part("embedding", "folder").save_encoder(bundle, folder)
     if bundle.structure is not None:
         (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
     if bundle.kind == "hf":
@@ -52,6 +56,10 @@ def load_saved(folder: Path) -> ModelBundle:
         from compress.recipe.family_specs import part
 
         return part("causal-lm", "folder").load_lm(folder)
+    if (folder / "modules.json").is_file():  # a sentence-transformers folder
+        from compress.recipe.family_specs import part
+
+        return part("embedding", "folder").load_encoder_folder(folder)
     structure_file = folder / STRUCTURE
     structure = json.loads(structure_file.read_text()) if structure_file.is_file() else None
     meta_file = folder / "model.json"

@@ -49,10 +49,7 @@ def read_layout(folder: Path) -> EncoderLayout:
     if "Transformer" not in kinds or "Pooling" not in kinds:
         raise UserError(f"{folder}: modules.json needs a Transformer and a Pooling module")
     pooling_config = json.loads((kinds["Pooling"] / "config.json").read_text())
-    chosen = [mode for mode in MODES
-              if pooling_config.get(f"pooling_mode_{mode}_token"
-                                    if mode in ("cls", "lasttoken") else
-                                    f"pooling_mode_{mode}_tokens")]
+    chosen = [mode for mode in MODES if pooling_config.get(pooling_key(mode))]
     if len(chosen) != 1:
         raise UserError(f"{kinds['Pooling']}/config.json: exactly one pooling mode must be "
                         f"on, found {chosen or 'none'} (one of {', '.join(MODES)})")
@@ -61,6 +58,12 @@ def read_layout(folder: Path) -> EncoderLayout:
               if bert_config.is_file() else None)
     return EncoderLayout(kinds["Transformer"], chosen[0], "Normalize" in kinds, length,
                          declares_matryoshka(folder))
+
+
+def pooling_key(mode: str) -> str:
+    """The key of `mode` in sentence-transformers' Pooling config."""
+    return {"cls": "pooling_mode_cls_token", "lasttoken": "pooling_mode_lasttoken"}.get(
+        mode, f"pooling_mode_{mode}_tokens")
 
 
 def declares_matryoshka(folder: Path) -> bool:

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import UserError
-from compress.families.embedding.encoder import MODES, SentenceEncoder, load_encoder
+from compress.families.embedding.encoder import (
+    MODES,
+    SentenceEncoder,
+    load_encoder,
+    pooling_key,
+)
 from compress.models.bundle import ModelBundle
 
 KIND = "embedding"  # ModelBundle.kind of a float sentence encoder
@@ -63,8 +68,7 @@ def save_encoder(bundle: ModelBundle, folder: Path) -> Path:
 
 def pooling_config(mode: str, width: int) -> dict[str, Any]:
     """sentence-transformers' Pooling config with exactly `mode` on."""
-    flags = {(f"pooling_mode_{m}_token" if m in ("cls", "lasttoken")
-              else f"pooling_mode_{m}_tokens"): m == mode for m in MODES}
+    flags = {pooling_key(m): m == mode for m in MODES}
     return {"word_embedding_dimension": width, **flags}
 
 

@@ -28,7 +28,8 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     """Export the encoder that entered the stage; check its fidelity and record it."""
     bundle = state.bundle
     final = ctx.folder / cfg.format
-    facts = {"embedding": served_facts(ctx)}
+    facts = {"outputs": ["embedding"], "embedding": served_facts(ctx)}  # a PT2E program
+    # has lost the encoder's output_name: the file's one output is still the embedding
     path, made = export(bundle, cfg, final, ctx.data.splits.get("calibration"),
                         ctx.data.max_length, lambda m: ctx.log(f"{ctx.name}: {m}"), meta=facts)
     ctx.metrics.update(made)

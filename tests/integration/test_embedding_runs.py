@@ -1,0 +1,141 @@
+"""The embedding family through the pipeline (issue 44): a random BERT sentence-transformers
+folder with CLS pooling and no Normalize is distilled to one layer, saved as a
+sentence-transformers folder that sentence-transformers itself loads and embeds alike,
+quantized (PT2E dynamic int8) and exported (ONNX float, AOTI int8); every model is scored
+against the baseline's embeddings (fidelity, recall@10, k-NN accuracy of the labels) and
+every export's parity is held to fidelity. Recipe checks refuse what an embedding model does
+not take, in one line each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_recipe, write_sentiment_tables
+
+from compress.errors import UserError
+from compress.recipe.schema import load_recipe
+from compress.recipe.sources import check_recipe_sources
+
+
+def embedding_recipe(model: Path, data: Path, out: Path, stages: list[dict]) -> dict:
+    return {"name": "tiny_embed_run", "model": {"source": str(model), "task": "embedding"},
+            "data": {"source": str(data), "text_column": "sentence", "max_length": 32,
+                     "train": {"split": "train"},
+                     "calibration": {"split": "train", "max_samples": 32},
+                     "eval": {"split": "validation"}},
+            "stages": stages,
+            "evaluation": {"batch_size": 16,
+                           "latency": {"batch_sizes": [1, 4], "seq_len": 16, "iters": 2,
+                                       "warmup": 1}},
+            "output_dir": str(out), "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def embedding_run(cls_bert_folder: Path, tmp_path_factory) -> Path:
+    """distill (1 layer) -> export onnx -> quantize dynamic -> export aoti; the run folder."""
+    from builders import run_in_process
+
+    tmp = tmp_path_factory.mktemp("embedding_runs")
+    data = write_sentiment_tables(tmp / "data", 96, 40)
+    stages = [{"kind": "distill", "student": {"layer_indices": [1]}, "epochs": 2,
+               "batch_size": 16, "learning_rate": 1e-3},
+              {"kind": "export", "name": "fp32_onnx", "format": "onnx"},
+              {"kind": "quantize", "mode": "dynamic"},
+              {"kind": "export", "name": "int8_aoti", "format": "aoti"}]
+    recipe = write_recipe(tmp / "embed.yaml", embedding_recipe(cls_bert_folder, data,
+                                                               tmp / "runs", stages))
+    manifest = run_in_process(recipe)
+    assert [s["status"] for s in manifest["stages"]] == ["done"] * 4
+    return tmp / "runs" / "tiny_embed_run"
+
+
+def manifest_of(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())
+
+
+def test_every_model_is_scored_against_the_baselines_embeddings(embedding_run: Path) -> None:
+    manifest = manifest_of(embedding_run)
+    assert manifest["model"] == {"task": "embedding", "pooling": "cls", "normalize": False,
+                                 "dimensions": 32, "max_seq_length": 512,
+                                 "matryoshka": False}
+    base = manifest["baseline"]["metrics"]
+    assert (base["fidelity"], base["recall_at_10"], base["dimensions"]) == (1.0, 1.0, 32)
+    assert 0 <= base["knn_accuracy"] <= 1 and base["real_items_per_s_b4"] > 0
+    assert (embedding_run / "embedding_reference.safetensors").is_file()
+    distill, onnx, quantize, aoti = (s["metrics"] for s in manifest["stages"])
+    assert distill["student_layers"] == 1 and distill["teacher_layers"] == 2
+    # a random teacher's CLS barely moves when a layer goes; training moved the student,
+    # and it stays as close to the teacher as it started
+    assert distill["fidelity_to_teacher"] != distill["fidelity_to_teacher_before_training"]
+    assert distill["fidelity"] == distill["fidelity_to_teacher"] > 0.999
+    assert distill["train_loss"] > 0
+    assert distill["params"] < base["params"]
+    # the float ONNX file embeds as the student does; the int8 program close to it
+    assert onnx["parity_max_abs_diff"] < 1e-4 and onnx["parity_fidelity"] >= 0.99999
+    assert onnx["parity_min_fidelity"] == 0.99999
+    assert quantize["quant_mode"] == "dynamic"
+    assert aoti["parity_tolerance"] is None and aoti["parity_min_fidelity"] == 0.99
+    assert aoti["parity_fidelity"] >= 0.99
+    for metrics in (distill, onnx, quantize, aoti):
+        assert 0 < metrics["fidelity"] <= 1 + 1e-6 and 0 <= metrics["recall_at_10"] <= 1
+        assert "latency_ms_b1" in metrics and "latency_ratio_b4" in metrics
+
+
+def test_exports_say_what_a_server_needs(embedding_run: Path) -> None:
+    for stage in ("01-export/onnx", "03-export/aoti"):
+        meta = json.loads((embedding_run / stage / "export.json").read_text())
+        assert meta["outputs"] == ["embedding"]
+        assert meta["embedding"] == {"pooling": "cls", "normalize": False, "dimensions": 32,
+                                     "max_seq_length": 512, "matryoshka": False}
+    import onnx
+
+    graph = onnx.load(str(embedding_run / "01-export/onnx/model.onnx")).graph
+    assert [o.name for o in graph.output] == ["embedding"]
+
+
+def test_a_stage_model_is_a_sentence_transformers_folder(embedding_run: Path) -> None:
+    st = pytest.importorskip("sentence_transformers")
+    from compress.families.embedding.encoder import load_encoder
+
+    folder = embedding_run / "00-distill" / "model"
+    texts = ["a good film", "bad bad bad", "an utterly ordinary evening"]
+    theirs = torch.as_tensor(st.SentenceTransformer(str(folder), device="cpu").encode(texts))
+    encoder, tokenizer, layout = load_encoder(folder)
+    assert (layout.pooling, layout.normalize) == ("cls", False)
+    assert encoder.config.num_hidden_layers == 1
+    with torch.no_grad():
+        ours = encoder(**tokenizer(texts, padding=True, return_tensors="pt"))
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("stage", "wanted"), [
+    ({"kind": "quantize", "mode": "qat"}, "stages.0.mode: qat trains against labels"),
+    ({"kind": "distill", "student": {"layers": 1}, "temperature": 3.0},
+     "stages.0.temperature: not an option of an embedding model's distillation"),
+    ({"kind": "export", "format": "onnx", "max_accuracy_drop": 1.0},
+     "stages.0.max_accuracy_drop: not a parity bound of this model"),
+    ({"kind": "prune", "amount": 0.5}, "stages.0 (prune): this stage kind does not take an "
+     "embedding model yet"),
+])
+def test_what_an_embedding_model_does_not_take_is_refused(
+        stage: dict, wanted: str, cls_bert_folder: Path, tmp_path: Path) -> None:
+    data = write_sentiment_tables(tmp_path / "data", 16, 8)
+    path = write_recipe(tmp_path / "r.yaml",
+                        embedding_recipe(cls_bert_folder, data, tmp_path / "runs", [stage]))
+    with pytest.raises(UserError) as raised:
+        check_recipe_sources(load_recipe(path))
+    assert any(m.startswith(wanted) for m in raised.value.messages), raised.value.messages
+
+
+def test_a_classifier_export_refuses_min_fidelity(cls_bert_folder: Path, tmp_path: Path) -> None:
+    data = write_sentiment_tables(tmp_path / "data", 16, 8)
+    raw = embedding_recipe(cls_bert_folder, data, tmp_path / "runs",
+                           [{"kind": "export", "format": "onnx", "min_fidelity": 0.9}])
+    raw["model"]["task"] = "classification"
+    with pytest.raises(UserError) as raised:
+        check_recipe_sources(load_recipe(write_recipe(tmp_path / "r.yaml", raw)))
+    assert any(m.startswith("stages.0.min_fidelity: not a parity bound") for m in
+               raised.value.messages), raised.value.messages

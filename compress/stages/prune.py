@@ -37,10 +37,11 @@ FLOPS_SEQ_LEN = 128
 REPRUNE_TIMES = 10  # how often gradual pruning raises the sparsity over the recovery steps
 
 
-def prune(bundle: ModelBundle, cfg: PruneConfig, setup: TrainSetup | None = None
-          ) -> dict[str, Any]:
+def prune(bundle: ModelBundle, cfg: PruneConfig, setup: TrainSetup | None = None,
+          loss_fn: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Prune `bundle`'s model in place per `cfg`, recovering on `setup` (needed when
-    `cfg.recovery` is set); the figures. CompressError when nothing can be pruned."""
+    `cfg.recovery` is set) with `loss_fn` (default: the training loop's cross-entropy on
+    the labels); the figures. CompressError when nothing can be pruned."""
     model = bundle.model
     layers = select_layers(model, cfg.include, cfg.exclude)
     if not layers:
@@ -64,7 +65,9 @@ def prune(bundle: ModelBundle, cfg: PruneConfig, setup: TrainSetup | None = None
         opts = cfg.recovery
         seed = opts.seed if opts.seed is not None else setup.seed
         recovery = replace(setup, seed=seed, desc=f"{setup.desc} recovery")
-        metrics.update(recovery.run(model, opts, bundle.tokenizer, on_step=on_step).figures())
+        extra = {} if loss_fn is None else {"loss_fn": loss_fn}
+        metrics.update(recovery.run(model, opts, bundle.tokenizer, on_step=on_step,
+                                    **extra).figures())
     if cfg.method != "structured":
         prune_magnitude(layers, cfg.amount, cfg.method)  # exact final sparsity, even if resumed
     return {**metrics,

@@ -1,6 +1,7 @@
 """The embedding family through the pipeline (issue 44): a random BERT sentence-transformers
-folder with CLS pooling and no Normalize is distilled to one layer, saved as a
-sentence-transformers folder that sentence-transformers itself loads and embeds alike,
+folder with CLS pooling and no Normalize is distilled to one layer (saved as a
+sentence-transformers folder that sentence-transformers itself loads and embeds alike), half
+its FFN neurons removed and recovered towards its unpruned self (read back at its new shapes),
 quantized (PT2E dynamic int8) and exported (ONNX float, AOTI int8); every model is scored
 against the baseline's embeddings (fidelity, recall@10, k-NN accuracy of the labels) and
 every export's parity is held to fidelity. Recipe checks refuse what an embedding model does
@@ -35,20 +36,23 @@ def embedding_recipe(model: Path, data: Path, out: Path, stages: list[dict]) -> 
 
 @pytest.fixture(scope="module")
 def embedding_run(cls_bert_folder: Path, tmp_path_factory) -> Path:
-    """distill (1 layer) -> export onnx -> quantize dynamic -> export aoti; the run folder."""
+    """distill (1 layer) -> structured prune with recovery -> export onnx -> quantize
+    dynamic -> export aoti; the run folder."""
     from builders import run_in_process
 
     tmp = tmp_path_factory.mktemp("embedding_runs")
     data = write_sentiment_tables(tmp / "data", 96, 40)
     stages = [{"kind": "distill", "student": {"layer_indices": [1]}, "epochs": 2,
                "batch_size": 16, "learning_rate": 1e-3},
+              {"kind": "prune", "method": "structured", "target": "ffn", "amount": 0.5,
+               "recovery": {"epochs": 1, "batch_size": 16, "learning_rate": 1e-3}},
               {"kind": "export", "name": "fp32_onnx", "format": "onnx"},
               {"kind": "quantize", "mode": "dynamic"},
               {"kind": "export", "name": "int8_aoti", "format": "aoti"}]
     recipe = write_recipe(tmp / "embed.yaml", embedding_recipe(cls_bert_folder, data,
                                                                tmp / "runs", stages))
     manifest = run_in_process(recipe)
-    assert [s["status"] for s in manifest["stages"]] == ["done"] * 4
+    assert [s["status"] for s in manifest["stages"]] == ["done"] * 5
     return tmp / "runs" / "tiny_embed_run"
 
 
@@ -65,7 +69,7 @@ def test_every_model_is_scored_against_the_baselines_embeddings(embedding_run: P
     assert (base["fidelity"], base["recall_at_10"], base["dimensions"]) == (1.0, 1.0, 32)
     assert 0 <= base["knn_accuracy"] <= 1 and base["real_items_per_s_b4"] > 0
     assert (embedding_run / "embedding_reference.safetensors").is_file()
-    distill, onnx, quantize, aoti = (s["metrics"] for s in manifest["stages"])
+    distill, prune, onnx, quantize, aoti = (s["metrics"] for s in manifest["stages"])
     assert distill["student_layers"] == 1 and distill["teacher_layers"] == 2
     # a random teacher's CLS barely moves when a layer goes; training moved the student,
     # and it stays as close to the teacher as it started
@@ -73,26 +77,28 @@ def test_every_model_is_scored_against_the_baselines_embeddings(embedding_run: P
     assert distill["fidelity"] == distill["fidelity_to_teacher"] > 0.999
     assert distill["train_loss"] > 0
     assert distill["params"] < base["params"]
-    # the float ONNX file embeds as the student does; the int8 program close to it
+    assert prune["params_after"] < prune["params_before"] == distill["params"]
+    assert prune["train_loss"] > 0 and prune["fidelity"] > 0.99
+    # the float ONNX file embeds as the pruned student does; the int8 program close to it
     assert onnx["parity_max_abs_diff"] < 1e-4 and onnx["parity_fidelity"] >= 0.99999
     assert onnx["parity_min_fidelity"] == 0.99999
     assert quantize["quant_mode"] == "dynamic"
     assert aoti["parity_tolerance"] is None and aoti["parity_min_fidelity"] == 0.99
     assert aoti["parity_fidelity"] >= 0.99
-    for metrics in (distill, onnx, quantize, aoti):
+    for metrics in (distill, prune, onnx, quantize, aoti):
         assert 0 < metrics["fidelity"] <= 1 + 1e-6 and 0 <= metrics["recall_at_10"] <= 1
         assert "latency_ms_b1" in metrics and "latency_ratio_b4" in metrics
 
 
 def test_exports_say_what_a_server_needs(embedding_run: Path) -> None:
-    for stage in ("01-export/onnx", "03-export/aoti"):
+    for stage in ("02-export/onnx", "04-export/aoti"):
         meta = json.loads((embedding_run / stage / "export.json").read_text())
         assert meta["outputs"] == ["embedding"]
         assert meta["embedding"] == {"pooling": "cls", "normalize": False, "dimensions": 32,
                                      "max_seq_length": 512, "matryoshka": False}
     import onnx
 
-    graph = onnx.load(str(embedding_run / "01-export/onnx/model.onnx")).graph
+    graph = onnx.load(str(embedding_run / "02-export/onnx/model.onnx")).graph
     assert [o.name for o in graph.output] == ["embedding"]
 
 
@@ -111,14 +117,29 @@ def test_a_stage_model_is_a_sentence_transformers_folder(embedding_run: Path) ->
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+def test_a_pruned_model_is_read_back_at_its_shapes(embedding_run: Path) -> None:
+    from compress.models.folders import load_export, load_saved
+
+    pruned = load_saved(embedding_run / "01-prune" / "model")
+    assert pruned.kind == "embedding" and pruned.structure is not None
+    inner = pruned.model.transformer.encoder.layer[0].intermediate.dense
+    assert inner.out_features == 32  # half of the random BERT's 64
+    exported = load_export(embedding_run / "02-export" / "onnx", 1)
+    inputs = pruned.tokenizer(["a good film", "bad bad bad"], padding=True,
+                              return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(pruned.model(**inputs), exported.model(**inputs),
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(("stage", "wanted"), [
     ({"kind": "quantize", "mode": "qat"}, "stages.0.mode: qat trains against labels"),
     ({"kind": "distill", "student": {"layers": 1}, "temperature": 3.0},
      "stages.0.temperature: not an option of an embedding model's distillation"),
     ({"kind": "export", "format": "onnx", "max_accuracy_drop": 1.0},
      "stages.0.max_accuracy_drop: not a parity bound of this model"),
-    ({"kind": "prune", "amount": 0.5}, "stages.0 (prune): this stage kind does not take an "
-     "embedding model yet"),
+    ({"kind": "finetune", "epochs": 1}, "stages.0 (finetune): this stage kind does not take "
+     "an embedding model yet"),
 ])
 def test_what_an_embedding_model_does_not_take_is_refused(
         stage: dict, wanted: str, cls_bert_folder: Path, tmp_path: Path) -> None:

@@ -88,10 +88,10 @@ def load_encoder_folder(folder: Path) -> ModelBundle:
     layout = read_layout(folder)
     structure = json.loads(structure_file.read_text())
     transformer = AutoModel.from_config(AutoConfig.from_pretrained(folder))
-    apply_structure(transformer, structure)
-    load_weights(transformer, str(folder / "model.safetensors"))
     encoder = SentenceEncoder(transformer, layout.pooling, layout.normalize,
                               layout.max_seq_length, layout.matryoshka).eval()
+    apply_structure(encoder, structure)  # its names are the encoder's (transformer.*)
+    load_weights(transformer, str(folder / "model.safetensors"))
     return ModelBundle(encoder, KIND, [], tokenizer=AutoTokenizer.from_pretrained(folder),
                        structure=structure)
 

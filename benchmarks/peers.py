@@ -5,7 +5,7 @@ int8 (NNCF) of the fine-tuned model. From the repository root:
 
     COMPRESS_DATA_DIR=../shared/data python benchmarks/peers.py runs/bert_int8
     python benchmarks/peers.py runs/bert_int8 --with-run runs/bert_bf16
-    python benchmarks/peers.py runs/bert_int8 --rounds 3 --artifacts int8_aoti fp32_onnx
+    python benchmarks/peers.py runs/bert_int8 --rounds 6 --artifacts int8_aoti fp32_onnx
     python benchmarks/peers.py RUN --no-peers --rounds 1 --iters 2 --real-limit 16
 
 Builds (once, cached in `<run>/peers/`) the peers' files in their own environment
@@ -13,8 +13,18 @@ Builds (once, cached in `<run>/peers/`) the peers' files in their own environmen
 fresh process per round (benchmarks/peers_child.py): accuracy on the full eval split (first
 round), b1 and b8 x 128 (the recipe's harness), b1 and b8 on the eval sentences padded per
 batch (OpenVINO's file by the same protocol in its own environment,
-peers_openvino_child.py). Rounds alternate order; a figure is the median over rounds of
-each round's median.
+peers_openvino_child.py). Rounds (default 4) alternate order; a round's figure is the
+median of its timed calls, a row's figure the median over rounds of those. Columns: b1 ms,
+b8x128 ms, b8 real ms, b1 real ms (medians over rounds); b8x128 min / max and b8 real min /
+max (the fastest and the slowest round: with the median, the row's spread); accuracy %, size
+MB; x faster b8x128 median / best and x faster b8 real median / best (Optimum int8's ms /
+the row's: by median, the medians over rounds; by best, each one's fastest round; above 1
+the row is faster; the search winner is the row named after its search stage); % int8 peak.
+Every round's figure is kept in the JSON (each row's `latency_ms_b8_rounds` and
+`latency_ms_b8_real_rounds`, each artifact's `rounds`). Why 4 rounds: estimated from the
+published table's latencies, a round of its 15 rows takes about 4-5 minutes on 2 cores (per
+row a process start and load, the 8 x 128 and the real-length timing), so 6 would pass 25
+minutes; 4 also gives each row two forward and two reverse positions.
 A GEMM microbenchmark runs in its own process before and after the rounds (the better of
 the two is the peak). Prints one table, writes it as Markdown (`--markdown`) and JSON
 (`--json`). Exit 2: a missing or unfinished run folder; 1: an artifact, GEMM or peer failed.
@@ -118,8 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--with-run", type=Path, action="append", default=[],
                         metavar="RUN_DIR", help="also time this finished run's artifacts "
                         "(another recipe on the same fine-tuned model); repeatable")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds, alternating order (default 2)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds, alternating order (default 4)")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip Optimum (no peer environment, no package index needed)")
     parser.add_argument("--artifacts", nargs="+", metavar="NAME",

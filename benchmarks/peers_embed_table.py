@@ -4,17 +4,18 @@ best, fidelity, recall@10, size and the share of the int8 GEMM peak; as text, Ma
 a plot (sentences/s, the bar from the slowest to the fastest round, against fidelity:
 compress's exports circles, the peers diamonds).
 
-Pure functions over plain numbers and dicts (no torch import; matplotlib only in the plot),
-unit-tested without timing anything (tests/unit/test_peers_embed.py).
+The spread, the two ratios and the text table are benchmarks/peers_spread.py's (shared with
+peers_table.py). Pure functions over plain numbers and dicts (no torch import; matplotlib
+only in the plot), unit-tested without timing anything (tests/unit/test_peers_embed.py).
 """
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
-from peers_table import cell
+from peers_spread import cell, grid, ratios, spread
+from peers_spread import render_text as aligned_text
 
 from compress.report.plot import pyplot, save_figure
 
@@ -34,21 +35,6 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("size MB", "size_mb", 1),
     ("% int8 peak", "pct_int8_peak", 1),
 )
-
-
-def spread(values: list[float]) -> dict[str, float | None]:
-    """min, median and max of the rounds' sentences/s (None each when there are none)."""
-    if not values:
-        return {"sps_min": None, "sps_median": None, "sps_max": None}
-    return {"sps_min": round(min(values), 2), "sps_median": round(statistics.median(values), 2),
-            "sps_max": round(max(values), 2)}
-
-
-def ratio(value: float | None, reference: float | None) -> float | None:
-    """value / reference (None when either is missing or the reference is 0)."""
-    if value is None or not reference:
-        return None
-    return round(value / reference, 4)
 
 
 def peak_share(flops: float | None, sps: float | None, count: int | None,
@@ -71,14 +57,14 @@ def table_rows(items: list[dict[str, Any]], flops: float | None = None,
         quality = item.get("quality") or {}
         row = {"row": item["name"], "runtime": item.get("runtime", ""),
                "peer": bool(item.get("peer")), "size_mb": item.get("size_mb"),
-               "error": item.get("error"), "rounds": len(rates), **spread(rates),
+               "error": item.get("error"), "rounds": len(rates), **spread(rates, "sps"),
                **{k: quality.get(k) for k in QUALITY}}
         row["pct_int8_peak"] = peak_share(flops, row["sps_median"], count, peak_gops)
         rows.append(row)
     reference = next((r for r in rows if r["row"] == REFERENCE), {})
     for row in rows:
-        row["ratio_median"] = ratio(row["sps_median"], reference.get("sps_median"))
-        row["ratio_best"] = ratio(row["sps_max"], reference.get("sps_max"))
+        row["ratio_median"], row["ratio_best"] = ratios(row, reference, "sps",
+                                                        lower_is_better=False)
     return rows
 
 
@@ -90,33 +76,15 @@ def select(names: list[str], wanted: list[str] | None) -> tuple[list[str], list[
     return [n for n in names if n in wanted], unknown
 
 
-def _grid(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    head = ["row", "runtime", *(c[0] for c in COLUMNS)]
-    body = []
-    for row in rows:
-        if row.get("error") and not row.get("rounds"):
-            figures = ["failed"] + ["-"] * (len(COLUMNS) - 1)
-        else:
-            figures = [cell(row.get(key), decimals) for _, key, decimals in COLUMNS]
-        body.append([row["row"], row.get("runtime") or "", *figures])
-    return head, body
-
-
 def render_text(rows: list[dict[str, Any]]) -> str:
     """The table as aligned plain text, then one line per failed row."""
-    head, body = _grid(rows)
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip()
-             for line in [head, *body]]
-    lines += [f"{r['row']}: failed: {r['error']}" for r in rows if r.get("error")]
-    return "\n".join(lines) + "\n"
+    return aligned_text(rows, COLUMNS, "row")
 
 
 def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     """The table as Markdown under a header (date, command, CPU and flags, versions,
     protocol, GEMM peak), with the notes and the failed rows under it."""
-    head, body = _grid(rows)
+    head, body = grid(rows, COLUMNS, "row")
     flags = header.get("isa") or {}
     peak = header.get("int8_gops")
     lines = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from peers_table import cell, ratio
+from peers_spread import cell, ratio
 
 from compress.families.causal_lm.model import greedy_agreement
 

@@ -1,7 +1,8 @@
 """The front of benchmarks/peers.py as a picture: accuracy against batch 8 x 128 latency for
 every row of the table, all timed in the same invocation. compress's artifacts (and the
 search front trials) are circles with their Pareto front; the peers (Optimum, OpenVINO) are
-diamonds; the line is the tolerance under the fine-tuned model's accuracy."""
+diamonds; a point is the median round, its bar spans the fastest to the slowest round; the
+line is the tolerance under the fine-tuned model's accuracy."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def points_of(rows: list[dict[str, Any]], peer: bool) -> list[tuple[float, float
             if bool(r.get("peer")) == peer and r.get(key) and r.get("accuracy_pct") is not None]
 
 
+def spans_of(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """(fastest, slowest round) of b8 x 128 per artifact whose rounds differ."""
+    key = f"latency_ms_b{FLOPS_BATCH}"
+    return {r["artifact"]: (r[f"{key}_min"], r[f"{key}_max"]) for r in rows
+            if r.get(f"{key}_min") and r.get(f"{key}_max") and r[f"{key}_max"] > r[f"{key}_min"]}
+
+
 def plot_front(rows: list[dict[str, Any]], path: Path, reference: str | None,
                max_drop: float | None) -> Path | None:
     """Write the plot; None without matplotlib or measured rows. `reference` names the row
@@ -29,6 +37,13 @@ def plot_front(rows: list[dict[str, Any]], path: Path, reference: str | None,
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    spans = spans_of(rows)
+    for points, color in ((ours, "tab:blue"), (peers, "tab:orange")):
+        for x, y, name in points:
+            if name in spans:
+                low, high = spans[name]
+                ax.errorbar([x], [y], xerr=[[max(x - low, 0)], [max(high - x, 0)]], fmt="none",
+                            ecolor=color, elinewidth=1, capsize=2, alpha=0.6, zorder=2)
     front = pareto_front(ours)
     on_front = {p[2] for p in front}
     for i, (x, y, name) in enumerate(sorted(ours)):
@@ -49,7 +64,8 @@ def plot_front(rows: list[dict[str, Any]], path: Path, reference: str | None,
         ax.axhline(base["accuracy_pct"] - max_drop, color="tab:gray", ls=":",
                    label=f"{max_drop:g} pt below {reference}")
     ax.set_xscale("log")
-    ax.set_xlabel(f"batch {FLOPS_BATCH} x 128 latency (ms, log scale)")
+    ax.set_xlabel(f"batch {FLOPS_BATCH} x 128 latency (ms, log scale; median round, bars: "
+                  "fastest to slowest round)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title("accuracy against latency, every file timed in one invocation", fontsize=10)
     ax.grid(True, alpha=0.3, which="both")

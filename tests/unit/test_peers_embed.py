@@ -25,9 +25,9 @@ from peers_embed_table import (  # noqa: E402
     render_markdown,
     render_text,
     select,
-    spread,
     table_rows,
 )
+from peers_spread import ratios, spread  # noqa: E402
 
 
 def _item(name: str, rates: list[float], **extra) -> dict:
@@ -36,9 +36,15 @@ def _item(name: str, rates: list[float], **extra) -> dict:
 
 
 def test_spread_is_min_median_max_of_the_rounds():
-    assert spread([300.0, 100.0, 200.0]) == {"sps_min": 100.0, "sps_median": 200.0,
-                                            "sps_max": 300.0}
-    assert spread([]) == {"sps_min": None, "sps_median": None, "sps_max": None}
+    assert spread([300.0, 100.0, 200.0], "sps") == {"sps_min": 100.0, "sps_median": 200.0,
+                                                   "sps_max": 300.0}
+    assert spread([], "sps") == {"sps_min": None, "sps_median": None, "sps_max": None}
+
+
+def test_a_rate_ratio_is_the_row_over_the_reference_by_median_and_by_max():
+    row, reference = spread([300.0, 330.0, 360.0], "sps"), spread([100.0, 200.0, 400.0], "sps")
+    assert ratios(row, reference, "sps", lower_is_better=False) == (1.65, 0.9)
+    assert ratios(row, {}, "sps", lower_is_better=False) == (None, None)
 
 
 def test_ratios_are_against_the_st_onnx_int8_row_by_median_and_by_best():

@@ -1,19 +1,19 @@
-"""benchmarks/peers_table.py: FLOPs of a forward, share of the int8 peak, ratios to Optimum
-int8, medians over rounds and the rendered tables (no timing)."""
+"""benchmarks/peers_table.py: FLOPs of a forward, share of the int8 peak, medians over
+rounds, each row's spread over the rounds and every round's figure, the speed-ups over
+Optimum int8 by median and by best round, and the rendered tables; peers_spread.py's shared
+helpers (no timing)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("peers_table",
-                                              REPO / "benchmarks" / "peers_table.py")
-peers_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peers_table)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import peers_spread  # noqa: E402
+import peers_table  # noqa: E402
 
 MINILM = {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 1536,
           "num_attention_heads": 12, "model_type": "bert"}
@@ -37,19 +37,21 @@ def test_peak_fraction_and_ratio() -> None:
     assert peers_table.peak_fraction(23e9, 50.0, 775.0) == pytest.approx(460 / 775)
     assert peers_table.peak_fraction(23e9, None, 775.0) is None
     assert peers_table.peak_fraction(None, 50.0, 775.0) is None
-    assert peers_table.ratio(60.0, 40.0) == 1.5
-    assert peers_table.ratio(60.0, None) is None and peers_table.ratio(None, 4.0) is None
+    assert peers_spread.ratio(60.0, 40.0) == 1.5
+    assert peers_spread.ratio(60.0, None) is None and peers_spread.ratio(None, 4.0) is None
+    assert peers_spread.ratio(2.0, 3.0) == 2 / 3 and peers_spread.ratio(2.0, 3.0, 4) == 0.6667
 
 
 def test_median_over_rounds_takes_each_key_of_the_rounds_that_have_it() -> None:
     rounds = [{"latency_ms_b8": 10.0, "accuracy": 0.9, "pid": 11, "latency_threads": 2},
               {"latency_ms_b8": 30.0, "pid": 12, "latency_threads": 2},
               {"latency_ms_b8": 14.0, "pid": 13, "latency_threads": 2}]
-    merged = peers_table.median_over_rounds(rounds)
+    merged = peers_spread.median_over_rounds(rounds, peers_table.MEASURED)
     assert merged == {"latency_ms_b8": 14.0, "accuracy": 0.9, "pid": 11,
                       "latency_threads": 2}
-    assert peers_table.median_over_rounds(rounds[:2])["latency_ms_b8"] == 20.0
-    assert peers_table.median_over_rounds([]) == {}
+    assert peers_spread.median_over_rounds(rounds[:2], peers_table.MEASURED)[
+        "latency_ms_b8"] == 20.0
+    assert peers_spread.median_over_rounds([], peers_table.MEASURED) == {}
 
 
 def _artifacts() -> list[dict]:
@@ -74,9 +76,13 @@ def test_rows_divide_by_optimum_int8_and_the_int8_peak() -> None:
     rows = {r["artifact"]: r for r in peers_table.table_rows(_artifacts(), 775.0)}
     assert rows["optimum_int8"]["latency_ms_b8"] == 54.0
     assert rows["optimum_int8"]["speedup_b8"] == 1.0
-    assert rows["fp32_onnx"]["speedup_b8"] == pytest.approx(54.0 / 160.0)
-    assert rows["int8_aoti"]["speedup_b8"] == pytest.approx(54.0 / 58.0)
-    assert rows["int8_aoti"]["speedup_b8_real"] == pytest.approx(54.0 / 58.0)
+    assert rows["optimum_int8"]["speedup_b8_best"] == 1.0
+    assert rows["fp32_onnx"]["speedup_b8"] == pytest.approx(54.0 / 160.0, abs=1e-4)
+    assert rows["int8_aoti"]["speedup_b8"] == pytest.approx(54.0 / 58.0, abs=1e-4)
+    assert rows["int8_aoti"]["speedup_b8_real"] == pytest.approx(54.0 / 58.0, abs=1e-4)
+    # by best round: Optimum's fastest (50 ms) / the row's fastest (56 ms)
+    assert rows["int8_aoti"]["speedup_b8_best"] == pytest.approx(50.0 / 56.0, abs=1e-4)
+    assert rows["int8_aoti"]["speedup_b8_real_best"] == pytest.approx(12.5 / 14.0, abs=1e-4)
     flops = peers_table.forward_flops(MINILM)
     assert rows["int8_aoti"]["pct_int8_peak"] == pytest.approx(
         100 * flops / 0.058 / 775e9)
@@ -84,7 +90,37 @@ def test_rows_divide_by_optimum_int8_and_the_int8_peak() -> None:
     assert rows["fp32_onnx"]["latency_ms_b1"] == 6.0
     assert rows["broken"]["error"] and rows["broken"]["pct_int8_peak"] is None
     without = peers_table.table_rows(_artifacts()[:2], None)  # no Optimum row, no peak
-    assert all(r["speedup_b8"] is None and r["pct_int8_peak"] is None for r in without)
+    assert all(r["speedup_b8"] is None and r["speedup_b8_best"] is None
+               and r["pct_int8_peak"] is None for r in without)
+
+
+def test_rows_keep_every_round_and_the_spread_of_the_latencies() -> None:
+    """Three rounds, one slow: the median and the best ratio tell it apart from the max."""
+    items = [{"name": "optimum_int8", "rounds": [{"latency_ms_b8": 20.0} for _ in range(3)]},
+             {"name": "search", "rounds": [{"latency_ms_b8": 11.0, "latency_ms_b8_real": 4.0},
+                                           {"latency_ms_b8": 30.0},  # no real-length figure
+                                           {"latency_ms_b8": 10.0, "latency_ms_b8_real": 5.0}]},
+             {"name": "broken", "rounds": [], "error": "boom"}]
+    optimum, search, broken = peers_table.table_rows(items, None)
+    assert search["latency_ms_b8_rounds"] == [11.0, 30.0, 10.0]  # in round order
+    assert (search["latency_ms_b8_min"], search["latency_ms_b8_median"],
+            search["latency_ms_b8_max"]) == (10.0, 11.0, 30.0)
+    assert search["latency_ms_b8"] == search["latency_ms_b8_median"]
+    assert search["latency_ms_b8_real_rounds"] == [4.0, 5.0]
+    assert (search["latency_ms_b8_real_min"], search["latency_ms_b8_real_max"]) == (4.0, 5.0)
+    assert search["speedup_b8"] == pytest.approx(20 / 11, abs=1e-4)
+    assert search["speedup_b8_best"] == 2.0
+    assert search["speedup_b8_real"] is None  # Optimum has no real-length figure here
+    assert optimum["latency_ms_b8_min"] == optimum["latency_ms_b8_max"] == 20.0
+    assert broken["latency_ms_b8_rounds"] == [] and broken["latency_ms_b8_min"] is None
+    assert broken["speedup_b8"] is None and broken["speedup_b8_best"] is None
+    text = peers_table.render_text([optimum, search, broken]).splitlines()
+    head = text[0]
+    for heading in ("b8x128 min", "b8x128 max", "b8 real min", "b8 real max",
+                    "x faster b8x128 median", "x faster b8x128 best",
+                    "x faster b8 real median", "x faster b8 real best"):
+        assert heading in head
+    assert "1.82" in text[2] and "2.00" in text[2] and "30.0" in text[2]
 
 
 def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
@@ -101,9 +137,11 @@ def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
     assert set(by_name) == {"fp32_onnx", "int8_aoti", "optimum_int8", "broken"}
     cells = [c.strip() for c in by_name["fp32_onnx"].strip("|").split("|")]
     flops = peers_table.forward_flops(MINILM)
-    assert cells == ["fp32_onnx", "rt fp32_onnx", "6.0", "160.0", "40.0", "3.5", "86.81",
-                     "22.0", f"{54 / 160:.2f}", f"{13.5 / 40:.2f}",
+    assert cells == ["fp32_onnx", "rt fp32_onnx", "6.0", "160.0", "150.0", "170.0", "40.0",
+                     "37.5", "42.5", "3.5", "86.81", "22.0", f"{54 / 160:.2f}",
+                     f"{50 / 150:.2f}", f"{13.5 / 40:.2f}", f"{12.5 / 37.5:.2f}",
                      f"{100 * flops / 0.16 / 775e9:.1f}"]
+    assert "by median (the medians over rounds) and by best" in text
     assert "| broken | rt | failed |" in text and "broken: failed: RuntimeError: boom" in text
     assert "avx512_vnni yes, avx512_bf16 yes, amx no" in text
     assert "int8 (the better kernel) 775.0 GOP/s" in text
@@ -113,5 +151,13 @@ def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
 
 
 def test_cells_print_missing_and_non_finite_as_a_dash() -> None:
-    assert peers_table.cell(None, 1) == "-" and peers_table.cell(math.nan, 1) == "-"
-    assert peers_table.cell(1.234, 2) == "1.23" and peers_table.cell(True, 1) == "-"
+    assert peers_spread.cell(None, 1) == "-" and peers_spread.cell(math.nan, 1) == "-"
+    assert peers_spread.cell(1.234, 2) == "1.23" and peers_spread.cell(True, 1) == "-"
+
+
+def test_a_latency_ratio_is_the_reference_over_the_row_by_median_and_by_min() -> None:
+    row = peers_spread.spread([12.0, 10.0, 30.0], "ms")
+    reference = peers_spread.spread([20.0, 24.0, 22.0], "ms")
+    assert row == {"ms_min": 10.0, "ms_median": 12.0, "ms_max": 30.0}
+    assert peers_spread.ratios(row, reference, "ms", lower_is_better=True) == (
+        round(22 / 12, 4), 2.0)

@@ -212,7 +212,7 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
     stop = GracefulStop()
     telemetry = Telemetry(telemetry_dir, enabled=rank == 0)
     bar = tqdm(total=steps, initial=start, desc=desc, unit="step", dynamic_ncols=True,
-               mininterval=1.0, disable=rank != 0)
+               mininterval=1.0, disable=True if rank != 0 else None)  # None: quiet off a TTY
     began, seen, loss_value = time.perf_counter(), 0, float("nan")
     trained.train()
     reset_peak_rss()

@@ -26,6 +26,7 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and report; 0, 1 when anything failed, 2 for a user error."""
-    args = parse_args(argv)
+    return guarded(lambda: _main(parse_args(argv)))
+
+
+def guarded(body: Callable[[], int]) -> int:
+    """`body()` with the SST-2 mirror beside the repository as the default data, and its
+    failures as one line and an exit code: 2 for a user error, 1 for a peer's or any other
+    failure, 130 when interrupted (shared by serve_peers_embed.py)."""
     mirror = REPO.parent / "shared" / "data"
     if not os.environ.get("COMPRESS_DATA_DIR") and mirror.is_dir():
         os.environ["COMPRESS_DATA_DIR"] = str(mirror)
     try:
-        return _main(args)
+        return body()
     except UserError as exc:
         for message in exc.messages:
             print(f"error: {message}", file=sys.stderr)

@@ -34,7 +34,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when run as a file
 from peers_contenders import check_finished  # noqa: E402
-from peers_embed import eval_texts, source_model  # noqa: E402
+from peers_embed import eval_texts, guarded, source_model  # noqa: E402
 from peers_embed_items import BUILT, st_onnx_build  # noqa: E402
 from peers_embed_venv import INFINITY, ensure  # noqa: E402
 from peers_optimum import PeerError  # noqa: E402
@@ -196,24 +196,7 @@ def measure(items: list[dict[str, Any]], args: argparse.Namespace, texts: list[s
 
 def main(argv: list[str] | None = None) -> int:
     """Measure and report; 0, 1 when a server or a build failed, 2 for bad input."""
-    args = parse_args(argv)
-    mirror = REPO.parent / "shared" / "data"
-    if not os.environ.get("COMPRESS_DATA_DIR") and mirror.is_dir():
-        os.environ["COMPRESS_DATA_DIR"] = str(mirror)
-    try:
-        return _main(args)
-    except UserError as exc:
-        for message in exc.messages:
-            print(f"error: {message}", file=sys.stderr)
-        return 2
-    except PeerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:  # noqa: BLE001 - one line, no traceback
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 1
+    return guarded(lambda: _main(parse_args(argv)))
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -76,7 +76,9 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
         tmp = ref_file.with_name(f".{ref_file.name}.tmp")
         save_file({"embeddings": embeddings.contiguous()}, str(tmp))
         tmp.replace(ref_file)
-    ref = load_file(str(ref_file))["embeddings"] if ref_file.is_file() else None
+        ref = embeddings
+    else:
+        ref = load_file(str(ref_file))["embeddings"] if ref_file.is_file() else None
     metrics: dict[str, Any] = {**(known or {}),
                                **quality(embeddings, ref, examples.labels),
                                "dimensions": int(embeddings.shape[1])}

@@ -103,9 +103,15 @@ def render_text(rows: list[dict[str, Any]], columns: tuple[tuple[str, str, int],
     """The table as aligned plain text (names and runtimes left, figures right), then one
     line per failed row."""
     head, body = grid(rows, columns, name)
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip()
-             for line in [head, *body]]
+    lines = aligned([head, *body], 2)
     lines += [f"{r[name]}: failed: {r['error']}" for r in rows if r.get("error")]
     return "\n".join(lines) + "\n"
+
+
+def aligned(lines: list[list[str]], left: int) -> list[str]:
+    """Rows of cells as aligned text: the first `left` columns left-aligned, the rest
+    right-aligned, two spaces apart."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+            for line in lines]

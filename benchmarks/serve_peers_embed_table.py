@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from peers_spread import aligned, ratio
+
 FIGURES = ("embeddings_per_s", "latency_ms_p50", "latency_ms_p99")
 COLUMNS = (("server", "name"), ("conc", "concurrency"), ("emb/s", "embeddings_per_s"),
            ("p50 ms", "latency_ms_p50"), ("p99 ms", "latency_ms_p99"), ("errors", "errors"),
@@ -44,7 +46,7 @@ def table_rows(items: list[dict[str, Any]], levels: list[int]) -> list[dict[str,
 
 
 def _ratio(top: float | None, bottom: float | None) -> float | None:
-    return round(top / bottom, 2) if top is not None and bottom else None
+    return ratio(top, bottom, 2)
 
 
 def ratios(rows: list[dict[str, Any]], levels: list[int]) -> list[str]:
@@ -80,13 +82,7 @@ def _cells(rows: list[dict[str, Any]]) -> list[list[str]]:
 
 def render_text(rows: list[dict[str, Any]], lines: list[str]) -> str:
     """The table as aligned text, then the ratio and failure lines."""
-    cells = _cells(rows)
-    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, (t, _) in enumerate(COLUMNS)]
-    out = ["  ".join(t.ljust(w) if i == 0 else t.rjust(w)
-                     for i, ((t, _), w) in enumerate(zip(COLUMNS, widths, strict=True)))]
-    out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                      for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-            for row in cells]
+    out = aligned([[t for t, _ in COLUMNS], *_cells(rows)], 1)
     return "\n".join(out + [""] + lines) + "\n"
 
 

@@ -7,7 +7,9 @@ offsets stored as float16, where they all are float16 values), and
 group of 32 (`grouped_int8_activations.cpp`; one row goes to `grouped_mm`), and
 `torch.ops.compress_lm.grouped_mm_bf16` by x rounded to bfloat16 (`grouped_bf16_activations.cpp`,
 AVX512-BF16's vdpbf16ps; one row, or a build without AVX512-BF16, is `grouped_mm`'s exact
-float32 product: `bf16_native` says which).
+float32 product: `bf16_native` says which), and `torch.ops.compress_lm.sparse24_mm(x, packed,
+out_features, bits)` multiplies by 2:4 sparse weights (`sparse24_kernel.cpp`, laid out by
+`sparse24.py`'s `pack_records`).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
@@ -33,9 +35,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("grouped_kernels.cpp")  # the operators' registration
 # every file of the build: float32 activations (and the layout), int8 ones, bfloat16 ones,
-# the shared layout
+# 2:4 sparse weights (sparse24.py's), the shared layout
 SOURCES = (SOURCE, SOURCE.with_name("grouped_int8_activations.cpp"),
-           SOURCE.with_name("grouped_bf16_activations.cpp"), SOURCE.with_name("grouped_layout.h"))
+           SOURCE.with_name("grouped_bf16_activations.cpp"),
+           SOURCE.with_name("sparse24_kernel.cpp"), SOURCE.with_name("grouped_layout.h"))
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 
@@ -141,4 +144,8 @@ def _register_fake() -> None:
     @torch.library.register_fake("compress_lm::grouped_mm_bf16")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
           ) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("compress_lm::sparse24_mm")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], n)

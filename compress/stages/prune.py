@@ -1,19 +1,23 @@
 """Stage `prune`: magnitude pruning of the current model, then optional recovery training.
 
-Unstructured and global pruning zero weights (the model keeps its shapes: no speedup is
-claimed); during recovery the zeros are re-applied after every optimizer step, and with
-`gradual` the sparsity rises on a cubic schedule. Structured pruning makes the model
-physically smaller and records its new shapes in `bundle.structure`.
+Unstructured, global and semi-structured (n:m) pruning zero weights (the model keeps its
+shapes: no speedup is claimed); during recovery the zeros are re-applied after every
+optimizer step, and with `gradual` the sparsity rises on a cubic schedule. Structured
+pruning makes the model physically smaller and records its new shapes in
+`bundle.structure`. With `recovery_distill`, recovery learns the dense model's logits.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from torch import nn
 
+from compress.algorithms.distill import make_kd_loss_fn
 from compress.algorithms.pruning import (
     Masks,
     apply_masks,
@@ -25,7 +29,15 @@ from compress.algorithms.pruning import (
     prune_structured,
     select_layers,
 )
+from compress.algorithms.semi_structured import (
+    broken_layers,
+    input_norms,
+    prune_n_m,
+    split_by_group,
+)
+from compress.data.datasets import DataBundle, Examples, iterate
 from compress.errors import CompressError
+from compress.measure.evaluate import evaluate, logits_of
 from compress.models.bundle import ModelBundle, count_params
 from compress.models.structure import merge_structure
 from compress.recipe.kinds.prune import PruneConfig
@@ -38,10 +50,18 @@ REPRUNE_TIMES = 10  # how often gradual pruning raises the sparsity over the rec
 
 
 def prune(bundle: ModelBundle, cfg: PruneConfig, setup: TrainSetup | None = None,
-          loss_fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+          loss_fn: Callable[..., Any] | None = None, *, calibration: Examples | None = None,
+          max_length: int = 128, measure: Callable[[nn.Module], dict[str, Any]] | None = None
+          ) -> dict[str, Any]:
     """Prune `bundle`'s model in place per `cfg`, recovering on `setup` (needed when
     `cfg.recovery` is set) with `loss_fn` (default: the training loop's cross-entropy on
-    the labels); the figures. CompressError when nothing can be pruned."""
+    the labels); the figures. `calibration` (texts cut to `max_length` tokens, or images)
+    feeds Wanda's input norms; `measure` (semi_structured) gives figures of the model
+    pruned, before its recovery (recorded as `<figure>_pruned`). CompressError when
+    nothing can be pruned."""
+    if cfg.method == "semi_structured":
+        return prune_semi_structured(bundle, cfg, setup, loss_fn, calibration=calibration,
+                                     max_length=max_length, measure=measure)
     model = bundle.model
     layers = select_layers(model, cfg.include, cfg.exclude)
     if not layers:
@@ -77,11 +97,81 @@ def prune(bundle: ModelBundle, cfg: PruneConfig, setup: TrainSetup | None = None
             "flops_after": count_macs(model, example), "pruned_layers": len(pruned)}
 
 
+def prune_semi_structured(bundle: ModelBundle, cfg: PruneConfig, setup: TrainSetup | None,
+                          loss_fn: Callable[..., Any] | None, *, calibration: Examples | None,
+                          max_length: int, measure: Callable[[nn.Module], dict[str, Any]] | None
+                          ) -> dict[str, Any]:
+    """n:m pruning of the chosen Linears (magnitude or Wanda scores), the masks re-applied
+    after every recovery step and once more at the end; the figures."""
+    model, (n, m) = bundle.model, cfg.n_m
+    layers = select_layers(model, cfg.include, cfg.exclude)
+    if cfg.recovery is not None and setup is None:
+        raise CompressError("recovery needs training examples (a TrainSetup)")
+    norms = None
+    if cfg.scoring == "wanda":
+        if calibration is None or len(calibration) == 0:
+            raise CompressError("scoring wanda needs calibration examples (their input norms)")
+        shown = calibration.head(cfg.calibration.samples)
+        batches = (inputs for inputs, _ in iterate(shown, cfg.calibration.batch_size,
+                                                   bundle.tokenizer, max_length))
+        norms = input_norms(model, split_by_group(layers, m)[0], batches, logits_of)
+    masks, pruned, skipped = prune_n_m(layers, n, m, norms)
+    if not pruned:
+        raise CompressError(f"pattern {cfg.pattern}: no chosen Linear has a multiple of {m} "
+                            f"inputs (chosen: {', '.join(layers) or 'none'})")
+    metrics: dict[str, Any] = {}
+    if cfg.recovery is not None:
+        if measure is not None:
+            metrics.update({f"{k}_pruned": v for k, v in measure(model).items()})
+        opts = cfg.recovery
+        seed = opts.seed if opts.seed is not None else setup.seed
+        recovery = replace(setup, seed=seed, desc=f"{setup.desc} recovery")
+        extra = {} if loss_fn is None else {"loss_fn": loss_fn}
+        metrics.update(recovery.run(model, opts, bundle.tokenizer,
+                                    on_step=lambda step: apply_masks(pruned, masks),
+                                    **extra).figures())
+    apply_masks(pruned, masks)  # exact pattern, even if recovery resumed from a checkpoint
+    return {**metrics, **n_m_figures(cfg, pruned, skipped)}
+
+
+def n_m_figures(cfg: PruneConfig, pruned: dict[str, nn.Module], skipped: list[str]
+                ) -> dict[str, Any]:
+    """The pattern, the exact sparsity of the pruned Linears, how many were pruned and
+    skipped (the skipped by name), and how many break the pattern (0 unless a bug)."""
+    n, m = cfg.n_m
+    return {"pattern": cfg.pattern, "scoring": cfg.scoring,
+            "sparsity_target": round((m - n) / m, 6),
+            "sparsity_layers": overall_sparsity(pruned),
+            "sparsity_per_layer": layer_sparsity(pruned), "pruned_layers": len(pruned),
+            "skipped_layers": len(skipped), "skipped_layer_names": skipped,
+            "pattern_violations": len(broken_layers(pruned, n, m))}
+
+
 def run(state: State, cfg: PruneConfig, ctx: StageContext) -> State:
-    """Prune the current model, recover it if asked, save it, and record the figures."""
-    ctx.metrics.update(prune(state.bundle, cfg, ctx.training() if cfg.recovery else None))
-    ctx.save_model(state.bundle)
-    return State(state.bundle)
+    """Prune the current model, recover it if asked (from the labels, or from the dense
+    model's logits), save it, and record the figures (accuracy right after pruning too,
+    when it recovers)."""
+    bundle, data = state.bundle, ctx.data
+    loss_fn = None
+    if cfg.recovery_distill:
+        teacher = copy.deepcopy(bundle.model).eval()
+        loss_fn = make_kd_loss_fn(teacher, cfg.temperature, cfg.alpha)
+    measure = None
+    if cfg.method == "semi_structured" and cfg.recovery is not None and "eval" in data.splits:
+        batch = ctx.recipe.evaluation.batch_size if ctx.recipe is not None else 32
+        measure = partial(eval_figures, data=data, batch_size=batch, tokenizer=bundle.tokenizer)
+    ctx.metrics.update(prune(bundle, cfg, ctx.training() if cfg.recovery else None, loss_fn,
+                             calibration=data.splits.get("calibration"),
+                             max_length=data.max_length, measure=measure))
+    ctx.save_model(bundle)
+    return State(bundle)
+
+
+def eval_figures(model: nn.Module, *, data: DataBundle, batch_size: int, tokenizer
+                 ) -> dict[str, Any]:
+    """Accuracy and macro-F1 of `model` on the eval split."""
+    return evaluate(model, data.splits["eval"], batch_size, tokenizer, data.max_length,
+                    data.num_labels)
 
 
 def prune_in_place(layers: dict[str, nn.Module], cfg: PruneConfig, setup: TrainSetup | None

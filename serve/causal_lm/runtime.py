@@ -6,7 +6,8 @@ torchao-quantized state dict, loaded into the architecture after the same `quant
 config), and `causal_lm.json`.
 
 `int8_grouped` and `int4_grouped` weights are `grouped.py`'s modules (float32 activations,
-with `grouped_kernels.py`'s operator), beside it too.
+with `grouped_kernels.py`'s operator), beside it too; `int8_sparse24` and `int4_sparse24`
+weights (2:4 sparse) are `sparse24.py`'s.
 
 Decoding lives beside it in `decode.py` (`StaticDecoder`, `Sampling`, `Generation`), whose
 names this module re-exports. From a shell:
@@ -31,13 +32,17 @@ from .decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
 from .fused import fuse_projections
 from .grouped import BITS as GROUPED_BITS
 from .grouped import quantize_embedding, quantize_grouped
+from .sparse24 import BITS as SPARSE24_BITS
+from .sparse24 import quantize_sparse24
 
 __all__ = ["DTYPES", "LM_FILE", "SCHEMES", "Generation", "LoadedLM", "OnTokens", "Sampling",
            "StaticDecoder", "head_scheme_of", "left_pad", "load_folder", "prompt_ids",
            "quantize_weights", "stop_ids", "untie_head", "weight_config"]
 
 LM_FILE = "causal_lm.json"
-SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", *GROUPED_BITS)
+SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", *GROUPED_BITS,
+           *SPARSE24_BITS)
+KERNEL_SCHEMES = (*GROUPED_BITS, *SPARSE24_BITS)  # compress's own kernels, float32 activations
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -71,18 +76,20 @@ def weight_config(scheme: str, group_size: int = 32) -> Any:
     if scheme == "int8_dynamic":
         return Int8DynamicActivationInt8WeightConfig()
     raise ValueError(f"scheme {scheme!r} has no torchao config (those with one: "
-                     f"{', '.join(x for x in SCHEMES if x not in GROUPED_BITS)})")
+                     f"{', '.join(x for x in SCHEMES if x not in KERNEL_SCHEMES)})")
 
 
 def head_scheme_of(scheme: str, head_scheme: str | None = None) -> str:
     """The scheme of the output projection: `head_scheme` when given and not "auto", else
     int8 under int4 (the tied head of a small LM is the layer int4 hurts most, as llama.cpp's
     Q4 files keep theirs at 6-8 bits: int8 weight-only under torchao's int4, int8_grouped
-    under int4_grouped) and `scheme` otherwise."""
+    under int4_grouped), int8_grouped under the 2:4 schemes (a head is not pruned) and
+    `scheme` otherwise."""
     if head_scheme and head_scheme != "auto":
         return head_scheme
     return {"int4_weight_only": "int8_weight_only",
-            "int4_grouped": "int8_grouped"}.get(scheme, scheme)
+            "int4_grouped": "int8_grouped", "int8_sparse24": "int8_grouped",
+            "int4_sparse24": "int8_grouped"}.get(scheme, scheme)
 
 
 def untie_head(model: nn.Module) -> nn.Module | None:
@@ -99,19 +106,20 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      activations: str = "float32") -> nn.Module:
     """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float, except under
-    the grouped schemes, which store it as int8 groups too). `fit=False`, grouped schemes:
+    the grouped and 2:4 schemes, which store it as int8 groups too; a 2:4 scheme refuses a
+    Linear that is not 2:4 with `sparse24.NotSparse24Error`). `fit=False`, grouped schemes:
     modules of the right shapes only, their weights loaded next (`load_folder`).
     `activations`: the grouped schemes' mode, float32 or the opt-in int8 or bf16
     (`grouped.GroupedLinear`).
     Fitted grouped weights get their blocks' projections fused (`fused.py`)."""
     head = untie_head(model)
     _apply(model, scheme, group_size, head=False, fit=fit, activations=activations)
-    if scheme in GROUPED_BITS:  # its float32 activations leave a float32 table otherwise
+    if scheme in KERNEL_SCHEMES:  # its float32 activations leave a float32 table otherwise
         quantize_embedding(model, group_size, fit)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
         _apply(model, head_scheme, group_size, head=True, fit=fit, activations=activations)
-    if fit and scheme in GROUPED_BITS:  # else once the weights are loaded (`load_folder`)
+    if fit and scheme in KERNEL_SCHEMES:  # else once the weights are loaded (`load_folder`)
         fuse_projections(model)
     return model
 
@@ -125,6 +133,9 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
 
     if scheme in GROUPED_BITS:
         quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations)
+        return
+    if scheme in SPARSE24_BITS:
+        quantize_sparse24(model, chosen, SPARSE24_BITS[scheme], fit)
         return
     from torchao.quantization import quantize_
 
@@ -152,7 +163,7 @@ def load_folder(folder: str | Path) -> LoadedLM:
                          activations=facts.get("activations") or "float32")
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
-        if facts["scheme"] in GROUPED_BITS:
+        if facts["scheme"] in KERNEL_SCHEMES:  # a 2:4 model: its grouped head's alone
             fuse_projections(model)
         if (folder / "generation_config.json").is_file():
             from transformers import GenerationConfig

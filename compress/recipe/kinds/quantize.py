@@ -10,8 +10,9 @@ from compress.recipe.options import CalibrationOptions, StageName, StrictModel, 
 from compress.recipe.registry import StageSpec, register
 
 WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_grouped",
-                  "int4_grouped")
+                  "int4_grouped", "int8_sparse24", "int4_sparse24")
 GROUPED = ("int8_grouped", "int4_grouped")
+SPARSE24 = ("int8_sparse24", "int4_sparse24")  # 2:4 weights, compress's sparse kernel
 PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile")
 LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
 
@@ -23,13 +24,18 @@ class QuantizeConfig(StrictModel):
     kind: Literal["quantize"] = "quantize"
     name: StageName = None
     scheme: Literal["int8_weight_only", "int4_weight_only", "int8_dynamic",
-                    "int8_grouped", "int4_grouped"] | None = Field(
+                    "int8_grouped", "int4_grouped", "int8_sparse24", "int4_sparse24"
+                    ] | None = Field(
         None, description="Causal LMs: weight scheme. torchao's: int8 or int4 weights with "
         "float activations, or int8 weights and per-token int8 activations; compress's "
         "int8_grouped: int8 weights with a float32 scale and offset per group of "
         "`group_size` inputs and float32 activations (serve/causal_lm/grouped.py), which "
         "keeps greedy tokens where bfloat16 activations flip near-ties; int4_grouped: the "
-        "same with 4-bit codes on 16 affine levels per 32 inputs (a GGUF's Q4_1 exactly).")
+        "same with 4-bit codes on 16 affine levels per 32 inputs (a GGUF's Q4_1 exactly); "
+        "int8_sparse24 and int4_sparse24: 2:4 sparse weights (every Linear pruned with the "
+        "n:m pattern 2:4 first), the 2 kept values of each 4 inputs as int8 or 4-bit codes on "
+        "a symmetric grid per 32 inputs plus their 2-bit positions, float32 activations "
+        "(serve/causal_lm/sparse24.py; the output projection int8_grouped).")
     group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
                             "scale group (int8_grouped: it must divide every Linear's inputs).")
     head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
@@ -102,6 +108,8 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                             f"schemes ({', '.join(GROUPED)}), not of {cfg.scheme}; "
                             "torchao's schemes compute in bfloat16 with `activations: "
                             "bfloat16`")
+        if cfg.scheme in SPARSE24:
+            problems += _check_sparse24(cfg, where)
         if cfg.scheme == "int4_grouped" and cfg.group_size != 32:
             problems.append(f"{where}.group_size: int4_grouped packs groups of 32 (a GGUF's Q4 "
                             f"blocks), not {cfg.group_size}; drop group_size")
@@ -119,8 +127,24 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                   "quantized through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
 
 
+def _check_sparse24(cfg: QuantizeConfig, where: str) -> list[str]:
+    """What a 2:4 scheme does not take: other activations, group sizes, QAT, equalize."""
+    problems = []
+    if cfg.activations not in ("auto", "float32"):
+        problems.append(f"{where}.activations: {cfg.scheme} computes in float32 only; drop "
+                        "`activations`")
+    if cfg.group_size != 32:
+        problems.append(f"{where}.group_size: {cfg.scheme} scales groups of 32 inputs, not "
+                        f"{cfg.group_size}; drop group_size")
+    if cfg.mode == "qat" or cfg.equalize:
+        problems.append(f"{where}: {cfg.scheme} is post-training only (no `mode: qat`, no "
+                        "`equalize`); recover accuracy before it, in the pruning stages")
+    return problems
+
+
 def _precision(cfg: QuantizeConfig) -> str:
-    return "int4" if cfg.scheme in ("int4_weight_only", "int4_grouped") else "int8"
+    return "int4" if cfg.scheme in ("int4_weight_only", "int4_grouped", "int4_sparse24") \
+        else "int8"
 
 
 def _runtime(config: dict, metrics: dict) -> str:
@@ -128,6 +152,8 @@ def _runtime(config: dict, metrics: dict) -> str:
         chosen = config.get("activations")
         acts = chosen if chosen in ("int8", "bf16") else "float32"
         return f"{config['scheme']} (compress, {acts} activations), compiled decode"
+    if config.get("scheme") in SPARSE24:
+        return f"{config['scheme']} (compress 2:4 kernel, float32 activations), compiled decode"
     if config.get("scheme"):
         return f"torchao {config['scheme']}, compiled decode"
     compiled = ", torch.compile" if config.get("compile", True) else ""

@@ -33,7 +33,7 @@ def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
     faster with bf16 inputs too), and for int8_dynamic only where the CPU computes bf16
     natively (AVX512-BF16 or AMX); the grouped schemes float32 (their int8 and bf16 modes
     keep float32 tensors: the kernels round the activations, see `run`)."""
-    if scheme in ("int8_grouped", "int4_grouped"):
+    if scheme in ("int8_grouped", "int4_grouped", "int8_sparse24", "int4_sparse24"):
         return "float32" if choice in ("auto", "int8", "bf16") else choice
     if choice != "auto":
         return choice
@@ -61,7 +61,8 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     try:
         quantize_weights(model, cfg.scheme, cfg.group_size, head,
                          activations=rounded or "float32")
-    except ValueError as exc:  # a group size that does not divide a Linear's inputs
+    except ValueError as exc:  # a group size that does not divide a Linear's inputs, or
+        # a Linear that is not 2:4 under a 2:4 scheme
         raise CompressError(f"{exc}") from None
     facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
              "group_size": cfg.group_size, "head_scheme": head}

@@ -62,16 +62,18 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     tensor once), except the input embedding's, of which one row is read, unless the
     output projection shares them; a grouped Linear that the kernel multiplies counts its
     kernel records (`packed`: codes, scales and offsets as the kernel reads them) instead
-    of its codes, scales and offsets (a fused block's group its parts' records)."""
+    of its codes, scales and offsets (a fused block's group its parts' records), and so does
+    a 2:4 Linear (`sparse24.py`: kept codes, positions and scales)."""
     embed = model.get_input_embeddings()
     in_embed = {id(m) for m in embed.modules()}  # a grouped table is read a row, not packed
     kernel = [m for m in model.modules()
               if getattr(m, "packed", None) is not None and id(m) not in in_embed]
     # a fused projection's records are its block's group's (serve/causal_lm/fused.py)
     kernel_ids = {id(m) for m in kernel}
-    replaced = {id(t) for m in model.modules()
+    replaced = {id(getattr(m, name)) for m in model.modules()
                 if (id(m) in kernel_ids or getattr(m, "fused", False)) and hasattr(m, "qweight")
-                for t in (m.qweight, m.scale, m.offset)}
+                for name in ("qweight", "scale", "offset", "positions")  # positions: 2:4's
+                if getattr(m, name, None) is not None}
     head = model.get_output_embeddings()
     head_ids = {id(t) for t in (head.state_dict(keep_vars=True).values() if head else [])}
     embed_tensors = list(embed.state_dict(keep_vars=True).values())

@@ -126,3 +126,26 @@ def test_a_linear_that_is_not_2_4_is_refused_in_one_line(
         {"kind": "quantize", "scheme": "int4_sparse24", "activations": "int8"}])
     code, _, err = cli(monkeypatch, capsys, "validate", str(bad))
     assert code == 2 and "stages.0.activations: int4_sparse24 computes in float32" in err
+
+
+def test_the_peers_benchmark_counts_the_2_4_records(sparse_llama_folder) -> None:
+    """Bytes read per token: each 2:4 Linear its records (0.69 bytes a weight at 8 bits)."""
+    import sys
+
+    from conftest import REPO
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers_llm_child as child
+
+    masked = AutoModelForCausalLM.from_pretrained(sparse_llama_folder).eval()
+    dense = lm_runtime.quantize_weights(copy.deepcopy(masked), "int8_grouped")
+    sparse = lm_runtime.quantize_weights(copy.deepcopy(masked), "int8_sparse24")
+    layers = sum(m.in_features * m.out_features for m in sparse.modules()
+                 if isinstance(m, Sparse24Linear))
+    records = sum(m.packed.numel() for m in sparse.modules() if isinstance(m, Sparse24Linear))
+    assert records == 0.6875 * layers
+    grouped = sum(m.packed.numel() for m in dense.model.layers.modules()  # fused groups too
+                  if getattr(m, "packed", None) is not None)
+    saved = grouped - records
+    assert child.weight_bytes_per_token(dense) - child.weight_bytes_per_token(sparse) == saved

@@ -224,3 +224,17 @@ def grouped_module(bits: int, half: bool, seed: int, activations: str):
     assert module.half_scales == half and module.packed is not None
     module.activations = activations
     return module
+
+
+def embedding_recipe(model: Path, data: Path, out: Path, stages: list[dict]) -> dict:
+    """A sentence-transformers folder through `stages` on a sentiment table (k-NN labels)."""
+    return {"name": "tiny_embed_run", "model": {"source": str(model), "task": "embedding"},
+            "data": {"source": str(data), "text_column": "sentence", "max_length": 32,
+                     "train": {"split": "train"},
+                     "calibration": {"split": "train", "max_samples": 32},
+                     "eval": {"split": "validation"}},
+            "stages": stages,
+            "evaluation": {"batch_size": 16,
+                           "latency": {"batch_sizes": [1, 4], "seq_len": 16, "iters": 2,
+                                       "warmup": 1}},
+            "output_dir": str(out), "seed": 0}

@@ -14,7 +14,9 @@ from compress.models.bundle import ModelBundle
 from compress.recipe.kinds.export import ExportConfig
 from compress.recipe.kinds.precision import PrecisionConfig
 from compress.recipe.kinds.quantize import QuantizeConfig
+from compress.recipe.kinds.search import CANDIDATES, SearchConfig, not_applicable
 from compress.recipe.options import CalibrationOptions, StrictModel
+from compress.runfolder.files import bf16_supported
 
 
 def candidate_stages(name: str, float_layers: list[str], calibration: CalibrationOptions
@@ -45,9 +47,11 @@ def candidate_stages(name: str, float_layers: list[str], calibration: Calibratio
 
 
 def build(bundle: ModelBundle, stages: list[StrictModel], folder: Path, calibration,
-          max_length: int, log: Callable[[str], None]) -> dict[str, Any]:
+          max_length: int, log: Callable[[str], None], meta: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
     """Apply `stages` to a copy of `bundle` and write the export into `folder` (built
-    under a temporary name, then renamed); the figures of the steps."""
+    under a temporary name, then renamed; `meta` goes into its export.json); the figures
+    of the steps."""
     from compress.algorithms.quantization import quantize
     from compress.stages.export import export
     from compress.stages.precision import cast
@@ -61,10 +65,20 @@ def build(bundle: ModelBundle, stages: list[StrictModel], folder: Path, calibrat
             current = cast(copy_bundle(current), cfg)
         else:
             raise TypeError(f"a search candidate cannot apply a {cfg.kind} stage")
-    path, figures = export(current, stages[-1], folder, calibration, max_length, log)
+    path, figures = export(current, stages[-1], folder, calibration, max_length, log, meta)
     return {**facts, **figures, "file": path.name}
 
 
 def copy_bundle(bundle: ModelBundle) -> ModelBundle:
     """The bundle with its own copy of the model (a cast must not change the original)."""
     return dataclasses.replace(bundle, model=copy.deepcopy(bundle.model))
+
+
+def applicable(bundle: ModelBundle, cfg: SearchConfig) -> tuple[list[str], dict[str, str]]:
+    """(the candidates of `cfg` to try on `bundle` on this CPU, {candidate: why it is
+    skipped})."""
+    names = cfg.candidates or list(CANDIDATES)
+    bf16 = bf16_supported()
+    skipped = {n: why for n in names
+               if (why := not_applicable(n, bundle.kind == "hf", bf16)) is not None}
+    return [n for n in names if n not in skipped], skipped

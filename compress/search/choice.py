@@ -1,8 +1,8 @@
 """How the search picks its winner: the finalists timed again in alternating rounds in
 one process (the machine's noise moves single timings 20-30%), then the best objective
 among the trials within the tolerance; re-timed finalists within TIE_SPREAD of the fastest
-count as equally fast (the same shape in the same runtime) and the most accurate of them
-wins. Every other trial is told why it lost."""
+count as equally fast (the same shape in the same runtime) and the best of them by the
+family's quality (accuracy, fidelity) wins. Every other trial is told why it lost."""
 
 from __future__ import annotations
 
@@ -12,28 +12,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from compress.search.quality import Quality
+
 FINALIST_SPREAD = 1.3  # trials within this factor of the best objective are timed again
 MAX_FINALISTS = 4
-TIE_SPREAD = 1.03  # re-timed finalists this close to the fastest are as fast: accuracy decides
+TIE_SPREAD = 1.03  # re-timed finalists this close to the fastest are as fast: quality decides
 
 
-def describe(record: dict[str, Any], metric: str, max_drop: float) -> str:
+def describe(record: dict[str, Any], metric: str, quality: Quality) -> str:
     """One progress line for a finished trial."""
     source = "cached" if record.get("cached") else f"{record.get('trial_s', 0):.0f} s"
     if record["status"] != "ok":
         return f"{record['id']}: failed ({source}): {record.get('error')}"
-    verdict = "within" if record["within"] else "outside"
     latency = ", ".join(f"{label} {record[key]:.1f} ms" for key, label in (
-        ("latency_ms_b1", "b1"), ("latency_ms_b8", "b8"), ("latency_ms_b8_real", "b8 real"))
-        if key in record)
-    return (f"{record['id']} ({source}): accuracy {100 * record['accuracy']:.2f}% "
-            f"({points(record['drop'])} pt, {verdict} {max_drop:g}), {latency}, "
+        ("latency_ms_b1", "b1"), ("latency_ms_b8", "b8"), ("latency_ms_b8_real", "b8 real"),
+        ("latency_ms_b32_real", "b32 real")) if key in record)
+    return (f"{record['id']} ({source}): {quality.line(record)}, {latency}, "
             f"{record['bytes'] / 1e6:.1f} MB; objective {_value(record, metric)}")
-
-
-def points(drop: float) -> str:
-    """An accuracy change in points, signed (a drop of 0 is +0.00, never -0.00)."""
-    return f"{-drop + 0.0:+.2f}"
 
 
 def _value(record: dict[str, Any], metric: str) -> str:
@@ -75,7 +70,7 @@ def retime_finalists(trials: list[dict[str, Any]], cfg, metric: str, measurer,
         f"{t['id']} {t['final_ms']:.2f} ms" for t in chosen))
 
 
-def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[str, Any]:
+def decide(trials: list[dict[str, Any]], metric: str, quality: Quality) -> dict[str, Any]:
     """{"winner": the best trial within the tolerance or None, "verdict": one line};
     every trial gets `lost` (why it is not the winner) or `won`."""
     ok = [t for t in trials if t["status"] == "ok" and metric in t]
@@ -84,22 +79,21 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
         if trial["status"] != "ok":
             trial["lost"] = f"failed: {trial.get('error')}"
         elif not trial["within"]:
-            trial["lost"] = f"loses {trial['drop']:.2f} pt > max_accuracy_drop {max_drop:g}"
+            trial["lost"] = quality.outside(trial)
             if trial.get("stopped"):
                 trial["lost"] += f" ({trial['stopped']})"
     if not eligible:
-        closest = min(ok, key=lambda t: t["drop"], default=None)
-        near = (f"; the closest is {closest['id']} at {points(closest['drop'])} pt "
-                f"({100 * closest['accuracy']:.2f}%)" if closest else "")
+        closest = min(ok, key=lambda t: t["shortfall"], default=None)
+        near = f"; the closest is {closest['id']} at {quality.gap(closest)}" if closest else ""
         return {"winner": None,
-                "verdict": f"no trial is within max_accuracy_drop {max_drop:g} of the "
-                           f"entering model{near}; raise max_accuracy_drop or add "
-                           f"candidates (every trial is in search.json)"}
+                "verdict": f"no trial is within {quality.budget} of {quality.against}{near}; "
+                           f"{quality.loosen} or add candidates (every trial is in "
+                           f"search.json)"}
     finals = [t for t in eligible if "final_ms" in t]
     if finals:
         fastest = min(t["final_ms"] for t in finals)
         tied = [t for t in finals if t["final_ms"] <= TIE_SPREAD * fastest]
-        winner = max(tied, key=lambda t: (t["accuracy"], -t["final_ms"]))
+        winner = max(tied, key=lambda t: (t[quality.key], -t["final_ms"]))
     else:
         winner = min(eligible, key=lambda t: t[metric])
     winner["won"] = True
@@ -109,9 +103,8 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
         if "final_ms" in trial and trial["final_ms"] <= TIE_SPREAD * winner["final_ms"]:
             trial["lost"] = (f"as fast when re-timed ({_fmt(trial['final_ms'], metric)} "
                              f"against {_fmt(winner['final_ms'], metric)}, within "
-                             f"{100 * (TIE_SPREAD - 1):.0f}%) and less accurate "
-                             f"({100 * trial['accuracy']:.2f}% against "
-                             f"{100 * winner['accuracy']:.2f}%)")
+                             f"{100 * (TIE_SPREAD - 1):.0f}%) and {quality.worse} "
+                             f"({quality.value(trial)} against {quality.value(winner)})")
         elif "final_ms" in trial:
             trial["lost"] = (f"slower when re-timed: {_fmt(trial['final_ms'], metric)} against "
                              f"the winner's {_fmt(winner['final_ms'], metric)}")
@@ -120,8 +113,7 @@ def decide(trials: list[dict[str, Any]], metric: str, max_drop: float) -> dict[s
                              f"{_fmt(winner[metric], metric)}")
     key = "final_ms" if finals else metric
     score = winner[key]
-    verdict = (f"winner {winner['id']}: accuracy {100 * winner['accuracy']:.2f}% "
-               f"({points(winner['drop'])} pt, within {max_drop:g}), {_fmt(score, metric)}"
+    verdict = (f"winner {winner['id']}: {quality.line(winner)}, {_fmt(score, metric)}"
                + (" (re-timed against the other finalists)" if key == "final_ms" else ""))
     return {"winner": winner, "verdict": verdict}
 

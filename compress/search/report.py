@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compress.recipe.kinds.search import BUDGETS
 from compress.report.plot import pareto_front, pyplot, save_figure
 from compress.runfolder.files import atomic_write_json, atomic_write_text
-from compress.search.choice import points
+from compress.search.quality import Quality
 
 DROPPED = ("preds", "key")  # not worth keeping in search.json
 
@@ -22,8 +23,11 @@ def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[s
               for t in search.trials + search.not_run]
     reference = {k: v for k, v in search.reference.items() if k not in DROPPED}
     winner = outcome["winner"]
+    quality: Quality = search.quality
     record = {"objective": cfg.objective, "metric": search.metric,
-              "max_accuracy_drop": cfg.max_accuracy_drop, "reference": reference,
+              "budget": quality.budget, **{k: getattr(cfg, k) for k in BUDGETS
+                                           if getattr(cfg, k) is not None},
+              "reference": reference,
               "skipped": skipped, "winner": winner["id"] if winner else None,
               "verdict": outcome["verdict"], "trials_run": search.ran,
               "trials_cached": sum(bool(t.get("cached")) for t in search.trials),
@@ -31,30 +35,33 @@ def write_search_files(folder: Path, run_dir: Path, cfg, search, skipped: dict[s
               "sensitivity": "sensitivity.json" if (folder / "sensitivity.json").is_file()
               else None, "shapes": list(search.shapes), "trials": trials}
     atomic_write_json(folder / "search.json", record)
-    plot = plot_search(record, folder / "search.png")
-    atomic_write_text(folder / "section.md", section(record, folder, run_dir, plot))
+    plot = plot_search(record, quality, folder / "search.png")
+    atomic_write_text(folder / "section.md", section(record, quality, folder, run_dir, plot))
     summary = {"search_trials": len(search.trials), "search_trials_run": search.ran,
-               "search_reference_accuracy": reference.get("accuracy"),
-               "search_max_accuracy_drop": cfg.max_accuracy_drop,
-               "search_objective": cfg.objective}
+               "search_objective": cfg.objective, **quality.summary(reference, winner)}
     if winner:
         summary.update(search_winner=winner["candidate"], search_winner_trial=winner["id"],
-                       search_fallback_layers=winner["float_layers"],
-                       search_accuracy_drop=winner["drop"])
+                       search_fallback_layers=winner["float_layers"])
         if winner.get("shape"):
             summary["search_winner_shape"] = winner["shape"]
     return summary
 
 
-def section(record: dict[str, Any], folder: Path, run_dir: Path, plot: Path | None) -> str:
+def section(record: dict[str, Any], quality: Quality, folder: Path, run_dir: Path,
+            plot: Path | None) -> str:
     """The markdown the report includes: the verdict, every trial and why it lost."""
     metric = record["metric"]
     ref = record["reference"]
-    lines = [f"## Search: {record['objective']} within {record['max_accuracy_drop']:g} point"
-             f" of the entering model ({100 * ref.get('accuracy', 0):.2f}%)", "",
+    columns = quality.columns()
+    timed = [(k, label) for k, label in (
+        ("latency_ms_b1", "b1 ms"), ("latency_ms_b8", "b8 ms"),
+        ("latency_ms_b8_real", "b8 real ms"), ("latency_ms_b32_real", "b32 real ms"))
+        if k in ref or any(k in t for t in record["trials"])]
+    headers = ["trial", "float layers", *(h for h, _ in columns), *(h for _, h in timed),
+               "MB", "re-timed ms", "outcome"]
+    lines = [f"## Search: {record['objective']} {quality.headline(ref)}", "",
              f"{record['verdict']}.", "",
-             "| trial | float layers | accuracy % | Δ pt | agreement | b1 ms | b8 ms | "
-             "b8 real ms | MB | re-timed ms | outcome |", "|" + "---|" * 11]
+             "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     ok = [t for t in record["trials"] if t.get("status") == "ok"]
     order = sorted(ok, key=lambda t: ("final_ms" not in t, t.get("final_ms") or 0,
                                       t.get(metric, float("inf"))))
@@ -62,19 +69,17 @@ def section(record: dict[str, Any], folder: Path, run_dir: Path, plot: Path | No
             t for t in record["trials"] if t.get("status") != "ok"]:
         name = f"**{t['id']}**" if t.get("won") else t["id"]
         if t.get("status") != "ok":
-            lines.append(f"| {name} | {len(t.get('float_layers') or [])} | | | | | | | | | "
+            blank = " |" * (len(headers) - 2) + " "
+            lines.append(f"| {name} | {len(t.get('float_layers') or [])}{blank}"
                          f"{t.get('lost') or t.get('error')} |")
             continue
-        cells = [name, str(len(t["float_layers"])), f"{100 * t['accuracy']:.2f}",
-                 points(t["drop"]), f"{t.get('agreement', 0):.4f}",
-                 *(_ms(t.get(k)) for k in ("latency_ms_b1", "latency_ms_b8",
-                                           "latency_ms_b8_real")),
+        cells = [name, str(len(t["float_layers"])), *(quality.cell(t, k) for _, k in columns),
+                 *(_ms(t.get(k)) for k, _ in timed),
                  f"{t['bytes'] / 1e6:.1f}", _ms(t.get("final_ms")),
                  "winner" if t.get("won") else t.get("lost", "")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Reference (the entering model, PyTorch eager): b1 "
-              f"{_ms(ref.get('latency_ms_b1'))} ms, b8 {_ms(ref.get('latency_ms_b8'))} ms, "
-              f"b8 real {_ms(ref.get('latency_ms_b8_real'))} ms."]
+    lines += ["", "Reference (the entering model, PyTorch eager): " + ", ".join(
+        f"{label.removesuffix(' ms')} {_ms(ref.get(k))} ms" for k, label in timed) + "."]
     for shape in record.get("shapes") or []:
         if shape.get("status") == "not run":
             lines.append(f"Shape {shape['label']}: not trained ({shape['lost']}).")
@@ -96,11 +101,11 @@ def _ms(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def plot_search(record: dict[str, Any], path: Path) -> Path | None:
-    """Accuracy against the objective for every trial: the Pareto front, the tolerance
-    line and the winner marked (None without matplotlib or trials)."""
+def plot_search(record: dict[str, Any], quality: Quality, path: Path) -> Path | None:
+    """Quality against the objective for every trial: the Pareto front, the budget's line
+    and the winner marked (None without matplotlib or trials)."""
     metric = record["metric"]
-    points = [(t.get("final_ms") or t[metric], 100 * t["accuracy"], t["id"])
+    points = [(t.get("final_ms") or t[metric], quality.scale * t[quality.key], t["id"])
               for t in record["trials"] if t.get("status") == "ok" and t.get(metric)]
     plt = pyplot() if points else None
     if plt is None:
@@ -119,14 +124,16 @@ def plot_search(record: dict[str, Any], path: Path) -> Path | None:
     ax.plot([p[0] for p in front], [p[1] for p in front], color="tab:green", ls="--",
             label="Pareto front (green rings)")
     reference = record["reference"]
-    if reference.get(metric) and reference.get("accuracy") is not None:
-        ax.scatter(reference[metric] / scale, 100 * reference["accuracy"], marker="x",
-                   color="tab:gray", s=50, zorder=3, label="entering model, PyTorch eager")
-    bound = 100 * reference.get("accuracy", 0) - record["max_accuracy_drop"]
-    ax.axhline(bound, color="tab:gray", ls=":",
-               label=f"tolerance: {record['max_accuracy_drop']:g} pt below the entering model")
+    if reference.get(metric) and reference.get(quality.key) is not None:
+        ax.scatter(reference[metric] / scale, quality.scale * reference[quality.key],
+                   marker="x", color="tab:gray", s=50, zorder=3,
+                   label="entering model, PyTorch eager")
+    floor = quality.floor(reference)
+    if floor is not None:
+        ax.axhline(quality.scale * floor, color="tab:gray", ls=":",
+                   label=f"budget: {quality.budget}")
     ax.set_xlabel("file size (MB)" if metric == "bytes" else f"{metric} (ms)")
-    ax.set_ylabel("accuracy (%)")
+    ax.set_ylabel(quality.label)
     ax.set_title(f"search: every trial, winner starred ({record['objective']}; re-timed "
                  f"finalists at their re-timed medians)", fontsize=10)
     ax.grid(True, alpha=0.3)

@@ -15,7 +15,7 @@ from compress.models.bundle import ModelBundle, count_params
 from compress.models.folders import load_saved, save_model
 from compress.recipe.kinds.distill import DistillConfig, StudentSpec
 from compress.recipe.kinds.prune import PruneConfig
-from compress.recipe.kinds.search import ShapeSpec, ShapeTraining
+from compress.recipe.kinds.search import SearchConfig, ShapeSpec, ShapeTraining
 from compress.recipe.options import TrainOptions
 from compress.runfolder.files import atomic_write_json, sha256_json
 from compress.stages.distill import distill
@@ -25,6 +25,9 @@ from compress.train.loop import TrainSetup, total_steps
 VERSION = 1
 RECORD = "shape.json"
 Setup = Callable[[Path, str], TrainSetup]  # (checkpoint folder, progress label) -> setup
+# (teacher, spec, training, setup, folder, log) -> (student, figures): a family's shapes
+ShapeTrainer = Callable[[ModelBundle, ShapeSpec, ShapeTraining, Setup, Path,
+                         Callable[[str], None]], tuple[ModelBundle, dict[str, Any]]]
 
 
 def shape_key(spec: ShapeSpec, training: ShapeTraining, input_sha: str, seed: int) -> str:
@@ -47,6 +50,13 @@ def training_cost(spec: ShapeSpec, training: ShapeTraining, teacher_layers: int,
         cost += total_steps(train_examples, training.recovery) * \
             training.recovery.batch_size * kept
     return cost
+
+
+def ordered_shapes(cfg: SearchConfig, bundle, train_examples: int) -> list[ShapeSpec]:
+    """The shapes, cheapest to train first."""
+    layers = len(encoder_layers(bundle.model))
+    return sorted(cfg.shapes or [], key=lambda s: training_cost(
+        s, cfg.shape_training, layers, train_examples))
 
 
 def prune_steps(spec: ShapeSpec, recovery: TrainOptions) -> list[PruneConfig]:
@@ -95,10 +105,10 @@ def train_shape(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining,
 
 
 def load_or_train(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining, key: str,
-                  folder: Path, setup: Setup, log: Callable[[str], None]
-                  ) -> tuple[ModelBundle, dict[str, Any]]:
-    """The shape saved in `folder` under `key`, else trained now (resuming from its
-    checkpoints) and saved; the student and the shape's record."""
+                  folder: Path, setup: Setup, log: Callable[[str], None],
+                  trainer: ShapeTrainer = train_shape) -> tuple[ModelBundle, dict[str, Any]]:
+    """The shape saved in `folder` under `key`, else trained now by `trainer` (resuming
+    from its checkpoints) and saved; the student and the shape's record."""
     record_path = folder / RECORD
     try:
         record = json.loads(record_path.read_text())
@@ -107,7 +117,7 @@ def load_or_train(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining
     if record.get("key") == key and (folder / "model").is_dir():
         return load_saved(folder / "model"), {**record, "cached": True}
     folder.mkdir(parents=True, exist_ok=True)
-    student, figures = train_shape(teacher, spec, training, setup, folder, log)
+    student, figures = trainer(teacher, spec, training, setup, folder, log)
     save_model(student, folder / "model")
     record = {"key": key, "label": spec.label, "shape": spec.model_dump(mode="json"),
               **figures}

@@ -1,9 +1,11 @@
-"""Stage `search`: the fastest servable artifact within `max_accuracy_drop` points.
+"""Stage `search`: the fastest servable artifact within a quality budget, judged by the
+family's `Quality` (quality.py: a classifier's `max_accuracy_drop` points here; an embedding
+model's fidelity in `compress.families.embedding.stages.search`).
 
 Every candidate that applies is built into `trials/<id>/` and measured the same way
 (trials.py). A quantizing candidate that loses too much gets float fallback
 layers, the most int8-sensitive first (sensitivity.py, `sensitivity.json`), one more per
-trial, until it is within the tolerance or no faster than the float model. The finalists
+trial, until it is within the budget or no faster than the float model. The finalists
 are timed again in alternating rounds in this process (choice.py), and the winner's export
 folder becomes the stage's output; `search.json`, `section.md` and `search.png` say why it
 won and why every other trial lost. With `shapes`, smaller students are trained too
@@ -17,21 +19,27 @@ import os
 import time
 from typing import Any
 
-from compress.algorithms.sensitivity import fallback_layers
+from compress.algorithms.sensitivity import KL, Divergence, fallback_layers
 from compress.errors import CompressError, UserError
 from compress.recipe.kinds.search import (
     CANDIDATES,
     OBJECTIVES,
     SearchConfig,
     ShapeSpec,
-    not_applicable,
 )
-from compress.runfolder.files import atomic_write_json, bf16_supported, sha256_json
+from compress.runfolder.files import atomic_write_json, sha256_json
 from compress.runfolder.records import artifact_record
-from compress.search.candidates import build, candidate_stages
+from compress.search.candidates import applicable, build, candidate_stages
 from compress.search.choice import decide, describe, retime_finalists
+from compress.search.quality import AccuracyDrop, Quality
 from compress.search.report import write_search_files
-from compress.search.shapes import load_or_train, shape_key, training_cost
+from compress.search.shapes import (
+    ShapeTrainer,
+    load_or_train,
+    ordered_shapes,
+    shape_key,
+    train_shape,
+)
 from compress.search.trials import Measurer, cached_trial, run_trial, trial_id, trial_key
 from compress.stages.context import StageContext, State
 from compress.train.loop import TrainSetup
@@ -40,13 +48,22 @@ from compress.train.loop import TrainSetup
 class Search:
     """The trials of one search stage, in its folder."""
 
-    def __init__(self, state: State, cfg: SearchConfig, ctx: StageContext):
+    def __init__(self, state: State, cfg: SearchConfig, ctx: StageContext, quality: Quality,
+                 trainer: ShapeTrainer = train_shape, divergence: Divergence = KL,
+                 meta: dict[str, Any] | None = None):
+        """A family other than classifiers gives its own `quality`, the `trainer` of its
+        shapes, the `divergence` its layers are ranked by and the `meta` every trial's
+        export.json carries."""
         self.bundle, self.cfg, self.ctx = state.bundle, cfg, ctx
         self.entering = state.bundle  # the teacher of every shape
+        self.quality, self.trainer, self.divergence = quality, trainer, divergence
+        self.meta = meta
         lat = ctx.recipe.evaluation.latency
         self.threads = cfg.threads or lat.threads or os.cpu_count() or 1
-        self.measurer = Measurer(ctx.data, ctx.recipe, self.threads)
         self.metric = OBJECTIVES[cfg.objective]
+        real = self.metric.removeprefix("latency_ms_b").removesuffix("_real")
+        batches = (8,) if not self.metric.endswith("_real") or real == "8" else (8, int(real))
+        self.measurer = Measurer(ctx.data, ctx.recipe, self.threads, quality, batches)
         self.trials: list[dict[str, Any]] = []
         self.not_run: list[dict[str, Any]] = []
         self.ran = 0
@@ -62,8 +79,8 @@ class Search:
         self.ctx.log(f"{self.ctx.name}: {message}")
 
     def measure_reference(self) -> None:
-        """The entering (float, eager) model measured like a trial: the accuracy the
-        tolerance counts from and the predictions agreement counts against."""
+        """The entering (float, eager) model measured like a trial: what the family's
+        quality counts from (the accuracy and predictions of a classifier)."""
         path = self.ctx.folder / "reference.json"
         key = sha256_json(["reference", self.ctx.input_sha, self.measurer.settings()])
         cached = _read_json(path)
@@ -111,17 +128,16 @@ class Search:
             data = self.ctx.data
             record = run_trial(folder, record, lambda out: build(
                 self.bundle, stages, out, data.splits.get("calibration"), data.max_length,
-                lambda m: None), self.measurer, self.reference["preds"])
+                lambda m: None, self.meta), self.measurer, self.reference)
             record["cached"] = False
             self.ran += 1
             self.built_s.append(record["trial_s"])
         record["folder"] = str(folder.relative_to(self.ctx.run_dir))
         record["shape"] = None if self.shape is None else self.shape["label"]
         if record["status"] == "ok":
-            record["drop"] = round(100 * (self.reference["accuracy"] - record["accuracy"]), 3)
-            record["within"] = record["drop"] <= self.cfg.max_accuracy_drop + 1e-9
+            self.quality.judge(record, self.reference)
         self.trials.append(record)
-        self.log(describe(record, self.metric, self.cfg.max_accuracy_drop))
+        self.log(describe(record, self.metric, self.quality))
         return record
 
     def _progress(self) -> str:
@@ -176,7 +192,7 @@ class Search:
             path = self.ctx.folder / "shapes" / self.shape["folder"] / "sensitivity.json"
         calibration = self.ctx.data.splits["calibration"]
         count = min(self.cfg.sensitivity_samples, len(calibration))
-        key = sha256_json(["sensitivity", self.input_sha, count,
+        key = sha256_json(["sensitivity", self.input_sha, count, self.divergence.name,
                            self.cfg.calibration.batch_size, self.measurer.settings()])
         cached = _read_json(path)
         if cached.get("key") != key:
@@ -185,11 +201,12 @@ class Search:
             batches = [inputs for inputs, _ in iterate(
                 calibration, self.cfg.calibration.batch_size, self.bundle.tokenizer,
                 self.ctx.data.max_length, list(range(count)))]
-            ranking = rank_layers(self.bundle.model, batches)
-            cached = {"key": key, **sensitivity_report(ranking, count, began)}
+            ranking = rank_layers(self.bundle.model, batches, divergence=self.divergence)
+            cached = {"key": key, **sensitivity_report(ranking, count, began,
+                                                       self.divergence)}
             atomic_write_json(path, cached)
-        top = ", ".join(f"{r['layer']} ({r['kl']:.3g})" for r in cached["ranking"][:3])
-        self.log(f"most int8-sensitive layers (KL): {top}")
+        top = ", ".join(f"{r['layer']} ({r['score']:.3g})" for r in cached["ranking"][:3])
+        self.log(f"most int8-sensitive layers ({self.divergence.name}): {top}")
         return [r["layer"] for r in cached["ranking"]]
 
 
@@ -208,7 +225,7 @@ class Search:
 
             self.bundle, record = load_or_train(
                 self.entering, spec, cfg.shape_training, key, folder, setup,
-                lambda m: self.log(f"shape {spec.label}: {m}"))
+                lambda m: self.log(f"shape {spec.label}: {m}"), self.trainer)
             record.update(folder=folder.name, train_s=round(time.perf_counter() - began, 1))
             self.log(f"shape {spec.label}: {'cached' if record['cached'] else 'trained'}, "
                      f"{record['layers']} layers, {record['params'] / 1e6:.1f}M parameters")
@@ -239,15 +256,6 @@ class Search:
                 self.fall_back(record["candidate"], ranking)
 
 
-def ordered_shapes(cfg: SearchConfig, bundle, train_examples: int) -> list[ShapeSpec]:
-    """The shapes, cheapest to train first."""
-    from compress.algorithms.distill import encoder_layers
-
-    layers = len(encoder_layers(bundle.model))
-    return sorted(cfg.shapes or [], key=lambda s: training_cost(
-        s, cfg.shape_training, layers, train_examples))
-
-
 def _read_json(path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -255,42 +263,38 @@ def _read_json(path) -> dict[str, Any]:
         return {}
 
 
-def candidates(bundle, cfg: SearchConfig) -> tuple[list[str], dict[str, str]]:
-    """(the candidates to try, {candidate: why it is skipped})."""
-    names = cfg.candidates or list(CANDIDATES)
-    bf16 = bf16_supported()
-    skipped = {n: why for n in names
-               if (why := not_applicable(n, bundle.kind == "hf", bf16)) is not None}
-    return [n for n in names if n not in skipped], skipped
-
-
 def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:
+    """Search a classifier (or any model whose quality is accuracy on labels)."""
+    quality = AccuracyDrop(ctx.data, ctx.recipe, cfg.max_accuracy_drop)
+    return run_search(Search(state, cfg, ctx, quality))
+
+
+def run_search(search: Search) -> State:
     """Search, write the record and the plot, and hand on the winner's export."""
     from compress.models.folders import load_export
 
-    search = Search(state, cfg, ctx)
-    names, skipped = candidates(state.bundle, cfg)
+    cfg, ctx, entering = search.cfg, search.ctx, search.entering
+    names, skipped = applicable(entering, cfg)
     for name, why in skipped.items():
         search.log(f"{name} skipped: it {why}")
     if not names:
         raise UserError(f"stages.{ctx.index}.candidates: none applies to this model on this "
                         f"machine ({'; '.join(f'{n} {w}' for n, w in skipped.items())})")
     search.measure_reference()
-    shapes = ordered_shapes(cfg, state.bundle, len(ctx.data.splits.get("train") or []))
+    shapes = ordered_shapes(cfg, entering, len(ctx.data.splits.get("train") or []))
     search.planned = len(names) * (1 + len(shapes))
     search.try_candidates(names)
     for spec in shapes:
         if search.use_shape(spec):
             search.try_candidates(names)
     retime_finalists(search.trials, cfg, search.metric, search.measurer, ctx.run_dir, search.log)
-    outcome = decide(search.trials, search.metric, cfg.max_accuracy_drop)
+    outcome = decide(search.trials, search.metric, search.quality)
     summary = write_search_files(ctx.folder, ctx.run_dir, cfg, search, skipped, outcome)
     ctx.metrics.update(summary)
     winner = outcome["winner"]
     if winner is None:
         raise CompressError(outcome["verdict"])
     folder = ctx.run_dir / winner["folder"] / winner["export_dir"]
-    ctx.metrics.update(accuracy=winner["accuracy"], macro_f1=winner["macro_f1"])
     ctx.add_output(artifact_record(folder / winner["file"], ctx.run_dir, winner["export_dir"],
                                    export_dir=str(folder.relative_to(ctx.run_dir)),
                                    trial=winner["id"]))

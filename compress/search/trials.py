@@ -16,68 +16,63 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from compress.data.datasets import DataBundle
 from compress.errors import one_line
-from compress.measure.evaluate import classification_metrics, predict
 from compress.measure.figures import latency_sweep, real_latency
 from compress.models.bundle import ModelBundle
 from compress.recipe.options import StrictModel
 from compress.runfolder.files import atomic_write_json, sha256_file, sha256_json
+from compress.search.quality import Quality
 
 TRIAL_FILE = "trial.json"
 VERSION = 1  # bump when what a trial measures changes
 
 
 class Measurer:
-    """Measures models on the eval split the same way: predictions, accuracy, agreement
-    with the reference predictions, b1 and b8 at `seq_len`, b8 on the split's sentences."""
+    """Measures models on the eval split the same way: the family's quality figures
+    (`quality`), b1 and b8 at `seq_len`, and batches of the split's own sentences (b8, and
+    b32 when the objective times it)."""
 
-    def __init__(self, data: DataBundle, recipe, threads: int):
+    def __init__(self, data: DataBundle, recipe, threads: int, quality: Quality,
+                 real_batches: tuple[int, ...] = (8,)):
         self.data, self.recipe, self.threads = data, recipe, threads
+        self.quality, self.real_batches = quality, list(real_batches)
         self.latency = recipe.evaluation.latency.model_copy(
             update={"batch_sizes": [1, 8], "seq_lens": None, "threads": threads})
 
     def settings(self) -> dict[str, Any]:
         """What the figures depend on besides the model (part of every trial's key)."""
-        return {"data": self.recipe.data.model_dump(mode="json"),
-                "batch_size": self.recipe.evaluation.batch_size,
-                "latency": self.latency.model_dump(mode="json"), "seed": self.recipe.seed}
-
-    def predictions(self, bundle: ModelBundle) -> torch.Tensor:
-        eval_split = self.data.splits["eval"]
-        with torch.inference_mode():
-            return predict(bundle.model, eval_split, self.recipe.evaluation.batch_size,
-                           bundle.tokenizer, self.data.max_length)
+        settings = {"data": self.recipe.data.model_dump(mode="json"),
+                    "batch_size": self.recipe.evaluation.batch_size,
+                    "latency": self.latency.model_dump(mode="json"), "seed": self.recipe.seed}
+        if self.real_batches != [8]:
+            settings["real_batches"] = self.real_batches
+        return {**settings, **self.quality.settings()}
 
     def objective_ms(self, bundle: ModelBundle, metric: str) -> float:
         """One more timing of a latency objective (`latency_ms_b1`, `latency_ms_b8` or
-        `latency_ms_b8_real`) of `bundle`, in ms."""
+        `latency_ms_bN_real`) of `bundle`, in ms."""
         if metric.endswith("_real"):
-            real = real_latency(bundle, self.data.splits["eval"], [8], self.data.max_length,
-                                self.threads, warmup=self.latency.warmup)
+            batch = int(metric.removeprefix("latency_ms_b").removesuffix("_real"))
+            real = real_latency(bundle, self.data.splits["eval"], [batch],
+                                self.data.max_length, self.threads, warmup=self.latency.warmup)
             return real[metric]
         batch = int(metric.removeprefix("latency_ms_b"))
         single = self.latency.model_copy(update={"batch_sizes": [batch]})
         return latency_sweep(bundle, single)[metric]
 
-    def measure(self, bundle: ModelBundle, reference: list[int] | None) -> dict[str, Any]:
-        """Accuracy, macro-F1, agreement with `reference`, latencies (ms)."""
-        eval_split = self.data.splits["eval"]
-        preds = self.predictions(bundle)
-        figures = classification_metrics(preds, eval_split.labels, self.data.num_labels)
-        if reference is not None:
-            figures["agreement"] = round(float(
-                (preds == torch.tensor(reference)).float().mean()), 6)
+    def measure(self, bundle: ModelBundle, reference: dict[str, Any] | None
+                ) -> dict[str, Any]:
+        """The quality figures against `reference` (the entering model's record; None for
+        the entering model itself), latencies (ms) and sentences/s at real lengths."""
+        figures = self.quality.measure(bundle, reference)
         latency = latency_sweep(bundle, self.latency)
         figures.update({k: latency[k] for k in ("latency_ms_b1", "latency_ms_b8",
                                                 "latency_ms_b1_p90", "latency_ms_b8_p90")})
         if bundle.is_text:
-            real = real_latency(bundle, eval_split, [8], self.data.max_length, self.threads,
-                                warmup=self.latency.warmup)
-            figures.update({k: real[k] for k in ("latency_ms_b8_real", "real_tokens_b8")})
-        figures["preds"] = preds.tolist()
+            real = real_latency(bundle, self.data.splits["eval"], self.real_batches,
+                                self.data.max_length, self.threads, warmup=self.latency.warmup)
+            figures.update({k: v for k, v in real.items() if not k.endswith("_p90")})
         return figures
 
 
@@ -110,7 +105,7 @@ def cached_trial(folder: Path, key: str) -> dict[str, Any] | None:
 
 
 def run_trial(folder: Path, record: dict[str, Any], build, measurer: Measurer,
-              reference: list[int] | None) -> dict[str, Any]:
+              reference: dict[str, Any]) -> dict[str, Any]:
     """Build (`build(export_dir) -> facts`) and measure one trial in `folder`; write
     `trial.json` last (atomically), so a killed trial is built again next time. A
     candidate that cannot be built or loaded is recorded as failed, with why."""

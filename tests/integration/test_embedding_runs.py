@@ -14,24 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import embedding_recipe
 from conftest import write_recipe, write_sentiment_tables
 
 from compress.errors import UserError
 from compress.recipe.schema import load_recipe
 from compress.recipe.sources import check_recipe_sources
-
-
-def embedding_recipe(model: Path, data: Path, out: Path, stages: list[dict]) -> dict:
-    return {"name": "tiny_embed_run", "model": {"source": str(model), "task": "embedding"},
-            "data": {"source": str(data), "text_column": "sentence", "max_length": 32,
-                     "train": {"split": "train"},
-                     "calibration": {"split": "train", "max_samples": 32},
-                     "eval": {"split": "validation"}},
-            "stages": stages,
-            "evaluation": {"batch_size": 16,
-                           "latency": {"batch_sizes": [1, 4], "seq_len": 16, "iters": 2,
-                                       "warmup": 1}},
-            "output_dir": str(out), "seed": 0}
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from torch import nn
 
 from compress.cli.search import add_search_stage
 from compress.search.choice import decide
+from compress.search.quality import AccuracyDrop
 
 
 def recipe_file(tmp_path: Path, *stages: dict) -> Path:
@@ -25,6 +26,9 @@ def recipe_file(tmp_path: Path, *stages: dict) -> Path:
 
 
 BAD_SEARCHES = [
+    ({"max_accuracy_drop": None}, "stages.1.max_accuracy_drop: required: the largest accuracy "
+                                  "loss in points"),
+    ({"min_fidelity": 0.99}, "stages.1.min_fidelity: an embedding model's budget"),
     ({"objective": "latency_b3"}, "stages.1.objective: Input should be 'latency_b1'"),
     ({"candidates": ["int4_magic"]}, "stages.1.candidates.0: Input should be"),
     ({"max_accuracy_drop": -0.1}, "stages.1.max_accuracy_drop: Input should be greater "
@@ -57,7 +61,8 @@ def test_search_of_a_quantized_model_is_refused(tmp_path, monkeypatch, capsys) -
 def test_search_without_max_drop_says_how(tmp_path, monkeypatch, capsys) -> None:
     code, _, err = cli(monkeypatch, capsys, "search", str(recipe_file(tmp_path)))
     assert code == 2 and err.strip() == (
-        "error: the recipe has no search stage; give --max-drop POINTS to add one")
+        "error: the recipe has no search stage; give --max-drop POINTS (a classifier) or "
+        "--min-fidelity COSINE (an embedding model) to add one")
     code, _, err = cli(monkeypatch, capsys, "search", str(recipe_file(tmp_path)),
                        "--max-drop", "-1")
     assert code == 2 and "-1" in err and "Traceback" not in err
@@ -68,10 +73,10 @@ def test_a_search_stage_is_added_before_the_package_and_packaged() -> None:
 
     raw = digits_recipe(Path("/tmp/unused"))
     raw["stages"].append({"kind": "package"})
-    edited = add_search_stage(raw, 0.25)
+    edited = add_search_stage(raw, {"max_accuracy_drop": 0.25})
     assert [s["kind"] for s in edited["stages"]] == ["finetune", "search", "package"]
     assert edited["stages"][1]["max_accuracy_drop"] == 0.25
-    assert add_search_stage(edited, 3.0) is edited  # one search stage is enough
+    assert add_search_stage(edited, {"max_accuracy_drop": 3.0}) is edited  # one is enough
     recipe, problems = validate_raw(edited)
     assert problems == [] and recipe is not None
     from compress.recipe.kinds.package import export_stage_index
@@ -79,9 +84,15 @@ def test_a_search_stage_is_added_before_the_package_and_packaged() -> None:
     assert export_stage_index(recipe, 2) == 1  # the package archives the winner
 
 
+def points(max_drop: float) -> AccuracyDrop:
+    """A classifier's quality rule with `max_drop` points of tolerance."""
+    return AccuracyDrop(None, None, max_drop)
+
+
 def trial(tid: str, accuracy: float, b8: float, drop: float, within: bool, **extra) -> dict:
     return {"id": tid, "candidate": tid, "status": "ok", "accuracy": accuracy,
-            "latency_ms_b8": b8, "drop": drop, "within": within, "float_layers": [], **extra}
+            "latency_ms_b8": b8, "drop": drop, "shortfall": drop, "within": within,
+            "float_layers": [], **extra}
 
 
 def test_the_winner_is_the_fastest_trial_within_the_tolerance() -> None:
@@ -90,7 +101,7 @@ def test_the_winner_is_the_fastest_trial_within_the_tolerance() -> None:
               trial("within_fast", 0.855, 20.0, 0.5, True),
               {"id": "broken", "candidate": "broken", "status": "failed", "error": "no",
                "float_layers": []}]
-    outcome = decide(trials, "latency_ms_b8", 0.5)
+    outcome = decide(trials, "latency_ms_b8", points(0.5))
     assert outcome["winner"]["id"] == "within_fast"
     lost = {t["id"]: t.get("lost") for t in trials}
     assert lost["fast_but_lossy"] == "loses 6.00 pt > max_accuracy_drop 0.5"
@@ -98,26 +109,26 @@ def test_the_winner_is_the_fastest_trial_within_the_tolerance() -> None:
     assert lost["broken"] == "failed: no"
     # re-timed finalists decide by their re-timed medians
     trials[1]["final_ms"], trials[2]["final_ms"] = 18.0, 21.0
-    assert decide(trials, "latency_ms_b8", 0.5)["winner"]["id"] == "within_slow"
+    assert decide(trials, "latency_ms_b8", points(0.5))["winner"]["id"] == "within_slow"
 
 
 def test_finalists_as_fast_within_noise_are_decided_by_accuracy() -> None:
     trials = [trial("distilled", 0.8589, 33.8, 0.92, True, final_ms=32.98),
               trial("direct", 0.8670, 28.0, 0.12, True, final_ms=33.44),  # 1.4% slower
               trial("other", 0.8700, 40.0, 0.0, True, final_ms=34.5)]  # 4.6% slower
-    outcome = decide(trials, "latency_ms_b8", 1.0)
+    outcome = decide(trials, "latency_ms_b8", points(1.0))
     assert outcome["winner"]["id"] == "direct"
     lost = {t["id"]: t.get("lost") for t in trials}
     assert lost["distilled"] == ("as fast when re-timed (32.98 ms against 33.44 ms, within "
                                  "3%) and less accurate (85.89% against 86.70%)")
     assert lost["other"] == "slower when re-timed: 34.50 ms against the winner's 33.44 ms"
     trials[0]["final_ms"] = 30.0  # clearly faster: speed decides again
-    assert decide(trials, "latency_ms_b8", 1.0)["winner"]["id"] == "distilled"
+    assert decide(trials, "latency_ms_b8", points(1.0))["winner"]["id"] == "distilled"
 
 
 def test_no_trial_within_names_the_closest() -> None:
     trials = [trial("a", 0.80, 10.0, 6.0, False), trial("b", 0.84, 12.0, 2.0, False)]
-    outcome = decide(trials, "latency_ms_b8", 0.1)
+    outcome = decide(trials, "latency_ms_b8", points(0.1))
     assert outcome["winner"] is None
     assert outcome["verdict"].startswith(
         "no trial is within max_accuracy_drop 0.1 of the entering model; the closest is b at "
@@ -153,7 +164,7 @@ def test_the_fragile_layer_ranks_first_and_the_fallback_keeps_it_float() -> None
     batches = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     ranking = rank_layers(model, batches)
     assert [r["layer"] for r in ranking][0] == "middle"
-    assert ranking[0]["kl"] > 10 * ranking[1]["kl"] > 0
+    assert ranking[0]["score"] > 10 * ranking[1]["score"] > 0
 
     bundle = ModelBundle(model, "factory", ["a", "b", "c", "d"], input_shape=[16])
     reference = torch.cat([model(b) for b in batches])

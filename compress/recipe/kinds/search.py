@@ -37,7 +37,9 @@ Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "pt2e_static_bf16_a
                     "bf16_aoti", "ort_dynamic_int8",
                     "ort_static_int8", "onnx_fp32", "aoti_fp32"]
 OBJECTIVES = {"latency_b1": "latency_ms_b1", "latency_b8": "latency_ms_b8",
-              "latency_real": "latency_ms_b8_real", "size": "bytes"}
+              "latency_real": "latency_ms_b8_real", "latency_real_b32": "latency_ms_b32_real",
+              "size": "bytes"}
+BUDGETS = ("max_accuracy_drop", "min_fidelity", "min_recall_at_10")  # quality budgets
 
 
 class ShapeSpec(StrictModel):
@@ -87,19 +89,27 @@ class ShapeTraining(TrainOptions):
 
 
 class SearchConfig(StrictModel):
-    """The fastest (or smallest) servable artifact within an accuracy loss: every candidate
-    precision and runtime built, measured and, when it loses too much, given float
-    fallback layers by sensitivity. The winner is an export the package stage archives."""
+    """The fastest (or smallest) servable artifact within a quality budget (a classifier's
+    accuracy loss, an embedding model's fidelity and recall): every candidate precision and
+    runtime built, measured and, when it loses too much, given float fallback layers by
+    sensitivity. The winner is an export the package stage archives."""
 
     kind: Literal["search"] = "search"
     name: StageName = None
-    max_accuracy_drop: float = Field(
-        ge=0, le=100, description="Largest accuracy loss in points against the model that "
-        "enters the stage.")
-    objective: Literal["latency_b1", "latency_b8", "latency_real", "size"] = Field(
+    max_accuracy_drop: float | None = Field(
+        None, ge=0, le=100, description="Classifiers: largest accuracy loss in points "
+        "against the model that enters the stage (required).")
+    min_fidelity: float | None = Field(
+        None, gt=0, le=1, description="Embedding models: lowest mean cosine between a "
+        "trial's embeddings of the eval texts and the float model's (the run's baseline).")
+    min_recall_at_10: float | None = Field(
+        None, gt=0, le=1, description="Embedding models: lowest recall@10 of each eval "
+        "text's neighbours against the float model's neighbours.")
+    objective: Literal["latency_b1", "latency_b8", "latency_real", "latency_real_b32",
+                       "size"] = Field(
         "latency_b8", description="What the winner minimises: median latency at batch 1 or "
-        "8 (seq_len of evaluation.latency), at batch 8 on the eval split's own sentences "
-        "(latency_real), or file size.")
+        "8 (seq_len of evaluation.latency), at batch 8 or 32 on the eval split's own "
+        "sentences (latency_real, latency_real_b32), or file size.")
     candidates: list[Candidate] | None = Field(
         None, min_length=1, description="Candidates to try (default: every one that applies "
         "to the model and this CPU).")
@@ -159,8 +169,8 @@ def _candidates_apply(recipe: Any, i: int) -> list[str]:
     cfg = recipe.stages[i]
     hugging_face = not is_factory(recipe.model.source)
     problems = []
-    if cfg.objective == "latency_real" and not hugging_face:
-        problems.append(f"stages.{i}.objective: latency_real times the eval split's sentences "
+    if cfg.objective.startswith("latency_real") and not hugging_face:
+        problems.append(f"stages.{i}.objective: {cfg.objective} times the eval split's sentences "
                         f"and model.source {recipe.model.source} is not a text model; use "
                         f"latency_b1, latency_b8 or size")
     if cfg.shapes and not hugging_face:
@@ -198,9 +208,39 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
     return f"search winner: {CANDIDATES[winner][0]}" if winner in CANDIDATES else "search"
 
 
+def _check_task(cfg: SearchConfig, task: str, index: int) -> list[str]:
+    """The budget the family judges by: accuracy points for a classifier, fidelity and
+    recall for an embedding model; an embedding model's shapes are distilled."""
+    where = f"stages.{index}"
+    if task == "embedding":
+        problems = [] if cfg.min_fidelity is not None or cfg.min_recall_at_10 is not None \
+            else [f"{where}: an embedding model's search needs a budget: give min_fidelity "
+                  "(e.g. 0.99) or min_recall_at_10 (e.g. 0.9), or both"]
+        if cfg.max_accuracy_drop is not None:
+            problems.append(f"{where}.max_accuracy_drop: an embedding model is held to "
+                            "min_fidelity and min_recall_at_10 against the float model; "
+                            "remove it")
+        problems += [f"{where}.shapes.{k}.teacher: an embedding model's shapes are distilled "
+                     "from its embeddings (it has no labels to fine-tune on); remove teacher"
+                     for k, s in enumerate(cfg.shapes or []) if not s.teacher]
+        problems += [f"{where}.shape_training.{o}: a classifier's distillation option; an "
+                     "embedding model's shapes learn the embeddings (|s - t|^2 + 1 - cos); "
+                     "remove it" for o in ("temperature", "alpha", "layerwise")
+                     if o in cfg.shape_training.model_fields_set]
+        return problems
+    problems = [f"{where}.{o}: an embedding model's budget; {task} models are held to "
+                "max_accuracy_drop; remove it" for o in ("min_fidelity", "min_recall_at_10")
+                if getattr(cfg, o) is not None]
+    if cfg.max_accuracy_drop is None:
+        problems.append(f"{where}.max_accuracy_drop: required: the largest accuracy loss in "
+                        "points against the model entering the search (e.g. 0.5)")
+    return problems
+
+
 SPEC = register(StageSpec(
     kind="search", config=SearchConfig, runner="compress.search.stage:run", order=65,
     makes_model=False, splits=_splits, runtime=_runtime,
     refused_before=("quantize", "precision"), check=_candidates_apply,
     reload="compress.stages.export:reload", export_formats=export_formats, needs=_needs,
+    check_task=_check_task,
 ))

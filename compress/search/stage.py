@@ -246,9 +246,15 @@ class Search:
                          and t.get("shape") == mine and CANDIDATES[t["candidate"]][4]),
                         key=lambda t: t[self.metric])
         ranking: list[str] | None = None
+        floats = [t for t in self.trials if t["status"] == "ok" and t.get("shape") == mine
+                  and not CANDIDATES[t["candidate"]][4]]
         for record in missed:
             bar, what = self.bar()
-            if record[self.metric] >= bar:
+            if floats and not any(t["within"] for t in floats):
+                record["stopped"] = ("the float model of this shape is outside the budget "
+                                     "too: no fallback tried")
+                self.log(f"{record['id']}: {record['stopped']}")
+            elif record[self.metric] >= bar:
                 record["stopped"] = f"{what}: no fallback tried"
                 self.log(f"{record['id']}: {record['stopped']}")
             elif self.cfg.max_fallback_layers and self.budget_spent() is None:

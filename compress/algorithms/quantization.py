@@ -130,10 +130,11 @@ def warm_up(model: nn.Module, bundle: ModelBundle) -> float:
 
 
 def quantize(bundle: ModelBundle, cfg, calibration=None, *, setup=None,
-             max_length: int = 128) -> tuple[ModelBundle, dict[str, Any]]:
+             max_length: int = 128, loss_fn=None) -> tuple[ModelBundle, dict[str, Any]]:
     """The quantized bundle (kind "pt2e") of `bundle` per `cfg` (a QuantizeConfig) and the
     figures of the run. Static mode observes `calibration` (Examples); QAT trains on
-    `setup` (a TrainSetup). CompressError (CaptureError) when it cannot be done."""
+    `setup` (a TrainSetup), by `loss_fn(model, inputs, labels)` where given (else the
+    labels' cross-entropy). CompressError (CaptureError) when it cannot be done."""
     if bundle.kind == "pt2e":
         raise CompressError("the model is already quantized (kind pt2e); quantize a float "
                             "model")
@@ -153,7 +154,8 @@ def quantize(bundle: ModelBundle, cfg, calibration=None, *, setup=None,
         prepared = GraphModel(prepare_qat_pt2e(graph, quantizer), bundle.is_text, max_seq,
                               trainable=True)
         prepared.training = True
-        result = setup.run(prepared, cfg.qat, bundle.tokenizer)
+        result = setup.run(prepared, cfg.qat, bundle.tokenizer,
+                           **({"loss_fn": loss_fn} if loss_fn is not None else {}))
         prepared.eval()
         metrics["qat_steps"] = result.steps
     else:

@@ -121,7 +121,6 @@ def test_a_pruned_model_is_read_back_at_its_shapes(embedding_run: Path) -> None:
 
 
 @pytest.mark.parametrize(("stage", "wanted"), [
-    ({"kind": "quantize", "mode": "qat"}, "stages.0.mode: qat trains against labels"),
     ({"kind": "distill", "student": {"layers": 1}, "temperature": 3.0},
      "stages.0.temperature: not an option of an embedding model's distillation"),
     ({"kind": "export", "format": "onnx", "max_accuracy_drop": 1.0},
@@ -148,3 +147,21 @@ def test_a_classifier_export_refuses_min_fidelity(cls_bert_folder: Path, tmp_pat
         check_recipe_sources(load_recipe(write_recipe(tmp_path / "r.yaml", raw)))
     assert any(m.startswith("stages.0.min_fidelity: not a parity bound") for m in
                raised.value.messages), raised.value.messages
+
+
+def test_qat_trains_towards_the_float_embeddings(cls_bert_folder: Path, tmp_path: Path) -> None:
+    """QAT on an embedding model reads no labels (the table has none here): the
+    fake-quantized encoder learns the float model's embeddings."""
+    from builders import run_in_process
+
+    data = write_sentiment_tables(tmp_path / "data", 48, 32)
+    stages = [{"kind": "quantize", "mode": "qat",
+               "qat": {"max_steps": 3, "batch_size": 16, "learning_rate": 1e-4},
+               "calibration": {"samples": 16, "batch_size": 16}}]
+    raw = embedding_recipe(cls_bert_folder, data, tmp_path / "runs", stages)
+    raw["evaluation"]["latency"]["enabled"] = False
+    manifest = run_in_process(write_recipe(tmp_path / "qat.yaml", raw))
+    stage = manifest["stages"][0]
+    assert stage["status"] == "done" and stage["metrics"]["qat_steps"] == 3
+    assert stage["metrics"]["quant_mode"] == "qat" and stage["metrics"]["fidelity"] > 0.99
+    assert (tmp_path / "runs/tiny_embed_run/00-quantize/model/model.pt2").is_file()

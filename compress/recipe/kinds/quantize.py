@@ -119,12 +119,9 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
             problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
                             "128, 256 (torchao's int4 CPU packing)")
         return problems
-    qat = ([f"{where}.mode: qat trains against labels, which an embedding model is not "
-            "scored by; use mode dynamic or static"]
-           if task == "embedding" and cfg.mode == "qat" else [])
     lm_only = [o for o in LM_ONLY_OPTIONS if o in cfg.model_fields_set]
-    return qat + [f"{where}.{o}: only a causal LM takes this option; this model is "
-                  "quantized through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
+    return [f"{where}.{o}: only a causal LM takes this option; this model is "
+            "quantized through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
 
 
 def _check_sparse24(cfg: QuantizeConfig, where: str) -> list[str]:

@@ -34,7 +34,9 @@ from compress.train.step import (
     agree_across_ranks,
     clip_gradients,
     held_memory,
+    hold_zeros,
     make_optimizer,
+    pruned_zeros,
 )
 from compress.train.telemetry import Telemetry
 
@@ -188,6 +190,13 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
 
         trained = copy.deepcopy(model)
         fsdp.shard(trained, transformer_blocks(trained), opts.mixed_precision == "bf16")
+    held = pruned_zeros(model)  # held on the full weights; an FSDP-sharded copy does not
+    if held and trained is not model:  # hold them (its weights are sharded DTensors)
+        say(f"{desc}: parallel: fsdp does not hold pruned zeros; {len(held)} pruned weight "
+            f"matrices may fill in (train a pruned model with ddp to keep its pattern)")
+        held = []
+    elif held:
+        say(f"{desc}: {len(held)} pruned weight matrices keep their zeros while training")
     optimizer, scheduler = make_optimizer(trained, opts, steps)
     store = Checkpoints(checkpoint_dir, key, world, is_sharded)
     start = store.resume(trained, optimizer, scheduler)
@@ -236,6 +245,7 @@ def train(model: nn.Module, examples: Examples, opts, *, seed: int, checkpoint_d
                     seen += len(idx)
                 grad_norm = clip_gradients(trained, opts.max_grad_norm)
                 optimizer.step()
+                hold_zeros(held)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 done = step + 1

@@ -31,6 +31,30 @@ def make_optimizer(model: nn.Module, opts, steps: int) -> tuple[Any, Any]:
     return optimizer, scheduler
 
 
+PRUNED_SHARE = 0.25  # a weight matrix at least this share exactly zero was pruned
+
+
+def pruned_zeros(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(parameter, mask of its non-zero entries) of every trainable weight matrix that
+    pruning left at least PRUNED_SHARE exactly zero (trained weights are never exactly
+    zero by chance): training holds those zeros, so a pruned pattern (unstructured, or
+    n:m, which the 2:4 kernels rely on) survives every later stage that trains."""
+    held = []
+    for param in model.parameters():
+        if param.requires_grad and param.dim() >= 2 and param.numel():
+            nonzero = param.detach() != 0
+            if 1 - float(nonzero.float().mean()) >= PRUNED_SHARE:
+                held.append((param, nonzero))
+    return held
+
+
+@torch.no_grad()
+def hold_zeros(held: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Zero again what an optimizer step moved off the pruned entries."""
+    for param, nonzero in held:
+        param.mul_(nonzero.to(param.dtype))
+
+
 def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
     """Clip the gradient norm to `max_norm` (none: measure only); the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU path of compress in one short run (at most 8 minutes on one GPU), for the rare
 # machine with a CUDA GPU: the GPU test tier (tests/gpu: CUDA latency, bf16 autocast
-# training, NCCL collectives timed by CUDA events, TensorRT fp16 export and parity), then
-# the TensorRT recipe shrunk where torch-tensorrt and the MiniLM are installed. Writes
+# training, NCCL collectives timed by CUDA events, TensorRT fp16 export and parity, 2:4
+# semi-structured Linears), then 2:4 sparse against dense fp16 (benchmarks/sparse24_gpu.py,
+# writing benchmarks/results/sparse24_gpu.md), then the TensorRT recipe shrunk where
+# torch-tensorrt and the MiniLM are installed. Writes
 # benchmarks/results/gpu.md (device, versions, what passed, what was skipped and why).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, in the project's venv
@@ -37,6 +39,14 @@ timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$LO
 tier=${PIPESTATUS[0]}
 tier_s=$(( $(date +%s) - began ))
 
+# 2:4 semi-structured Linears against dense fp16 (about 30 s): its own results file
+sparse24="failed"
+if timeout 120 "$PY" benchmarks/sparse24_gpu.py --rounds 5 >"$LOG.sparse24" 2>&1; then
+    sparse24="passed: benchmarks/results/sparse24_gpu.md"
+else
+    sparse24="exit $?: $(tail -1 "$LOG.sparse24" | cut -c1-200)"
+fi
+
 recipe="not run: torch-tensorrt is not installed"
 if "$PY" -c "import torch_tensorrt" 2>/dev/null; then
     if "$PY" -c "import compress.recipe.sources as s; s.resolve_model('sentence-transformers/all-MiniLM-L6-v2')" 2>/dev/null \
@@ -70,6 +80,8 @@ versions=$("$PY" -c "import torch; print(f'torch {torch.__version__}, CUDA {torc
     echo '```'
     echo
     echo "- TensorRT recipe (recipes/bert_trt_fp16.yaml, shrunk): $recipe"
+    echo "- 2:4 sparse fp16 against dense (benchmarks/sparse24_gpu.py --rounds 5): $sparse24"
+    case $sparse24 in passed*) echo; grep '^|' benchmarks/results/sparse24_gpu.md;; esac
 } >"$RESULTS"
 echo "gpu_check: wrote $RESULTS"
 cat "$RESULTS"

@@ -189,10 +189,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
         if check_sources:
             from compress.recipe.sources import source_problems
 
-            said = {p.split(": ", 1)[0] for p in problems}  # one line per key: a key the
-            # schema refused (and dropped) is not reported again as missing
+            refused = {p.split(": ", 1)[0] for p in schema_problems}  # a key the schema
+            # refused (and dropped) is not reported again as missing
             problems += [p for p in source_problems(recipe)
-                         if p not in problems and p.split(": ", 1)[0] not in said]
+                         if p not in problems and p.split(": ", 1)[0] not in refused]
     if problems:
         raise UserError(problems)
     return recipe

@@ -53,6 +53,15 @@ def atomic_write_json(path: Path, data: Any, mode: int | None = None) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n", mode)
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} when it is missing or unreadable (a cache entry a
+    killed run left half-written counts as absent)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def fsync_folder(folder: Path) -> None:
     """Put a folder's entries (a rename into it) on disk; where a file system cannot fsync
     a folder, nothing."""

@@ -5,7 +5,6 @@ kill. Every candidate is then tried on each shape as on the entering model."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from compress.recipe.kinds.distill import DistillConfig, StudentSpec
 from compress.recipe.kinds.prune import PruneConfig
 from compress.recipe.kinds.search import SearchConfig, ShapeSpec, ShapeTraining
 from compress.recipe.options import TrainOptions
-from compress.runfolder.files import atomic_write_json, sha256_json
+from compress.runfolder.files import atomic_write_json, read_json, sha256_json
 from compress.stages.distill import distill
 from compress.stages.prune import prune
 from compress.train.loop import TrainSetup, total_steps
@@ -92,16 +91,25 @@ def train_shape(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining,
     else:
         student = build_student(teacher, StudentSpec(
             layers=figures["teacher_layers"]))  # a copy: pruning works in place
+    return student, prune_shape(student, spec, training, setup, folder, log, figures)
+
+
+def prune_shape(student: ModelBundle, spec: ShapeSpec, training: ShapeTraining, setup: Setup,
+                folder: Path, log: Callable[[str], None], figures: dict[str, Any],
+                loss_fn: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Remove the shape's neurons and heads from `student` in place, recovering by
+    `loss_fn` (default: the labels' cross-entropy); `figures` with the pruned layers and
+    the student's final layers and parameters."""
     for cfg in prune_steps(spec, training.recovery):
         log(f"removing {100 * cfg.amount:.0f}% of the {cfg.target} with structured pruning"
             + (", then recovering" if cfg.recovery else ""))
         metrics = prune(student, cfg, setup(folder / "checkpoints" / f"prune_{cfg.target}",
-                                            f"{spec.label} recovery"))
+                                            f"{spec.label} recovery"),
+                        loss_fn=loss_fn if cfg.recovery else None)
         figures[f"pruned_{cfg.target}_layers"] = metrics["pruned_layers"]
     student.model.eval()
-    figures.update(layers=len(encoder_layers(student.model)),
-                   params=count_params(student.model))
-    return student, figures
+    return {**figures, "layers": len(encoder_layers(student.model)),
+            "params": count_params(student.model)}
 
 
 def load_or_train(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining, key: str,
@@ -110,10 +118,7 @@ def load_or_train(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining
     """The shape saved in `folder` under `key`, else trained now by `trainer` (resuming
     from its checkpoints) and saved; the student and the shape's record."""
     record_path = folder / RECORD
-    try:
-        record = json.loads(record_path.read_text())
-    except (OSError, ValueError):
-        record = {}
+    record = read_json(record_path)
     if record.get("key") == key and (folder / "model").is_dir():
         return load_saved(folder / "model"), {**record, "cached": True}
     folder.mkdir(parents=True, exist_ok=True)

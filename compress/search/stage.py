@@ -14,7 +14,6 @@ won and why every other trial lost. With `shapes`, smaller students are trained 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from compress.recipe.kinds.search import (
     SearchConfig,
     ShapeSpec,
 )
-from compress.runfolder.files import atomic_write_json, sha256_json
+from compress.runfolder.files import atomic_write_json, read_json, sha256_json
 from compress.runfolder.records import artifact_record
 from compress.search.candidates import applicable, build, candidate_stages
 from compress.search.choice import decide, describe, retime_finalists
@@ -51,9 +50,8 @@ class Search:
     def __init__(self, state: State, cfg: SearchConfig, ctx: StageContext, quality: Quality,
                  trainer: ShapeTrainer = train_shape, divergence: Divergence = KL,
                  meta: dict[str, Any] | None = None):
-        """A family other than classifiers gives its own `quality`, the `trainer` of its
-        shapes, the `divergence` its layers are ranked by and the `meta` every trial's
-        export.json carries."""
+        """A family's `quality`, shape `trainer`, layer-ranking `divergence` and the `meta`
+        of every trial's export.json (defaults: a classifier's)."""
         self.bundle, self.cfg, self.ctx = state.bundle, cfg, ctx
         self.entering = state.bundle  # the teacher of every shape
         self.quality, self.trainer, self.divergence = quality, trainer, divergence
@@ -61,9 +59,7 @@ class Search:
         lat = ctx.recipe.evaluation.latency
         self.threads = cfg.threads or lat.threads or os.cpu_count() or 1
         self.metric = OBJECTIVES[cfg.objective]
-        real = self.metric.removeprefix("latency_ms_b").removesuffix("_real")
-        batches = (8,) if not self.metric.endswith("_real") or real == "8" else (8, int(real))
-        self.measurer = Measurer(ctx.data, ctx.recipe, self.threads, quality, batches)
+        self.measurer = Measurer(ctx.data, ctx.recipe, self.threads, quality, self.metric)
         self.trials: list[dict[str, Any]] = []
         self.not_run: list[dict[str, Any]] = []
         self.ran = 0
@@ -83,7 +79,7 @@ class Search:
         quality counts from (the accuracy and predictions of a classifier)."""
         path = self.ctx.folder / "reference.json"
         key = sha256_json(["reference", self.ctx.input_sha, self.measurer.settings()])
-        cached = _read_json(path)
+        cached = read_json(path)
         if cached.get("key") != key:
             self.log("measuring the entering model (PyTorch eager) as the reference")
             from compress.models.bundle import state_bytes
@@ -194,7 +190,7 @@ class Search:
         count = min(self.cfg.sensitivity_samples, len(calibration))
         key = sha256_json(["sensitivity", self.input_sha, count, self.divergence.name,
                            self.cfg.calibration.batch_size, self.measurer.settings()])
-        cached = _read_json(path)
+        cached = read_json(path)
         if cached.get("key") != key:
             self.log(f"ranking layers by int8 sensitivity on {count} calibration examples")
             began = time.perf_counter()
@@ -246,11 +242,11 @@ class Search:
                          and t.get("shape") == mine and CANDIDATES[t["candidate"]][4]),
                         key=lambda t: t[self.metric])
         ranking: list[str] | None = None
-        floats = [t for t in self.trials if t["status"] == "ok" and t.get("shape") == mine
-                  and not CANDIDATES[t["candidate"]][4]]
+        floats = [t["within"] for t in self.trials if t["status"] == "ok"
+                  and t.get("shape") == mine and not CANDIDATES[t["candidate"]][4]]
         for record in missed:
             bar, what = self.bar()
-            if floats and not any(t["within"] for t in floats):
+            if floats and not any(floats):
                 record["stopped"] = ("the float model of this shape is outside the budget "
                                      "too: no fallback tried")
                 self.log(f"{record['id']}: {record['stopped']}")
@@ -260,13 +256,6 @@ class Search:
             elif self.cfg.max_fallback_layers and self.budget_spent() is None:
                 ranking = ranking or self.sensitivity()
                 self.fall_back(record["candidate"], ranking)
-
-
-def _read_json(path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:

@@ -9,7 +9,6 @@ after its last finished trial, and a re-run with another tolerance reuses every 
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 import traceback
@@ -21,7 +20,7 @@ from compress.errors import one_line
 from compress.measure.figures import latency_sweep, real_latency
 from compress.models.bundle import ModelBundle
 from compress.recipe.options import StrictModel
-from compress.runfolder.files import atomic_write_json, sha256_file, sha256_json
+from compress.runfolder.files import atomic_write_json, read_json, sha256_file, sha256_json
 from compress.search.quality import Quality
 
 TRIAL_FILE = "trial.json"
@@ -31,12 +30,13 @@ VERSION = 1  # bump when what a trial measures changes
 class Measurer:
     """Measures models on the eval split the same way: the family's quality figures
     (`quality`), b1 and b8 at `seq_len`, and batches of the split's own sentences (b8, and
-    b32 when the objective times it)."""
+    the objective `metric`'s batch when it times real lengths at another)."""
 
     def __init__(self, data: DataBundle, recipe, threads: int, quality: Quality,
-                 real_batches: tuple[int, ...] = (8,)):
+                 metric: str = "latency_ms_b8"):
         self.data, self.recipe, self.threads = data, recipe, threads
-        self.quality, self.real_batches = quality, list(real_batches)
+        self.quality = quality
+        self.real_batches = sorted({8, real_batch(metric) or 8})
         self.latency = recipe.evaluation.latency.model_copy(
             update={"batch_sizes": [1, 8], "seq_lens": None, "threads": threads})
 
@@ -52,8 +52,7 @@ class Measurer:
     def objective_ms(self, bundle: ModelBundle, metric: str) -> float:
         """One more timing of a latency objective (`latency_ms_b1`, `latency_ms_b8` or
         `latency_ms_bN_real`) of `bundle`, in ms."""
-        if metric.endswith("_real"):
-            batch = int(metric.removeprefix("latency_ms_b").removesuffix("_real"))
+        if (batch := real_batch(metric)) is not None:
             real = real_latency(bundle, self.data.splits["eval"], [batch],
                                 self.data.max_length, self.threads, warmup=self.latency.warmup)
             return real[metric]
@@ -76,6 +75,13 @@ class Measurer:
         return figures
 
 
+def real_batch(metric: str) -> int | None:
+    """The batch size of a real-lengths objective (`latency_ms_b32_real`: 32), else None."""
+    if not metric.endswith("_real"):
+        return None
+    return int(metric.removeprefix("latency_ms_b").removesuffix("_real"))
+
+
 def trial_key(name: str, stages: list[StrictModel], float_layers: list[str], input_sha: str,
               settings: dict[str, Any]) -> str:
     """The cache key of one trial."""
@@ -91,10 +97,7 @@ def trial_id(name: str, float_layers: list[str], key: str) -> str:
 
 def cached_trial(folder: Path, key: str) -> dict[str, Any] | None:
     """The finished trial in `folder` with this key whose file is intact, else None."""
-    try:
-        record = json.loads((folder / TRIAL_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    record = read_json(folder / TRIAL_FILE)
     if record.get("key") != key:
         return None
     if record.get("status") == "ok":

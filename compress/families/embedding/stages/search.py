@@ -21,14 +21,13 @@ from compress.data.datasets import DataBundle
 from compress.families.embedding.family import RECALL_K, REFERENCE, embed, quality
 from compress.families.embedding.stages.distill import make_loss_fn
 from compress.families.embedding.stages.export import served_facts
-from compress.models.bundle import ModelBundle, count_params
+from compress.models.bundle import ModelBundle
 from compress.recipe.kinds.search import SearchConfig, ShapeSpec, ShapeTraining
 from compress.recipe.options import TrainOptions
 from compress.runfolder.files import sha256_json
-from compress.search.shapes import Setup, prune_steps
+from compress.search.shapes import Setup, prune_shape
 from compress.search.stage import Search, run_search
 from compress.stages.context import StageContext, State
-from compress.stages.prune import prune
 
 RECALL = f"recall_at_{RECALL_K}"
 
@@ -52,6 +51,7 @@ class EmbeddingBudget:
             ("min_fidelity", min_fidelity), ("min_recall_at_10", min_recall))
             if value is not None)
         self._float: torch.Tensor | None = None
+        self._fingerprint: str | None = None
 
     def float_embeddings(self) -> torch.Tensor:
         """The float model's embeddings of the eval texts: the run's reference, else the
@@ -70,8 +70,10 @@ class EmbeddingBudget:
                      self.recipe.evaluation.batch_size, bundle.tokenizer, self.data.max_length)
 
     def settings(self) -> dict[str, Any]:
-        embeddings = self.float_embeddings().contiguous()
-        return {"float_embeddings": sha256_json(embeddings.flatten()[::97].tolist())}
+        if self._fingerprint is None:  # every trial's key asks
+            sample = self.float_embeddings().flatten()[::97].tolist()
+            self._fingerprint = sha256_json(sample)
+        return {"float_embeddings": self._fingerprint}
 
     def measure(self, bundle: ModelBundle, reference: dict[str, Any] | None
                 ) -> dict[str, Any]:
@@ -148,17 +150,8 @@ def train_shape(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining,
         result = setup(folder / "checkpoints" / "distill", f"{spec.label} distill").run(
             student.model, options, student.tokenizer, loss_fn=loss_fn)
         figures.update(distill_steps=result.steps, distill_loss=result.final_loss)
-    for cfg in prune_steps(spec, training.recovery):
-        log(f"removing {100 * cfg.amount:.0f}% of the {cfg.target} with structured pruning"
-            + (", then recovering towards the embeddings" if cfg.recovery else ""))
-        checkpoints = folder / "checkpoints" / f"prune_{cfg.target}"
-        metrics = prune(student, cfg, setup(checkpoints, f"{spec.label} recovery")
-                        if cfg.recovery else None, loss_fn=loss_fn if cfg.recovery else None)
-        figures[f"pruned_{cfg.target}_layers"] = metrics["pruned_layers"]
-    student.model.eval()
-    figures.update(layers=len(encoder_layers(student.model)),
-                   params=count_params(student.model))
-    return student, figures
+    return student, prune_shape(student, spec, training, setup, folder, log, figures,
+                                loss_fn)
 
 
 def run(state: State, cfg: SearchConfig, ctx: StageContext) -> State:

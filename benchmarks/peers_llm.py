@@ -8,6 +8,12 @@ From the repository root:
         --repeats 1 --compile none                                               # a smoke run
     python benchmarks/peers_llm.py --no-llama --variants float,int4              # no llama.cpp
     python benchmarks/peers_llm.py --zentorch                                    # and zentorch's
+    python benchmarks/peers_llm.py --no-llama --variants float \
+        --pruned runs/llm_sparse24/00-prune/model                                # 2:4 rows
+
+`--pruned FOLDER` adds rows of one 2:4-pruned float model (a prune stage's `model/` folder):
+its `--pruned-variants` (int8_grouped, int4_grouped, int8_sparse24, int4_sparse24), so each
+2:4 kernel is timed against the dense grouped kernel on the same pruned weights.
 
 Builds (once, cached) llama-cpp-python in its own environment and the Q8_0 / Q4_0 files
 (peers_llm_env.py); per row and round, a process measures batch-1 and batch-8 decode tok/s,
@@ -49,6 +55,7 @@ LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int
           "int4": "int4_weight_only", "int8_grouped_a8": "int8_grouped_a8",
           "int4_grouped_a8": "int4_grouped_a8", "int8_grouped_bf16": "int8_grouped_bf16",
           "int4_grouped_bf16": "int4_grouped_bf16"}  # _a8, _bf16: the opt-in activation modes
+PRUNED = ("int8_grouped", "int4_grouped", "int8_sparse24", "int4_sparse24")  # --pruned's
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
 MAX_LENGTH = 256  # perplexity's truncation (compress.families.causal_lm.model.perplexity)
 
@@ -106,9 +113,10 @@ def spec_of(item: dict[str, Any], args: argparse.Namespace, inputs: Path, first:
         return {**common, **item["spec"]}
     if item["runtime"] == "llama.cpp":
         return {**common, "mode": "measure", "model": item["file"]}
+    folder = item["name"].replace(" ", "_").replace(":", "")  # a row's packages, made once
     return {**common, "mode": "compress", "source": item["source"],
             "variant": item["variant"], "compile": args.compile, "step": args.step,
-            "aoti_dir": str(inputs.parent / "aoti" / item["variant"])}  # exported once
+            "aoti_dir": str(inputs.parent / "aoti" / folder)}
 
 
 def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
@@ -150,6 +158,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="timings a process, their median (3)")
     parser.add_argument("--variants", default=",".join(LABELS),
                         help=f"compress's rows, comma-separated ({','.join(LABELS)})")
+    parser.add_argument("--pruned", type=Path, metavar="FOLDER",
+                        help="a 2:4-pruned float causal-LM folder: adds --pruned-variants' rows")
+    parser.add_argument("--pruned-variants", default=",".join(PRUNED),
+                        help=f"the rows of --pruned, comma-separated ({','.join(PRUNED)})")
     parser.add_argument("--quants", default=",".join(QUANTS),
                         help=f"llama.cpp's files, comma-separated ({','.join(QUANTS)})")
     parser.add_argument("--no-llama", action="store_true", help="compress's rows alone")
@@ -176,6 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.prompts < args.batch or args.prompts > len(PROMPTS):
         parser.error(f"--prompts must be between --batch and {len(PROMPTS)}")
     args.variants = [v for v in args.variants.split(",") if v]
+    args.pruned_variants = ([v for v in args.pruned_variants.split(",") if v]
+                            if args.pruned else [])
     args.quants = [] if args.no_llama else [q for q in args.quants.split(",") if q]
     try:
         args.zentorch = zenv.parse_dtypes(args.zentorch)
@@ -191,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f"{gguf}: no such GGUF file"] if not gguf.is_file() else []
     problems += [f"unknown variant {v!r} (known: {', '.join(LABELS)})"
                  for v in args.variants if v not in LABELS]
+    problems += [f"unknown --pruned-variants {v!r} (known: {', '.join(PRUNED)})"
+                 for v in args.pruned_variants if v not in PRUNED]
+    if args.pruned and not (args.pruned / "config.json").is_file():
+        problems.append(f"{args.pruned}: not a causal-LM folder (no config.json); give a "
+                        "prune stage's model folder, e.g. runs/llm_sparse24/00-prune/model")
     problems += [f"unknown llama.cpp file {q!r} (known: {', '.join(QUANTS)})"
                  for q in args.quants if q not in QUANTS]
     for problem in problems:
@@ -220,6 +239,10 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
     for name in args.variants:
         items.append({"name": f"compress {name}", "runtime": "compress", "weights": name,
                       "source": str(gguf), "variant": LABELS[name], "rounds": []})
+    for name in args.pruned_variants:  # one pruned model, dense and 2:4 kernels
+        items.append({"name": f"compress 2:4 {name}", "runtime": "compress",
+                      "weights": f"{name} (2:4 pruned)", "source": str(args.pruned.resolve()),
+                      "variant": name, "rounds": []})
     items += zentorch
     triads = measure(items, args, inputs_path)
     bandwidth = max((t["triad_gbs"] for t in triads if "triad_gbs" in t), default=None)

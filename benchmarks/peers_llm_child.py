@@ -42,7 +42,7 @@ from serve.causal_lm.runtime import DTYPES, load_folder
 FLOAT, INT4 = "float", "int4_weight_only"
 # a grouped scheme's variants in the opt-in activation modes: suffix -> mode
 MODES = {"_a8": "int8", "_bf16": "bf16"}
-VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4,
+VARIANTS = (FLOAT, "int8_grouped", "int4_grouped", INT4, "int8_sparse24", "int4_sparse24",
             *(f"{scheme}{suffix}" for suffix in MODES
               for scheme in ("int8_grouped", "int4_grouped")))  # compress's rows
 TRIAD_FLOATS = 1 << 25  # 128 MiB an array, three arrays: far past any L3
@@ -90,8 +90,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
 
 
 def load_variant(source: str, variant: str) -> tuple[nn.Module, Any]:
-    """(model, tokenizer): the float model from `source` (a GGUF, or a folder when
-    `variant` is "folder"), a scheme applied as the quantize stage does it."""
+    """(model, tokenizer): the float model from `source` (a GGUF or a float folder, such as
+    a 2:4-pruned model's), a scheme applied as the quantize stage does it; with `variant`
+    "folder", a stage's exported folder as it is."""
     if variant == "folder":
         lm = load_folder(source)
         return lm.model, lm.tokenizer

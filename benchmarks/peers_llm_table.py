@@ -18,15 +18,19 @@ from compress.families.causal_lm.model import greedy_agreement
 
 FLOAT = "compress float"  # the greedy-agreement reference
 REFERENCES = (FLOAT, "zentorch fp32")  # the first that ran: the same float weights
-# each compress row against llama.cpp on the file with comparable weights: the first of
-# them that ran (int4_grouped: Q4_0, the faster 4-bit file, else Q4_1, the same weights)
+# each compress row against its peer: llama.cpp on the file with comparable weights, the
+# first of them that ran (int4_grouped: Q4_0, the faster 4-bit file, else Q4_1, the same
+# weights); a 2:4 row against the dense grouped row of the same pruned model
 PAIRS = {"compress int8_grouped": ("llama.cpp Q8_0",),
          "compress int4_grouped": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
          "compress int4": ("llama.cpp Q4_1",),
          "compress int8_grouped_a8": ("llama.cpp Q8_0",),
          "compress int4_grouped_a8": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
          "compress int8_grouped_bf16": ("llama.cpp Q8_0",),
-         "compress int4_grouped_bf16": ("llama.cpp Q4_0", "llama.cpp Q4_1")}
+         "compress int4_grouped_bf16": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
+         # a 2:4 kernel against the dense grouped kernel on the same pruned weights
+         "compress 2:4 int8_sparse24": ("compress 2:4 int8_grouped",),
+         "compress 2:4 int4_sparse24": ("compress 2:4 int4_grouped",)}
 MEASURED = ("tok_s_", "ttft_ms", "load_s")  # figures that vary by round: medians
 
 # (heading, key of a row, decimals)
@@ -38,9 +42,9 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("agree", "agreement", 3),
     ("MB/token", "mb_per_token", 1),
     ("% bw b1", "pct_bandwidth_b1", 1),
-    ("x llama b1", "x_peer_b1", 2),
-    ("x llama b8", "x_peer_b8", 2),
-    ("x llama TTFT", "x_peer_ttft", 2),
+    ("x peer b1", "x_peer_b1", 2),
+    ("x peer b8", "x_peer_b8", 2),
+    ("x peer TTFT", "x_peer_ttft", 2),
     ("b8 / b1", "b8_over_b1", 2),
 )
 ZENTORCH = ("- zentorch (its own environment, torch 2.13 CPU): the Hugging Face model from "
@@ -181,8 +185,9 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
               "did not run), position by position. MB/token: "
               "weight bytes one decode step reads (the embedding one row unless it is the "
               "output projection too). % bw b1: MB/token x b1 tok/s / triad bandwidth. "
-              "x llama: the row's tok/s / llama.cpp's on the comparable file ("
+              "x peer: the row's tok/s / its peer's: llama.cpp's on the comparable file, or "
+              "the dense grouped row of the same 2:4-pruned model ("
               + ", ".join(f"{a} against {' or '.join(b)}" for a, b in PAIRS.items())
-              + "); x llama TTFT: the row's TTFT / that file's (below 1: sooner)."]
+              + "); x peer TTFT: the row's TTFT / the peer's (below 1: sooner)."]
     lines += [f"- {line}" for line in notes(rows)]
     return "\n".join(lines) + "\n"

@@ -133,6 +133,23 @@ def test_rows_pair_each_compress_row_with_its_llama_file() -> None:
     assert "greedy" not in grouped
 
 
+def test_a_sparse24_row_is_paired_with_the_dense_grouped_row_of_the_same_pruned_model(
+        ) -> None:
+    pruned = [{"name": f"compress 2:4 {scheme}", "runtime": "compress",
+               "weights": f"{scheme} (2:4 pruned)",
+               "rounds": [{"tok_s_b1": b1, "tok_s_b8": 4 * b1, "bytes_per_token": size}]}
+              for scheme, b1, size in (("int8_grouped", 150.0, 151_000_000),
+                                       ("int8_sparse24", 195.0, 105_000_000))]
+    rows = {r["name"]: r for r in table.table_rows([*items(), *pruned], 40.0)}
+    sparse = rows["compress 2:4 int8_sparse24"]
+    assert sparse["peer"] == "compress 2:4 int8_grouped"
+    assert sparse["x_peer_b1"] == pytest.approx(1.3) and sparse["x_peer_b8"] == pytest.approx(1.3)
+    assert sparse["pct_bandwidth_b1"] == pytest.approx(100 * 105e6 * 195 / 40e9)
+    assert rows["compress 2:4 int8_grouped"]["peer"] is None  # the dense kernel: no pair
+    assert "compress 2:4 int8_sparse24 against compress 2:4 int8_grouped" in \
+        table.render_markdown(list(rows.values()), {})
+
+
 def test_tables_show_the_figures_and_say_what_failed() -> None:
     rows = table.table_rows(items(), 40.0)
     text = table.render_text(rows)
@@ -207,6 +224,10 @@ def test_venv_marker_and_a_folder_that_is_no_venv(tmp_path: Path) -> None:
      "error: unknown variant 'int3' (known: float, int8_grouped, int4_grouped, int4, "
      "int8_grouped_a8, int4_grouped_a8, int8_grouped_bf16, int4_grouped_bf16)"),
     (["--gguf", "GGUF", "--quants", "Q5_K"], "error: unknown llama.cpp file 'Q5_K'"),
+    (["--gguf", "GGUF", "--pruned", "/nowhere"], "error: /nowhere: not a causal-LM folder"),
+    (["--gguf", "GGUF", "--pruned", "/", "--pruned-variants", "int8_sparse24,int2"],
+     "error: unknown --pruned-variants 'int2' (known: int8_grouped, int4_grouped, "
+     "int8_sparse24, int4_sparse24)"),
 ])
 def test_bad_input_is_one_error_line(args: list[str], message: str, capsys,
                                      tmp_path: Path) -> None:

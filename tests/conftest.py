@@ -512,7 +512,8 @@ def _cuda_present() -> bool:
 TORCHRUN_MODULES = {"test_distributed_runs", "test_multinode_runs", "test_sharded_runs",
                     "test_tensor_parallel", "test_pipeline_parallel",
                     "test_tensor_parallel_sampling", "test_tensor_parallel_served",
-                    "test_pipeline_parallel_served"}
+                    "test_pipeline_parallel_served", "test_expert_parallel",
+                    "test_expert_parallel_served"}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

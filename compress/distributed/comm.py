@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
@@ -119,6 +119,15 @@ class CommMeter:
         by_kind = {k: busy_seconds((s, e) for kind, s, e in spans if kind == k)
                    for k in KINDS if any(kind == k for kind, _, _ in spans)}
         return StepComm(busy_seconds((s, e) for _, s, e in spans), nbytes, by_kind)
+
+
+def step_of_record(per_kind: dict[str, dict[str, float]]) -> StepComm:
+    """One decode step's collectives as the shipped expert-parallel runtime records them
+    (`serve/causal_lm/expert_dispatch.py`'s CommRecord, per step: {kind: {"s_per_step",
+    "bytes_per_step"}}): its collectives run one after another, so their seconds add up."""
+    by_kind = {k: float(v["s_per_step"]) for k, v in per_kind.items() if k in KINDS}
+    return StepComm(sum(by_kind.values()),
+                    int(sum(v["bytes_per_step"] for v in per_kind.values())), by_kind)
 
 
 def watch_ddp(ddp: nn.Module, meter: CommMeter) -> None:

@@ -50,10 +50,10 @@ def pipeline_problems(recipe: Any, i: int) -> list[str]:
     ranks = getattr(stage, "pipeline_parallel", None)
     where = f"stages.{i}.pipeline_parallel"
     if not ranks:
-        if getattr(stage, "oversubscribe", False) and not getattr(stage, "tensor_parallel",
-                                                                  None):
-            return [f"stages.{i}.oversubscribe: applies to tensor_parallel or "
-                    "pipeline_parallel; set one of them, or drop it"]
+        if getattr(stage, "oversubscribe", False) and not any(
+                getattr(stage, k, None) for k in ("tensor_parallel", "expert_parallel")):
+            return [f"stages.{i}.oversubscribe: applies to tensor_parallel, "
+                    "pipeline_parallel or expert_parallel; set one of them, or drop it"]
         return []
     problems = []
     if getattr(stage, "tensor_parallel", None):

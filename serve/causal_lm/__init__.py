@@ -11,7 +11,8 @@ loads without TorchServe.
 # the modules an export folder ships (`causal_lm/` beside the weights)
 RUNTIME_MODULES = ("runtime", "decode", "static_cache", "attention", "grouped",
                    "grouped_kernels", "sparse24", "fused", "speculative", "tensor_parallel",
-                   "pipeline", "pipeline_parallel")
+                   "pipeline", "pipeline_parallel", "expert_parallel", "expert_dispatch",
+                   "expert_compare")
 # the modules an archive adds: the handler, its requests and answers, the continuous batch
 SERVING_MODULES = ("handler", "requests", "replies", "openai", "openai_request", "choices",
                    "tools", "grammar", "picking", "batcher", "rows", "buckets", "placement",

@@ -30,6 +30,8 @@ from ts.torch_handler.base_handler import BaseHandler
 from . import batcher as lm_batcher
 from . import choices as lm_choices
 from . import compiled_graphs as lm_graphs
+from . import decode as lm_decode
+from . import expert_parallel as lm_expert_parallel
 from . import openai as lm_openai
 from . import pipeline as lm_pipeline
 from . import prefill as lm_prefill
@@ -103,7 +105,11 @@ class CausalLMHandler(BaseHandler):
         logger.info("%sloading %s", PROGRESS, model_dir.name)
         self.lm = lm_runtime.load_folder(model_dir)
         self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
-        if self.ranks > 1 and config.get("parallelType") == "pp":  # by every rank in step
+        # by every rank in step; or, with expert_parallel, this rank's experts, rank 0 leading
+        self.leads = self.ranks > 1 and bool(settings.get("expert_parallel"))
+        if self.leads:
+            lm_expert_parallel.join_and_split(self.lm.model)
+        elif self.ranks > 1 and config.get("parallelType") == "pp":
             self.pipe = lm_pipeline.join_and_split(self.lm.model)
         elif self.ranks > 1:
             lm_tensor_parallel.join_and_split(self.lm.model)
@@ -125,6 +131,9 @@ class CausalLMHandler(BaseHandler):
         # and leads every generation
         make = (lambda: lm_pipeline.PipelineDecoder(self.pipe, cache_len, self.ranks,
                                                     lead=True)) if self.pipe else None
+        if self.leads:
+            make = lambda: lm_expert_parallel.LeadingDecoder(  # noqa: E731
+                lm_decode.StaticDecoder(self.lm.model, cache_len, always_mask=True))
         self.decoders = lm_graphs.build_decoders(self.lm.model, lm_batcher.buckets(rows),
                                                  cache_len, mode,
                                                  bool(settings.get("cpp_wrapper")), make,
@@ -133,6 +142,8 @@ class CausalLMHandler(BaseHandler):
                           lambda line: logger.info("%s%s", PROGRESS, line))
         if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0
             lm_pipeline.follow(self.decoders[max(self.decoders)])
+        if self.leads and torch.distributed.get_rank() > 0:  # so do an expert rank's
+            lm_expert_parallel.follow(self.decoders)
         if self.continuous:  # its loop runs on this thread (`_torch_thread`)
             prefiller = lm_prefill.prefiller_of(self.lm.model, settings, self.limits.cache_len,
                                                 compiled=mode != "none")
@@ -270,7 +281,8 @@ class CausalLMHandler(BaseHandler):
             return [k for k, s in enumerate(streams) if s.stopped]
 
         seeds = [r.seed for r in rows]
-        if self.ranks > 1 and self.pipe is None and any(r.temperature > 0 for r in rows):
+        if (self.ranks > 1 and self.pipe is None and not self.leads
+                and any(r.temperature > 0 for r in rows)):  # a leader draws its own seeds
             seeds = lm_tensor_parallel.shared_seeds(seeds)  # a pipeline samples on one rank
         sampling = [lm_runtime.Sampling(r.temperature, r.top_p, seed)
                     for r, seed in zip(rows, seeds, strict=True)]

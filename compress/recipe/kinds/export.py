@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 import serve.causal_lm as causal_lm_code
+from compress.recipe.expert_parallel_checks import expert_problems, experts_fit_the_config
 from compress.recipe.options import CalibrationOptions, StageName, StrictModel
 from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register
@@ -19,8 +20,9 @@ RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTIn
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
 LM_FORMAT = "transformers"  # the one format of a causal LM
 LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples",
-              "tensor_parallel", "pipeline_parallel", "oversubscribe", "tolerance")
-PARALLEL = ("tensor_parallel", "pipeline_parallel", "oversubscribe")
+              "tensor_parallel", "pipeline_parallel", "expert_parallel", "oversubscribe",
+              "tolerance")
+PARALLEL = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "oversubscribe")
 CLASSIFIER_PARITY = ("min_agreement", "max_accuracy_drop")  # by argmax and accuracy
 
 
@@ -98,8 +100,15 @@ class ExportConfig(StrictModel):
         "against one process (tolerance, default 1e-4) and its greedy tokens (min_agreement), "
         "and record "
         "each rank's weight bytes and tokens/s at batch 8 with 1, 2 and 4 micro-batches.")
+    expert_parallel: int | None = Field(
+        None, ge=2, le=64, description="Mixture-of-experts causal LMs: also give each of N "
+        "torchrun processes 1/N of every layer's experts, tokens sent to them and back with "
+        "all_to_all_single (causal_lm/expert_parallel.py in the folder); check its logits "
+        "against one process (tolerance, default 1e-5) and its greedy tokens (min_agreement), "
+        "and record each rank's expert bytes, tokens/s at batch 8 and the all-to-all share.")
     oversubscribe: bool = Field(
-        False, description="tensor_parallel, pipeline_parallel: allow more processes than "
+        False, description="tensor_parallel, pipeline_parallel, expert_parallel: allow more "
+        "processes than "
         "this machine has cores (they share them and run slower).")
 
     @property
@@ -203,9 +212,10 @@ SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
     makes_model=False, splits=_splits, runtime=_runtime,
     check=lambda recipe, i: (_fits_the_model(recipe, i) + split_problems(recipe, i)
-                             + pipeline_problems(recipe, i)),
+                             + pipeline_problems(recipe, i) + expert_problems(recipe, i)),
     check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
-                                           + stages_fit_the_config(recipe, i, config)),
+                                           + stages_fit_the_config(recipe, i, config)
+                                           + experts_fit_the_config(recipe, i, config)),
     reload="compress.stages.export:reload", precision=_file_precision,
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),

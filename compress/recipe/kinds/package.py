@@ -8,6 +8,7 @@ from pydantic import Field
 
 import serve.causal_lm as causal_lm_code
 import serve.embedding as embedding_code
+from compress.recipe.expert_parallel_checks import expert_problems, experts_fit_the_config
 from compress.recipe.options import StageName, StrictModel
 from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
 from compress.recipe.registry import StageSpec, register, spec_of
@@ -16,8 +17,7 @@ from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
 LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
               "precompile", "prefill_chunk", "prefill_compile", "prefix_cache",
-              "tensor_parallel",
-              "pipeline_parallel", "oversubscribe")
+              "tensor_parallel", "pipeline_parallel", "expert_parallel", "oversubscribe")
 
 
 class PackageConfig(StrictModel):
@@ -69,9 +69,14 @@ class PackageConfig(StrictModel):
         "ranks (TorchServe's parallelType: pp); the handler cuts the decoder layers into N "
         "pipeline stages (torch.distributed.pipelining) and recomputes each token through "
         "them (no KV cache). Takes a float32 model; no compiled decode.")
+    expert_parallel: int | None = Field(
+        None, ge=2, le=64, description="Mixture-of-experts causal LMs: serve each worker as a "
+        "torchrun job of N ranks, each holding 1/N of every layer's experts (tokens sent to "
+        "them with all_to_all_single); rank 0 gets the requests and leads. No compiled "
+        "decode.")
     oversubscribe: bool = Field(
-        False, description="tensor_parallel, pipeline_parallel: allow more ranks than this "
-        "machine has cores (they share them and run slower).")
+        False, description="tensor_parallel, pipeline_parallel, expert_parallel: allow more "
+        "ranks than this machine has cores (they share them and run slower).")
     decode_compile: Literal["none", "default", "max-autotune"] | None = Field(
         None, description="Causal LMs: torch.compile mode of the served decode step, each "
         "batch-size bucket compiled once (default: the model's, set by a compile stage, else "
@@ -177,9 +182,11 @@ SPEC = register(StageSpec(
     runtime=_runtime,
     input_stage=export_stage_index,
     check=lambda recipe, i: (_servable(recipe, i) + _fits_the_cache(recipe, i)
-                             + split_problems(recipe, i) + pipeline_problems(recipe, i)),
+                             + split_problems(recipe, i) + pipeline_problems(recipe, i)
+                             + expert_problems(recipe, i)),
     check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
-                                           + stages_fit_the_config(recipe, i, config)),
+                                           + stages_fit_the_config(recipe, i, config)
+                                           + experts_fit_the_config(recipe, i, config)),
     check_task=_check_task,
     runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
         *causal_lm_code.SERVING_MODULES, *causal_lm_code.RUNTIME_MODULES)),

@@ -133,6 +133,12 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
         )
 
         check_pipeline_parallel(final, cfg, prompts, ctx)
+    if cfg.expert_parallel:
+        from compress.families.causal_lm.stages.export_expert_parallel import (
+            check_expert_parallel,
+        )
+
+        check_expert_parallel(final, cfg, prompts, ctx)
     ctx.add_output(artifact_record(path, ctx.run_dir, LM_FORMAT, export_dir=str(where)))
     return State(ModelBundle(exported.model, "causal-lm", [], tokenizer=exported.tokenizer,
                              lm=exported.facts))

@@ -74,6 +74,11 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
                     "torchrun": {"nproc-per-node": cfg.pipeline_parallel}}
         handler["compile"] = "none"
         ctx.metrics.update(pipeline_parallel=cfg.pipeline_parallel)
+    elif cfg.expert_parallel:  # the same torchrun job; each rank holds 1/N of the experts,
+        # rank 0 alone gets the requests (TorchServe's pp) and leads every generation
+        settings = {"parallelType": "pp", "torchrun": {"nproc-per-node": cfg.expert_parallel}}
+        handler.update(compile="none", expert_parallel=cfg.expert_parallel)
+        ctx.metrics.update(expert_parallel=cfg.expert_parallel)
     else:  # continuous batching: TorchServe's asynchronous worker passes each request to
         # the handler as it arrives, which joins it to the running decode (serve/causal_lm/batcher)
         # (one request a message; the handler's `rows` slots decode together)

@@ -1,0 +1,185 @@
+"""Expert-parallel inference of a mixture-of-experts causal-LM folder across the ranks of a
+torchrun job, with torch.distributed alone and no compress code (shipped in a causal-LM
+export's `causal_lm` package).
+
+Each of N ranks keeps a contiguous block of 1/N of every layer's experts; the routers,
+attention, norms, embeddings and head stay whole on every rank, which all decode the same
+rows in step. Tokens reach their experts' ranks by `all_to_all_single` and come back the
+same way (`expert_dispatch.py` says which rank routes which token). Served
+(`parallelType: pp` in TorchServe's terms: rank 0 alone gets the requests), rank 0 leads
+every generation: `LeadingDecoder` broadcasts its arguments and the rows its streams end,
+and the other ranks `follow`.
+
+    cd FOLDER && torchrun --nproc-per-node 2 -m causal_lm.expert_parallel . \
+        --prompts prompts.txt --out ep.json
+
+prints (and writes to --out, from rank 0) the largest logit difference against the same model
+in one process, greedy agreement, the expert weight bytes each rank holds, decode tokens/s
+at batch 8 with 1 and N ranks, and the share of a decode step spent in all-to-all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used: checking a config needs none
+    from torch import nn
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def split_problem(config: dict[str, Any], ranks: int) -> str | None:
+    """Why `ranks` cannot split the experts of a model of this config (config.json's keys)
+    into equal blocks (None when they can). Imports no torch."""
+    experts = next((config[k] for k in EXPERT_KEYS if config.get(k)), None)
+    if not experts:
+        return (f"expert_parallel: the model ({config.get('model_type', '?')}) has no "
+                "mixture-of-experts layers to split; drop expert_parallel, or use "
+                "tensor_parallel or pipeline_parallel")
+    if experts % ranks:
+        return (f"expert_parallel: {ranks} does not divide the model's {experts} experts "
+                f"per layer; use a divisor of {experts}")
+    return None
+
+
+def shard_experts(model: nn.Module, rank: int, ranks: int, group: Any = None) -> int:
+    """Replace every experts module of `model` by its rank's block behind the all-to-all
+    dispatch, in place; how many were split."""
+    from .expert_dispatch import ExpertParallelExperts
+    from .experts import expert_count, is_experts, keep_experts
+
+    found = [(name, m) for name, m in model.named_modules() if is_experts(m)]
+    if not found:
+        raise ValueError("expert_parallel: the model has no mixture-of-experts layers")
+    for name, module in found:
+        experts = expert_count(module)
+        if experts % ranks:
+            raise ValueError(split_problem({"num_experts": experts}, ranks))
+        per = experts // ranks
+        keep_experts(module, list(range(rank * per, (rank + 1) * per)))
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, ExpertParallelExperts(module, experts, rank, ranks, group))
+    return len(found)
+
+
+def join_and_split(model: nn.Module) -> int:
+    """In a rank of a torchrun job (TorchServe's torchrun workers, or any other): join the
+    process group (gloo on CPU, NCCL on GPUs) and keep this rank's experts; the rank."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # a follower waits as long as the server idles
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(days=365))
+    shard_experts(model, dist.get_rank(), dist.get_world_size())
+    return dist.get_rank()
+
+
+def expert_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the experts' weights this rank holds (each storage once; a quantized tensor
+    by its inner tensors)."""
+    from .experts import is_experts
+
+    def inner(t: Any) -> list[Any]:
+        if hasattr(t, "__tensor_flatten__"):
+            return [x for n in t.__tensor_flatten__()[0] for x in inner(getattr(t, n))]
+        return [t]
+
+    owners = [m for m in model.modules() if is_experts(m)]
+    tensors = [t for m in owners for w in (*m.parameters(), *m.buffers()) for t in inner(w)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
+class LeadingDecoder:
+    """A decoder (`StaticDecoder`) run in step on every rank: rank 0's arguments (its
+    sampling seeds drawn there) and the rows its `on_tokens` ends are broadcast to all."""
+
+    def __init__(self, decoder: Any):
+        self.decoder = decoder
+        self.compiled = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["decoder"], name)
+
+    def generate(self, prompt: Any, max_new_tokens: Any, stop: set[int] | None = None,
+                 sampling: Any = None, on_tokens: Any = None) -> Any:
+        """`StaticDecoder.generate` with rank 0's arguments on every rank."""
+        import random
+
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        for pick in sampling or ():
+            if rank == 0 and pick is not None and pick.seed is None and pick.temperature > 0:
+                pick.seed = random.randrange(2**31)
+        call = [(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt,
+                 max_new_tokens, stop, sampling)]
+        dist.broadcast_object_list(call, src=0)
+        prompt, max_new_tokens, stop, sampling = call[0]
+        rows = len(prompt)
+
+        def ended(produced: list[int | None]) -> list[int]:
+            flags = torch.zeros(rows, dtype=torch.uint8)
+            if rank == 0 and on_tokens is not None:
+                flags[list(on_tokens(produced) or ())] = 1
+            dist.broadcast(flags, src=0)
+            return flags.nonzero().flatten().tolist()
+
+        return self.decoder.generate(prompt, max_new_tokens, stop, sampling, ended)
+
+
+def follow(decoders: dict[int, LeadingDecoder]) -> Any:
+    """On a rank other than 0 of a served expert-parallel worker: a daemon thread that runs
+    every generation rank 0's decoders announce, each through the decoder of its rows."""
+    import logging
+    import threading
+
+    import torch.distributed as dist
+
+    def loop() -> None:
+        while True:
+            try:
+                call: list[Any] = [None]
+                dist.broadcast_object_list(call, src=0)
+                prompt, *rest = call[0]
+                decoder = decoders.get(len(prompt)) or decoders[max(decoders)]
+                decoder.decoder.generate(prompt, *rest[:3], _follower_ends(len(prompt)))
+            except ValueError:  # refused on every rank alike, before any token
+                continue
+            except Exception:  # noqa: BLE001 (the job is gone: TorchServe restarts it)
+                logging.getLogger(__name__).exception("expert-parallel follower stopped")
+                return
+
+    thread = threading.Thread(target=loop, name="expert-parallel-follower", daemon=True)
+    thread.start()
+    return thread
+
+
+def _follower_ends(rows: int) -> Any:
+    """A follower's `on_tokens`: the rows rank 0 ends, as it broadcasts them."""
+    import torch
+    import torch.distributed as dist
+
+    def ended(produced: list[int | None]) -> list[int]:
+        flags = torch.zeros(rows, dtype=torch.uint8)
+        dist.broadcast(flags, src=0)
+        return flags.nonzero().flatten().tolist()
+
+    return ended
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Compare the expert-parallel model with one process (run under torchrun)."""
+    from . import expert_compare, tensor_parallel
+
+    tensor_parallel.run_comparison(expert_compare.compare, "causal_lm.expert_parallel", argv)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,96 @@
+"""An expert-parallel mixture-of-experts causal LM served by a real TorchServe in its
+torchrun mode (2 ranks over gloo on this CPU, `parallelType: pp`: rank 0 alone gets the
+requests): each rank's handler keeps half of every layer's experts, rank 0 leads every
+generation, and the endpoint streams the greedy text causal_lm.runtime gives offline in one
+process, batching concurrent requests; LitServe refuses the archive in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import packaged_lm_run, run_cli
+from expert_parallel_models import tiny_mixtral_folder
+
+pytest.importorskip("ts")
+
+from compress.serving import server  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+
+pytestmark = [pytest.mark.serving,
+              pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
+
+PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky blue"]
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory, data_dir: Path) -> Path:
+    model = tiny_mixtral_folder(tmp_path_factory.mktemp("tiny_mixtral"))
+    return packaged_lm_run(tmp_path_factory.mktemp("ep_served"), "tiny_ep", model,
+                           {"batch_size": 4, "max_batch_delay_ms": 300, "max_new_tokens": 16,
+                            "expert_parallel": 2}, data_dir, 64)
+
+
+def test_an_expert_parallel_worker_streams_the_offline_greedy_text_and_batches(
+        ep_run: Path, state_dir) -> None:
+    mar = next((ep_run / "01-package").glob("*.mar"))
+    with zipfile.ZipFile(mar) as archive:
+        config = yaml.safe_load(archive.read("model-config.yaml"))
+        inside = set(archive.namelist())
+        assert {"causal_lm/expert_parallel.py", "causal_lm/expert_dispatch.py"} <= inside
+    assert config["parallelType"] == "pp" and config["torchrun"] == {"nproc-per-node": 2}
+    assert config["handler"]["compile"] == "none"
+    assert config["handler"]["expert_parallel"] == 2
+
+    offline = lm_runtime.load_folder(ep_run / "00-export/transformers")
+    decoder = lm_runtime.StaticDecoder(offline.model, 64)
+    want = {p: offline.tokenizer.decode(decoder.generate(
+        [lm_runtime.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
+        skip_special_tokens=True) for p in PROMPTS}
+
+    refused = run_cli("serve", str(ep_run), "--engine", "litserve")
+    assert refused.returncode == 2 and "only TorchServe starts" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    target = server.resolve_target(ep_run)
+    (port,) = server.free_ports(1)
+    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
+    try:
+        from test_lm_served import generate
+
+        for prompt in PROMPTS:  # streamed one at a time: deltas, then the final answer
+            status, _, lines = generate(info, {"prompt": prompt, "max_new_tokens": 8})
+            assert status == 200 and len(lines) > 2
+            deltas = "".join(json.loads(line)["delta"] for _, line in lines[:-1])
+            assert json.loads(lines[-1][1])["text"] == deltas == want[prompt]
+        # together, in one batch; the last row ends early at a stop string (rank 0 sees it
+        # and tells the other ranks) while the others go on
+        stop = want[PROMPTS[-1]].split()[2]
+        bodies = [{"prompt": p, "max_new_tokens": 8, "stream": False} for p in PROMPTS]
+        bodies[-1]["stop"] = [stop]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda body: generate(info, body), bodies))
+        texts = [json.loads(lines[-1][1]) for _, _, lines in answers]
+        assert all(status == 200 for status, _, _ in answers)
+        assert [t["text"] for t in texts[:-1]] == [want[p] for p in PROMPTS[:-1]]
+        cut = want[PROMPTS[-1]]
+        assert texts[-1]["text"] == cut[:cut.find(stop)]
+        assert texts[-1]["finish_reason"] == "stop"
+        assert max(int(h["X-Batch-Size"]) for _, h, _ in answers) > 1
+
+        # sampled: rank 0 draws the seeds every rank uses; a seed gives the same text twice
+        body = {"prompt": PROMPTS[1], "max_new_tokens": 8, "stream": False,
+                "temperature": 0.9, "seed": 7}
+        sampled = [generate(info, body) for _ in range(2)] + [generate(info, body | {"seed": 8})]
+        assert [status for status, _, _ in sampled] == [200, 200, 200]
+        texts = [json.loads(lines[-1][1])["text"] for _, _, lines in sampled]
+        assert texts[0] == texts[1] != texts[2]
+        log = (target.serve_dir / "logs/model_log.log").read_text()
+        assert "compile none, 2 rank(s)" in log
+    finally:
+        server.stop(target.serve_dir)

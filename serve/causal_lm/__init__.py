@@ -12,7 +12,7 @@ loads without TorchServe.
 RUNTIME_MODULES = ("runtime", "decode", "static_cache", "attention", "grouped",
                    "grouped_kernels", "sparse24", "fused", "speculative", "tensor_parallel",
                    "pipeline", "pipeline_parallel", "expert_parallel", "expert_dispatch",
-                   "expert_compare")
+                   "expert_compare", "experts")
 # the modules an archive adds: the handler, its requests and answers, the continuous batch
 SERVING_MODULES = ("handler", "requests", "replies", "openai", "openai_request", "choices",
                    "tools", "grammar", "picking", "batcher", "rows", "buckets", "placement",

@@ -13,8 +13,8 @@ import pytest
 from compress.recipe.registry import StageSpec, all_specs, import_function, stage_configs
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ["finetune", "distill", "prune", "quantize", "precision", "compile", "export", "search",
-         "package"]
+KINDS = ["finetune", "distill", "prune", "moefy", "quantize", "precision", "compile", "export",
+         "search", "package"]
 
 
 def test_every_kind_is_registered_in_listing_order() -> None:

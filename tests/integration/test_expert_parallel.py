@@ -1,13 +1,15 @@
 """Expert-parallel export of a mixture-of-experts causal LM: torchrun gives each of 2
 processes (gloo) half of every layer's experts of a tiny random Mixtral-style model, tokens
 go to them and back with all_to_all_single, and its logits, tokens, per-rank expert bytes
-and all-to-all telemetry are checked against one process; impossible splits are one
-validation line each."""
+and all-to-all telemetry are checked against one process; so are int8 and int4 grouped
+experts (experts.GroupedExperts); impossible splits are one validation line each."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,8 @@ def _recipe(tmp_path: Path, model: Path, export: dict, stages: list[dict] | None
             ) -> Path:
     raw = {"name": "ep", "model": {"source": str(model)},
            "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
-                    "eval": {"split": "validation", "max_samples": 12}},
-           "evaluation": {"generation": {"prompts": 3, "max_new_tokens": 6,
+                    "eval": {"split": "validation", "max_samples": 4}},
+           "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 6,
                                          "batch_sizes": [1], "compile": "none"}},
            "stages": [*(stages or []), {"kind": "export", "format": "transformers", **export}],
            "output_dir": str(tmp_path / "runs")}
@@ -84,3 +86,55 @@ def test_splits_that_cannot_work_are_one_line_each(tmp_path: Path, mixtral_folde
     assert dense.returncode == 2
     assert "stages.0.expert_parallel: the model (llama) has no mixture-of-experts layers" \
         in dense.stderr
+
+
+GROUPED = """
+import copy, json
+import torch, torch.distributed as dist
+from transformers import MixtralConfig, MixtralForCausalLM
+from serve.causal_lm import expert_dispatch, expert_parallel, experts
+
+dist.init_process_group("gloo")
+rank, ranks = dist.get_rank(), dist.get_world_size()
+config = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1)
+out = {}
+for bits in (8, 4):
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).eval()
+    experts.quantize_experts(model, bits)
+    whole = copy.deepcopy(model)
+    held = expert_parallel.expert_weight_bytes(model)
+    expert_parallel.shard_experts(model, rank, ranks)
+    ids = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))
+    expert_dispatch.COMM.take()
+    with torch.inference_mode():
+        diff = max(float((model(input_ids=x).logits - whole(input_ids=x).logits).abs().max())
+                   for x in (ids, ids[:1, :1]))  # a batch of prompts, and one token
+    out[bits] = {"diff": diff, "whole": held, "mine": expert_parallel.expert_weight_bytes(model),
+                 "all_to_all": expert_dispatch.COMM.take()["all_to_all"]["calls"]}
+got = [None] * ranks
+dist.all_gather_object(got, out)
+if rank == 0:
+    print("RESULT " + json.dumps(got))
+dist.destroy_process_group()
+"""
+
+
+def test_grouped_int8_and_int4_experts_split_over_two_ranks_exactly(tmp_path: Path) -> None:
+    script = tmp_path / "grouped_ep.py"
+    script.write_text(GROUPED)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script)], capture_output=True,
+                          text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    for rank in json.loads(line[len("RESULT "):]):
+        for bits in ("8", "4"):
+            got = rank[bits]
+            assert got["diff"] <= 1e-5  # the same grouped kernel on the same rows
+            assert 2 * got["mine"] == got["whole"]
+            assert got["all_to_all"] == 2 * 3 * 2  # 2 forwards x 2 layers x 3

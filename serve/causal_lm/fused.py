@@ -25,9 +25,10 @@ from .grouped import GroupedLinear, grouped_product
 # block class -> its projections of the block's input, in the order of their outputs
 BLOCKS = {
     **{f"{family}Attention": ("q_proj", "k_proj", "v_proj")
-       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe",
+                      "Olmoe")},
     **{f"{family}MLP": ("gate_proj", "up_proj")
-       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Olmoe")},
 }
 TILE = 16  # output features a kernel record holds (grouped_kernels.cpp)
 

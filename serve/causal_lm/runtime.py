@@ -6,7 +6,8 @@ torchao-quantized state dict, loaded into the architecture after the same `quant
 config), and `causal_lm.json`.
 
 `int8_grouped` and `int4_grouped` weights are `grouped.py`'s modules (float32 activations,
-with `grouped_kernels.py`'s operator), beside it too; `int8_sparse24` and `int4_sparse24`
+with `grouped_kernels.py`'s operator), beside it too, and a mixture-of-experts model's
+experts `experts.py`'s (the routers stay float); `int8_sparse24` and `int4_sparse24`
 weights (2:4 sparse) are `sparse24.py`'s.
 
 Decoding lives beside it in `decode.py` (`StaticDecoder`, `Sampling`, `Generation`), whose
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from .decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
+from .experts import is_experts, quantize_experts
 from .fused import fuse_projections
 from .grouped import BITS as GROUPED_BITS
 from .grouped import quantize_embedding, quantize_grouped
@@ -104,7 +106,9 @@ def untie_head(model: nn.Module) -> nn.Module | None:
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      head_scheme: str | None = None, fit: bool = True,
                      activations: str = "float32") -> nn.Module:
-    """Apply a weight scheme to every Linear of `model` in place and `head_scheme_of` to the
+    """Apply a weight scheme to every Linear of `model` (and, grouped schemes only, to every
+    mixture-of-experts layer's experts: `experts.py`; other schemes refuse such a model) in
+    place and `head_scheme_of` to the
     output projection (untied from the embedding first, which stays in float, except under
     the grouped and 2:4 schemes, which store it as int8 groups too; a 2:4 scheme refuses a
     Linear that is not 2:4 with `sparse24.NotSparse24Error`). `fit=False`, grouped schemes:
@@ -112,6 +116,9 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
     `activations`: the grouped schemes' mode, float32 or the opt-in int8 or bf16
     (`grouped.GroupedLinear`).
     Fitted grouped weights get their blocks' projections fused (`fused.py`)."""
+    if scheme not in GROUPED_BITS and any(is_experts(m) for m in model.modules()):
+        raise ValueError(f"scheme {scheme!r} cannot quantize a mixture-of-experts model's "
+                         f"3D expert weights; use {' or '.join(GROUPED_BITS)}")
     head = untie_head(model)
     _apply(model, scheme, group_size, head=False, fit=fit, activations=activations)
     if scheme in KERNEL_SCHEMES:  # its float32 activations leave a float32 table otherwise
@@ -133,6 +140,8 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
 
     if scheme in GROUPED_BITS:
         quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations)
+        if not head:  # a mixture of experts' 3D expert weights, per expert
+            quantize_experts(model, GROUPED_BITS[scheme], fit, group_size)
         return
     if scheme in SPARSE24_BITS:
         quantize_sparse24(model, chosen, SPARSE24_BITS[scheme], fit)

@@ -16,7 +16,6 @@ from torch import nn
 
 from . import decode as lm_decode
 from . import expert_dispatch
-from . import expert_parallel as lm_expert_parallel
 from . import runtime as lm_runtime
 
 BATCH = 8
@@ -67,9 +66,9 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
     lm = lm_runtime.load_folder(folder)
     ids = [lm_runtime.prompt_ids(lm.tokenizer, p, chat_template) for p in prompts]
     whole = copy.deepcopy(lm.model) if rank == 0 else None
-    whole_bytes = lm_expert_parallel.expert_weight_bytes(lm.model)
+    whole_bytes = expert_dispatch.expert_weight_bytes(lm.model)
     began = time.perf_counter()
-    lm_expert_parallel.shard_experts(lm.model, rank, ranks)
+    expert_dispatch.shard_experts(lm.model, rank, ranks)
     shard_s = time.perf_counter() - began
     split_logits = [logits_of(lm.model, i) for i in ids]
     cache = max(len(i) for i in ids) + max_new_tokens + 8
@@ -80,7 +79,7 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
     batched.generate(batch, 2)  # warm-up
     split = timed_batch(batched, batch, max_new_tokens)
     held = [None] * ranks
-    dist.all_gather_object(held, lm_expert_parallel.expert_weight_bytes(lm.model))
+    dist.all_gather_object(held, expert_dispatch.expert_weight_bytes(lm.model))
     steps = [None] * ranks
     dist.all_gather_object(steps, split["comm"])
     if whole is None:

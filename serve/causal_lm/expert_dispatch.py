@@ -1,6 +1,7 @@
 """The mixture-of-experts layer of an expert-parallel rank: its share of a layer's experts
-behind `torch.distributed.all_to_all_single`, and a record of the collectives' time and
-bytes (torch only; shipped in the `causal_lm` package, used by `expert_parallel.py`).
+behind `torch.distributed.all_to_all_single` (`shard_experts` puts it in a model), and a
+record of the collectives' time and bytes (torch only; shipped in the `causal_lm` package,
+used by `expert_parallel.py` and `expert_compare.py`).
 
 Every rank holds the same hidden states (everything but the experts is replicated), so the
 tokens are assigned by position: of the T tokens a layer sees, rank r routes the contiguous
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .experts import expert_count, is_experts, keep_experts
 
 
 class CommRecord:
@@ -118,3 +121,36 @@ class ExpertParallelExperts(nn.Module):
         out = torch.zeros_like(hidden)
         scale = weights.reshape(-1)[order].to(back.dtype)
         return out.index_add_(0, token, back * scale[:, None])
+
+
+def shard_experts(model: nn.Module, rank: int, ranks: int, group: Any = None) -> int:
+    """Replace every experts module of `model` by its rank's block behind the all-to-all
+    dispatch, in place; how many were split."""
+    found = [(name, m) for name, m in model.named_modules() if is_experts(m)]
+    if not found:
+        raise ValueError("expert_parallel: the model has no mixture-of-experts layers")
+    for name, module in found:
+        experts = expert_count(module)
+        if experts % ranks:
+            raise ValueError(f"expert_parallel: {ranks} does not divide the model's "
+                             f"{experts} experts per layer; use a divisor of {experts}")
+        per = experts // ranks
+        keep_experts(module, list(range(rank * per, (rank + 1) * per)))
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, ExpertParallelExperts(module, experts, rank, ranks, group))
+    return len(found)
+
+
+def expert_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the experts' weights this rank holds (each storage once; a quantized tensor
+    by its inner tensors)."""
+    def inner(t: Any) -> list[Any]:
+        if hasattr(t, "__tensor_flatten__"):
+            return [x for n in t.__tensor_flatten__()[0] for x in inner(getattr(t, n))]
+        return [t]
+
+    owners = [m for m in model.modules() if is_experts(m)]
+    tensors = [t for m in owners for w in (*m.parameters(), *m.buffers()) for t in inner(w)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())

@@ -42,27 +42,6 @@ def split_problem(config: dict[str, Any], ranks: int) -> str | None:
     return None
 
 
-def shard_experts(model: nn.Module, rank: int, ranks: int, group: Any = None) -> int:
-    """Replace every experts module of `model` by its rank's block behind the all-to-all
-    dispatch, in place; how many were split."""
-    from .expert_dispatch import ExpertParallelExperts
-    from .experts import expert_count, is_experts, keep_experts
-
-    found = [(name, m) for name, m in model.named_modules() if is_experts(m)]
-    if not found:
-        raise ValueError("expert_parallel: the model has no mixture-of-experts layers")
-    for name, module in found:
-        experts = expert_count(module)
-        if experts % ranks:
-            raise ValueError(split_problem({"num_experts": experts}, ranks))
-        per = experts // ranks
-        keep_experts(module, list(range(rank * per, (rank + 1) * per)))
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, ExpertParallelExperts(module, experts, rank, ranks, group))
-    return len(found)
-
-
 def join_and_split(model: nn.Module) -> int:
     """In a rank of a torchrun job (TorchServe's torchrun workers, or any other): join the
     process group (gloo on CPU, NCCL on GPUs) and keep this rank's experts; the rank."""
@@ -74,24 +53,10 @@ def join_and_split(model: nn.Module) -> int:
     if not dist.is_initialized():  # a follower waits as long as the server idles
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=timedelta(days=365))
+    from .expert_dispatch import shard_experts
+
     shard_experts(model, dist.get_rank(), dist.get_world_size())
     return dist.get_rank()
-
-
-def expert_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the experts' weights this rank holds (each storage once; a quantized tensor
-    by its inner tensors)."""
-    from .experts import is_experts
-
-    def inner(t: Any) -> list[Any]:
-        if hasattr(t, "__tensor_flatten__"):
-            return [x for n in t.__tensor_flatten__()[0] for x in inner(getattr(t, n))]
-        return [t]
-
-    owners = [m for m in model.modules() if is_experts(m)]
-    tensors = [t for m in owners for w in (*m.parameters(), *m.buffers()) for t in inner(w)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors}.values())
 
 
 class LeadingDecoder:

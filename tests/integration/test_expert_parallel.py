@@ -92,7 +92,7 @@ GROUPED = """
 import copy, json
 import torch, torch.distributed as dist
 from transformers import MixtralConfig, MixtralForCausalLM
-from serve.causal_lm import expert_dispatch, expert_parallel, experts
+from serve.causal_lm import expert_dispatch, experts
 
 dist.init_process_group("gloo")
 rank, ranks = dist.get_rank(), dist.get_world_size()
@@ -105,14 +105,14 @@ for bits in (8, 4):
     model = MixtralForCausalLM(config).eval()
     experts.quantize_experts(model, bits)
     whole = copy.deepcopy(model)
-    held = expert_parallel.expert_weight_bytes(model)
-    expert_parallel.shard_experts(model, rank, ranks)
+    held = expert_dispatch.expert_weight_bytes(model)
+    expert_dispatch.shard_experts(model, rank, ranks)
     ids = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))
     expert_dispatch.COMM.take()
     with torch.inference_mode():
         diff = max(float((model(input_ids=x).logits - whole(input_ids=x).logits).abs().max())
                    for x in (ids, ids[:1, :1]))  # a batch of prompts, and one token
-    out[bits] = {"diff": diff, "whole": held, "mine": expert_parallel.expert_weight_bytes(model),
+    out[bits] = {"diff": diff, "whole": held, "mine": expert_dispatch.expert_weight_bytes(model),
                  "all_to_all": expert_dispatch.COMM.take()["all_to_all"]["calls"]}
 got = [None] * ranks
 dist.all_gather_object(got, out)

@@ -13,6 +13,16 @@ from compress.recipe.registry import StageSpec, register
 DISTILL_ONLY = ("temperature", "alpha")
 
 
+class MoefyCalibration(CalibrationOptions):
+    """The calibration blocks the split and the routers learn from."""
+
+    samples: int = Field(
+        64, ge=2, le=10**7, description="Blocks of data.max_length calibration tokens (an "
+        "eighth of them, one block at least and 4 batches at most, held out to measure the "
+        "routers).")
+    batch_size: int = Field(8, ge=1, le=4096, description="Blocks per calibration pass.")
+
+
 class MoefyConfig(StrictModel):
     """MoEfication: split each SwiGLU feed-forward layer of a dense causal LM into equal
     experts, train a top-k router per layer, and recover by distilling the dense model."""
@@ -31,8 +41,8 @@ class MoefyConfig(StrictModel):
     cluster_tokens: int = Field(
         4096, ge=16, le=10**6, description="Calibration tokens whose activations describe "
         "each neuron for the coactivation split.")
-    calibration: CalibrationOptions = Field(
-        default_factory=lambda: CalibrationOptions(samples=64, batch_size=8),
+    calibration: MoefyCalibration = Field(
+        default_factory=MoefyCalibration,
         description="The calibration blocks (data.max_length tokens each) the split and the "
         "routers are trained on.")
     router_steps: int = Field(

@@ -38,7 +38,7 @@ def mixtral_config(dense_config, experts: int, top_k: int):
     if width % experts:
         raise ValueError(f"experts: {experts} does not divide the feed-forward width {width}")
     for name in (*LLAMA_ONLY, "model_type", "architectures", "transformers_version",
-                 "_name_or_path"):
+                 "_name_or_path", "quantization_config"):  # a GGUF's, already dequantized
         fields.pop(name, None)
     fields["head_dim"] = getattr(dense_config, "head_dim", None) or (
         dense_config.hidden_size // dense_config.num_attention_heads)

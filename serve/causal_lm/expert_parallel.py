@@ -98,6 +98,14 @@ class LeadingDecoder:
         return self.decoder.generate(prompt, max_new_tokens, stop, sampling, ended)
 
 
+def leading_decoders(model: nn.Module, cache_len: int) -> Any:
+    """A maker of leading decoders (a served worker's, one a bucket): each a masked
+    `StaticDecoder` of `cache_len` positions."""
+    from .decode import StaticDecoder
+
+    return lambda: LeadingDecoder(StaticDecoder(model, cache_len, always_mask=True))
+
+
 def follow(decoders: dict[int, LeadingDecoder]) -> Any:
     """On a rank other than 0 of a served expert-parallel worker: a daemon thread that runs
     every generation rank 0's decoders announce, each through the decoder of its rows."""

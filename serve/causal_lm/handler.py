@@ -30,7 +30,6 @@ from ts.torch_handler.base_handler import BaseHandler
 from . import batcher as lm_batcher
 from . import choices as lm_choices
 from . import compiled_graphs as lm_graphs
-from . import decode as lm_decode
 from . import expert_parallel as lm_expert_parallel
 from . import openai as lm_openai
 from . import pipeline as lm_pipeline
@@ -132,8 +131,7 @@ class CausalLMHandler(BaseHandler):
         make = (lambda: lm_pipeline.PipelineDecoder(self.pipe, cache_len, self.ranks,
                                                     lead=True)) if self.pipe else None
         if self.leads:
-            make = lambda: lm_expert_parallel.LeadingDecoder(  # noqa: E731
-                lm_decode.StaticDecoder(self.lm.model, cache_len, always_mask=True))
+            make = lm_expert_parallel.leading_decoders(self.lm.model, cache_len)
         self.decoders = lm_graphs.build_decoders(self.lm.model, lm_batcher.buckets(rows),
                                                  cache_len, mode,
                                                  bool(settings.get("cpp_wrapper")), make,

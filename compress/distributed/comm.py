@@ -15,6 +15,10 @@ clock says nothing: there each collective is timed by the CUDA events ProcessGro
 around its kernel (`TORCH_NCCL_ENABLE_TIMING=1`, set by `process_group.init`), read with
 `Work._get_duration()` once the step's work is done. One process group's collectives run on
 one NCCL stream, one after another, so their durations add up to the union.
+
+Expert-parallel inference (`serve/causal_lm/expert_dispatch.py`) records its own
+all-to-alls and all-gathers in the shipped runtime, which imports no compress code;
+`step_of_record` reads a decode step's record into the same `StepComm`.
 """
 
 from __future__ import annotations

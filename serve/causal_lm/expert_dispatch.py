@@ -118,9 +118,9 @@ class ExpertParallelExperts(nn.Module):
         back = hidden.new_empty(outgoing.shape)
         _timed("all_to_all", _bytes(done), dist.all_to_all_single, back, done.contiguous(),
                send, receive, group=self.group)
-        out = torch.zeros_like(hidden)
-        scale = weights.reshape(-1)[order].to(back.dtype)
-        return out.index_add_(0, token, back * scale[:, None])
+        out = torch.zeros_like(hidden)  # weighted in the routing weights' dtype, as
+        scale = weights.reshape(-1)[order]  # transformers does, then summed in the model's
+        return out.index_add_(0, token, (back * scale[:, None]).to(out.dtype))
 
 
 def shard_experts(model: nn.Module, rank: int, ranks: int, group: Any = None) -> int:

@@ -37,6 +37,7 @@ from compress.families.causal_lm.model import (
     quantize_weights,
 )
 from compress.families.causal_lm.stages.quantize import activation_dtype
+from serve.causal_lm.experts import GroupedExperts, is_experts
 from serve.causal_lm.runtime import DTYPES, load_folder
 
 FLOAT, INT4 = "float", "int4_weight_only"
@@ -63,7 +64,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     output projection shares them; a grouped Linear that the kernel multiplies counts its
     kernel records (`packed`: codes, scales and offsets as the kernel reads them) instead
     of its codes, scales and offsets (a fused block's group its parts' records), and so does
-    a 2:4 Linear (`sparse24.py`: kept codes, positions and scales)."""
+    a 2:4 Linear (`sparse24.py`: kept codes, positions and scales); a mixture of experts'
+    layer counts top_k / experts of its experts' tensors (a token reads its routed experts'
+    records only: `experts.py`; the grouped ones' records where the kernel multiplies)."""
     embed = model.get_input_embeddings()
     in_embed = {id(m) for m in embed.modules()}  # a grouped table is read a row, not packed
     kernel = [m for m in model.modules()
@@ -80,6 +83,9 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     rows = max((t.shape[0] for t in embed_tensors if t.dim() > 1), default=1)
     own = {id(t) for t in embed_tensors} - head_ids  # the embedding's alone: one row read
     seen, total = set(replaced), sum(tensor_bytes(m.packed) for m in kernel)
+    seen_experts, routed = expert_bytes_per_token(model)
+    seen |= seen_experts
+    total += routed
     for tensor in model.state_dict(keep_vars=True).values():
         if id(tensor) in seen:
             continue
@@ -87,6 +93,25 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         size = tensor_bytes(tensor)
         total += size // rows if id(tensor) in own else size
     return total
+
+
+def expert_bytes_per_token(model: nn.Module) -> tuple[set[int], int]:
+    """(ids of the experts' tensors, the bytes of them a token reads: top_k / experts of
+    each layer's, the kernel's records where a grouped layer has them)."""
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    ids, total = set(), 0
+    for module in model.modules():
+        if not is_experts(module) or not top_k:
+            continue
+        tensors = list(module.state_dict(keep_vars=True).values())
+        ids |= {id(t) for t in tensors}
+        read = ([module.gate_up_packed, module.down_packed]
+                if isinstance(module, GroupedExperts) and module.gate_up_packed is not None
+                else tensors)
+        count = module.num_experts if isinstance(module, GroupedExperts) else \
+            module.gate_up_proj.shape[0]
+        total += sum(tensor_bytes(t) for t in read) * min(top_k, count) // count
+    return ids, total
 
 
 def load_variant(source: str, variant: str) -> tuple[nn.Module, Any]:

@@ -146,3 +146,23 @@ def test_other_schemes_refuse_a_moe_model_in_one_line(scheme) -> None:
     with pytest.raises(ValueError, match=r"int8_grouped or int4_grouped") as refused:
         lm_runtime.quantize_weights(model, scheme)
     assert "\n" not in str(refused.value) and scheme in str(refused.value)
+
+
+@pytest.mark.parametrize("scheme", [None, "int8_grouped"])
+def test_bytes_per_token_count_the_routed_experts_share(scheme) -> None:
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers_llm_child as child
+
+    model, _ = tiny_moe("mixtral")
+    if scheme:
+        lm_runtime.quantize_weights(model, scheme)
+    experts = [m for m in model.modules() if is_experts(m)]
+    whole = sum(child.tensor_bytes(t) for m in experts for t in (
+        [m.gate_up_packed, m.down_packed] if scheme else [m.gate_up_proj, m.down_proj]))
+    routed = child.weight_bytes_per_token(model)  # top-2 of 4 experts: half of them read
+    model.config.num_experts_per_tok = 4
+    assert child.weight_bytes_per_token(model) - routed == whole // 2

@@ -101,7 +101,7 @@ class ExpertParallelExperts(nn.Module):
         rows, k = chosen.shape
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, so by the rank holding it
-        token = torch.arange(rows).repeat_interleave(k)[order]
+        token = torch.arange(rows, device=hidden.device).repeat_interleave(k)[order]
         counts = torch.bincount(flat, minlength=self.experts)  # pairs per global expert
         their = torch.empty_like(counts)  # pairs for each of my experts, from each rank
         _timed("all_to_all", _bytes(counts), dist.all_to_all_single, their, counts,
@@ -112,9 +112,10 @@ class ExpertParallelExperts(nn.Module):
         incoming = hidden.new_empty(sum(receive), hidden.shape[1])
         _timed("all_to_all", _bytes(outgoing), dist.all_to_all_single, incoming, outgoing,
                receive, send, group=self.group)
-        local_ids = torch.arange(self.per_rank).repeat(self.ranks).repeat_interleave(their)
+        local_ids = torch.arange(self.per_rank, device=hidden.device).repeat(
+            self.ranks).repeat_interleave(their)
         done = self.local(incoming, local_ids[:, None],
-                          torch.ones(incoming.shape[0], 1, dtype=hidden.dtype))
+                          incoming.new_ones(incoming.shape[0], 1))
         back = hidden.new_empty(outgoing.shape)
         _timed("all_to_all", _bytes(done), dist.all_to_all_single, back, done.contiguous(),
                send, receive, group=self.group)

@@ -92,6 +92,8 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
     one_batched = lm_decode.StaticDecoder(whole, cache)
     one_batched.generate(batch, 2)  # warm-up
     alone = timed_batch(one_batched, batch, max_new_tokens)
+    torch.set_num_threads(threads)  # and with one rank's threads
+    alone_as_rank = timed_batch(one_batched, batch, max_new_tokens)
     diff = max(float((a - b).abs().max()) for a, b in zip(split_logits, whole_logits,
                                                            strict=True))
     a2a = [s.get("all_to_all", {}) for s in steps]
@@ -103,11 +105,12 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
             "expert_weight_bytes_one_process": whole_bytes,
             "decode_tok_s_b8": round(split["tok_s"], 2),
             "decode_tok_s_b8_one_process": round(alone["tok_s"], 2),
+            "decode_tok_s_b8_one_process_rank_threads": round(alone_as_rank["tok_s"], 2),
             "decode_step_ms_b8": round(split["step_s"] * 1e3, 3),
             "all_to_all_ms_per_step": round(a2a_s * 1e3, 3),
             "all_to_all_bytes_per_step": [s.get("bytes_per_step", 0) for s in a2a],
             "all_to_all_share": round(min(1.0, a2a_s / max(split["step_s"], 1e-9)), 4),
             "comm_per_step": steps,
-            "threads_per_rank": threads, "threads_one_process": torch.get_num_threads(),
+            "threads_per_rank": threads, "threads_one_process": os.cpu_count() or 1,
             "shard_s": round(shard_s, 3), "tokens": split_tokens,
             "tokens_one_process": whole_tokens}

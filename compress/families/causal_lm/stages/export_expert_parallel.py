@@ -54,6 +54,8 @@ def check_expert_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
         ep_expert_weight_share=round(max(held) / whole, 6),
         ep_decode_tok_s_b8=figures["decode_tok_s_b8"],
         ep_decode_tok_s_b8_one_process=figures["decode_tok_s_b8_one_process"],
+        ep_decode_tok_s_b8_one_process_rank_threads=figures[
+            "decode_tok_s_b8_one_process_rank_threads"],
         ep_all_to_all_share=figures["all_to_all_share"], **comm_metrics(figures))
     where = (ctx.folder / "expert_parallel.json").relative_to(ctx.run_dir)
     tolerance = cfg.tolerance or DEFAULT_TOLERANCE

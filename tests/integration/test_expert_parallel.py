@@ -24,14 +24,15 @@ def mixtral_folder(tmp_path_factory) -> Path:
     return tiny_mixtral_folder(tmp_path_factory.mktemp("tiny_mixtral"))
 
 
-def _recipe(tmp_path: Path, model: Path, export: dict, stages: list[dict] | None = None
-            ) -> Path:
+def _recipe(tmp_path: Path, model: Path, export: dict, stages: list[dict] | None = None,
+            after: list[dict] | None = None) -> Path:
     raw = {"name": "ep", "model": {"source": str(model)},
            "data": {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
                     "eval": {"split": "validation", "max_samples": 4}},
            "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 6,
                                          "batch_sizes": [1], "compile": "none"}},
-           "stages": [*(stages or []), {"kind": "export", "format": "transformers", **export}],
+           "stages": [*(stages or []), {"kind": "export", "format": "transformers", **export},
+                      *(after or [])],
            "output_dir": str(tmp_path / "runs")}
     return write_recipe(tmp_path / "ep.yaml", raw)
 
@@ -81,11 +82,14 @@ def test_splits_that_cannot_work_are_one_line_each(tmp_path: Path, mixtral_folde
     over = run_cli("validate", str(_recipe(tmp_path, mixtral_folder,
                                            {"expert_parallel": 4, "oversubscribe": True})))
     assert over.returncode == 0, over.stderr  # 4 divides 4 experts; more ranks than cores
-    dense = run_cli("validate", str(_recipe(tmp_path, varied_llama_folder,
-                                            {"expert_parallel": 2})))
+    dense = run_cli("validate", str(_recipe(
+        tmp_path, varied_llama_folder, {"expert_parallel": 2},
+        after=[{"kind": "package", "expert_parallel": ranks, "pipeline_parallel": 2}])))
     assert dense.returncode == 2
     assert "stages.0.expert_parallel: the model (llama) has no mixture-of-experts layers" \
         in dense.stderr
+    assert "stages.1.expert_parallel: pipeline_parallel is set too" in dense.stderr
+    assert f"stages.1.expert_parallel: {ranks} processes is more than" in dense.stderr
 
 
 GROUPED = """

@@ -123,6 +123,15 @@ def test_moefy_runs_through_the_cli_and_saves_a_mixtral_folder(
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     assert type(loaded).__name__ == "MixtralForCausalLM"
     assert loaded.config.num_local_experts == 4 and loaded.config.num_experts_per_tok == 2
+    from compress.families.causal_lm.folder import load_lm
+
+    again = load_lm(folder)  # as a resumed run or a later stage reads it back
+    assert type(again.model).__name__ == "MixtralForCausalLM"
+    assert again.lm["moefied"] == {"experts": 4, "top_k": 2}
+    ids = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(input_ids=ids).logits,
+                                   loaded(input_ids=ids).logits)
     curves = json.loads((run_dir / "00-moefy" / "curves.json").read_text())
     assert len(curves["router"]) == 4 and len(curves["recovery"]) == 2
 

@@ -73,24 +73,33 @@ class LeadingDecoder:
     def generate(self, prompt: Any, max_new_tokens: Any, stop: set[int] | None = None,
                  sampling: Any = None, on_tokens: Any = None) -> Any:
         """`StaticDecoder.generate` with rank 0's arguments on every rank."""
+        import dataclasses
         import random
 
         import torch
         import torch.distributed as dist
 
-        rank = dist.get_rank()
-        for pick in sampling or ():
-            if rank == 0 and pick is not None and pick.seed is None and pick.temperature > 0:
-                pick.seed = random.randrange(2**31)
+        if dist.get_rank() == 0 and sampling:  # every rank samples with rank 0's seeds
+            sampling = [dataclasses.replace(p, seed=random.randrange(2**31))
+                        if p is not None and p.seed is None and p.temperature > 0 else p
+                        for p in sampling]
         call = [(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt,
                  max_new_tokens, stop, sampling)]
         dist.broadcast_object_list(call, src=0)
-        prompt, max_new_tokens, stop, sampling = call[0]
-        rows = len(prompt)
+        return self.run(call[0], on_tokens)
+
+    def run(self, call: tuple[Any, ...], on_tokens: Any = None) -> Any:
+        """Decode the generation rank 0 announced (prompts, max_new_tokens, stop, sampling);
+        the rows rank 0's `on_tokens` ends, end on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        prompt, max_new_tokens, stop, sampling = call
+        lead = dist.get_rank() == 0
 
         def ended(produced: list[int | None]) -> list[int]:
-            flags = torch.zeros(rows, dtype=torch.uint8)
-            if rank == 0 and on_tokens is not None:
+            flags = torch.zeros(len(prompt), dtype=torch.uint8)
+            if lead and on_tokens is not None:
                 flags[list(on_tokens(produced) or ())] = 1
             dist.broadcast(flags, src=0)
             return flags.nonzero().flatten().tolist()
@@ -119,9 +128,8 @@ def follow(decoders: dict[int, LeadingDecoder]) -> Any:
             try:
                 call: list[Any] = [None]
                 dist.broadcast_object_list(call, src=0)
-                prompt, *rest = call[0]
-                decoder = decoders.get(len(prompt)) or decoders[max(decoders)]
-                decoder.decoder.generate(prompt, *rest[:3], _follower_ends(len(prompt)))
+                rows = len(call[0][0])
+                (decoders.get(rows) or decoders[max(decoders)]).run(call[0])
             except ValueError:  # refused on every rank alike, before any token
                 continue
             except Exception:  # noqa: BLE001 (the job is gone: TorchServe restarts it)
@@ -131,19 +139,6 @@ def follow(decoders: dict[int, LeadingDecoder]) -> Any:
     thread = threading.Thread(target=loop, name="expert-parallel-follower", daemon=True)
     thread.start()
     return thread
-
-
-def _follower_ends(rows: int) -> Any:
-    """A follower's `on_tokens`: the rows rank 0 ends, as it broadcasts them."""
-    import torch
-    import torch.distributed as dist
-
-    def ended(produced: list[int | None]) -> list[int]:
-        flags = torch.zeros(rows, dtype=torch.uint8)
-        dist.broadcast(flags, src=0)
-        return flags.nonzero().flatten().tolist()
-
-    return ended
 
 
 def main(argv: list[str] | None = None) -> None:

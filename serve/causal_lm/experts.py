@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from .grouped import dequantize_groups, fit_groups, pack_nibbles, unpack_nibbles
+from .grouped import ACTIVATIONS as MODES
+from .grouped import dequantize_groups, fit_groups, grouped_product, pack_nibbles, unpack_nibbles
 from .grouped_kernels import GROUP, grouped_mm_available
 
 ACTIVATIONS = {"silu": functional.silu, "gelu": functional.gelu, "relu": functional.relu}
@@ -97,6 +98,7 @@ class GroupedExperts(nn.Module):
                                                                cols // group_size))
             self.register_buffer(f"{name}_packed", None, persistent=False)
         self.half = {name: False for name in PROJECTIONS}
+        self.activations = "float32"  # one of grouped.ACTIVATIONS (GroupedLinear.forward)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, bits: int = 8, group_size: int = GROUP
@@ -162,7 +164,8 @@ class GroupedExperts(nn.Module):
         if self.gate_up_packed is not None:
             out = torch.ops.compress_lm_experts.grouped_experts(
                 x, top_k_index, top_k_weights.float(), self.gate_up_packed, self.down_packed,
-                self.intermediate, self.bits, self.half["gate_up"], self.half["down"], self.act)
+                self.intermediate, self.bits, self.half["gate_up"], self.half["down"], self.act,
+                self.activations)
         else:
             out = routed_experts(x, top_k_index, top_k_weights.float(), self.num_experts,
                                  self.act, lambda e, h: functional.linear(
@@ -200,9 +203,10 @@ def _registered() -> None:
     def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                         intermediate: int, bits: int, half_gate_up: bool, half_down: bool,
-                        act: str) -> torch.Tensor:
-        """`routed_experts` through `grouped_mm` on each routed expert's packed records."""
-        product = torch.ops.compress_lm.grouped_mm
+                        act: str, activations: str) -> torch.Tensor:
+        """`routed_experts` through the kernel of `activations` (`grouped.grouped_product`)
+        on each routed expert's packed records."""
+        product = grouped_product(activations)
         hidden = x.shape[-1]
         return routed_experts(
             x, top_k_index, top_k_weights, gate_up.shape[0], act,
@@ -215,9 +219,13 @@ def _registered() -> None:
 
 
 def quantize_experts(model: nn.Module, bits: int, fit: bool = True,
-                     group_size: int = GROUP) -> int:
+                     group_size: int = GROUP, activations: str = "float32") -> int:
     """Replace every experts module of `model` by a `GroupedExperts` in place; how many were
-    replaced. `fit=False`: empty modules of the same shapes, their weights loaded next."""
+    replaced. `fit=False`: empty modules of the same shapes, their weights loaded next.
+    `activations`: the kernels' mode, one of grouped.ACTIVATIONS."""
+    if activations not in MODES:
+        raise ValueError(f"grouped experts: activations {activations!r} is not one of "
+                         f"{', '.join(MODES)}")
     chosen = [(name, module) for name, module in model.named_modules()
               if is_experts(module) and not isinstance(module, GroupedExperts)]
     for name, experts in chosen:
@@ -229,5 +237,6 @@ def quantize_experts(model: nn.Module, bits: int, fit: bool = True,
             count, rows, hidden = experts.gate_up_proj.shape
             module = GroupedExperts(count, hidden, rows // 2, bits, activation_name(experts),
                                     group_size)
+        module.activations = activations
         setattr(parent, child, module)
     return len(chosen)

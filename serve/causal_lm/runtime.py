@@ -141,7 +141,7 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
     if scheme in GROUPED_BITS:
         quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations)
         if not head:  # a mixture of experts' 3D expert weights, per expert
-            quantize_experts(model, GROUPED_BITS[scheme], fit, group_size)
+            quantize_experts(model, GROUPED_BITS[scheme], fit, group_size, activations)
         return
     if scheme in SPARSE24_BITS:
         quantize_sparse24(model, chosen, SPARSE24_BITS[scheme], fit)

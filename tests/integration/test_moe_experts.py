@@ -166,3 +166,15 @@ def test_bytes_per_token_count_the_routed_experts_share(scheme) -> None:
     routed = child.weight_bytes_per_token(model)  # top-2 of 4 experts: half of them read
     model.config.num_experts_per_tok = 4
     assert child.weight_bytes_per_token(model) - routed == whole // 2
+
+
+def test_the_opt_in_activation_modes_reach_the_experts() -> None:
+    model, tokenizer = tiny_moe("mixtral")
+    ids = lm_runtime.prompt_ids(tokenizer, PROMPTS[1], chat_template=False)
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits
+        lm_runtime.quantize_weights(model, "int8_grouped", activations="int8")
+        got = model(torch.tensor([ids])).logits
+    assert {m.activations for m in model.modules() if isinstance(m, GroupedExperts)} == {"int8"}
+    assert not torch.equal(got, want)  # rounded activations: close, not exact
+    assert (got - want).abs().max() < 0.1 * want.abs().max()

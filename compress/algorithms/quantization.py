@@ -12,6 +12,7 @@ Only `torchao.quantization.pt2e` is used, never the deprecated `torch.ao.quantiz
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import time
 from collections.abc import Iterable
@@ -32,6 +33,7 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
     get_default_x86_inductor_quantization_config,
 )
 
+from compress.algorithms.smoothing import input_statistics, smooth_linears
 from compress.data.datasets import iterate
 from compress.errors import CompressError
 from compress.measure.evaluate import logits_of
@@ -112,9 +114,20 @@ def calibrate(model: GraphModel, examples, samples: int, batch_size: int, tokeni
 
 
 
+def smoothed(bundle: ModelBundle, cfg, calibration, max_length: int
+             ) -> tuple[ModelBundle, int]:
+    """A copy of `bundle` whose Linears outside `cfg.keep_float` are smoothed with alpha
+    `cfg.smoothing` (`compress.algorithms.smoothing`), observed on the calibration examples
+    the static pass reads next; and how many Linears were smoothed."""
+    model = copy.deepcopy(bundle.model).eval()
+    calib = cfg.calibration
+    absmax, groups = input_statistics(model, lambda: calibrate(
+        model, calibration, calib.samples, calib.batch_size, bundle.tokenizer, max_length))
+    count = smooth_linears(model, absmax, groups, cfg.smoothing, cfg.keep_float)
+    return dataclasses.replace(bundle, model=model), count
+
+
 # --- compile --------------------------------------------------------------------------------
-
-
 
 
 def warm_up(model: nn.Module, bundle: ModelBundle) -> float:
@@ -145,6 +158,9 @@ def quantize(bundle: ModelBundle, cfg, calibration=None, *, setup=None,
                             "(a TrainSetup)")
     metrics: dict[str, Any] = {"quant_mode": cfg.mode}
     began = time.perf_counter()
+    if getattr(cfg, "smoothing", None) is not None and cfg.mode == "static":
+        bundle, metrics["smoothed_linears"] = smoothed(bundle, cfg, calibration, max_length)
+        metrics["smoothing_alpha"] = cfg.smoothing
     graph = capture(bundle, train=cfg.mode == "qat")
     max_seq = max_sequence(bundle.model)
     prefix = "model." if bundle.is_text else ""

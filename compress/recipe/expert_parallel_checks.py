@@ -8,13 +8,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from serve.causal_lm.expert_parallel import split_problem  # no torch import
+
 OTHER_SPLITS = ("tensor_parallel", "pipeline_parallel")
 MAKES_EXPERTS = ("moefy",)  # stage kinds that turn a dense model into a mixture of experts
 
 
 def expert_problems(recipe: Any, i: int) -> list[str]:
-    """expert_parallel on stage `i`: alone (no other split), and no more processes than this
-    machine's cores unless `oversubscribe`."""
+    """expert_parallel on stage `i`: alone (no other split), dividing the experts a moefy
+    stage makes, and no more processes than this machine's cores unless `oversubscribe`."""
     stage = recipe.stages[i]
     ranks = getattr(stage, "expert_parallel", None)
     if not ranks:
@@ -22,6 +24,11 @@ def expert_problems(recipe: Any, i: int) -> list[str]:
     where = f"stages.{i}.expert_parallel"
     problems = [f"{where}: {other} is set too, and a stage splits the model one way only; "
                 "drop one of them" for other in OTHER_SPLITS if getattr(stage, other, None)]
+    made = _made_experts(recipe, i)  # checked here: a GGUF source has no config.json
+    if made is not None and isinstance(getattr(made, "experts", None), int):
+        problem = split_problem({"num_experts": made.experts}, ranks)
+        if problem:
+            problems.append(f"stages.{i}.{problem} (made by the {made.kind} stage)")
     cores = os.cpu_count() or 1
     if ranks > cores and not getattr(stage, "oversubscribe", False):
         problems.append(f"{where}: {ranks} processes is more than the {cores} CPU cores of "
@@ -42,17 +49,11 @@ def _made_experts(recipe: Any, i: int) -> Any:
 
 def experts_fit_the_config(recipe: Any, i: int, config: dict[str, Any]) -> list[str]:
     """expert_parallel takes a mixture-of-experts model whose experts per layer it divides
-    (a moefy stage's experts where one made them)."""
-    from serve.causal_lm.expert_parallel import split_problem  # no torch import
-
+    (unless a moefy stage makes the experts)."""
     ranks = getattr(recipe.stages[i], "expert_parallel", None)
     if not ranks or "model_type" not in config and "num_hidden_layers" not in config:
         return []
-    made = _made_experts(recipe, i)
-    if made is not None:
-        experts = getattr(made, "experts", None)
-        if not isinstance(experts, int):
-            return []
-        config = {**config, "num_experts": experts}
+    if _made_experts(recipe, i) is not None:  # expert_problems checks its experts
+        return []
     problem = split_problem(config, ranks)
     return [f"stages.{i}.{problem}"] if problem else []

@@ -1,7 +1,10 @@
-"""expert_parallel's torch-free pieces: which splits of a config work, and the shipped
-runtime's collective record read into the communication telemetry."""
+"""expert_parallel's torch-free pieces: which splits of a config (or of a moefy stage's
+experts) work, and the shipped runtime's collective record read into the communication
+telemetry."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from compress.distributed.comm import KINDS, step_of_record
 from serve.causal_lm.expert_dispatch import CommRecord
@@ -36,3 +39,17 @@ def test_the_runtime_record_becomes_a_step_of_the_telemetry() -> None:
     assert step.nbytes == 1756 // 3
     assert abs((step.seconds or 0) - 0.004 / 3) < 1e-12
     assert abs(step.share(0.004 / 3 * 2) - 0.5) < 1e-9
+
+
+def test_the_experts_a_moefy_stage_makes_are_checked_without_a_config() -> None:
+    import pytest
+
+    from compress.errors import UserError
+    from compress.recipe.schema import load_recipe
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes/llm_moe_ep.yaml"
+    assert load_recipe(recipe).stages[2].expert_parallel == 2  # 8 experts: fine
+    with pytest.raises(UserError) as refused:
+        load_recipe(recipe, ["stages.0.experts=3"])
+    assert ("stages.2.expert_parallel: 2 does not divide the model's 3 experts per layer; "
+            "use a divisor of 3 (made by the moefy stage)") in str(refused.value)

@@ -19,20 +19,22 @@ from compress.recipe.options import CalibrationOptions, StrictModel
 from compress.runfolder.files import bf16_supported
 
 
-def candidate_stages(name: str, float_layers: list[str], calibration: CalibrationOptions
-                     ) -> list[StrictModel]:
+def candidate_stages(name: str, float_layers: list[str], calibration: CalibrationOptions,
+                     smoothing: float | None = None) -> list[StrictModel]:
     """The stage configs that build candidate `name`, with `float_layers` (module names)
-    left in float by the quantizing step."""
+    left in float by the quantizing step, and PT2E static int8 smoothed by SmoothQuant's
+    `smoothing` alpha where given."""
     keep = list(float_layers)
     quantized = {"calibration": calibration, "keep_float": keep}
+    static = {**quantized, **({"smoothing": smoothing} if smoothing is not None else {})}
     recipes: dict[str, Callable[[], list[StrictModel]]] = {
-        "pt2e_static_aoti": lambda: [QuantizeConfig(mode="static", compile=False, **quantized),
+        "pt2e_static_aoti": lambda: [QuantizeConfig(mode="static", compile=False, **static),
                                      ExportConfig(format="aoti")],
         "pt2e_dynamic_aoti": lambda: [QuantizeConfig(mode="dynamic", compile=False,
                                                      keep_float=keep),
                                       ExportConfig(format="aoti")],
         "pt2e_static_bf16_aoti": lambda: [
-            QuantizeConfig(mode="static", compile=False, **quantized),
+            QuantizeConfig(mode="static", compile=False, **static),
             ExportConfig(format="aoti", autocast="bf16")],
         "bf16_aoti": lambda: [PrecisionConfig(), ExportConfig(format="aoti")],
         "ort_dynamic_int8": lambda: [ExportConfig(format="onnx", quantize="dynamic",

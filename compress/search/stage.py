@@ -101,7 +101,8 @@ class Search:
     def trial(self, name: str, float_layers: list[str]) -> dict[str, Any] | None:
         """The trial of `name` with `float_layers`, from the cache or built and measured
         now (None when the budget is spent)."""
-        stages = candidate_stages(name, float_layers, self.cfg.calibration)
+        stages = candidate_stages(name, float_layers, self.cfg.calibration,
+                                  self.cfg.smoothing)
         key = trial_key(name, stages, float_layers, self.input_sha, self.measurer.settings())
         tid = trial_id(name, float_layers, key)
         if self.shape is not None:

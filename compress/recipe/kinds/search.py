@@ -130,6 +130,9 @@ class SearchConfig(StrictModel):
         None, ge=1, le=4096, description="Intra-op threads of every runtime (default: the "
         "latency threads).")
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    smoothing: float | None = Field(
+        None, ge=0.0, le=1.0, description="SmoothQuant's alpha for the PT2E static "
+        "candidates (the quantize stage's `smoothing`); None: no smoothing.")
     shapes: list[ShapeSpec] | None = Field(
         None, description="Smaller students (fewer layers, fewer neurons or heads) to train "
         "and try every candidate on, cheapest to train first; the entering model is tried "

@@ -117,6 +117,9 @@ def test_moefy_runs_through_the_cli_and_saves_a_mixtral_folder(
     assert m["train_steps"] == 2 and len(m["recovery_curve"]) == 2
     assert m["router_steps"] == 4 and [s for s, _ in m["router_curve"]] == [1, 2, 3, 4]
     assert m["mass_selected_best"] >= m["mass_selected_router"] > 0
+    ffn = 2 * 3 * 32 * 64  # 2 layers of gate, up and down: half of them run per token
+    assert m["params_moe"] - m["params_active"] == ffn // 2
+    assert m["params_moe"] == m["params_dense"] + 2 * 4 * 32  # and 2 routers of 4 x 32
     folder = run_dir / stage["outputs"][0]["model_dir"]
     from transformers import AutoModelForCausalLM
 

@@ -81,11 +81,19 @@ def run(state: State, cfg: MoefyConfig, ctx: StageContext) -> State:
     ctx.metrics.update(
         experts=cfg.experts, top_k=cfg.top_k, split=cfg.split,
         expert_width=int(groups[0].shape[1]), params_dense=count_params(dense),
-        params_moe=count_params(moe), perplexity_dense=round(ppl["dense"], 4),
+        params_moe=count_params(moe), params_active=active_params(moe, cfg),
+        perplexity_dense=round(ppl["dense"], 4),
         perplexity_moefied=round(ppl["moefied"], 4),
         perplexity_recovered=after["perplexity"] if cfg.recovery else None, **after)
     ctx.save_model(moefied)
     return State(moefied)
+
+
+def active_params(moe: torch.nn.Module, cfg: MoefyConfig) -> int:
+    """Parameters a token runs through: all but the experts', and top_k / experts of
+    theirs (the routers included)."""
+    experts = sum(p.numel() for name, p in moe.named_parameters() if ".experts." in name)
+    return count_params(moe) - experts + experts * cfg.top_k // cfg.experts
 
 
 def calibration_batches(bundle: ModelBundle, cfg: MoefyConfig, ctx: StageContext

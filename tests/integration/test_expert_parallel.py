@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli, write_recipe
-from expert_parallel_models import tiny_mixtral_folder
+from moe_models import tiny_moe_folder
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
 
 
 @pytest.fixture(scope="module")
 def mixtral_folder(tmp_path_factory) -> Path:
-    return tiny_mixtral_folder(tmp_path_factory.mktemp("tiny_mixtral"))
+    return tiny_moe_folder("mixtral", tmp_path_factory.mktemp("tiny_mixtral"))
 
 
 def _recipe(tmp_path: Path, model: Path, export: dict, stages: list[dict] | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import packaged_lm_run, run_cli
-from expert_parallel_models import tiny_mixtral_folder
+from moe_models import tiny_moe_folder
 
 pytest.importorskip("ts")
 
@@ -30,7 +30,7 @@ PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky bl
 
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory, data_dir: Path) -> Path:
-    model = tiny_mixtral_folder(tmp_path_factory.mktemp("tiny_mixtral"))
+    model = tiny_moe_folder("mixtral", tmp_path_factory.mktemp("tiny_mixtral"))
     return packaged_lm_run(tmp_path_factory.mktemp("ep_served"), "tiny_ep", model,
                            {"batch_size": 4, "max_batch_delay_ms": 300, "max_new_tokens": 16,
                             "expert_parallel": 2}, data_dir, 64)

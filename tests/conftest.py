@@ -118,6 +118,17 @@ def http_post(url: str, body: bytes, token: str | None = None,
 
 
 @pytest.fixture(scope="session")
+def avx2_kernels_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a child process whose kernels are built for x86-64-v3 (AVX2 and
+    FMA, no AVX-512: `COMPRESS_KERNEL_MARCH`) into one cache that every test and xdist
+    worker of the session shares (torch's build lock makes a second builder wait and reuse
+    the first's library): one AVX2 build a test run."""
+    folder = tmp_path_factory.getbasetemp().parent / "avx2-extensions"
+    return {**os.environ, "COMPRESS_KERNEL_MARCH": "x86-64-v3",
+            "TORCH_EXTENSIONS_DIR": str(folder)}
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_folder(tmp_path_factory) -> Path:
     """A 2-layer, 32-wide random Llama (4 query and 2 key-value heads) with MiniLM's
     tokenizer, saved as a local HF folder: a causal LM by its config."""

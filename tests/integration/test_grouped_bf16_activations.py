@@ -9,7 +9,6 @@ is checked instead (and is checked on this machine too, by a build for AVX2)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -126,12 +125,11 @@ print(json.dumps({"same": same, "native": grouped_kernels.bf16_native()}))
 """
 
 
-def test_an_avx2_build_multiplies_in_float32(tmp_path) -> None:
+def test_an_avx2_build_multiplies_in_float32(avx2_kernels_env: dict[str, str]) -> None:
     """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX512-BF16:
-    `COMPRESS_KERNEL_MARCH`) into their own cache: the bf16 mode is the float32 product."""
-    env = {**os.environ, "COMPRESS_KERNEL_MARCH": "x86-64-v3",
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env,
+    `COMPRESS_KERNEL_MARCH`) into the session's AVX2 cache: the bf16 mode is the float32
+    product."""
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=avx2_kernels_env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])

@@ -8,7 +8,6 @@ portable integer code), so that path is checked on this machine too."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -88,12 +87,10 @@ print(json.dumps({"errors": errors, "library": grouped_kernels.shipped_library()
 """
 
 
-def test_an_avx2_build_computes_both_products(tmp_path) -> None:
+def test_an_avx2_build_computes_both_products(avx2_kernels_env: dict[str, str]) -> None:
     """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512: `COMPRESS_KERNEL_MARCH`)
-    into their own cache run the portable paths, which give the same products."""
-    env = {**os.environ, "COMPRESS_KERNEL_MARCH": "x86-64-v3",
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
-    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env,
+    into the session's AVX2 cache run the portable paths, which give the same products."""
+    done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=avx2_kernels_env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])

@@ -163,3 +163,21 @@ def test_classifiers_and_embedding_models_refuse_moefy_in_one_line() -> None:
     assert SPEC.check_task(MoefyConfig(), "causal-lm", 0) == []
     (line,) = SPEC.check_task(MoefyConfig(), "classification", 2)
     assert line.startswith("stages.2 (moefy): ") and "remove the stage" in line
+
+
+def test_a_curve_survives_a_resume_and_starts_afresh_when_the_stage_changes(
+        tmp_path: Path) -> None:
+    from compress.families.causal_lm.stages.moefy import CURVE_POINTS, Curve
+
+    curve = Curve(tmp_path, "recovery", "key-1")
+    noted = curve.wrap(lambda model, inputs, labels: torch.tensor(float(inputs)))
+    for step in range(1, 21):
+        noted(None, step, None), noted(None, step + 1, None)  # two micro-batches a step
+        curve.on_step(step)
+    assert curve.points()[-1] == [20, 20.5]
+    resumed = Curve(tmp_path, "recovery", "key-1")  # a resumed try keeps the steps saved
+    assert len(resumed.losses) == 20 and Curve(tmp_path, "router", "key-1").losses == {}
+    assert Curve(tmp_path, "recovery", "key-2").losses == {}  # another config: afresh
+    resumed.losses = {s: 1.0 for s in range(1, 1001)}
+    points = resumed.points()
+    assert len(points) <= CURVE_POINTS and points[-1][0] == 1000

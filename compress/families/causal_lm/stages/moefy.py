@@ -142,7 +142,7 @@ def routing(dense: torch.nn.Module, train: torch.Tensor, held: list[torch.Tensor
     setup = TrainSetup(Examples(labels=[0] * len(train), inputs=train), ctx.data.max_length,
                        ctx.seed, ctx.checkpoint_dir / "router", f"{ctx.key}:router",
                        f"{ctx.name} routers")
-    curve = Curve(ctx.folder, "router")
+    curve = Curve(ctx.folder, "router", ctx.key)
     result = setup.run(routers, opts, None, loss_fn=curve.wrap(
         make_router_loss_fn(dense, groups, cfg.top_k)), on_step=curve.on_step)
     quality = routing_quality(dense, routers.eval(), groups, held, cfg.top_k, ctx.seed)
@@ -177,7 +177,7 @@ def recover(moefied: ModelBundle, dense: torch.nn.Module, cfg: MoefyConfig,
     teacher = dense if cfg.recovery_distill else None  # frozen by the loss; not used after
     loss_fn = lm_loss if teacher is None else make_lm_kd_loss_fn(teacher, cfg.temperature,
                                                                   cfg.alpha)
-    curve = Curve(ctx.folder, "recovery")
+    curve = Curve(ctx.folder, "recovery", ctx.key)
     result = setup.run(moefied.model, cfg.recovery, None, loss_fn=curve.wrap(loss_fn),
                        on_step=curve.on_step)
     for p in moefied.model.parameters():
@@ -188,16 +188,17 @@ def recover(moefied: ModelBundle, dense: torch.nn.Module, cfg: MoefyConfig,
 
 class Curve:
     """The loss of each optimizer step of one training (the mean over its micro-batches),
-    kept in `<stage folder>/curves.json` under `name` so a resumed run keeps the steps it
-    had done."""
+    kept in `<stage folder>/curves.json` under `name` with the stage's cache key, so a
+    resumed run keeps the steps it had done (and a changed stage starts afresh)."""
 
-    def __init__(self, folder: Path, name: str):
-        self.file, self.name = folder / CURVES_FILE, name
+    def __init__(self, folder: Path, name: str, key: str):
+        self.file, self.name, self.key = folder / CURVES_FILE, name, key
         self.losses: dict[int, float] = {int(s): v for s, v in self._all().get(name, [])}
         self.pending: list[float] = []
 
     def _all(self) -> dict[str, Any]:
-        return json.loads(self.file.read_text()) if self.file.is_file() else {}
+        saved = json.loads(self.file.read_text()) if self.file.is_file() else {}
+        return saved if saved.get("key") == self.key else {"key": self.key}
 
     def wrap(self, loss_fn):
         """`loss_fn` that also notes each micro-batch's loss."""

@@ -13,7 +13,9 @@ From the repository root:
 
 `--pruned FOLDER` adds rows of one 2:4-pruned float model (a prune stage's `model/` folder):
 its `--pruned-variants` (int8_grouped, int4_grouped, int8_sparse24, int4_sparse24), so each
-2:4 kernel is timed against the dense grouped kernel on the same pruned weights.
+2:4 kernel is timed against the dense grouped kernel on the same pruned weights. `--moe
+FOLDER` adds a mixture-of-experts model's (a moefy stage's `model/`) `--moe-variants`
+(int8_grouped), each against the dense model's row of the same scheme.
 
 Builds (once, cached) llama-cpp-python in its own environment and the Q8_0 / Q4_0 files
 (peers_llm_env.py); per row and round, a process measures batch-1 and batch-8 decode tok/s,
@@ -56,6 +58,9 @@ LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int
           "int4_grouped_a8": "int4_grouped_a8", "int8_grouped_bf16": "int8_grouped_bf16",
           "int4_grouped_bf16": "int4_grouped_bf16"}  # _a8, _bf16: the opt-in activation modes
 PRUNED = ("int8_grouped", "int4_grouped", "int8_sparse24", "int4_sparse24")  # --pruned's
+MOE = ("int8_grouped", "int4_grouped")  # --moe's
+# rows of another float folder: option -> (the rows' name prefix, the variants it takes)
+FOLDERS = {"pruned": ("2:4", PRUNED), "moe": ("MoE", MOE)}
 QUANTS = ("Q4_1", "Q8_0", "Q4_0")  # the shipped file first, then llama.cpp's from it
 MAX_LENGTH = 256  # perplexity's truncation (compress.families.causal_lm.model.perplexity)
 
@@ -162,6 +167,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a 2:4-pruned float causal-LM folder: adds --pruned-variants' rows")
     parser.add_argument("--pruned-variants", default=",".join(PRUNED),
                         help=f"the rows of --pruned, comma-separated ({','.join(PRUNED)})")
+    parser.add_argument("--moe", type=Path, metavar="FOLDER",
+                        help="a mixture-of-experts float causal-LM folder (a moefy stage's "
+                        "model/): adds --moe-variants' rows")
+    parser.add_argument("--moe-variants", default=MOE[0],
+                        help=f"the rows of --moe, comma-separated ({','.join(MOE)})")
     parser.add_argument("--quants", default=",".join(QUANTS),
                         help=f"llama.cpp's files, comma-separated ({','.join(QUANTS)})")
     parser.add_argument("--no-llama", action="store_true", help="compress's rows alone")
@@ -188,8 +198,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.prompts < args.batch or args.prompts > len(PROMPTS):
         parser.error(f"--prompts must be between --batch and {len(PROMPTS)}")
     args.variants = [v for v in args.variants.split(",") if v]
-    args.pruned_variants = ([v for v in args.pruned_variants.split(",") if v]
-                            if args.pruned else [])
+    for option in FOLDERS:
+        chosen = getattr(args, f"{option}_variants")
+        setattr(args, f"{option}_variants", [v for v in chosen.split(",") if v]
+                if getattr(args, option) else [])
     args.quants = [] if args.no_llama else [q for q in args.quants.split(",") if q]
     try:
         args.zentorch = zenv.parse_dtypes(args.zentorch)
@@ -205,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f"{gguf}: no such GGUF file"] if not gguf.is_file() else []
     problems += [f"unknown variant {v!r} (known: {', '.join(LABELS)})"
                  for v in args.variants if v not in LABELS]
-    problems += [f"unknown --pruned-variants {v!r} (known: {', '.join(PRUNED)})"
-                 for v in args.pruned_variants if v not in PRUNED]
-    if args.pruned and not (args.pruned / "config.json").is_file():
-        problems.append(f"{args.pruned}: not a causal-LM folder (no config.json); give a "
-                        "prune stage's model folder, e.g. runs/llm_sparse24/00-prune/model")
+    for option, (_, known) in FOLDERS.items():
+        folder = getattr(args, option)
+        problems += [f"unknown --{option}-variants {v!r} (known: {', '.join(known)})"
+                     for v in getattr(args, f"{option}_variants") if v not in known]
+        if folder and not (folder / "config.json").is_file():
+            problems.append(f"{folder}: not a causal-LM folder (no config.json); give a "
+                            "stage's model folder, e.g. runs/llm_sparse24/00-prune/model")
     problems += [f"unknown llama.cpp file {q!r} (known: {', '.join(QUANTS)})"
                  for q in args.quants if q not in QUANTS]
     for problem in problems:
@@ -239,10 +253,11 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
     for name in args.variants:
         items.append({"name": f"compress {name}", "runtime": "compress", "weights": name,
                       "source": str(gguf), "variant": LABELS[name], "rounds": []})
-    for name in args.pruned_variants:  # one pruned model, dense and 2:4 kernels
-        items.append({"name": f"compress 2:4 {name}", "runtime": "compress",
-                      "weights": f"{name} (2:4 pruned)", "source": str(args.pruned.resolve()),
-                      "variant": name, "rounds": []})
+    for option, (prefix, _) in FOLDERS.items():  # another float model's rows
+        for name in getattr(args, f"{option}_variants"):
+            items.append({"name": f"compress {prefix} {name}", "runtime": "compress",
+                          "weights": f"{name} ({prefix})", "variant": name, "rounds": [],
+                          "source": str(getattr(args, option).resolve())})
     items += zentorch
     triads = measure(items, args, inputs_path)
     bandwidth = max((t["triad_gbs"] for t in triads if "triad_gbs" in t), default=None)

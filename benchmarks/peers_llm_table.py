@@ -20,7 +20,8 @@ FLOAT = "compress float"  # the greedy-agreement reference
 REFERENCES = (FLOAT, "zentorch fp32")  # the first that ran: the same float weights
 # each compress row against its peer: llama.cpp on the file with comparable weights, the
 # first of them that ran (int4_grouped: Q4_0, the faster 4-bit file, else Q4_1, the same
-# weights); a 2:4 row against the dense grouped row of the same pruned model
+# weights); a 2:4 row against the dense grouped row of the same pruned model; a MoE row
+# against the dense model's row of its scheme
 PAIRS = {"compress int8_grouped": ("llama.cpp Q8_0",),
          "compress int4_grouped": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
          "compress int4": ("llama.cpp Q4_1",),
@@ -30,7 +31,10 @@ PAIRS = {"compress int8_grouped": ("llama.cpp Q8_0",),
          "compress int4_grouped_bf16": ("llama.cpp Q4_0", "llama.cpp Q4_1"),
          # a 2:4 kernel against the dense grouped kernel on the same pruned weights
          "compress 2:4 int8_sparse24": ("compress 2:4 int8_grouped",),
-         "compress 2:4 int4_sparse24": ("compress 2:4 int4_grouped",)}
+         "compress 2:4 int4_sparse24": ("compress 2:4 int4_grouped",),
+         # a mixture of experts made from the model against the dense model, same scheme
+         "compress MoE int8_grouped": ("compress int8_grouped",),
+         "compress MoE int4_grouped": ("compress int4_grouped",)}
 MEASURED = ("tok_s_", "ttft_ms", "load_s")  # figures that vary by round: medians
 
 # (heading, key of a row, decimals)
@@ -186,7 +190,8 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
               "weight bytes one decode step reads (the embedding one row unless it is the "
               "output projection too). % bw b1: MB/token x b1 tok/s / triad bandwidth. "
               "x peer: the row's tok/s / its peer's: llama.cpp's on the comparable file, or "
-              "the dense grouped row of the same 2:4-pruned model ("
+              "the dense grouped row of the same 2:4-pruned model, or the dense model's row "
+              "of a MoE row's scheme ("
               + ", ".join(f"{a} against {' or '.join(b)}" for a, b in PAIRS.items())
               + "); x peer TTFT: the row's TTFT / the peer's (below 1: sooner)."]
     lines += [f"- {line}" for line in notes(rows)]

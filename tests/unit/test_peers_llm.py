@@ -133,14 +133,17 @@ def test_rows_pair_each_compress_row_with_its_llama_file() -> None:
     assert "greedy" not in grouped
 
 
-def test_a_sparse24_row_is_paired_with_the_dense_grouped_row_of_the_same_pruned_model(
-        ) -> None:
+def test_sparse24_and_moe_rows_are_paired_with_the_dense_grouped_rows() -> None:
     pruned = [{"name": f"compress 2:4 {scheme}", "runtime": "compress",
                "weights": f"{scheme} (2:4 pruned)",
                "rounds": [{"tok_s_b1": b1, "tok_s_b8": 4 * b1, "bytes_per_token": size}]}
               for scheme, b1, size in (("int8_grouped", 150.0, 151_000_000),
                                        ("int8_sparse24", 195.0, 105_000_000))]
-    rows = {r["name"]: r for r in table.table_rows([*items(), *pruned], 40.0)}
+    moe = {"name": "compress MoE int8_grouped", "runtime": "compress", "weights": "MoE",
+           "rounds": [{"tok_s_b1": 225.0, "bytes_per_token": 90_000_000}]}
+    rows = {r["name"]: r for r in table.table_rows([*items(), *pruned, moe], 40.0)}
+    assert rows["compress MoE int8_grouped"]["peer"] == "compress int8_grouped"
+    assert rows["compress MoE int8_grouped"]["x_peer_b1"] == pytest.approx(1.5)  # 225 / 150
     sparse = rows["compress 2:4 int8_sparse24"]
     assert sparse["peer"] == "compress 2:4 int8_grouped"
     assert sparse["x_peer_b1"] == pytest.approx(1.3) and sparse["x_peer_b8"] == pytest.approx(1.3)
@@ -225,6 +228,8 @@ def test_venv_marker_and_a_folder_that_is_no_venv(tmp_path: Path) -> None:
      "int8_grouped_a8, int4_grouped_a8, int8_grouped_bf16, int4_grouped_bf16)"),
     (["--gguf", "GGUF", "--quants", "Q5_K"], "error: unknown llama.cpp file 'Q5_K'"),
     (["--gguf", "GGUF", "--pruned", "/nowhere"], "error: /nowhere: not a causal-LM folder"),
+    (["--gguf", "GGUF", "--moe", "/", "--moe-variants", "int8_sparse24"],
+     "error: unknown --moe-variants 'int8_sparse24' (known: int8_grouped, int4_grouped)"),
     (["--gguf", "GGUF", "--pruned", "/", "--pruned-variants", "int8_sparse24,int2"],
      "error: unknown --pruned-variants 'int2' (known: int8_grouped, int4_grouped, "
      "int8_sparse24, int4_sparse24)"),

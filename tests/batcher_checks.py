@@ -121,11 +121,12 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     # a late row stays; the cursor would run past the cache for the next: rows move left
     early = submit(2, 20, 6, hold_at=15)
     early.wait_for(15)
-    late = submit(3, 40, 7)
+    late = submit(3, 40, 7, hold_at=8)  # still decoding when the last row comes
     early.release.set()
     late.wait_for(1)
     ends += [early.wait()]
     last = submit(3, 45, 8)
+    late.release.set()
     ends += [late.wait(), last.wait()]
     assert ends == ["length"] * 8
     for ids, new, got in rows:

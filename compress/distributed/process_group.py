@@ -14,6 +14,7 @@ import datetime
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,6 +81,28 @@ def init() -> bool:
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=TIMEOUT_MIN))
     signal.signal(signal.SIGTERM, _terminated)
     return True
+
+
+@contextlib.contextmanager
+def stops_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then act on them as before: a failure
+    is recorded whole even when torchrun's stop lands while the dead rank's error is
+    handled. (A handler swap, not a signal mask: the mask of one thread would leave the
+    signal to the process's other threads, whose default action ends it at once.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers, and only it receives them
+        return
+    held: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {stop: signal.signal(stop, lambda signum, frame: held.append(signum))
+              for stop in stops}
+    try:
+        yield
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def _terminated(signum, frame) -> None:

@@ -208,16 +208,22 @@ class Runner:
                 metrics.update(self.family.compare(metrics, input_latency,
                                                    self._metrics_of(source)))
         except KeyboardInterrupt:
-            self._fail(entry, "interrupted; re-run the same command to resume", began)
+            with process_group.stops_deferred():
+                self._fail(entry, "interrupted; re-run the same command to resume", began)
             raise
         except (StageError, UserError, CompressError) as exc:
-            entry.metrics = dict(ctx.metrics)  # what the stage measured before failing
-            cause = "; ".join(getattr(exc, "messages", None) or [getattr(exc, "cause", str(exc))])
-            self._fail(entry, f"stage {name} failed: {cause}", began)
+            with process_group.stops_deferred():
+                entry.metrics = dict(ctx.metrics)  # what the stage measured before failing
+                cause = "; ".join(getattr(exc, "messages", None)
+                                  or [getattr(exc, "cause", str(exc))])
+                self._fail(entry, f"stage {name} failed: {cause}", began)
             raise StageError(name, cause) from None
         except Exception as exc:
-            (folder / "error.log").write_text(traceback.format_exc())
-            self._fail(entry, one_line(exc), began)
+            # a rank's death reaches rank 0 as a collective's error and then torchrun's
+            # SIGTERM: the stop waits until the failure is in the manifest
+            with process_group.stops_deferred():
+                (folder / "error.log").write_text(traceback.format_exc())
+                self._fail(entry, one_line(exc), began)
             raise StageError(name, f"{one_line(exc)} (traceback in {folder / 'error.log'})"
                              ) from None
         if ctx.outputs:

@@ -132,10 +132,10 @@ def smoothed(bundle: ModelBundle, cfg, calibration, max_length: int
 
 def warm_up(model: nn.Module, bundle: ModelBundle) -> float:
     """Seconds of the first inference call (where torch.compile compiles)."""
-    inputs = example_inputs(bundle.tokenizer, bundle.input_shape, 2, EXPORT_SEQ)
     began = time.perf_counter()
-    with torch.inference_mode():
-        logits_of(model, inputs)
+    with torch.inference_mode():  # inputs made here are inference tensors, as evaluation's
+        inputs = example_inputs(bundle.tokenizer, bundle.input_shape, 2, EXPORT_SEQ)
+        logits_of(model, inputs)  # (a tensor made outside would compile a second graph)
     return time.perf_counter() - began
 
 

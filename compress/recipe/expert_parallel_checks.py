@@ -5,9 +5,9 @@ pipeline_parallel beside it, and no more processes than this machine has cores u
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from compress.recipe.tensor_parallel_checks import too_many_processes
 from serve.causal_lm.expert_parallel import split_problem  # no torch import
 
 OTHER_SPLITS = ("tensor_parallel", "pipeline_parallel")
@@ -29,12 +29,7 @@ def expert_problems(recipe: Any, i: int) -> list[str]:
         problem = split_problem({"num_experts": made.experts}, ranks)
         if problem:
             problems.append(f"stages.{i}.{problem} (made by the {made.kind} stage)")
-    cores = os.cpu_count() or 1
-    if ranks > cores and not getattr(stage, "oversubscribe", False):
-        problems.append(f"{where}: {ranks} processes is more than the {cores} CPU cores of "
-                        f"this machine; use {cores} or fewer, or set oversubscribe: true to "
-                        f"run them anyway (slower)")
-    return problems
+    return problems + too_many_processes(stage, where, ranks)
 
 
 def _made_experts(recipe: Any, i: int) -> Any:

@@ -4,8 +4,9 @@ it, and no more processes than this machine has cores unless `oversubscribe`."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from compress.recipe.tensor_parallel_checks import too_many_processes
 
 WEIGHT_ONLY = ("int8_weight_only", "int4_weight_only")
 
@@ -65,12 +66,7 @@ def pipeline_problems(recipe: Any, i: int) -> list[str]:
                         f"logits part from the cached one-process decoder's at near-ties, and "
                         f"stage {bf16} computes in bfloat16; quantize with activations: "
                         f"float32 (or int8_grouped, int4_grouped), or take a stage before it")
-    cores = os.cpu_count() or 1
-    if ranks > cores and not getattr(stage, "oversubscribe", False):
-        problems.append(f"{where}: {ranks} processes is more than the {cores} CPU cores of "
-                        f"this machine; use {cores} or fewer, or set oversubscribe: true to "
-                        f"run them anyway (slower)")
-    return problems
+    return problems + too_many_processes(stage, where, ranks)
 
 
 def stages_fit_the_config(recipe: Any, i: int, config: dict[str, Any]) -> list[str]:

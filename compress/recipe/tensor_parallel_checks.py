@@ -23,12 +23,17 @@ def split_problems(recipe: Any, i: int) -> list[str]:
         problems.append(f"stages.{i}.tensor_parallel: splits a float model, and this "
                         f"{stage.kind} follows the quantize stage {quantized[-1]}; take the "
                         f"model from a stage before it")
+    return problems + too_many_processes(stage, f"stages.{i}.tensor_parallel", ranks)
+
+
+def too_many_processes(stage: Any, where: str, ranks: int) -> list[str]:
+    """A split over more processes than this machine's cores, unless the stage sets
+    `oversubscribe` (shared by the tensor, pipeline and expert splits)."""
     cores = os.cpu_count() or 1
-    if ranks > cores and not getattr(stage, "oversubscribe", False):
-        problems.append(f"stages.{i}.tensor_parallel: {ranks} processes is more than the "
-                        f"{cores} CPU cores of this machine; use {cores} or fewer, or set "
-                        f"oversubscribe: true to run them anyway (slower)")
-    return problems
+    if ranks <= cores or getattr(stage, "oversubscribe", False):
+        return []
+    return [f"{where}: {ranks} processes is more than the {cores} CPU cores of this machine; "
+            f"use {cores} or fewer, or set oversubscribe: true to run them anyway (slower)"]
 
 
 def split_fits_the_config(recipe: Any, i: int, config: dict[str, Any]) -> list[str]:

@@ -118,27 +118,17 @@ def leading_decoders(model: nn.Module, cache_len: int) -> Any:
 def follow(decoders: dict[int, LeadingDecoder]) -> Any:
     """On a rank other than 0 of a served expert-parallel worker: a daemon thread that runs
     every generation rank 0's decoders announce, each through the decoder of its rows."""
-    import logging
-    import threading
-
     import torch.distributed as dist
 
-    def loop() -> None:
-        while True:
-            try:
-                call: list[Any] = [None]
-                dist.broadcast_object_list(call, src=0)
-                rows = len(call[0][0])
-                (decoders.get(rows) or decoders[max(decoders)]).run(call[0])
-            except ValueError:  # refused on every rank alike, before any token
-                continue
-            except Exception:  # noqa: BLE001 (the job is gone: TorchServe restarts it)
-                logging.getLogger(__name__).exception("expert-parallel follower stopped")
-                return
+    from .pipeline import follow_leader
 
-    thread = threading.Thread(target=loop, name="expert-parallel-follower", daemon=True)
-    thread.start()
-    return thread
+    def step() -> None:
+        call: list[Any] = [None]
+        dist.broadcast_object_list(call, src=0)
+        rows = len(call[0][0])
+        (decoders.get(rows) or decoders[max(decoders)]).run(call[0])
+
+    return follow_leader(step, "expert-parallel")
 
 
 def main(argv: list[str] | None = None) -> None:

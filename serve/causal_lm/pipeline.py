@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -186,19 +186,26 @@ class PipelineDecoder:
 
 
 def follow(decoder: PipelineDecoder) -> threading.Thread:
-    """On a rank other than 0 of a served pipeline: a daemon thread that runs every
-    generation rank 0's leading decoders announce, until the process group fails."""
+    """On a rank other than 0 of a served pipeline: run every generation rank 0's leading
+    decoders announce (see `follow_leader`)."""
+    return follow_leader(lambda: decoder.generate([[0]], 1), "pipeline")
+
+
+def follow_leader(step: Callable[[], None], what: str) -> threading.Thread:
+    """On a rank other than 0 of a served split model: a daemon thread that runs `step`
+    (one generation, its arguments from rank 0) again and again, until the process group
+    fails; a request refused on every rank alike (ValueError) is skipped."""
     def loop() -> None:
         while True:
             try:
-                decoder.generate([[0]], 1)  # the arguments come from rank 0
+                step()
             except ValueError:  # refused on every rank alike, before any token
                 continue
             except Exception:  # noqa: BLE001 (the job is gone: TorchServe restarts it)
-                logging.getLogger(__name__).exception("pipeline follower stopped")
+                logging.getLogger(__name__).exception("%s follower stopped", what)
                 return
 
-    thread = threading.Thread(target=loop, name="pipeline-follower", daemon=True)
+    thread = threading.Thread(target=loop, name=f"{what}-follower", daemon=True)
     thread.start()
     return thread
 

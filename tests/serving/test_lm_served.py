@@ -70,6 +70,37 @@ def deltas(lines: list[tuple[float, bytes]]) -> str:
     return "".join(json.loads(line)["delta"] for _, line in lines[:-1])
 
 
+def split_model_answers_like_one_process(info: dict, want: dict[str, str]) -> list[str]:
+    """A model split over ranks (pipeline or expert parallel) answers like one process:
+    each prompt of `want` streamed alone, then all in one batch whose last row ends early
+    at a stop string (rank 0 sees it and tells the other ranks) while the others go on.
+    Returns three sampled texts (seed 7 twice, then seed 8), checked: a seed repeats."""
+    prompts = list(want)
+    for prompt in prompts:  # streamed one at a time: deltas, then the final answer
+        status, _, lines = generate(info, {"prompt": prompt, "max_new_tokens": 8})
+        assert status == 200 and len(lines) > 2
+        assert json.loads(lines[-1][1])["text"] == deltas(lines) == want[prompt]
+    stop = want[prompts[-1]].split()[2]
+    bodies = [{"prompt": p, "max_new_tokens": 8, "stream": False} for p in prompts]
+    bodies[-1]["stop"] = [stop]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda body: generate(info, body), bodies))
+    texts = [json.loads(lines[-1][1]) for _, _, lines in answers]
+    assert all(status == 200 for status, _, _ in answers)
+    assert [t["text"] for t in texts[:-1]] == [want[p] for p in prompts[:-1]]
+    cut = want[prompts[-1]]
+    assert texts[-1]["text"] == cut[:cut.find(stop)]
+    assert texts[-1]["finish_reason"] == "stop"
+    assert max(int(h["X-Batch-Size"]) for _, h, _ in answers) > 1
+    body = {"prompt": prompts[1], "max_new_tokens": 8, "stream": False,
+            "temperature": 0.9, "seed": 7}
+    sampled = [generate(info, body) for _ in range(2)] + [generate(info, body | {"seed": 8})]
+    assert [status for status, _, _ in sampled] == [200, 200, 200]
+    texts = [json.loads(lines[-1][1])["text"] for _, _, lines in sampled]
+    assert texts[0] == texts[1] != texts[2]
+    return texts
+
+
 def offline_text(lm: lm_runtime.LoadedLM, prompt: str, tokens: int) -> str:
     """Batch-1 greedy decoding of the exported folder, as the served text is decoded."""
     ids = lm_runtime.prompt_ids(lm.tokenizer, prompt)

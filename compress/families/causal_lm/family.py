@@ -55,6 +55,21 @@ def load_data(recipe, source) -> DataBundle:
     return DataBundle("lm", splits, [], None, cfg.max_length, prompts=prompts[:count])
 
 
+def calibration_blocks(tokenizer, data: DataBundle, need: str) -> Any:
+    """The calibration text packed into `data.max_length` blocks (N x max_length token
+    ids); `need` names what needs it, for the one-line error when there is none."""
+    from compress.errors import CompressError
+    from compress.families.causal_lm.algorithms.distill import pack_texts
+
+    split = data.splits.get("calibration")
+    if split is None or not split.texts:
+        raise CompressError(f"{need} needs calibration text (data.calibration)")
+    try:
+        return pack_texts(tokenizer, split.texts, data.max_length)
+    except ValueError as exc:
+        raise CompressError(f"data.calibration: {exc}") from None
+
+
 def read_prompts(path: str) -> list[Any]:
     """Prompts from a text file (one per line) or JSONL (`prompt` or `messages` per line)."""
     file = Path(path).expanduser()

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from compress.distributed.comm import step_of_record
-from compress.errors import CompressError, ParityError
-from compress.families.causal_lm.stages.export_tensor_parallel import run_comparison_script
+from compress.errors import CompressError
+from compress.families.causal_lm.stages.export_tensor_parallel import (
+    check_parity,
+    run_comparison_script,
+)
 from compress.recipe.kinds.export import ExportConfig
 from compress.stages.context import StageContext
 from serve.causal_lm.expert_parallel import split_problem
@@ -57,13 +60,5 @@ def check_expert_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
         ep_decode_tok_s_b8_one_process_rank_threads=figures[
             "decode_tok_s_b8_one_process_rank_threads"],
         ep_all_to_all_share=figures["all_to_all_share"], **comm_metrics(figures))
-    where = (ctx.folder / "expert_parallel.json").relative_to(ctx.run_dir)
-    tolerance = cfg.tolerance or DEFAULT_TOLERANCE
-    if figures["max_logit_diff"] > tolerance:
-        raise ParityError(f"{where}: expert-parallel logits differ from one process by "
-                          f"{figures['max_logit_diff']:.3g} > {tolerance}")
-    need = cfg.min_agreement or 1.0
-    if figures["greedy_agreement"] < need:
-        raise ParityError(f"{where}: expert-parallel greedy tokens agree with one process's "
-                          f"at {figures['greedy_agreement']} of the positions < {need}")
+    check_parity(figures, cfg, "expert_parallel", ctx, DEFAULT_TOLERANCE)
     return figures

@@ -11,8 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compress.errors import CompressError, ParityError
-from compress.families.causal_lm.stages.export_tensor_parallel import run_comparison_script
+from compress.errors import CompressError
+from compress.families.causal_lm.stages.export_tensor_parallel import (
+    check_parity,
+    run_comparison_script,
+)
 from compress.recipe.kinds.export import ExportConfig
 from compress.recipe.pipeline_parallel_checks import split_problem
 from compress.stages.context import StageContext
@@ -49,13 +52,5 @@ def check_pipeline_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
             max(projections) / figures["projection_weight_bytes_one_process"], 4),
         pp_generate_tok_s_b8_one_process=figures["generate_tok_s_b8_one_process"],
         **{f"pp_generate_tok_s_b8_mb{k}": v for k, v in figures["generate_tok_s_b8"].items()})
-    where = (ctx.folder / "pipeline_parallel.json").relative_to(ctx.run_dir)
-    tolerance = cfg.tolerance or DEFAULT_TOLERANCE
-    if figures["max_logit_diff"] > tolerance:
-        raise ParityError(f"{where}: pipeline-parallel logits differ from one process by "
-                          f"{figures['max_logit_diff']:.3g} > {tolerance}")
-    need = cfg.min_agreement or 1.0
-    if figures["greedy_agreement"] < need:
-        raise ParityError(f"{where}: pipeline-parallel greedy tokens agree with one process's "
-                          f"at {figures['greedy_agreement']} of the positions < {need}")
+    check_parity(figures, cfg, "pipeline_parallel", ctx, DEFAULT_TOLERANCE)
     return figures

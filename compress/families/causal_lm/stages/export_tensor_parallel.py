@@ -55,6 +55,23 @@ def run_comparison_script(folder: Path, module: str, kind: str, ranks: int,
     return figures
 
 
+def check_parity(figures: dict[str, Any], cfg: ExportConfig, kind: str, ctx: StageContext,
+                 default_tolerance: float, agreement: bool = True) -> None:
+    """Refuse a split model whose logits differ from one process's by more than the
+    stage's `tolerance`, or (with `agreement`) whose greedy tokens agree at fewer positions
+    than `min_agreement` (default all)."""
+    where = (ctx.folder / f"{kind}.json").relative_to(ctx.run_dir)
+    what = kind.replace("_", "-")
+    tolerance = cfg.tolerance or default_tolerance
+    if figures["max_logit_diff"] > tolerance:
+        raise ParityError(f"{where}: {what} logits differ from one process by "
+                          f"{figures['max_logit_diff']:.3g} > {tolerance}")
+    need = cfg.min_agreement or 1.0
+    if agreement and figures["greedy_agreement"] < need:
+        raise ParityError(f"{where}: {what} greedy tokens agree with one process's at "
+                          f"{figures['greedy_agreement']} of the positions < {need}")
+
+
 def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
                           ctx: StageContext) -> dict[str, Any]:
     """Run the tensor-parallel comparison on the exported folder; record and check it."""
@@ -73,9 +90,5 @@ def check_tensor_parallel(folder: Path, cfg: ExportConfig, prompts: list[Any],
         tp_linear_weight_share=round(max(held) / whole, 4),
         tp_decode_tok_s_b1=figures["decode_tok_s_b1"],
         tp_decode_tok_s_b1_one_process=figures["decode_tok_s_b1_one_process"])
-    tolerance = cfg.tolerance or DEFAULT_TOLERANCE
-    if figures["max_logit_diff"] > tolerance:
-        out = (ctx.folder / "tensor_parallel.json").relative_to(ctx.run_dir)
-        raise ParityError(f"{out}: tensor-parallel logits differ from "
-                          f"one process by {figures['max_logit_diff']:.3g} > {tolerance}")
+    check_parity(figures, cfg, "tensor_parallel", ctx, DEFAULT_TOLERANCE, agreement=False)
     return figures

@@ -22,7 +22,6 @@ from compress.errors import CompressError
 from compress.families.causal_lm.algorithms.distill import (
     lm_loss,
     make_lm_kd_loss_fn,
-    pack_texts,
     packed_examples,
 )
 from compress.families.causal_lm.algorithms.moefy import (
@@ -37,7 +36,7 @@ from compress.families.causal_lm.algorithms.moefy_convert import (
     scaled_routers,
     to_mixtral,
 )
-from compress.families.causal_lm.family import PPL_BATCH
+from compress.families.causal_lm.family import PPL_BATCH, calibration_blocks
 from compress.families.causal_lm.model import perplexity
 from compress.models.bundle import ModelBundle, count_params
 from compress.recipe.kinds.moefy import MoefyConfig
@@ -100,14 +99,7 @@ def calibration_batches(bundle: ModelBundle, cfg: MoefyConfig, ctx: StageContext
                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The calibration text packed into blocks: those the routers train on, and a held-out
     batch or more (an eighth, at least one batch) that measures them."""
-    split = ctx.data.splits.get("calibration")
-    if split is None or not split.texts:
-        raise CompressError("moefy needs calibration text (data.calibration)")
-    try:
-        blocks = pack_texts(bundle.tokenizer, split.texts, ctx.data.max_length)
-    except ValueError as exc:
-        raise CompressError(f"data.calibration: {exc}") from None
-    blocks = blocks[:cfg.calibration.samples]
+    blocks = calibration_blocks(bundle.tokenizer, ctx.data, "moefy")[:cfg.calibration.samples]
     hold = max(1, min(len(blocks) // 8, 4 * cfg.calibration.batch_size))
     if len(blocks) < 2:
         raise CompressError(f"data.calibration: {len(blocks)} block of {ctx.data.max_length} "

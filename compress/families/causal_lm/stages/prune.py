@@ -21,11 +21,10 @@ from compress.families.causal_lm.algorithms.distill import (
     decoder_layers,
     lm_loss,
     make_lm_kd_loss_fn,
-    pack_texts,
     packed_examples,
 )
 from compress.families.causal_lm.algorithms.pruning import prune_lm
-from compress.families.causal_lm.family import PPL_BATCH
+from compress.families.causal_lm.family import PPL_BATCH, calibration_blocks
 from compress.families.causal_lm.model import perplexity
 from compress.models.bundle import ModelBundle, count_params
 from compress.recipe.kinds.prune import PruneConfig
@@ -72,13 +71,7 @@ def wanda_norms(bundle: ModelBundle, linears: dict[str, nn.Linear], cfg: PruneCo
                 ctx: StageContext) -> dict[str, torch.Tensor]:
     """Input norms of `linears` over the calibration text, packed into `data.max_length`
     blocks (`calibration.samples` blocks at most, `calibration.batch_size` per pass)."""
-    split = ctx.data.splits.get("calibration")
-    if split is None or not split.texts:
-        raise CompressError("scoring wanda needs calibration text (data.calibration)")
-    try:
-        blocks = pack_texts(bundle.tokenizer, split.texts, ctx.data.max_length)
-    except ValueError as exc:
-        raise CompressError(f"calibration: {exc}") from None
+    blocks = calibration_blocks(bundle.tokenizer, ctx.data, "scoring wanda")
     batches = blocks[:cfg.calibration.samples].split(cfg.calibration.batch_size)
     return input_norms(bundle.model, linears, batches, _forward)
 

@@ -90,20 +90,26 @@ def test_bad_from_stage(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
-def test_failing_stage_exits_1_with_one_line_and_marks_manifest(tmp_path: Path) -> None:
+def _recipe_whose_training_raises(tmp_path: Path, error: str, prelude: str = "") -> Path:
+    """A digits recipe whose model raises `error` (an expression, after the module's
+    `prelude`) on its first training step, and evaluates like a Linear otherwise."""
     raw = digits_recipe(tmp_path / "runs")
     raw["model"] = {"source": "failing_model:build"}
     (tmp_path / "failing_model.py").write_text(
-        "import torch\n"
+        "import torch\n" + prelude +
         "class Fails(torch.nn.Module):\n"
         "    def __init__(self):\n"
         "        super().__init__(); self.linear = torch.nn.Linear(64, 10)\n"
         "    def forward(self, x):\n"
-        "        if self.training: raise RuntimeError('cannot train this one')\n"
+        f"        if self.training: raise {error}\n"
         "        return self.linear(x.flatten(1))\n"
         "def build():\n"
         "    return Fails()\n")
-    path = write_recipe(tmp_path / "r.yaml", raw)
+    return write_recipe(tmp_path / "r.yaml", raw)
+
+
+def test_failing_stage_exits_1_with_one_line_and_marks_manifest(tmp_path: Path) -> None:
+    path = _recipe_whose_training_raises(tmp_path, "RuntimeError('cannot train this one')")
     result = run_cli("run", str(path), env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
@@ -118,26 +124,15 @@ def test_failing_stage_exits_1_with_one_line_and_marks_manifest(tmp_path: Path) 
 def test_a_stop_landing_while_a_failure_is_recorded_waits_until_it_is(tmp_path: Path) -> None:
     # torchrun's SIGTERM reaches rank 0 just after a dead rank's collective error: the
     # error's text (read while the failure is written) sends it here
-    raw = digits_recipe(tmp_path / "runs")
-    raw["model"] = {"source": "stopped_model:build"}
-    (tmp_path / "stopped_model.py").write_text(
-        "import os, signal, time, torch\n"
+    path = _recipe_whose_training_raises(tmp_path, "RankDied()", prelude=(
+        "import os, signal, time\n"
         "class RankDied(RuntimeError):\n"
         "    sent = False\n"
         "    def __str__(self):\n"
         "        if not RankDied.sent:\n"
         "            RankDied.sent = True; os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
-        "        return 'connection closed by peer'\n"
-        "class Fails(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.linear = torch.nn.Linear(64, 10)\n"
-        "    def forward(self, x):\n"
-        "        if self.training: raise RankDied()\n"
-        "        return self.linear(x.flatten(1))\n"
-        "def build():\n"
-        "    return Fails()\n")
-    result = run_cli("run", str(write_recipe(tmp_path / "r.yaml", raw)),
-                     env={"PYTHONPATH": str(tmp_path)})
+        "        return 'connection closed by peer'\n"))
+    result = run_cli("run", str(path), env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == -15, result.stderr[-2000:]  # the stop still stops it
     stage = _manifest(tmp_path / "runs/tiny_digits")["stages"][0]
     assert stage["status"] == "failed" and "connection closed by peer" in stage["error"]

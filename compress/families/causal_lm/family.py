@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.data.datasets import DataBundle, Examples, read_hub_split, read_table, seeded_subset
-from compress.errors import UserError
+from compress.errors import CompressError, UserError
 from compress.families.causal_lm.folder import load_recipe_lm, provenance  # noqa: F401  (family function)
 from compress.families.causal_lm.generation import (
     agreement,
@@ -58,7 +58,6 @@ def load_data(recipe, source) -> DataBundle:
 def calibration_blocks(tokenizer, data: DataBundle, need: str) -> Any:
     """The calibration text packed into `data.max_length` blocks (N x max_length token
     ids); `need` names what needs it, for the one-line error when there is none."""
-    from compress.errors import CompressError
     from compress.families.causal_lm.algorithms.distill import pack_texts
 
     split = data.splits.get("calibration")

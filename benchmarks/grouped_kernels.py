@@ -8,12 +8,15 @@ int8 per group of 32, VNNI integer products) instead of the float32 one; with `-
 bf16`, the other opt-in mode's (`grouped_mm_bf16`: activations rounded to bfloat16,
 AVX512-BF16's vdpbf16ps; the float32 product where the build lacks it). With `--peak`, each
 step's GFLOP/s also as a share of this CPU's measured peak for its arithmetic
-(`cpu_peak.py`: float32 FMA for float32, vdpbf16ps for bf16).
+(`cpu_peak.py`: float32 FMA for float32, vdpbf16ps for bf16). With `--weights sparse24`, the
+2:4 kernel (`sparse24_kernel.cpp`'s `sparse24_mm`: kept codes, 2-bit positions, float16
+scales; random 2:4 weights) on the same shapes, its GB/s of its own, smaller records.
 
     python benchmarks/grouped_kernels.py            # about a minute
     python benchmarks/grouped_kernels.py --rows 1 --repeats 50
     python benchmarks/grouped_kernels.py --rows 8,128 --activations int8
     python benchmarks/grouped_kernels.py --rows 8,128 --activations bf16 --peak
+    python benchmarks/grouped_kernels.py --rows 1,8 --weights sparse24
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from serve.causal_lm.grouped_kernels import (  # noqa: E402
     build_error,
     grouped_mm_available,
 )
+from serve.causal_lm.sparse24 import fit_sparse24, pack_codes, pack_records  # noqa: E402
 
 PRODUCTS = {"float32": "grouped_mm", "int8": "grouped_mm_int8", "bf16": "grouped_mm_bf16"}
 # (out, in, calls a step) of SmolLM2-135M: q, k, v, o, gate, up, down per layer; the head
@@ -47,14 +51,23 @@ def packed_weight(out: int, inputs: int, bits: int) -> torch.Tensor:
     return torch.ops.compress_lm.grouped_pack(codes, scale, offset, bits, True)
 
 
+def sparse24_weight(out: int, inputs: int, bits: int) -> torch.Tensor:
+    """A random 2:4 weight in `sparse24_mm`'s records."""
+    weight = torch.randn(out, inputs).reshape(out, inputs // 4, 4)
+    weight.scatter_(-1, torch.rand(out, inputs // 4, 4).topk(2, dim=-1).indices, 0.0)
+    codes, positions, scale = fit_sparse24(weight.reshape(out, inputs), bits)
+    return pack_records(pack_codes(codes, bits), positions, scale, bits)
+
+
 def median_s(x: torch.Tensor, packed: list[torch.Tensor], out: int, bits: int,
              repeats: int, product: str = "grouped_mm") -> float:
     """Median seconds of one product, cycling through copies so that none stays cached."""
     times, call = [], getattr(torch.ops.compress_lm, product)
+    extra = () if product == "sparse24_mm" else (True,)  # sparse24_mm: no `half`
     for i in range(repeats):
         weight = packed[i % len(packed)]
         start = time.perf_counter()
-        call(x, weight, out, bits, True)
+        call(x, weight, out, bits, *extra)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -66,16 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activations", choices=tuple(PRODUCTS), default="float32",
                         help="the product: float32 activations (grouped_mm), int8 "
                              "(grouped_mm_int8) or bf16 (grouped_mm_bf16)")
+    parser.add_argument("--weights", choices=("grouped", "sparse24"), default="grouped",
+                        help="the dense grouped records (grouped) or the 2:4 ones "
+                             "(sparse24: sparse24_mm, float32 activations)")
     parser.add_argument("--peak", action="store_true",
                         help="also each step's share of the measured float32 / bf16 peak")
     args = parser.parse_args(argv)
-    product = PRODUCTS[args.activations]
+    product = PRODUCTS[args.activations] if args.weights == "grouped" else "sparse24_mm"
+    make = packed_weight if args.weights == "grouped" else sparse24_weight
     if not grouped_mm_available():
         print(f"error: the kernel could not be built: {build_error()}", file=sys.stderr)
         return 1
     native = "" if args.activations != "bf16" or bf16_native() else \
         " (built without AVX512-BF16: the float32 product)"
-    print(f"threads {torch.get_num_threads()}; {args.activations} activations{native}; "
+    print(f"threads {torch.get_num_threads()}; {args.weights} weights; "
+          f"{args.activations} activations{native}; "
           "shapes: (out, in, calls a step)")
     peak = None
     if args.peak and args.activations != "int8":
@@ -88,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for bits in (8, 4):
         weights = {}
         for out, inputs, _ in SHAPES:  # ~64 MB of copies a shape: past the caches
-            one = packed_weight(out, inputs, bits)
+            one = make(out, inputs, bits)
             copies = max(1, (64 << 20) // one.numel())
             weights[out, inputs] = [one] + [one.clone() for _ in range(min(copies, 40) - 1)]
         for rows in (int(r) for r in args.rows.split(",")):

@@ -7,6 +7,8 @@ no graph), and the rest: norms, RoPE, attention, sampling and the framework betw
 
     python benchmarks/llm_step_overhead.py                       # int8_grouped, 3 rounds
     python benchmarks/llm_step_overhead.py --scheme int4_grouped --rounds 5
+    python benchmarks/llm_step_overhead.py --scheme int8_sparse24 \
+        --model runs/llm_sparse24/00-prune/model   # a 2:4-pruned folder (llm_sparse24.yaml)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from compress.families.causal_lm.model import (  # noqa: E402
     quantize_weights,
 )
 from serve.causal_lm import aot_steps  # noqa: E402
+from serve.causal_lm.sparse24 import SCHEMES  # noqa: E402
 
 CACHE_LEN = 512
 
@@ -52,25 +55,27 @@ def products_ms(model: torch.nn.Module, repeats: int = 30) -> float:
     table = {id(m) for m in model.get_input_embeddings().modules()}
     kernels = [m for m in model.modules()
                if getattr(m, "packed", None) is not None and id(m) not in table]
-    calls = [(torch.randn(1, m.in_features), m.packed, m.out_features, m.bits, m.half_scales)
-             for m in kernels]
+    calls = [(m.product, torch.randn(1, m.in_features), m.packed, m.out_features)
+             for m in kernels]  # GroupedLinear, Sparse24Linear or their ProjectionGroup
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
-        for call in calls:
-            torch.ops.compress_lm.grouped_mm(*call)
+        for product, *arguments in calls:
+            product(*arguments)
         times.append(time.perf_counter() - began)
     return 1000 * statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scheme", choices=("int8_grouped", "int4_grouped"),
-                        default="int8_grouped")
+    parser.add_argument("--scheme", choices=("int8_grouped", "int4_grouped", *SCHEMES),
+                        default="int8_grouped", help="the 2:4 schemes need --model 2:4-pruned")
+    parser.add_argument("--model", default=MODEL,
+                        help="a GGUF or a float folder (default: the shipped SmolLM2 GGUF)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    lm = load_causal_lm(MODEL)
+    lm = load_causal_lm(args.model)
     quantize_weights(lm.model, args.scheme)
     ids = prompt_ids(lm.tokenizer, PROMPTS[0])[0].tolist()
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = made[name].generate([ids], args.tokens)
                 steps[name].append(1000 / out.decode_tokens_per_s)
     inside = products_ms(lm.model)
-    print(f"SmolLM2-135M {args.scheme}, batch 1, {args.tokens} tokens, "
+    print(f"{Path(args.model).name} {args.scheme}, batch 1, {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (median, min-max)")
     print(f"{'step':<8}{'ms/token':>10}{'spread':>16}{'products ms':>13}{'rest ms':>9}"
           f"{'tok/s':>8}")

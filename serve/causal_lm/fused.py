@@ -1,26 +1,28 @@
-"""A layer's grouped projections of one input as one kernel call (torch and `grouped.py`
-only; shipped beside `runtime.py`): the query, key and value projections of an attention
-block, and the gate and up projections of a feed-forward block. Decoding at batch 1 reads
-every weight once a token; 7 short products a layer spent more of their time starting
-(each call a fork of the threads and a fresh memory stream) than 4 longer ones: SmolLM2's
-30 layers' products took 5.19 ms a token apart and 4.53 ms fused (benchmarks, 2-core Zen 4).
+"""A layer's kernel projections of one input as one kernel call (torch only; shipped beside
+`runtime.py`): the query, key and value projections of an attention block, and the gate and
+up projections of a feed-forward block. Decoding at batch 1 reads every weight once a token;
+7 short products a layer spent more of their time starting (each call a fork of the threads
+and a fresh memory stream) than 4 longer ones: SmolLM2's 30 layers' grouped products took
+5.19 ms a token apart and 4.53 ms fused; its 2:4 ones 4.53 ms apart (benchmarks, 2-core Zen 4).
 
-`fuse_projections(model)` concatenates the kernel records of each group (`ProjectionGroup`,
-a child of the block, the records not saved) and registers a forward pre-hook on the block
-that runs the group on the block's input and hands each projection its slice, which the
-projection returns when the block calls it (`GroupedLinear.forward`). Every output tile of
-16 features is the same record as before, so each output is the same number, bit for bit.
+A kernel Linear (`FusableLinear`: `grouped.py`'s `GroupedLinear`, `sparse24.py`'s
+`Sparse24Linear`) lays its weight out in records of 16 output features (`packed`) and says
+which others its records can join (`fusion_key`) and how its kernel multiplies records
+(`product`). `fuse_projections(model)` concatenates the records of each group
+(`ProjectionGroup`, a child of the block, the records not saved) and registers a forward
+pre-hook on the block that runs the group on the block's input and hands each projection its
+slice, which the projection returns when the block calls it. Every output tile of 16
+features is the same record as before, so each output is the same number, bit for bit.
 Only blocks whose forward is known to give all its projections the block's own input are
 fused (`BLOCKS`); the state dict is unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch import nn
-
-from .grouped import GroupedLinear, grouped_product
 
 # block class -> its projections of the block's input, in the order of their outputs
 BLOCKS = {
@@ -30,43 +32,69 @@ BLOCKS = {
     **{f"{family}MLP": ("gate_proj", "up_proj")
        for family in ("Llama", "Mistral", "Qwen2", "Qwen3", "Qwen2Moe", "Qwen3Moe", "Olmoe")},
 }
-TILE = 16  # output features a kernel record holds (grouped_kernels.cpp)
+TILE = 16  # output features a kernel record holds (grouped_kernels.cpp, sparse24_kernel.cpp)
+
+
+class FusableLinear(nn.Module):
+    """A Linear multiplied by a compress kernel from records of 16 outputs (`packed`), which
+    a `ProjectionGroup` can fuse with its block's other projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False  # its records are in its block's ProjectionGroup
+        self.handed: torch.Tensor | None = None  # its output, handed over by that group
+
+    def fusion_key(self) -> Hashable:
+        """What must be equal for records to be concatenated (kind, input size, layout)."""
+        raise NotImplementedError
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
+                ) -> torch.Tensor:
+        """x @ the weight of `packed`'s records^T, in float32, by this module's kernel."""
+        raise NotImplementedError
+
+    def take_handed(self) -> torch.Tensor | None:
+        """The output its group handed over for this call (then forgotten), or None."""
+        out, self.handed = self.handed, None
+        return out
+
+    def refuse_when_fused(self) -> None:
+        """Loading weights into a fused projection would leave its group's records stale."""
+        if self.fused:
+            raise RuntimeError(f"{type(self).__name__}: load a state dict before "
+                               "fuse_projections (a fused block computes from its own copy "
+                               "of the records)")
 
 
 class ProjectionGroup(nn.Module):
-    """Grouped Linears of the same input, shape and mode as one product: their records
+    """Kernel Linears of the same input, kind and layout as one product: their records
     concatenated (`packed`, not saved), their outputs split back."""
 
-    def __init__(self, parts: list[GroupedLinear]):
+    def __init__(self, parts: list[FusableLinear]):
         super().__init__()
         first = parts[0]
         self.sizes = [p.out_features for p in parts]
         self.in_features, self.out_features = first.in_features, sum(self.sizes)
-        self.bits, self.half_scales = first.bits, first.half_scales
-        self.activations = first.activations
+        self.product = first.product  # the kernel, with the parts' bits and modes
         self.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
         biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
         has_bias = any(p.bias is not None for p in parts)
         self.register_buffer("bias", torch.cat(biases) if has_bias else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = grouped_product(self.activations)(x.float(), self.packed, self.out_features,
-                                                self.bits, self.half_scales)
+        out = self.product(x, self.packed, self.out_features)
         if self.bias is not None:
             out = out + self.bias
         return out.split(self.sizes, dim=-1)
 
 
 def _fusable(parts: list[Any]) -> bool:
-    """Grouped Linears with records, of one input size, bit width, scale format and mode,
-    each a whole number of record tiles."""
-    if not all(isinstance(p, GroupedLinear) and p.packed is not None for p in parts):
+    """Kernel Linears with records, of one fusion key (kind, input size, layout), each a
+    whole number of record tiles."""
+    if not all(isinstance(p, FusableLinear) and p.packed is not None for p in parts):
         return False
-    first = parts[0]
-    return all(p.in_features == first.in_features and p.bits == first.bits
-               and p.half_scales == first.half_scales
-               and p.activations == first.activations
-               and p.out_features % TILE == 0 for p in parts)
+    key = parts[0].fusion_key()
+    return all(p.fusion_key() == key and p.out_features % TILE == 0 for p in parts)
 
 
 def _hand_out(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

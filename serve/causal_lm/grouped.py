@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .fused import FusableLinear
 from .grouped_kernels import GROUP, grouped_mm_available
 
 BITS = {"int8_grouped": 8, "int4_grouped": 4}  # scheme: bits per code
@@ -37,7 +38,7 @@ SCHEMES = tuple(BITS)
 ACTIVATIONS = ("float32", "int8", "bf16")
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(FusableLinear):
     """A Linear whose weight is `bits`-bit codes in groups along the input:
     w = code * scale + offset. 8-bit codes are int8, one a byte; 4-bit codes are 0..15, two a
     byte, laid out per group as a GGUF's Q4 blocks (byte j: code j low, code j + 16 high)."""
@@ -64,8 +65,6 @@ class GroupedLinear(nn.Module):
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
         self.half_scales = False  # whether `packed` holds float16 scales and offsets
         self.activations = "float32"  # one of ACTIVATIONS: see `forward`
-        self.fused = False  # its records are in its block's ProjectionGroup (`fused.py`)
-        self.handed: torch.Tensor | None = None  # its output, handed over by that group
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -91,9 +90,7 @@ class GroupedLinear(nn.Module):
                 self.qweight, self.scale, self.offset, self.bits, self.half_scales)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        if self.fused:
-            raise RuntimeError("grouped weights: load a state dict before fuse_projections "
-                               "(a fused block computes from its own copy of the records)")
+        self.refuse_when_fused()
         super()._load_from_state_dict(*args, **kwargs)
         self.pack()
 
@@ -117,15 +114,20 @@ class GroupedLinear(nn.Module):
         (`grouped_bf16_activations.cpp`, AVX512-BF16; exact float32 on a CPU without it).
         A fused projection returns what its block's group handed it (`fused.py`)."""
         if self.handed is not None:
-            out, self.handed = self.handed, None
-            return out
+            return self.take_handed()
         if self.packed is not None:
-            out = grouped_product(self.activations)(x.float(), self.packed,
-                                                    self.out_features, self.bits,
-                                                    self.half_scales)
+            out = self.product(x, self.packed, self.out_features)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias
+
+    def fusion_key(self) -> tuple[object, ...]:
+        return GroupedLinear, self.in_features, self.bits, self.half_scales, self.activations
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
+                ) -> torch.Tensor:
+        return grouped_product(self.activations)(x.float(), packed, out_features, self.bits,
+                                                 self.half_scales)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .fused import FusableLinear
 from .grouped_kernels import GROUP, grouped_mm_available
 
 BITS = {"int8_sparse24": 8, "int4_sparse24": 4}  # scheme: bits per kept code
@@ -124,7 +125,7 @@ def pack_records(stored: torch.Tensor, positions: torch.Tensor, scale: torch.Ten
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
-class Sparse24Linear(nn.Module):
+class Sparse24Linear(FusableLinear):
     """A Linear whose weight is 2:4 sparse: kept codes, their positions, one scale per 32
     inputs (`fit_sparse24`'s tables; at 4 bits the codes two a byte, `pack_codes`)."""
 
@@ -168,6 +169,7 @@ class Sparse24Linear(nn.Module):
             self.packed = pack_records(self.qweight, self.positions, self.scale, self.bits)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        self.refuse_when_fused()
         super()._load_from_state_dict(*args, **kwargs)
         self.pack()
 
@@ -175,11 +177,20 @@ class Sparse24Linear(nn.Module):
         """The dense float32 weight, out_features x in_features, pruned weights 0."""
         return dequantize_sparse24(self.qweight, self.positions, self.scale, self.bits)
 
+    def fusion_key(self) -> tuple[object, ...]:
+        return Sparse24Linear, self.in_features, self.bits
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
+                ) -> torch.Tensor:
+        return torch.ops.compress_lm.sparse24_mm(x.float(), packed, out_features, self.bits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T (+ bias) in float32."""
+        """x @ weight^T (+ bias) in float32; a fused projection returns what its block's
+        group handed it (`fused.py`)."""
+        if self.handed is not None:
+            return self.take_handed()
         if self.packed is not None:
-            out = torch.ops.compress_lm.sparse24_mm(x.float(), self.packed,
-                                                    self.out_features, self.bits)
+            out = self.product(x, self.packed, self.out_features)
         else:
             out = nn.functional.linear(x.float(), self.dequantize())
         return out if self.bias is None else out + self.bias

@@ -24,9 +24,12 @@
 // That is 352 bytes per 512 weights at 8 bits (0.69 a weight) and 224 at 4 bits (0.44).
 //
 // The product is grouped_mm's outer-product form: per kept slot, the 16 codes are widened to
-// float32 once; each activation row's 4 inputs of a quad are broadcast to one vector, from
-// which a permute picks, for every output lane, the input its slot keeps; a multiply-add per
-// slot and row, one scale per group. Up to 5 rows, 4 partial sums over alternating slots
+// float32 once (8 bits: a sign extension and a conversion; 4 bits: a permute from a table of
+// the 16 nibble values, cheaper than the shifts and conversion it replaced: 1536 x 576 at one
+// row 0.89x the dense 4-bit time before, 0.78x after); each activation row's 4 inputs of a
+// quad are broadcast to every 128 bits of one vector, from which an in-lane permute picks,
+// for every output lane, the input its slot keeps; a multiply-add per slot and row, one scale
+// per group. Up to 5 rows, 4 partial sums over alternating slots
 // (each row summed as a lone row is); more than 8 rows go in chunks of 8.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -64,9 +67,9 @@ inline void add_quad(__m512i pos, __m512 w0, __m512 w1, int slot, const float* x
   const __m512i second = _mm512_srli_epi32(pos, 2);
   for (int r = 0; r < R; ++r) {
     const __m512 x4 = _mm512_broadcast_f32x4(_mm_loadu_ps(xq + r * k));
-    part[slot % P][r] = _mm512_fmadd_ps(w0, _mm512_permutexvar_ps(pos, x4), part[slot % P][r]);
+    part[slot % P][r] = _mm512_fmadd_ps(w0, _mm512_permutevar_ps(x4, pos), part[slot % P][r]);
     part[(slot + 1) % P][r] =
-        _mm512_fmadd_ps(w1, _mm512_permutexvar_ps(second, x4), part[(slot + 1) % P][r]);
+        _mm512_fmadd_ps(w1, _mm512_permutevar_ps(x4, second), part[(slot + 1) % P][r]);
   }
 }
 
@@ -77,10 +80,12 @@ inline void quad_codes(const uint8_t* rec, int q, __m512& w0, __m512& w1) {
   if constexpr (BITS == 8) {
     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 2 * q)));
     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 2 * q + 1)));
-  } else {  // signed nibbles: the byte sign-extended, each nibble shifted down arithmetically
-    const __m512i both = _mm512_cvtepi8_epi32(_mm_loadu_si128(codes + q));
-    w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(both, 28), 28));
-    w1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(both, 4));
+  } else {  // signed nibbles looked up in a table of their 16 values (a permute reads an
+            // index's low 4 bits: the low nibble needs no mask, the high one a shift)
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes + q));
+    w0 = _mm512_permutexvar_ps(both, values);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(both, 4), values);
   }
 }
 

@@ -3,7 +3,9 @@
 up projections of a feed-forward block. Decoding at batch 1 reads every weight once a token;
 7 short products a layer spent more of their time starting (each call a fork of the threads
 and a fresh memory stream) than 4 longer ones: SmolLM2's 30 layers' grouped products took
-5.19 ms a token apart and 4.53 ms fused; its 2:4 ones 4.53 ms apart (benchmarks, 2-core Zen 4).
+5.19 ms a token apart and 4.53 ms fused; a 2:4-pruned SmolLM2's int8_sparse24 products, its
+grouped head with them, 8.37 ms apart and 7.12 ms fused (medians of 40 alternating passes;
+benchmarks, 2-core Zen 4).
 
 A kernel Linear (`FusableLinear`: `grouped.py`'s `GroupedLinear`, `sparse24.py`'s
 `Sparse24Linear`) lays its weight out in records of 16 output features (`packed`) and says

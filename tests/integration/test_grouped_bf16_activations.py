@@ -94,8 +94,11 @@ def test_a_compiled_module_calls_the_bf16_product_as_eager_code_does() -> None:
 def test_a_quantized_model_in_the_bf16_mode_compiles_to_its_eager_logits() -> None:
     model = varied_model()
     quantize_weights(model, "int8_grouped", 32, activations="bf16")
-    modes = {m.activations for name, m in model.named_modules()
-             if isinstance(m, grouped.GroupedLinear | ProjectionGroup) and "embed" not in name}
+    # a fused q/k/v or gate/up group multiplies by its first part's kernel (`product`)
+    kernels = [m.product.__self__ if isinstance(m, ProjectionGroup) else m
+               for name, m in model.named_modules()
+               if isinstance(m, grouped.GroupedLinear | ProjectionGroup) and "embed" not in name]
+    modes = {m.activations for m in kernels}
     assert modes == {"bf16"}  # the Linears, the head, the fused q/k/v and gate/up groups
     assert any(isinstance(m, ProjectionGroup) for m in model.modules())
     ids = torch.randint(0, 97, (2, 11))

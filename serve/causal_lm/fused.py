@@ -20,7 +20,7 @@ fused (`BLOCKS`); the state dict is unchanged."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -39,21 +39,31 @@ TILE = 16  # output features a kernel record holds (grouped_kernels.cpp, sparse2
 
 class FusableLinear(nn.Module):
     """A Linear multiplied by a compress kernel from records of 16 outputs (`packed`), which
-    a `ProjectionGroup` can fuse with its block's other projections."""
+    a `ProjectionGroup` can fuse with its block's other projections. A subclass keeps
+    `packed`, `bias`, `in_features` and `out_features` and defines `fusion_key()` (what must
+    be equal for records to be concatenated: kind, input size, layout), `product(x, packed,
+    out_features)` (x @ the weight of `packed`'s records^T in float32, by its kernel) and
+    `dequantize()` (its float32 weight, for where the kernel is not at hand)."""
+
+    fusion_key: Callable[[], Hashable]
+    product: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    dequantize: Callable[[], torch.Tensor]
 
     def __init__(self) -> None:
         super().__init__()
         self.fused = False  # its records are in its block's ProjectionGroup
         self.handed: torch.Tensor | None = None  # its output, handed over by that group
 
-    def fusion_key(self) -> Hashable:
-        """What must be equal for records to be concatenated (kind, input size, layout)."""
-        raise NotImplementedError
-
-    def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
-                ) -> torch.Tensor:
-        """x @ the weight of `packed`'s records^T, in float32, by this module's kernel."""
-        raise NotImplementedError
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T (+ bias) in float32: by the kernel where it has records, else by the
+        dequantized weight; a fused projection returns what its group handed it."""
+        if self.handed is not None:
+            return self.take_handed()
+        if self.packed is not None:
+            out = self.product(x, self.packed, self.out_features)
+        else:
+            out = nn.functional.linear(x.float(), self.dequantize())
+        return out if self.bias is None else out + self.bias
 
     def take_handed(self) -> torch.Tensor | None:
         """The output its group handed over for this call (then forgotten), or None."""

@@ -107,25 +107,15 @@ class GroupedLinear(FusableLinear):
         """The float32 weight, out_features x in_features."""
         return dequantize_groups(self.codes(), self.scale, self.offset)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T (+ bias) in float32. In the opt-in modes (`activations`), x of two
-        rows or more is first rounded: "int8" to int8 per group of 32, as llama.cpp's Q8_0
-        blocks are (`grouped_int8_activations.cpp`), "bf16" to bfloat16
-        (`grouped_bf16_activations.cpp`, AVX512-BF16; exact float32 on a CPU without it).
-        A fused projection returns what its block's group handed it (`fused.py`)."""
-        if self.handed is not None:
-            return self.take_handed()
-        if self.packed is not None:
-            out = self.product(x, self.packed, self.out_features)
-        else:
-            out = nn.functional.linear(x.float(), self.dequantize())
-        return out if self.bias is None else out + self.bias
-
     def fusion_key(self) -> tuple[object, ...]:
         return GroupedLinear, self.in_features, self.bits, self.half_scales, self.activations
 
     def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
                 ) -> torch.Tensor:
+        """In the opt-in modes (`activations`), x of two rows or more is first rounded:
+        "int8" to int8 per group of 32, as llama.cpp's Q8_0 blocks are
+        (`grouped_int8_activations.cpp`), "bf16" to bfloat16 (`grouped_bf16_activations.cpp`,
+        AVX512-BF16; exact float32 on a CPU without it)."""
         return grouped_product(self.activations)(x.float(), packed, out_features, self.bits,
                                                  self.half_scales)
 

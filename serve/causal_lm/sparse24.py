@@ -184,17 +184,6 @@ class Sparse24Linear(FusableLinear):
                 ) -> torch.Tensor:
         return torch.ops.compress_lm.sparse24_mm(x.float(), packed, out_features, self.bits)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T (+ bias) in float32; a fused projection returns what its block's
-        group handed it (`fused.py`)."""
-        if self.handed is not None:
-            return self.take_handed()
-        if self.packed is not None:
-            out = self.product(x, self.packed, self.out_features)
-        else:
-            out = nn.functional.linear(x.float(), self.dequantize())
-        return out if self.bias is None else out + self.bias
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, sparsity=2:4")

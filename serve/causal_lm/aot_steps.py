@@ -56,7 +56,11 @@ def export_steps(model: nn.Module, rows: int, cache_len: int, mode: str, out: Pa
     2..`rows` rows, into AOTInductor packages in `out` (Inductor's max-autotune where `mode`
     says so; the weights left out, `load_steps` hands them over)."""
     options = {"max_autotune": mode == "max-autotune", "freezing": False,
-               "aot_inductor.package_constants_in_so": False}
+               "aot_inductor.package_constants_in_so": False,
+               # max-autotune's C++ GEMM template packs a float Linear's weight (a MoE
+               # router's, a float model's) into a constant of its own, which a worker
+               # could not hand over: float products stay ATen's
+               "max_autotune_gemm_backends": "ATEN"}
     window = torch.export.Dim("window", min=2, max=cache_len - 1)
     for size, name in ((1, ONE), (rows, ROWS)) if rows > 1 else ((1, ONE),):
         decoder = StaticDecoder(model, cache_len, always_mask=True)

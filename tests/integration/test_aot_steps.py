@@ -92,3 +92,20 @@ def test_int8_grouped_weights_decode_their_eager_tokens_through_a_shipped_step(
                                      steps[rows])
         with torch.inference_mode():
             assert decoder.generate(batch, 12).rows == want[:rows]
+
+
+@pytest.mark.skipif(not grouped_mm_available(), reason="the grouped kernel did not build")
+def test_a_moe_step_autotuned_at_max_loads_with_the_model_s_own_weights(tmp_path) -> None:
+    """max-autotune's C++ GEMM template once packed each float router's weight into a
+    constant of its own, which no worker could hand over: the MoE package (what
+    `decode_compile: max-autotune` ships for llm_moe) refused to load."""
+    from moe_models import tiny_moe
+
+    model, _ = tiny_moe("mixtral")
+    quantize_weights(model, "int8_grouped", 32)
+    want = StaticDecoder(model, CACHE, always_mask=True).generate([[5, 17, 3, 9]], 8).rows
+    aot_steps.export_steps(model, 1, CACHE, "max-autotune", tmp_path)
+    steps = aot_steps.load_steps(tmp_path, model)
+    decoder = aot_steps.use_step(StaticDecoder(model, CACHE, always_mask=True), steps[1])
+    with torch.inference_mode():
+        assert decoder.generate([[5, 17, 3, 9]], 8).rows == want

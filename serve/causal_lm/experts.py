@@ -7,9 +7,10 @@ transformers 5 keeps a layer's experts as ONE module (`MixtralExperts`, `Qwen2Mo
 `GroupedExperts` stores them as `grouped.py`'s int8 or 4-bit codes per expert (groups of 32
 inputs, a scale and an offset each) and computes only the experts the router picked: each
 through `grouped_kernels.cpp`'s operator on that expert's records, so a token reads the
-groups of its top-k experts and no others. The whole routed computation is one operator
-(`compress_lm_experts::grouped_experts`), which torch.compile (and so
-`StaticDecoder.compile`, fullgraph) calls as one opaque kernel.
+groups of its top-k experts and no others. The whole routed computation is one C++
+operator (`compress_lm::routed_experts`, routed_experts.cpp: `routed_experts` below, to the
+bit, without a Python loop or a host sync per layer), which torch.compile (and so
+`StaticDecoder.compile`, fullgraph) and AOTInductor call as one opaque kernel.
 
 `is_experts`, `expert_count` and `keep_experts` work on both kinds of module (expert
 parallelism keeps a rank's share of a layer's experts with them).
@@ -22,10 +23,12 @@ from torch import nn
 from torch.nn import functional
 
 from .grouped import ACTIVATIONS as MODES
-from .grouped import dequantize_groups, fit_groups, grouped_product, pack_nibbles, unpack_nibbles
+from .grouped import dequantize_groups, fit_groups, pack_nibbles, unpack_nibbles
 from .grouped_kernels import GROUP, grouped_mm_available
 
 ACTIVATIONS = {"silu": functional.silu, "gelu": functional.gelu, "relu": functional.relu}
+ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}  # routed_experts.cpp's `act`
+MODE_CODES = {"float32": 0, "int8": 1, "bf16": 2}  # routed_experts.cpp's `activations`
 PROJECTIONS = ("gate_up", "down")  # GroupedExperts' records: gate_up [E, 2I, H], down [E, H, I]
 
 
@@ -126,7 +129,6 @@ class GroupedExperts(nn.Module):
         `GroupedLinear.pack`: float16 scales and offsets where they all are float16 values)."""
         if self.group_size != GROUP or not grouped_mm_available():
             return
-        _registered()
         for name in PROJECTIONS:
             q, scale, offset = (getattr(self, f"{name}_{part}")
                                 for part in ("qweight", "scale", "offset"))
@@ -162,10 +164,10 @@ class GroupedExperts(nn.Module):
         computing only the experts some token was routed to."""
         x = hidden_states.float()
         if self.gate_up_packed is not None:
-            out = torch.ops.compress_lm_experts.grouped_experts(
+            out = torch.ops.compress_lm.routed_experts(
                 x, top_k_index, top_k_weights.float(), self.gate_up_packed, self.down_packed,
-                self.intermediate, self.bits, self.half["gate_up"], self.half["down"], self.act,
-                self.activations)
+                self.intermediate, self.bits, self.half["gate_up"], self.half["down"],
+                ACT_CODES[self.act], MODE_CODES[self.activations])
         else:
             out = routed_experts(x, top_k_index, top_k_weights.float(), self.num_experts,
                                  self.act, lambda e, h: functional.linear(
@@ -191,31 +193,6 @@ def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         rows = down(expert, ACTIVATIONS[act](gate) * up)
         out.index_add_(0, token, rows * top_k_weights[token, slot, None])
     return out
-
-
-def _registered() -> None:
-    """Register `compress_lm_experts::grouped_experts` once per process (a copy of this
-    module imported under another package name finds it registered)."""
-    if hasattr(torch.ops.compress_lm_experts, "grouped_experts"):
-        return
-
-    @torch.library.custom_op("compress_lm_experts::grouped_experts", mutates_args=())
-    def grouped_experts(x: torch.Tensor, top_k_index: torch.Tensor,
-                        top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                        intermediate: int, bits: int, half_gate_up: bool, half_down: bool,
-                        act: str, activations: str) -> torch.Tensor:
-        """`routed_experts` through the kernel of `activations` (`grouped.grouped_product`)
-        on each routed expert's packed records."""
-        product = grouped_product(activations)
-        hidden = x.shape[-1]
-        return routed_experts(
-            x, top_k_index, top_k_weights, gate_up.shape[0], act,
-            lambda e, h: product(h, gate_up[e], 2 * intermediate, bits, half_gate_up),
-            lambda e, h: product(h, down[e], hidden, bits, half_down))
-
-    @grouped_experts.register_fake
-    def _(x: torch.Tensor, *args: object) -> torch.Tensor:
-        return torch.empty_like(x)
 
 
 def quantize_experts(model: nn.Module, bits: int, fit: bool = True,

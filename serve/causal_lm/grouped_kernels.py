@@ -9,7 +9,8 @@ group of 32 (`grouped_int8_activations.cpp`; one row goes to `grouped_mm`), and
 AVX512-BF16's vdpbf16ps; one row, or a build without AVX512-BF16, is `grouped_mm`'s exact
 float32 product: `bf16_native` says which), and `torch.ops.compress_lm.sparse24_mm(x, packed,
 out_features, bits)` multiplies by 2:4 sparse weights (`sparse24_kernel.cpp`, laid out by
-`sparse24.py`'s `pack_records`).
+`sparse24.py`'s `pack_records`), and `torch.ops.compress_lm.routed_experts` runs a MoE
+layer's routed experts on their packed records (`routed_experts.cpp`, for `experts.py`).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
@@ -38,7 +39,8 @@ SOURCE = Path(__file__).with_name("grouped_kernels.cpp")  # the operators' regis
 # 2:4 sparse weights (sparse24.py's), the shared layout
 SOURCES = (SOURCE, SOURCE.with_name("grouped_int8_activations.cpp"),
            SOURCE.with_name("grouped_bf16_activations.cpp"),
-           SOURCE.with_name("sparse24_kernel.cpp"), SOURCE.with_name("grouped_layout.h"))
+           SOURCE.with_name("sparse24_kernel.cpp"), SOURCE.with_name("routed_experts.cpp"),
+           SOURCE.with_name("grouped_layout.h"))
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 
@@ -145,6 +147,10 @@ def _register_fake() -> None:
     def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int, half: bool
           ) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], n)
+
+    @torch.library.register_fake("compress_lm::routed_experts")
+    def _(x: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(x)
 
     @torch.library.register_fake("compress_lm::sparse24_mm")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:

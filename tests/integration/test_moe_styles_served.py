@@ -1,0 +1,53 @@
+"""Every tiny MoE style other than the Qwen2-MoE that LitServe serves in
+tests/serving/test_moe_served.py (Mixtral, Qwen3-MoE, OLMoE; `moe_models.py`) through
+int8_grouped -> export -> the causal-LM handler of its archive, which compiles its decode
+step as it starts: in this process, no Java; each answer equals the exported folder's
+offline greedy text (whose int8_grouped tokens equal the float model's:
+test_moe_experts.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ts")
+
+from builders import handler_batch  # noqa: E402
+from moe_models import tiny_moe  # noqa: E402
+from ts.context import Context  # noqa: E402
+
+from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
+from compress.models.bundle import ModelBundle  # noqa: E402
+from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.handler import CausalLMHandler  # noqa: E402
+
+PROMPTS = ["the film was", "a much longer prompt about a movie that goes on", "hi"]
+
+
+@pytest.mark.parametrize("style", ["mixtral", "qwen3_moe", "olmoe"])
+def test_a_moe_style_is_exported_compiled_and_answers_its_offline_text(style, tmp_path) -> None:
+    model, tokenizer = tiny_moe(style)
+    lm_runtime.quantize_weights(model, "int8_grouped")
+    export_lm(ModelBundle(model, "causal-lm", [], tokenizer=tokenizer,
+                          lm={"scheme": "int8_grouped", "group_size": 32}), tmp_path / "export")
+    offline = lm_runtime.load_folder(tmp_path / "export")
+    want = []
+    for prompt in PROMPTS:
+        ids = lm_runtime.prompt_ids(offline.tokenizer, prompt, chat_template=False)
+        out = lm_runtime.StaticDecoder(offline.model, 48).generate(
+            [ids], 8, lm_runtime.stop_ids(offline.model, offline.tokenizer))
+        want.append(offline.tokenizer.decode(out.tokens, skip_special_tokens=True))
+    assert len(set(want)) == len(PROMPTS)  # the texts vary: the check cannot pass idly
+
+    config = {"batchSize": 1, "maxWorkers": 1,
+              "handler": {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
+                          "cache_len": 48, "compile": "default", "chat_template": False}}
+    handler = CausalLMHandler()
+    handler.initialize(Context("tiny_moe", str(tmp_path / "export"), {}, 1, None, "0.12.0",
+                               model_yaml_config=config))
+    assert [d.compiled for d in handler.decoders.values()] == [True]
+    for prompt, text in zip(PROMPTS, want, strict=True):
+        data, context, _ = handler_batch([{"prompt": prompt, "stream": False}])
+        (answer,) = [json.loads(a) for a in handler.handle(data, context)]
+        assert answer["text"] == text, prompt

@@ -177,6 +177,21 @@ class Socket:
         self.messages.append(bytes(message))
 
 
+def lm_handler(folder: Path, batch_size: int, settings: dict, **config: object):
+    """A causal-LM handler started on an exported folder as a TorchServe worker starts it:
+    `settings` are the archive's handler settings, `config` more of its model-config (such
+    as asyncCommunication)."""
+    from ts.context import Context
+
+    from serve.causal_lm.handler import CausalLMHandler
+
+    model_config = {"batchSize": batch_size, "maxWorkers": 1, "handler": settings, **config}
+    handler = CausalLMHandler()
+    handler.initialize(Context("tiny_lm", str(folder), {}, batch_size, None, "0.12.0",
+                               model_yaml_config=model_config))
+    return handler
+
+
 def handler_batch(bodies: list[dict | bytes]):
     """TorchServe's (data, Context, socket) for one batch of request bodies."""
     from ts.context import Context, RequestProcessor

@@ -8,8 +8,8 @@ transformers 5 keeps a layer's experts as ONE module (`MixtralExperts`, `Qwen2Mo
 inputs, a scale and an offset each) and computes only the experts the router picked: each
 through `grouped_kernels.cpp`'s operator on that expert's records, so a token reads the
 groups of its top-k experts and no others. The whole routed computation is one C++
-operator (`compress_lm::routed_experts`, routed_experts.cpp: `routed_experts` below, to the
-bit, without a Python loop or a host sync per layer), which torch.compile (and so
+operator (`compress_lm::routed_experts`, routed_experts.cpp: `routed_experts` below, to
+float32 rounding, without a Python loop or a host sync per layer), which torch.compile (and so
 `StaticDecoder.compile`, fullgraph) and AOTInductor call as one opaque kernel.
 
 `is_experts`, `expert_count` and `keep_experts` work on both kinds of module (expert
@@ -27,8 +27,9 @@ from .grouped import dequantize_groups, fit_groups, pack_nibbles, unpack_nibbles
 from .grouped_kernels import GROUP, grouped_mm_available
 
 ACTIVATIONS = {"silu": functional.silu, "gelu": functional.gelu, "relu": functional.relu}
-ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}  # routed_experts.cpp's `act`
-MODE_CODES = {"float32": 0, "int8": 1, "bf16": 2}  # routed_experts.cpp's `activations`
+# routed_experts.cpp's `act` and `activations` numbers: positions in these orders
+ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
+MODE_CODES = {mode: code for code, mode in enumerate(MODES)}
 PROJECTIONS = ("gate_up", "down")  # GroupedExperts' records: gate_up [E, 2I, H], down [E, H, I]
 
 

@@ -28,21 +28,23 @@ namespace compress_lm {
 namespace {
 
 using ProductSignature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool);
+using ProductHandle = c10::TypedOperatorHandle<ProductSignature>;
 
-at::Tensor registered_product(const char* name, const at::Tensor& x, const at::Tensor& packed,
-                              int64_t n, int64_t bits, bool half) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "")
-      .typed<ProductSignature>().call(x, packed, n, bits, half);
+// an operator of the library, looked up once
+ProductHandle registered(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<ProductSignature>();
 }
 
 // the product of an activation mode: 0 float32 (grouped_mm, called directly), 1 int8 and
 // 2 bf16 (their operators, through the dispatcher), as experts.py's MODE_CODES number them
 at::Tensor product(int64_t activations, const at::Tensor& x, const at::Tensor& packed,
                    int64_t n, int64_t bits, bool half) {
+  static const ProductHandle int8 = registered("compress_lm::grouped_mm_int8");
+  static const ProductHandle bf16 = registered("compress_lm::grouped_mm_bf16");
   switch (activations) {
     case 0: return grouped_mm(x, packed, n, bits, half);
-    case 1: return registered_product("compress_lm::grouped_mm_int8", x, packed, n, bits, half);
-    case 2: return registered_product("compress_lm::grouped_mm_bf16", x, packed, n, bits, half);
+    case 1: return int8.call(x, packed, n, bits, half);
+    case 2: return bf16.call(x, packed, n, bits, half);
     default: TORCH_CHECK(false, "routed_experts: activations must be 0 (float32), 1 (int8) or "
                          "2 (bf16), not ", activations);
   }

@@ -11,12 +11,10 @@ import pytest
 
 pytest.importorskip("ts")
 
-from builders import handler_batch, saved_lm  # noqa: E402
-from ts.context import Context  # noqa: E402
+from builders import handler_batch, lm_handler, saved_lm  # noqa: E402
 
 from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
 from serve.causal_lm import runtime as lm_runtime  # noqa: E402
-from serve.causal_lm.handler import CausalLMHandler  # noqa: E402
 
 
 def _architecture(kind: str, folder: Path) -> Path:
@@ -63,12 +61,9 @@ def test_compiled_buckets_each_decode_generates_greedy_tokens(kind, tmp_path) ->
     lm = load_folder(saved_lm(_architecture(kind, tmp_path / "hf"), tmp_path / "saved"))
     export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts),
               tmp_path / "export")
-    config = {"batchSize": 4, "maxWorkers": 1,
-              "handler": {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
-                          "cache_len": 48, "compile": "default", "chat_template": False}}
-    handler = CausalLMHandler()
-    handler.initialize(Context("tiny_lm", str(tmp_path / "export"), {}, 4, None, "0.12.0",
-                               model_yaml_config=config))
+    handler = lm_handler(tmp_path / "export", 4,
+                         {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
+                          "cache_len": 48, "compile": "default", "chat_template": False})
     assert sorted(handler.decoders) == [1, 2, 4]
     assert all(d.compiled for d in handler.decoders.values())
     prompts = ["the film was", "a much longer prompt about a movie", "hi", "one two three"]

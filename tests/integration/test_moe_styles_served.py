@@ -13,14 +13,12 @@ import pytest
 
 pytest.importorskip("ts")
 
-from builders import handler_batch  # noqa: E402
+from builders import handler_batch, lm_handler  # noqa: E402
 from moe_models import tiny_moe  # noqa: E402
-from ts.context import Context  # noqa: E402
 
 from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
 from compress.models.bundle import ModelBundle  # noqa: E402
 from serve.causal_lm import runtime as lm_runtime  # noqa: E402
-from serve.causal_lm.handler import CausalLMHandler  # noqa: E402
 
 PROMPTS = ["the film was", "a much longer prompt about a movie that goes on", "hi"]
 
@@ -40,12 +38,9 @@ def test_a_moe_style_is_exported_compiled_and_answers_its_offline_text(style, tm
         want.append(offline.tokenizer.decode(out.tokens, skip_special_tokens=True))
     assert len(set(want)) == len(PROMPTS)  # the texts vary: the check cannot pass idly
 
-    config = {"batchSize": 1, "maxWorkers": 1,
-              "handler": {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
-                          "cache_len": 48, "compile": "default", "chat_template": False}}
-    handler = CausalLMHandler()
-    handler.initialize(Context("tiny_moe", str(tmp_path / "export"), {}, 1, None, "0.12.0",
-                               model_yaml_config=config))
+    handler = lm_handler(tmp_path / "export", 1,
+                         {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
+                          "cache_len": 48, "compile": "default", "chat_template": False})
     assert [d.compiled for d in handler.decoders.values()] == [True]
     for prompt, text in zip(PROMPTS, want, strict=True):
         data, context, _ = handler_batch([{"prompt": prompt, "stream": False}])

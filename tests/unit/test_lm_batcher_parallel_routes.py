@@ -43,24 +43,18 @@ def test_openapi_lists_the_openai_routes_only_where_the_handler_answers_them(
 @pytest.fixture(scope="module")
 def batch_handler(varied_llama_folder, tmp_path_factory):
     pytest.importorskip("ts")
-    from builders import saved_lm
-    from ts.context import Context
+    from builders import lm_handler, saved_lm
 
     from compress.families.causal_lm.stages.export import export_lm
     from compress.models.bundle import ModelBundle
-    from serve.causal_lm.handler import CausalLMHandler
     from serve.causal_lm.runtime import load_folder
 
     folder = tmp_path_factory.mktemp("lm_export") / "transformers"
     lm = load_folder(saved_lm(varied_llama_folder, tmp_path_factory.mktemp("saved")))
     export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts),
               folder)
-    config = {"batchSize": 4, "maxWorkers": 1,
-              "handler": {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 4,
-                          "cache_len": 32, "compile": "none", "chat_template": False}}
-    handler = CausalLMHandler()
-    handler.initialize(Context("tiny_lm", str(folder), {}, 4, None, "0.12.0",
-                               model_yaml_config=config))
+    handler = lm_handler(folder, 4, {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 4,
+                                     "cache_len": 32, "compile": "none", "chat_template": False})
     assert handler.batcher is None  # the batch path, as on a parallel worker's ranks
     return handler
 

@@ -11,8 +11,7 @@ import pytest
 
 pytest.importorskip("ts")
 
-from builders import handler_batch, saved_lm  # noqa: E402
-from ts.context import Context  # noqa: E402
+from builders import handler_batch, lm_handler, saved_lm  # noqa: E402
 
 from compress.families.causal_lm.folder import load_lm  # noqa: E402
 from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
@@ -31,14 +30,8 @@ def handler(varied_llama_folder, tmp_path_factory) -> CausalLMHandler:
     lm = load_folder(saved_lm(varied_llama_folder, tmp_path_factory.mktemp("saved")))
     export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts),
               folder)
-    config = {"batchSize": 4, "maxWorkers": 1,
-              "handler": {"threads": 1, "max_new_tokens": 12, "default_new_tokens": 6,
-                          "cache_len": 48, "compile": "none", "chat_template": False}}
-    context = Context("tiny_lm", str(folder), {}, 4, None, "0.12.0",
-                      model_yaml_config=config)
-    handler = CausalLMHandler()
-    handler.initialize(context)
-    return handler
+    return lm_handler(folder, 4, {"threads": 1, "max_new_tokens": 12, "default_new_tokens": 6,
+                                  "cache_len": 48, "compile": "none", "chat_template": False})
 
 
 def test_a_batch_streams_each_answer_and_refuses_the_bad_one_alone(handler) -> None:

@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("ts")
 
-from builders import handler_batch, saved_lm  # noqa: E402
-from ts.context import Context, RequestProcessor  # noqa: E402
+from builders import handler_batch, lm_handler, saved_lm  # noqa: E402
+from ts.context import RequestProcessor  # noqa: E402
 
 from serve.causal_lm import runtime as lm_runtime  # noqa: E402
 from serve.causal_lm.handler import CausalLMHandler  # noqa: E402
@@ -35,11 +35,7 @@ def build(folder, tmp_path_factory, **settings) -> CausalLMHandler:
     export_lm(ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts), out)
     handler = {"threads": 1, "rows": 4, "max_new_tokens": 200, "default_new_tokens": 6,
                "cache_len": 256, "compile": "none", "chat_template": False} | settings
-    config = {"asyncCommunication": True, "batchSize": 1, "maxWorkers": 1, "handler": handler}
-    handler_ = CausalLMHandler()
-    handler_.initialize(Context("tiny_lm", str(out), {}, 1, None, "0.12.0",
-                                model_yaml_config=config))
-    return handler_
+    return lm_handler(out, 1, handler, asyncCommunication=True)
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{REFERENCE} is always timed with the peers")
     parser.add_argument("--no-peers", action="store_true", help="compress's exports alone "
                         "(no environment; fidelity against the run's own reference)")
+    parser.add_argument("--one-pass", action="store_true", help="also time each of "
+                        "compress's exports with a batch in one pass (`NAME one pass`: the "
+                        "handlers' length_buckets off)")
     parser.add_argument("--no-gemm", action="store_true", help="skip the int8 GEMM peak")
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH",
                         help="the table as Markdown (benchmarks/results/peers_embed.md)")
@@ -167,7 +170,7 @@ def measure(items: list[dict[str, Any]], texts_file: Path, work: Path,
             if item.get("error"):
                 continue
             spec = {k: item.get(k) for k in ("kind", "folder", "file", "pooling", "normalize",
-                                             "dimensions")}
+                                             "dimensions", "length_buckets")}
             spec.update(mode="measure", texts=str(texts_file), batch=args.batch,
                         warmup=args.warmup, passes=args.passes,
                         embeddings=str(work / f"{item['name']}.npy") if r == 0 else None,
@@ -191,7 +194,7 @@ def _main(args: argparse.Namespace) -> int:
     manifest = require_manifest(run_dir)
     texts, recipe, data_source = eval_texts(run_dir, args.limit)
     source, layout = source_model(recipe)
-    items = compress_items(run_dir, manifest)
+    items = compress_items(run_dir, manifest, args.one_pass)
     names = [i["name"] for i in items] + ([] if args.no_peers else list(PEERS))
     picked, unknown = select(names, args.rows)
     if unknown:
@@ -220,6 +223,14 @@ def _main(args: argparse.Namespace) -> int:
                               run_dir, len(texts))
     shapes = quality.pass_shapes(source, texts, args.batch, layout["max_seq_length"])
     flops, flops_note = quality.pass_flops(source, shapes)
+    bucketed, _ = quality.pass_flops(source, quality.pass_shapes(
+        source, texts, args.batch, layout["max_seq_length"], bucketed=True))
+    for item in items:
+        if item["kind"] == "compress" and item.get("length_buckets", True) and bucketed:
+            item["flops"] = bucketed
+    if bucketed:
+        notes.append(f"compress's passes of similar length: FLOPs {bucketed / 1e9:.1f} G over "
+                     "the texts")
     peak = gemm_peaks(gemm)["int8_gops"] if gemm else None
     rows = table_rows(items, flops, len(texts), peak)
     print(render_text(rows), end="")

@@ -84,13 +84,16 @@ def load_fastembed(spec: dict[str, Any]) -> Encoder:
 
 
 def load_compress(spec: dict[str, Any]) -> Encoder:
-    """One of compress's export folders through `serve.runtimes.load_runtime` (what a
-    served archive runs), with the folder's tokenizer: truncation at the export's
-    max_seq_length, each batch padded to its longest."""
+    """One of compress's export folders as a served archive runs it: `serve.runtimes`'
+    loader, the folder's tokenizer (truncation at the export's max_seq_length), and a
+    batch's texts in passes of similar length, each padded to its longest
+    (`serve.batching.by_length`, the handlers' `length_buckets`; with the spec's
+    `length_buckets` false, the batch in one pass)."""
     sys.path[:0] = [p for p in spec.get("sys_path") or [] if p not in sys.path]
     import torch
     from transformers import AutoTokenizer
 
+    from serve.batching import by_length, padded, token_rows
     from serve.runtimes import load_runtime
 
     folder = Path(spec["folder"])
@@ -101,12 +104,16 @@ def load_compress(spec: dict[str, Any]) -> Encoder:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     max_length = (meta.get("embedding") or {}).get("max_seq_length") or 512
 
-    def encode(texts: list[str]) -> np.ndarray:
-        tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-                           return_tensors="pt")
+    names, pad = meta["inputs"], tokenizer.pad_token_id or 0
+
+    def one_pass(rows: list[Any]) -> list[np.ndarray]:
         with torch.inference_mode():
-            out = run(*(tokens[name] for name in meta["inputs"]))
-        return out.float().numpy()
+            return list(run(*padded(rows, pad, names)).float().numpy())
+
+    def encode(texts: list[str]) -> np.ndarray:
+        rows = token_rows(tokenizer, texts, max_length, names)
+        return np.stack(by_length(rows, one_pass) if spec.get("length_buckets", True)
+                        else one_pass(rows))
 
     return encode
 

@@ -49,8 +49,11 @@ def is_embedding_export(folder: Path) -> dict[str, Any] | None:
     return meta if said else None
 
 
-def compress_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]]:
-    """One row per embedding export of the run, in stage order."""
+def compress_items(run_dir: Path, manifest: Manifest, one_pass: bool = False
+                   ) -> list[dict[str, Any]]:
+    """One row per embedding export of the run, in stage order (its batches in passes of
+    similar length, as the handlers run them); with `one_pass`, each also as `NAME one
+    pass`, a batch in one pass."""
     items = []
     for artifact in artifacts_of(run_dir):
         folder = run_dir / artifact["folder"]
@@ -62,6 +65,9 @@ def compress_items(run_dir: Path, manifest: Manifest) -> list[dict[str, Any]]:
                       "runtime": "compress " + runtime_label(manifest, artifact["index"],
                                                              artifact["config"]),
                       "python": None, "size_mb": _mb(file), "peer": False, "rounds": []})
+        if one_pass:
+            items.append({**items[-1], "name": f"{artifact['name']} one pass",
+                          "length_buckets": False, "rounds": []})
     return items
 
 

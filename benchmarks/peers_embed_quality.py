@@ -33,18 +33,23 @@ def quality(embeddings: Path, reference: Path) -> dict[str, Any]:
             f"recall_at_{RECALL_K}": recall_at_k(ours, theirs, RECALL_K)}
 
 
-def pass_shapes(source: Path, texts: list[str], batch: int, max_length: int
-                ) -> list[tuple[int, int]]:
-    """(rows, padded length) of each batch of the texts in order, by the source model's
-    tokenizer, truncated at `max_length` as sentence-transformers does."""
+def pass_shapes(source: Path, texts: list[str], batch: int, max_length: int,
+                bucketed: bool = False) -> list[tuple[int, int]]:
+    """(rows, padded length) of each forward pass over the texts in order in batches of
+    `batch`, by the source model's tokenizer, truncated at `max_length` as
+    sentence-transformers does: a pass a batch, or with `bucketed` the passes of similar
+    length compress's handlers cut a batch into (`serve.batching.length_buckets`)."""
     from transformers import AutoTokenizer
+
+    from serve.batching import length_buckets
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     shapes = []
     for i in range(0, len(texts), batch):
-        chunk = texts[i:i + batch]
-        ids = tokenizer(chunk, truncation=True, max_length=max_length)["input_ids"]
-        shapes.append((len(chunk), max(len(row) for row in ids)))
+        lengths = [len(row) for row in tokenizer(texts[i:i + batch], truncation=True,
+                                                 max_length=max_length)["input_ids"]]
+        for part in length_buckets(lengths) if bucketed else [range(len(lengths))]:
+            shapes.append((len(part), max(lengths[k] for k in part)))
     return shapes
 
 
@@ -56,8 +61,8 @@ def pass_flops(source: Path, shapes: list[tuple[int, int]]) -> tuple[float | Non
         flops = sum(forward_flops(config, rows, length) for rows, length in shapes)
     except (OSError, ValueError, KeyError) as exc:
         return None, f"no FLOPs: {exc}"
-    return flops, (f"FLOPs {flops / 1e9:.1f} G a pass, from the source model's config.json "
-                   "(every row runs its shapes)")
+    return flops, (f"FLOPs {flops / 1e9:.1f} G a pass over the texts, from the source "
+                   "model's config.json")
 
 
 def mean_tokens(shapes: list[tuple[int, int]]) -> float | None:

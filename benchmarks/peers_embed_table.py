@@ -50,7 +50,8 @@ def table_rows(items: list[dict[str, Any]], flops: float | None = None,
                ) -> list[dict[str, Any]]:
     """One row per item, in order. An item is {"name", "runtime", "rounds": [a child's
     figures per round, each with "items_per_s"], "quality": {fidelity...}, "size_mb",
-    "peer", "error"?}; `flops` is one pass over the `count` texts (for the peak share)."""
+    "peer", "error"?, "flops"?}; `flops` is one pass over the `count` texts (for the peak
+    share), where the item has no "flops" of its own (the work its passes do)."""
     rows = []
     for item in items:
         rates = [r["items_per_s"] for r in item.get("rounds") or [] if r.get("items_per_s")]
@@ -59,7 +60,8 @@ def table_rows(items: list[dict[str, Any]], flops: float | None = None,
                "peer": bool(item.get("peer")), "size_mb": item.get("size_mb"),
                "error": item.get("error"), "rounds": len(rates), **spread(rates, "sps"),
                **{k: quality.get(k) for k in QUALITY}}
-        row["pct_int8_peak"] = peak_share(flops, row["sps_median"], count, peak_gops)
+        row["pct_int8_peak"] = peak_share(item.get("flops", flops), row["sps_median"], count,
+                                          peak_gops)
         rows.append(row)
     reference = next((r for r in rows if r["row"] == REFERENCE), {})
     for row in rows:
@@ -108,12 +110,15 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     ]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", "sent/s: texts in, embeddings out (tokenizing included, as a user calls "
-              "each library), the texts in order in batches padded to their longest. "
+              "each library), the texts in order in batches of the stated size; a peer runs a "
+              "batch in one pass padded to its longest, compress's rows in passes of similar "
+              "length (the served handlers' length_buckets; `one pass`: the same file "
+              "without). "
               "fidelity: mean cosine with sentence-transformers fp32's embedding of the same "
               "text (p1: the 1st percentile); recall@10: the share of each text's 10 nearest "
               "texts under sentence-transformers fp32 kept. x ST int8: the row's sent/s over "
-              f"{REFERENCE}'s, by median and by best (max) round. % int8 peak: the pass's "
-              "encoder FLOPs / its time / the int8 GEMM peak."]
+              f"{REFERENCE}'s, by median and by best (max) round. % int8 peak: the encoder FLOPs "
+              "of the row's passes (its own shapes) / their time / the int8 GEMM peak."]
     lines += [f"- {note}" for note in header.get("notes") or []]
     lines += [f"- {r['row']}: failed: {r['error']}" for r in rows if r.get("error")]
     return "\n".join(lines) + "\n"

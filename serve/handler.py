@@ -1,10 +1,11 @@
-"""compress's TorchServe handler: one batched forward pass per TorchServe batch.
+"""compress's TorchServe handler: batched forward passes per TorchServe batch.
 
 Packed into every `.mar` by the package stage and loaded by TorchServe's workers, so it
 imports no compress code: the archive holds the exported file, its `export.json`
 (format, inputs, labels), the tokenizer files, `index_to_name.json` and
 `model-config.yaml` (whose `handler:` section holds threads, max_length, max_text_chars
-and max_items: texts or arrays in one request, 64 by default).
+max_items: texts or arrays in one request, 64 by default, and length_buckets: a batch's texts
+run in passes of similar length, true by default).
 
 Requests: `{"text": "..."}`, `{"texts": ["...", ...]}`, a plain-text body, or for image
 models `{"input": nested array}` / `{"inputs": [...]}` / a bare nested array. Each request
@@ -29,7 +30,15 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 try:  # inside the archive the modules lie beside this file
-    from batching import BATCH_HEADER, answer_rows, padded, text_items, token_rows, write_answer
+    from batching import (
+        BATCH_HEADER,
+        answer_rows,
+        by_length,
+        padded,
+        text_items,
+        token_rows,
+        write_answer,
+    )
     from handler_metrics import record
     from http_answers import read_body, refusal, request_content_type
     from runtimes import load_runtime
@@ -38,6 +47,7 @@ except ImportError:  # in the compress repository
     from serve.batching import (
         BATCH_HEADER,
         answer_rows,
+        by_length,
         padded,
         text_items,
         token_rows,
@@ -61,6 +71,7 @@ class CompressHandler(BaseHandler):
     """Loads an exported model in its own runtime and answers requests in batches."""
 
     max_items = DEFAULT_MAX_ITEMS
+    length_buckets = True  # texts in passes of similar length (`batching.by_length`)
 
     def initialize(self, context) -> None:
         """Load the exported file with a fixed intra-op thread count and the tokenizer."""
@@ -78,6 +89,7 @@ class CompressHandler(BaseHandler):
         self.max_length = int(settings.get("max_length", 128))
         self.max_chars = int(settings.get("max_text_chars", DEFAULT_MAX_CHARS))
         self.max_items = int(settings.get("max_items", DEFAULT_MAX_ITEMS))
+        self.length_buckets = bool(settings.get("length_buckets", True))
         self.input_shape = self.meta.get("input_shape")
         self.tokenizer = None
         if self.text:
@@ -89,7 +101,8 @@ class CompressHandler(BaseHandler):
                     self.meta["file"], self.threads, self.labels)
 
     def handle(self, data: list[dict[str, Any]], context) -> list[str]:
-        """Answer every request of the batch: one forward pass over all good items."""
+        """Answer every request of the batch: forward passes over all good items (texts in
+        passes of similar length)."""
         items, owners, results = self.preprocess(data, context)
         rows = self.answer_rows(items, owners)
         for owner, answers in rows.items():
@@ -180,10 +193,17 @@ class CompressHandler(BaseHandler):
                       left=self.tokenizer.padding_side == "left")
 
     def answer_rows(self, items: list[Any], owners: list[int]) -> dict[int, Any]:
-        """Each request's answers, one per item, from one forward pass; where the batch
-        fails, each request is run alone, so only one that fails alone gets its exception."""
-        return answer_rows(items, owners,
-                           lambda rows: self.postprocess(self.probabilities(rows)))
+        """Each request's answers, one per item, from the batch's passes; where they fail,
+        each request is run alone, so only one that fails alone gets its exception."""
+        return answer_rows(items, owners, self.answer_items)
+
+    def answer_items(self, items: list[Any]) -> list[dict[str, Any]]:
+        """One answer per item: token rows in passes of similar length (unless the
+        archive's `length_buckets` is false), arrays in one pass."""
+        def run(part: list[Any]) -> list[dict[str, Any]]:
+            return self.postprocess(self.probabilities(part))
+
+        return by_length(items, run) if self.text and self.length_buckets else run(items)
 
     def probabilities(self, items: list[Any]) -> torch.Tensor:
         """Softmax of the model's logits for these items, in float32."""

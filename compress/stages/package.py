@@ -19,7 +19,7 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the export that enters the stage (`state.source`) with the batching handler."""
     threads = worker_threads(cfg.threads, cfg.workers)
     handler = {"threads": threads, "max_length": ctx.recipe.data.max_length,
-               "max_text_chars": cfg.max_text_chars}
+               "max_text_chars": cfg.max_text_chars, "length_buckets": cfg.length_buckets}
     return archive(state, cfg, ctx, handler)
 
 

@@ -1,12 +1,13 @@
-"""compress's TorchServe handler for embedding models: one forward pass per TorchServe batch,
-every input of every good request a row of it.
+"""compress's TorchServe handler for embedding models: every input of every good request in a
+TorchServe batch is a row, and the rows run in forward passes of similar length.
 
 Packed into an embedding `.mar` by the package stage with the modules of
 `embedding.SERVING_MODULES` (and the shared serving modules at the archive's root); imports
 nothing from compress. The exported file (`export.json` names it; its `embedding` block
 says the pooling, normalization, width, max_seq_length and Matryoshka training) returns
 each row's embedding already pooled and normalized. `model-config.yaml`'s `handler:`
-section holds threads, max_items (inputs in one request, 64 by default) and max_text_chars.
+section holds threads, max_items (inputs in one request, 64 by default), max_text_chars and
+length_buckets (true by default: rows in passes of similar length, `batching.by_length`).
 
 Routes: POST on the model's URL (text, texts or plain text: `{"embedding": [...]}`, or
 `{"embeddings": [[...], ...]}` for texts) and under it OpenAI's `v1/embeddings` and
@@ -38,13 +39,13 @@ from ts.torch_handler.base_handler import BaseHandler
 from . import requests as embedding_requests
 
 try:  # inside the archive the shared modules lie at its root, beside the `embedding` package
-    from batching import BATCH_HEADER, answer_rows, padded, write_answer
+    from batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
     from handler_metrics import record
     from http_answers import openai_models, read_body, refusal, request_content_type
     from runtimes import load_runtime
     from worker_threads import worker_threads
 except ImportError:  # in the compress repository
-    from serve.batching import BATCH_HEADER, answer_rows, padded, write_answer
+    from serve.batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
     from serve.handler_metrics import record
     from serve.http_answers import openai_models, read_body, refusal, request_content_type
     from serve.runtimes import load_runtime
@@ -59,7 +60,10 @@ ROUTES = (EMBEDDINGS, MODELS)
 
 
 class EmbeddingHandler(BaseHandler):
-    """Loads an exported sentence encoder and answers each TorchServe batch with one pass."""
+    """Loads an exported sentence encoder and answers each TorchServe batch in passes of
+    similar length."""
+
+    length_buckets = True
 
     def initialize(self, context) -> None:
         """Load the exported file with a fixed intra-op thread count, and the tokenizer."""
@@ -77,6 +81,7 @@ class EmbeddingHandler(BaseHandler):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.normalize = bool(facts.get("normalize"))
         self.model_name = context.model_name
+        self.length_buckets = bool(settings.get("length_buckets", True))
         limits = embedding_requests.Limits(
             int(settings.get("max_items", DEFAULT_MAX_ITEMS)),
             int(settings.get("max_text_chars", DEFAULT_MAX_CHARS)),
@@ -89,7 +94,7 @@ class EmbeddingHandler(BaseHandler):
                     threads, limits.width, facts.get("pooling"), limits.max_tokens)
 
     def handle(self, data: list[dict[str, Any]], context) -> list[str]:
-        """Answer every request of the batch: one forward pass over all good inputs."""
+        """Answer every request of the batch: forward passes over all good inputs."""
         results: list[Any] = []
         openai = [False] * len(data)
         parsed: dict[int, embedding_requests.EmbeddingRequest] = {}
@@ -115,7 +120,7 @@ class EmbeddingHandler(BaseHandler):
             results.append(None)
         items = [row for i in parsed for row in parsed[i].rows]
         owners = [i for i in parsed for _ in parsed[i].rows]
-        rows = answer_rows(items, owners, self.embed)
+        rows = answer_rows(items, owners, self.embed_rows)
         for i, one in parsed.items():
             results[i] = self.answer(one, rows.get(i, []))
         record(context, "CompressBatchRows", len(data))
@@ -127,6 +132,11 @@ class EmbeddingHandler(BaseHandler):
         """One request's body read into token rows (ValueError: a 400 that says why)."""
         body = read_body(request, content_type)
         return self.reader.native(body) if route is None else self.reader.openai(body)
+
+    def embed_rows(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
+        """The embeddings of these token rows, in passes of similar length unless the
+        archive's `length_buckets` is false."""
+        return by_length(rows, self.embed) if self.length_buckets else self.embed(rows)
 
     def embed(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
         """The embeddings of these token rows (right-padded, as the export's pooling reads

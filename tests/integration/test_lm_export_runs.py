@@ -181,6 +181,8 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
      "greedy token agreement"),
     ({"kind": "package", "max_text_chars": 10},
      "stages.0.max_text_chars: a classifier's option"),
+    ({"kind": "package", "length_buckets": False},
+     "stages.0.length_buckets: a text encoder's option"),
 ])
 def test_a_classifier_export_option_on_a_causal_lm_is_one_line(
         tmp_path, varied_llama_folder, monkeypatch, capsys, stage, line) -> None:

@@ -69,7 +69,7 @@ def test_mar_holds_the_file_handler_labels_settings_and_figures(packaged_text_ru
         "minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 50,
         "responseTimeout": 120}
     assert config["handler"] == {"threads": os.cpu_count(), "max_length": 32,
-                                 "max_text_chars": 200}
+                                 "max_text_chars": 200, "length_buckets": True}
     assert labels == {"0": "negative", "1": "positive"}
     export = stages[1]
     assert summary["artifact"]["accuracy"] == export["metrics"]["accuracy"]

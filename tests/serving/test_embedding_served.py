@@ -299,3 +299,36 @@ def test_a_failing_row_fails_its_request_alone(local_handler, monkeypatch) -> No
     for (_, got), want in zip(answers[:2] + answers[4:], alone, strict=True):
         assert close(got["data"][0]["embedding"], torch.tensor(want["data"][0]["embedding"]),
                      atol=1e-5)
+
+
+def test_a_batch_of_mixed_lengths_runs_in_passes_of_similar_length(local_handler,
+                                                                   monkeypatch) -> None:
+    """Short texts beside a long one are not padded to its length: the batch runs in two
+    passes (the short rows together, the long one alone), with fewer padded tokens than one
+    pass, and each answer equals the one its text gets alone; `length_buckets: false` keeps
+    one pass of the same answers."""
+    long_text = " ".join(["a remarkably long and winding review of a film"] * 12)
+    bodies = [{"input": t, "encoding_format": "float"} for t in [*TEXTS[:3], long_text]]
+    alone = [handle_here(local_handler, [b])[0][1]["data"][0]["embedding"] for b in bodies]
+    forward, shapes = local_handler.forward, []
+
+    def counted(ids: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(ids.shape))
+        return forward(ids, *rest)
+
+    monkeypatch.setattr(local_handler, "forward", counted)
+    for buckets, passes in ((True, 2), (False, 1)):
+        shapes.clear()
+        monkeypatch.setattr(local_handler, "length_buckets", buckets)
+        answers = handle_here(local_handler, bodies)
+        assert len(shapes) == passes, shapes
+        for (status, got), want in zip(answers, alone, strict=True):
+            assert status == 200 and close(got["data"][0]["embedding"], torch.tensor(want),
+                                           atol=1e-5)
+        padded_tokens = sum(rows * length for rows, length in shapes)
+        longest = max(length for _, length in shapes)
+        if buckets:
+            assert sorted(rows for rows, _ in shapes) == [1, 3]
+            assert padded_tokens < 4 * longest
+        else:
+            assert padded_tokens == 4 * longest

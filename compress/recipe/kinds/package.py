@@ -53,6 +53,10 @@ class PackageConfig(StrictModel):
     max_text_chars: int = Field(
         10_000, ge=1, le=10**8, description="Longer texts are refused with a 400 (tokens past "
         "the recipe's max_length are truncated).")
+    length_buckets: bool = Field(
+        True, description="Text classifiers and embedding models: run a batch's texts in "
+        "forward passes of similar length (sorted, cut where a pass's fixed cost is worth the "
+        "padding it saves), so that a short text is not padded to the batch's longest.")
     max_new_tokens: int | None = Field(
         None, ge=1, le=32_768, description="Causal LMs: the most new tokens a request may ask "
         "for (more: a 400; default: 256, at most half the cache).")
@@ -162,6 +166,9 @@ def _check_task(cfg: PackageConfig, task: str, index: int) -> list[str]:
         if "max_text_chars" in cfg.model_fields_set:
             return [f"{where}.max_text_chars: a classifier's option; a causal LM's requests "
                     "are bounded by max_new_tokens and cache_len"]
+        if "length_buckets" in cfg.model_fields_set:
+            return [f"{where}.length_buckets: a text encoder's option; a causal LM batches "
+                    "its rows continuously"]
         return []
     return [f"{where}.{o}: only a causal LM takes this option" for o in LM_OPTIONS
             if o in cfg.model_fields_set]

@@ -43,7 +43,7 @@ SERVED_METRICS = ("fidelity", "fidelity_p1", "recall_at_10", "knn_accuracy",
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the embedding export entering the stage with the embedding handler."""
     handler = {"task": "embedding", "threads": worker_threads(cfg.threads, cfg.workers),
-               "max_text_chars": cfg.max_text_chars}
+               "max_text_chars": cfg.max_text_chars, "length_buckets": cfg.length_buckets}
     tree, entry = archive_tree(ctx.folder / ".archive_tree")
     try:
         return archive(state, cfg, ctx, handler, entry, (), SERVED_METRICS, trees=(tree,))

@@ -226,7 +226,7 @@ def _main(args: argparse.Namespace) -> int:
     bucketed, _ = quality.pass_flops(source, quality.pass_shapes(
         source, texts, args.batch, layout["max_seq_length"], bucketed=True))
     for item in items:
-        if item["kind"] == "compress" and item.get("length_buckets", True) and bucketed:
+        if item.get("length_buckets") and bucketed:
             item["flops"] = bucketed
     if bucketed:
         notes.append(f"compress's passes of similar length: FLOPs {bucketed / 1e9:.1f} G over "

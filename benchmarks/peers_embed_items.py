@@ -64,7 +64,8 @@ def compress_items(run_dir: Path, manifest: Manifest, one_pass: bool = False
         items.append({"name": artifact["name"], "kind": "compress", "folder": str(folder),
                       "runtime": "compress " + runtime_label(manifest, artifact["index"],
                                                              artifact["config"]),
-                      "python": None, "size_mb": _mb(file), "peer": False, "rounds": []})
+                      "python": None, "size_mb": _mb(file), "peer": False, "rounds": [],
+                      "length_buckets": True})
         if one_pass:
             items.append({**items[-1], "name": f"{artifact['name']} one pass",
                           "length_buckets": False, "rounds": []})

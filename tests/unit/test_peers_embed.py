@@ -212,3 +212,40 @@ def test_serve_quick_fills_only_what_was_not_given():
     args = serve_peers_embed.parse_args(["RUN", "--quick", "--requests", "5"])
     assert (args.rounds, args.levels, args.requests) == (1, [1, 8], 5)
     assert serve_peers_embed.parse_args(["RUN"]).levels == [1, 8, 32]
+
+
+def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_path,
+                                                               monkeypatch):
+    """The child times compress's exports as the handlers run them: a batch's texts in
+    passes of similar length, each padded to its longest (one pass with `length_buckets`
+    false), the embeddings in the texts' order either way."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import serve.runtimes
+
+    folder = shutil.copytree(tiny_bert, tmp_path / "export")
+    (folder / "export.json").write_text(json.dumps(
+        {"format": "aoti", "file": "model.pt2", "inputs": ["input_ids", "attention_mask"],
+         "outputs": ["embedding"], "embedding": {"max_seq_length": 64}}))
+    shapes = []
+
+    def fake_runtime(folder, meta, threads, spinning=True):
+        def run(ids, mask):  # each row's embedding: its length
+            shapes.append(tuple(ids.shape))
+            return mask.sum(-1, keepdim=True).float()
+        return run
+
+    monkeypatch.setattr(serve.runtimes, "load_runtime", fake_runtime)
+    texts = ["good", "a long and winding review of a film that goes on and on " * 3,
+             "bad", "fine film", "dull"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+    for buckets, passes in ((True, [(4, 4), (1, max(lengths))]), (False, [(5, max(lengths))])):
+        shapes.clear()
+        spec = {"folder": str(folder), "threads": 1, "length_buckets": buckets}
+        out = child.load_compress(spec)(texts)
+        assert out[:, 0].tolist() == lengths  # in the texts' order
+        assert shapes == passes

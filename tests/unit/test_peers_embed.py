@@ -221,7 +221,6 @@ def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_pa
     false), the embeddings in the texts' order either way."""
     import shutil
 
-    import torch
     from transformers import AutoTokenizer
 
     import serve.runtimes

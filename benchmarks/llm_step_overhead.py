@@ -3,7 +3,8 @@
 Python wrapper, its C++ wrapper with guards checked once a generation, the AOTInductor
 package an archive serves), alternating rounds in one process. Per step: the wall time,
 the time of its grouped products alone (`products_ms`: the same kernel calls back to back,
-no graph), and the rest: norms, RoPE, attention, sampling and the framework between kernels.
+no graph), and the rest: norms, RoPE, attention, sampling and the framework between kernels;
+and `in step ms`, the kernel operators' own time inside each driven step (torch.profiler).
 
     python benchmarks/llm_step_overhead.py                       # int8_grouped, 3 rounds
     python benchmarks/llm_step_overhead.py --scheme int4_grouped --rounds 5
@@ -66,6 +67,22 @@ def products_ms(model: torch.nn.Module, repeats: int = 30) -> float:
     return 1000 * statistics.median(times)
 
 
+def products_in_step_ms(decoder: StaticDecoder, ids: list[int], tokens: int) -> float:
+    """Milliseconds a decode step of the kernel operators' own time inside the driven step:
+    torch.profiler's self CPU time of every `compress_lm::` operator over a generation of
+    `tokens` less that over a generation of 1 (the prefill), over the `tokens - 1` steps.
+    The products as the step runs them, where `products_ms` runs them alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels_us(count: int) -> float:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decoder.generate([ids], count)
+        return sum(e.self_cpu_time_total for e in prof.key_averages()
+                   if e.key.startswith("compress_lm::"))
+
+    return (kernels_us(tokens) - kernels_us(1)) / 1000 / (tokens - 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scheme", choices=("int8_grouped", "int4_grouped", *SCHEMES),
@@ -87,15 +104,21 @@ def main(argv: list[str] | None = None) -> int:
             for name in made if r % 2 == 0 else list(made)[::-1]:
                 out = made[name].generate([ids], args.tokens)
                 steps[name].append(1000 / out.decode_tokens_per_s)
+        in_step = {name: products_in_step_ms(decoder, ids, args.tokens)
+                   for name, decoder in made.items()}
     inside = products_ms(lm.model)
     print(f"{Path(args.model).name} {args.scheme}, batch 1, {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (median, min-max)")
     print(f"{'step':<8}{'ms/token':>10}{'spread':>16}{'products ms':>13}{'rest ms':>9}"
-          f"{'tok/s':>8}")
+          f"{'in step ms':>12}{'tok/s':>8}")
     for name, times in steps.items():
         median = statistics.median(times)
         print(f"{name:<8}{median:>10.2f}{f'{min(times):.2f}-{max(times):.2f}':>16}"
-              f"{inside:>13.2f}{median - inside:>9.2f}{1000 / median:>8.1f}")
+              f"{inside:>13.2f}{median - inside:>9.2f}{in_step[name]:>12.2f}"
+              f"{1000 / median:>8.1f}")
+    print("products ms: the step's kernel calls alone, back to back from Python; in step ms: "
+          "the same operators' own time a decode step inside the driven step "
+          "(torch.profiler, the prefill's taken out)")
     return 0
 
 

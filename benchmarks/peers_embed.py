@@ -221,10 +221,10 @@ def _main(args: argparse.Namespace) -> int:
     reference = work / f"{REFERENCE}.npy"
     notes = quality.score_rows(items, work, reference if reference.is_file() else None,
                               run_dir, len(texts))
-    shapes = quality.pass_shapes(source, texts, args.batch, layout["max_seq_length"])
+    batches = quality.batch_lengths(source, texts, args.batch, layout["max_seq_length"])
+    shapes = quality.pass_shapes(batches)
     flops, flops_note = quality.pass_flops(source, shapes)
-    bucketed, _ = quality.pass_flops(source, quality.pass_shapes(
-        source, texts, args.batch, layout["max_seq_length"], bucketed=True))
+    bucketed, _ = quality.pass_flops(source, quality.pass_shapes(batches, bucketed=True))
     for item in items:
         if item.get("length_buckets") and bucketed:
             item["flops"] = bucketed

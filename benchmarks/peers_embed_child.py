@@ -112,8 +112,7 @@ def load_compress(spec: dict[str, Any]) -> Encoder:
 
     def encode(texts: list[str]) -> np.ndarray:
         rows = token_rows(tokenizer, texts, max_length, names)
-        return np.stack(by_length(rows, one_pass) if spec.get("length_buckets") is not False
-                        else one_pass(rows))
+        return np.stack(by_length(rows, one_pass, spec.get("length_buckets") is not False))
 
     return encode
 

@@ -33,21 +33,26 @@ def quality(embeddings: Path, reference: Path) -> dict[str, Any]:
             f"recall_at_{RECALL_K}": recall_at_k(ours, theirs, RECALL_K)}
 
 
-def pass_shapes(source: Path, texts: list[str], batch: int, max_length: int,
-                bucketed: bool = False) -> list[tuple[int, int]]:
-    """(rows, padded length) of each forward pass over the texts in order in batches of
-    `batch`, by the source model's tokenizer, truncated at `max_length` as
-    sentence-transformers does: a pass a batch, or with `bucketed` the passes of similar
-    length compress's handlers cut a batch into (`serve.batching.length_buckets`)."""
+def batch_lengths(source: Path, texts: list[str], batch: int, max_length: int
+                  ) -> list[list[int]]:
+    """The token count of each text, per batch of `batch` texts in order, by the source
+    model's tokenizer, truncated at `max_length` as sentence-transformers does."""
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return [[len(row) for row in tokenizer(texts[i:i + batch], truncation=True,
+                                           max_length=max_length)["input_ids"]]
+            for i in range(0, len(texts), batch)]
+
+
+def pass_shapes(batches: list[list[int]], bucketed: bool = False) -> list[tuple[int, int]]:
+    """(rows, padded length) of each forward pass over batches of these token counts: a
+    pass a batch, or with `bucketed` the passes of similar length compress's handlers cut a
+    batch into (`serve.batching.length_buckets`)."""
     from serve.batching import length_buckets
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
     shapes = []
-    for i in range(0, len(texts), batch):
-        lengths = [len(row) for row in tokenizer(texts[i:i + batch], truncation=True,
-                                                 max_length=max_length)["input_ids"]]
+    for lengths in batches:
         for part in length_buckets(lengths) if bucketed else [range(len(lengths))]:
             shapes.append((len(part), max(lengths[k] for k in part)))
     return shapes

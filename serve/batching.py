@@ -115,9 +115,13 @@ def length_buckets(lengths: list[int], overhead: int = PASS_OVERHEAD_TOKENS) -> 
     return passes[::-1]
 
 
-def by_length(rows: list[Row], run: Callable[[list[Row]], list[Any]]) -> list[Any]:
+def by_length(rows: list[Row], run: Callable[[list[Row]], list[Any]],
+              buckets: bool = True) -> list[Any]:
     """`run` over token rows in passes of similar length (`length_buckets`), so that a short
-    text is not padded to the batch's longest; its answers back in the rows' order."""
+    text is not padded to the batch's longest; its answers back in the rows' order. Without
+    `buckets` (an archive's `length_buckets: false`), `run` over all rows at once."""
+    if not buckets:
+        return run(rows)
     answers: list[Any] = [None] * len(rows)
     for bucket in length_buckets([len(row[0]) for row in rows]):
         for k, answer in zip(bucket, run([rows[k] for k in bucket]), strict=True):

@@ -203,7 +203,7 @@ class CompressHandler(BaseHandler):
         def run(part: list[Any]) -> list[dict[str, Any]]:
             return self.postprocess(self.probabilities(part))
 
-        return by_length(items, run) if self.text and self.length_buckets else run(items)
+        return by_length(items, run, self.text and self.length_buckets)
 
     def probabilities(self, items: list[Any]) -> torch.Tensor:
         """Softmax of the model's logits for these items, in float32."""

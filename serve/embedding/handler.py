@@ -63,8 +63,6 @@ class EmbeddingHandler(BaseHandler):
     """Loads an exported sentence encoder and answers each TorchServe batch in passes of
     similar length."""
 
-    length_buckets = True
-
     def initialize(self, context) -> None:
         """Load the exported file with a fixed intra-op thread count, and the tokenizer."""
         from transformers import AutoTokenizer
@@ -136,7 +134,7 @@ class EmbeddingHandler(BaseHandler):
     def embed_rows(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
         """The embeddings of these token rows, in passes of similar length unless the
         archive's `length_buckets` is false."""
-        return by_length(rows, self.embed) if self.length_buckets else self.embed(rows)
+        return by_length(rows, self.embed, self.length_buckets)
 
     def embed(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
         """The embeddings of these token rows (right-padded, as the export's pooling reads

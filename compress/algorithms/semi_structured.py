@@ -10,7 +10,7 @@ so a large weight on a feature that is nearly always zero can go. The masks are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fnmatch import fnmatch
 from typing import Any
 
@@ -44,16 +44,30 @@ def split_by_group(layers: dict[str, nn.Module], m: int
 
 
 @torch.no_grad()
+def real_tokens(batch: Any) -> torch.Tensor | None:
+    """The batch's real (unpadded) tokens as a (batch, length) boolean mask: its tokenizer's
+    `attention_mask`; None for a batch without one (every position counts)."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return None if mask is None else mask.bool()
+
+
 def input_norms(model: nn.Module, layers: dict[str, nn.Linear], batches: Iterable[Any],
-                forward: Forward) -> dict[str, torch.Tensor]:
-    """L2 norm of each input feature of each Linear in `layers` over every token of
+                forward: Forward, tokens: Callable[[Any], torch.Tensor | None] = real_tokens
+                ) -> dict[str, torch.Tensor]:
+    """L2 norm of each input feature of each Linear in `layers` over every real token of
     `batches` (float32, one value per input column), gathered by forward pre-hooks while
-    `forward(model, batch)` runs each batch in eval mode."""
+    `forward(model, batch)` runs each batch in eval mode. A Linear whose input has the
+    batch's (batch, length) shape counts only the positions `tokens(batch)` marks, so padding
+    does not weigh on the scores; other inputs (a pooled head's) count whole."""
     squares = {name: torch.zeros(layer.in_features) for name, layer in layers.items()}
+    mask: torch.Tensor | None = None
 
     def hook(name: str):
         def add(_module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            x = args[0].detach()
+            if mask is not None and x.shape[:-1] == mask.shape:
+                x = x[mask.to(x.device)]
+            x = x.reshape(-1, x.shape[-1]).float()
             squares[name] += x.pow(2).sum(dim=0).cpu()
         return add
 
@@ -62,6 +76,7 @@ def input_norms(model: nn.Module, layers: dict[str, nn.Linear], batches: Iterabl
     model.eval()
     try:
         for batch in batches:
+            mask = tokens(batch)
             forward(model, batch)
     finally:
         model.train(was_training)

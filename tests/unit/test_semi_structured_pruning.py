@@ -95,6 +95,25 @@ def test_wanda_weighs_each_weight_by_its_input_norm_and_magnitude_does_not() -> 
     assert linear(x).abs().sum() > 10 * by_magnitude(x).abs().sum()  # what Wanda keeps
 
 
+
+def test_wanda_norms_count_real_tokens_not_padding() -> None:
+    """A BERT batch padded to its longest row gives the same input norms as its rows run
+    alone: the padded positions' activations do not count."""
+    model, ids = random_bert(), input_ids()
+    layers = chosen(model)
+    lengths = [12, 7, 3]
+    mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lengths])
+    padded = {"input_ids": ids * mask, "attention_mask": mask}
+    alone = [{"input_ids": ids[i:i + 1, :n], "attention_mask": mask[i:i + 1, :n]}
+             for i, n in enumerate(lengths)]
+    batched = input_norms(model, layers, [padded], logits_of)
+    separately = input_norms(model, layers, alone, logits_of)
+    counted_padding = input_norms(model, layers, [padded], logits_of, tokens=lambda _: None)
+    for name in layers:
+        torch.testing.assert_close(batched[name], separately[name], rtol=1e-4, atol=1e-5)
+    assert any(not torch.allclose(counted_padding[n], separately[n], rtol=1e-3)
+               for n in layers)
+
 # ---- the recipe --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("options", "message"), [

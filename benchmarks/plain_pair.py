@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: median {row['ms_median']:.2f} ms (min {row['ms_min']:.2f}, max "
               f"{row['ms_max']:.2f}) over {args.rounds} rounds at {args.batch} x {args.length}")
     by_median, by_best = ratios(ours, peer, "ms", lower_is_better=True)
-    print(f"x faster ({args.files[0].name} against {args.files[1].name}): {by_median} by the "
-          f"median, {by_best} by the best round")
+    print(f"x faster ({args.files[0].name} against {args.files[1].name}): {by_median:.2f} by "
+          f"the median, {by_best:.2f} by the best round")
     if args.json:
         args.json.write_text(json.dumps({
             "batch": args.batch, "length": args.length, "iters": args.iters,

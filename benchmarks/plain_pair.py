@@ -6,8 +6,9 @@ prints their median (`--json` keeps every round). Rounds alternate the order. Th
 the first file to the second is given by the median of the rounds' medians and by each
 file's fastest round. From the repository root:
 
-    python benchmarks/plain_pair.py runs/bert_search_chain/00-search/winner/model.aoti.pt2 \\
-        runs/bert_search_chain/peers/optimum_int8/model_quantized.onnx --rounds 6
+    python benchmarks/plain_pair.py \\
+        runs/bert_search_chain/01-search/trials/WINNER/aoti/model.aoti.pt2 \\
+        runs/bert_search_chain/peers/optimum_int8/model.onnx --rounds 6
 
 No project code is imported by the timed processes. Exit 2: a file missing or of a kind
 neither runtime loads; 1: a timed process failed.
@@ -29,14 +30,14 @@ from peers_spread import ratios, spread  # noqa: E402
 KINDS = (".pt2", ".onnx")
 
 
-def child(path: str, batch: int, length: int, warmup: int, iters: int) -> dict[str, float]:
-    """Load `path` alone and time `iters` calls on one random (batch, length) token batch."""
+def child(path: str, batch: int, length: int, warmup: int, iters: int) -> float:
+    """Load `path` alone; the median ms of `iters` calls on one random (batch, length)
+    token batch."""
     import numpy as np
 
     ids = np.random.default_rng(0).integers(1000, 20000, (batch, length), dtype=np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids),
              "token_type_ids": np.zeros_like(ids)}
-    began = time.perf_counter()
     if path.endswith(".onnx"):
         import onnxruntime as ort
 
@@ -59,7 +60,6 @@ def child(path: str, batch: int, length: int, warmup: int, iters: int) -> dict[s
         def call() -> None:
             with torch.inference_mode():
                 runner(*arguments)
-    load_s = time.perf_counter() - began
     for _ in range(warmup):
         call()
     times = []
@@ -67,11 +67,11 @@ def child(path: str, batch: int, length: int, warmup: int, iters: int) -> dict[s
         start = time.perf_counter()
         call()
         times.append((time.perf_counter() - start) * 1e3)
-    return {"ms": statistics.median(times), "min_ms": min(times), "load_s": load_s}
+    return statistics.median(times)
 
 
-def time_in_fresh_process(path: Path, args: argparse.Namespace) -> dict[str, float]:
-    """One child process's figures (its last stdout line is JSON)."""
+def time_in_fresh_process(path: Path, args: argparse.Namespace) -> float:
+    """One child process's median ms (its last stdout line)."""
     done = subprocess.run(
         [sys.executable, __file__, "--child", str(path), "--batch", str(args.batch),
          "--length", str(args.length), "--warmup", str(args.warmup), "--iters", str(args.iters)],
@@ -79,7 +79,7 @@ def time_in_fresh_process(path: Path, args: argparse.Namespace) -> dict[str, flo
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"{path.name}: the timed process failed: {last}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(str(args.files[0]), args.batch, args.length, args.warmup,
-                               args.iters)))
+        print(child(str(args.files[0]), args.batch, args.length, args.warmup, args.iters))
         return 0
     if len(args.files) != 2:
         print("error: give two files: ours, then the peer's", file=sys.stderr)
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(args.rounds):
             for path in args.files if r % 2 == 0 else args.files[::-1]:
-                rounds[path].append(time_in_fresh_process(path, args)["ms"])
+                rounds[path].append(time_in_fresh_process(path, args))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{p.name} {rounds[p][-1]:.1f} ms" for p in args.files), flush=True)
     except RuntimeError as exc:

@@ -43,7 +43,6 @@ def split_by_group(layers: dict[str, nn.Module], m: int
     return fit, [name for name in layers if name not in fit]
 
 
-@torch.no_grad()
 def real_tokens(batch: Any) -> torch.Tensor | None:
     """The batch's real (unpadded) tokens as a (batch, length) boolean mask: its tokenizer's
     `attention_mask`; None for a batch without one (every position counts)."""
@@ -51,6 +50,7 @@ def real_tokens(batch: Any) -> torch.Tensor | None:
     return None if mask is None else mask.bool()
 
 
+@torch.no_grad()
 def input_norms(model: nn.Module, layers: dict[str, nn.Linear], batches: Iterable[Any],
                 forward: Forward, tokens: Callable[[Any], torch.Tensor | None] = real_tokens
                 ) -> dict[str, torch.Tensor]:

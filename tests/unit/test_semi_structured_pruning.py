@@ -95,7 +95,6 @@ def test_wanda_weighs_each_weight_by_its_input_norm_and_magnitude_does_not() -> 
     assert linear(x).abs().sum() > 10 * by_magnitude(x).abs().sum()  # what Wanda keeps
 
 
-
 def test_wanda_norms_count_real_tokens_not_padding() -> None:
     """A BERT batch padded to its longest row gives the same input norms as its rows run
     alone: the padded positions' activations do not count."""
@@ -113,6 +112,7 @@ def test_wanda_norms_count_real_tokens_not_padding() -> None:
         torch.testing.assert_close(batched[name], separately[name], rtol=1e-4, atol=1e-5)
     assert any(not torch.allclose(counted_padding[n], separately[n], rtol=1e-3)
                for n in layers)
+
 
 # ---- the recipe --------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Two model files timed as a new user would time them: each round loads each file in a
 fresh Python process with nothing but its runtime (`torch._inductor.aoti_load_package` for a
-`.pt2`, a default `onnxruntime.InferenceSession` for a `.onnx`, every core), runs the same
+`.pt2`, after `torch.ops.load_library` of any operator library beside it; a default
+`onnxruntime.InferenceSession` for a `.onnx`; every core), runs the same
 random token batch (default 8 x 128) a few times to warm up, then times `--iters` calls and
 prints their median (`--json` keeps every round). Rounds alternate the order. The ratio of
 the first file to the second is given by the median of the rounds' medians and by each
@@ -50,6 +51,8 @@ def child(path: str, batch: int, length: int, warmup: int, iters: int) -> float:
     else:
         import torch
 
+        for library in Path(path).parent.glob("*.so"):  # operators the package calls
+            torch.ops.load_library(str(library))
         runner = torch._inductor.aoti_load_package(path)
         # the inputs compress exported, in order (its export.json beside the file)
         meta = Path(path).parent / "export.json"

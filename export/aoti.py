@@ -2,16 +2,20 @@
 one `.pt2` package that `torch._inductor.aoti_load_package` runs with plain torch. Float,
 pruned and PT2E int8 models alike (int8 compiles with Inductor freezing, where the x86
 int8 kernels are chosen). With `autocast: bf16` the graph is captured under bfloat16
-autocast: the float ops run in bf16 (int8-mixed-bf16 for a PT2E model)."""
+autocast: the float ops run in bf16 (int8-mixed-bf16 for a PT2E model). With
+`attention: kernel` the encoder's attention calls compress's own operator
+(export/attention_kernel.py)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from export.attention_kernel import OPERATOR, use_attention_kernel
 from export.graphs import (
     Bundle,
     export_graph,
@@ -21,6 +25,7 @@ from export.graphs import (
     max_sequence,
 )
 from export.random_ops import fx_random_nodes, refuse_random_ops
+from serve import encoder_attention
 
 FILE = "model.aoti.pt2"
 
@@ -36,8 +41,20 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
         program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
     refuse_random_ops(fx_random_nodes(program.graph), "the aoti graph")
+    kernel_calls = use_attention_kernel(program) if getattr(cfg, "attention", "sdpa") == "kernel" \
+        else 0
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-    return path, {"aoti_max_seq": max_seq, **({"aoti_autocast": autocast} if autocast else {})}
+    meta: dict[str, Any] = {"aoti_max_seq": max_seq}
+    if autocast:
+        meta["aoti_autocast"] = autocast
+    if kernel_calls:  # the operator the serving process registers before it loads, and its
+        # library for this CPU beside the file (an archive carries it; plain torch loads it
+        # with torch.ops.load_library)
+        library = encoder_attention.built_library()
+        if library is not None:
+            shutil.copy2(library, folder / library.name)
+        meta.update(aoti_operators=[OPERATOR], aoti_attention_kernel_calls=kernel_calls)
+    return path, meta

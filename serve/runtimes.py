@@ -25,7 +25,16 @@ def load_torchscript(path: Path, meta: dict[str, Any], threads: int, spinning: b
 
 
 def load_aoti(path: Path, meta: dict[str, Any], threads: int, spinning: bool) -> Runner:
-    """The AOTInductor package, callable with the positional input tensors."""
+    """The AOTInductor package, callable with the positional input tensors (the operators
+    its export.json names under `aoti_operators` registered first)."""
+    if "compress_encoder" in meta.get("aoti_operators", ()):
+        try:  # inside an archive: a sibling module at its root
+            import encoder_attention
+        except ImportError:
+            from serve import encoder_attention
+        if not encoder_attention.load():
+            raise RuntimeError(f"{path.name} calls compress's attention kernel, which could "
+                               f"not be built here: {encoder_attention.error()}")
     return torch._inductor.aoti_load_package(str(path))
 
 

@@ -15,7 +15,7 @@ from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_
 
 ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
-AOTI_ONLY = ("autocast",)
+AOTI_ONLY = ("autocast", "attention")
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
 LM_FORMAT = "transformers"  # the one format of a causal LM
@@ -87,6 +87,11 @@ class ExportConfig(StrictModel):
     autocast: Literal["bf16"] | None = Field(
         None, description="AOTInductor: compile the graph's float ops in bfloat16 (for a "
         "PT2E int8 model: int8 layers, everything else in bf16). Needs a bf16 CPU.")
+    attention: Literal["sdpa", "kernel"] = Field(
+        "sdpa", description="AOTInductor, encoders: sdpa (aten's float32 attention) or "
+        "kernel (compress's own, serve/encoder_attention.cpp: bfloat16 products with float32 "
+        "softmax on AVX512-BF16, ~2x sdpa at 8 x 128 on MiniLM; float32 elsewhere). The "
+        "package then needs that operator, which the served archive builds or carries.")
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
     tensor_parallel: int | None = Field(
         None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
@@ -116,7 +121,7 @@ class ExportConfig(StrictModel):
         """Whether the export itself changes the precision (its logits cannot match)."""
         return (self.format == "onnx" and self.quantize is not None) or (
             self.format == "tensorrt" and self.precision != "fp32") or (
-            self.format == "aoti" and self.autocast is not None)
+            self.format == "aoti" and (self.autocast is not None or self.attention == "kernel"))
 
     @model_validator(mode="after")
     def _options_fit_the_format(self) -> ExportConfig:

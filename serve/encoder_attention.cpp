@@ -1,0 +1,390 @@
+// Bidirectional attention for encoders: softmax(q k^T * scale + mask) v, one query block
+// of a (batch, head) a task; q, k, v (B, H, L, D) with unit stride along D; out (B, L, H, D).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 8;    // query rows a register block
+constexpr int64_t kBlock = 32;  // query rows a task
+
+#ifdef __AVX512F__
+inline __m512 exp512(__m512 x) {  // exp(x) for x <= 0, ~1 ulp over softmax's range
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  x = _mm512_max_ps(x, lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// scores[r][0..Sp) = q_r . k_j for r < rows (rows <= kRows); kt is k transposed, (D, Sp)
+void scores_block(const float* q, int64_t q_stride, int64_t rows, const float* kt, int64_t D,
+                  int64_t Sp, float* scores) {
+#ifdef __AVX512F__
+  const float* qr[kRows];
+  for (int r = 0; r < kRows; ++r) qr[r] = q + std::min<int64_t>(r, rows - 1) * q_stride;
+  for (int64_t j = 0; j < Sp; j += 32) {
+    const bool two = j + 16 < Sp;
+    __m512 acc[kRows][2];
+    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const float* col = kt + j;
+    for (int64_t d = 0; d < D; ++d, col += Sp) {
+      __m512 k0 = _mm512_loadu_ps(col);
+      __m512 k1 = two ? _mm512_loadu_ps(col + 16) : _mm512_setzero_ps();
+      for (int r = 0; r < kRows; ++r) {
+        __m512 qv = _mm512_set1_ps(qr[r][d]);
+        acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      _mm512_storeu_ps(scores + r * Sp + j, acc[r][0]);
+      if (two) _mm512_storeu_ps(scores + r * Sp + j + 16, acc[r][1]);
+    }
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < Sp; ++j) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < D; ++d) sum += q[r * q_stride + d] * kt[d * Sp + j];
+      scores[r * Sp + j] = sum;
+    }
+#endif
+}
+
+// A query row's mask: floats added to its scores, or bools (false masks), or neither.
+struct MaskRow {
+  const float* add = nullptr;
+  const bool* keep = nullptr;
+};
+
+// row = exp(row * scale + mask - max), zero past S; returns the sum
+float softmax_row(float* row, MaskRow mask, int64_t S, int64_t Sp, float scale) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t j0 = 0;
+#ifdef __AVX512F__
+  {
+    __m512 best = _mm512_set1_ps(top);
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (; j0 + 16 <= S; j0 += 16) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j0), scale_v);
+      if (mask.add) x = _mm512_add_ps(x, _mm512_loadu_ps(mask.add + j0));
+      if (mask.keep) {  // 16 bools: lanes whose byte is 0 become -inf
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mask.keep + j0));
+        x = _mm512_mask_blend_ps(_mm_cmpneq_epi8_mask(bytes, _mm_setzero_si128()),
+                                 _mm512_set1_ps(kNone), x);
+#else
+        break;  // the plain loop below masks them
+#endif
+      }
+      _mm512_storeu_ps(row + j0, x);
+      best = _mm512_max_ps(best, x);
+    }
+    top = _mm512_reduce_max_ps(best);
+  }
+#endif
+  for (int64_t j = j0; j < S; ++j) {
+    row[j] = mask.keep && !mask.keep[j] ? kNone : row[j] * scale + (mask.add ? mask.add[j] : 0.f);
+    top = std::max(top, row[j]);
+  }
+  if (top == kNone) {
+    for (int64_t j = 0; j < Sp; ++j) row[j] = 0.f;
+    return 0.f;
+  }
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef __AVX512F__
+  __m512 total = _mm512_setzero_ps();
+  const __m512 top_v = _mm512_set1_ps(top);
+  for (; j + 16 <= S; j += 16) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), top_v));
+    _mm512_storeu_ps(row + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; j < S; ++j) {
+    row[j] = std::exp(row[j] - top);
+    sum += row[j];
+  }
+  for (j = S; j < Sp; ++j) row[j] = 0.f;
+  return sum;
+}
+
+// out[r][0..16 * kVecs) = sum_j p[r][j] v[j] / sums[r], rows <= kRows
+#ifdef __AVX512F__
+template <int kVecs>
+void weighted_block(const float* p, int64_t Sp, int64_t S, int64_t rows, const float* v,
+                    int64_t v_stride, const float* sums, float* out, int64_t out_stride) {
+  __m512 acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* pr[kRows];  // rows past `rows` read row 0 and are not stored
+  for (int r = 0; r < kRows; ++r) pr[r] = p + (r < rows ? r : 0) * Sp;
+  for (int64_t j = 0; j < S; ++j, v += v_stride) {
+    __m512 vv[kVecs];
+    for (int c = 0; c < kVecs; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int r = 0; r < kRows; ++r) {
+      __m512 w = _mm512_set1_ps(pr[r][j]);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    __m512 inv = _mm512_set1_ps(sums[r] > 0.f ? 1.f / sums[r] : 0.f);
+    for (int c = 0; c < kVecs; ++c)
+      _mm512_storeu_ps(out + r * out_stride + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+  }
+}
+#endif
+
+void weighted_values(const float* p, int64_t Sp, int64_t S, int64_t rows, const float* v,
+                     int64_t v_stride, int64_t D, const float* sums, float* out,
+                     int64_t out_stride) {
+#ifdef __AVX512F__
+  if (D == 16 || D == 32) {
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const int64_t nr = std::min(kRows, rows - r);
+      const float* pr = p + r * Sp;
+      float* o = out + r * out_stride;
+      switch (D / 16) {
+        case 1: weighted_block<1>(pr, Sp, S, nr, v, v_stride, sums + r, o, out_stride); break;
+        case 2: weighted_block<2>(pr, Sp, S, nr, v, v_stride, sums + r, o, out_stride); break;
+                default: weighted_block<2>(pr, Sp, S, nr, v, v_stride, sums + r, o, out_stride);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = sums[r] > 0.f ? 1.f / sums[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < S; ++j) acc += p[r * Sp + j] * v[j * v_stride + d];
+      out[r * out_stride + d] = acc * inv;
+    }
+  }
+}
+
+#ifdef __AVX512BF16__
+// q k^T and p v on bfloat16 pairs (vdpbf16ps), softmax in float32. Layouts, 32-bit words
+// of two bfloat16: kp[t][j] = (k[j][2t], k[j][2t+1]), vp[u][d] = (v[2u][d], v[2u+1][d]),
+// a q or p row's word t = its elements 2t, 2t+1.
+inline uint32_t bf16_bits(float x) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) out[i] = (uint16_t)bf16_bits(x[i]);
+}
+
+template <int kVecs>  // D / 16: float32 vectors of a head's output row
+void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, const float* vb,
+                    int64_t vs, const MaskRow* mask_rows, int64_t rows, int64_t S,
+                    float scale, uint32_t* kp, uint32_t* vp, bool pack,
+                    float* scores, uint16_t* prow, float* sums, float* out,
+                    int64_t out_stride) {
+  constexpr int64_t D = 16 * kVecs, T = D / 2;
+  const int64_t Sp = (S + 31) / 32 * 32, U = Sp / 2;
+  if (pack) {
+    alignas(64) uint16_t row[D];
+    for (int64_t j = 0; j < Sp; ++j) {
+      if (j < S) to_bf16(kb + j * ks, D, row); else std::memset(row, 0, sizeof(row));
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(row);
+      for (int64_t t = 0; t < T; ++t) kp[t * Sp + j] = words[t];
+    }
+    for (int64_t u = 0; u < U; ++u) {
+      for (int c = 0; c < kVecs; ++c) {
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        if (2 * u < S)
+          lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+              _mm512_loadu_ps(vb + 2 * u * vs + 16 * c)));
+        if (2 * u + 1 < S)
+          hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+              _mm512_loadu_ps(vb + (2 * u + 1) * vs + 16 * c)));
+        _mm512_storeu_si512(vp + u * D + 16 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t nr = std::min(kRows, rows - r0);
+    uint32_t qw[kRows][T];
+    for (int r = 0; r < kRows; ++r)
+      to_bf16(qb + std::min<int64_t>(r0 + r, rows - 1) * qs, D,
+              reinterpret_cast<uint16_t*>(qw[r]));
+    for (int64_t j = 0; j < Sp; j += 32) {
+      __m512 acc[kRows][2];
+      for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < T; ++t) {
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + t * Sp + j);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + t * Sp + j + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qw[r][t]);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= nr) break;
+        _mm512_storeu_ps(scores + r * Sp + j, acc[r][0]);
+        _mm512_storeu_ps(scores + r * Sp + j + 16, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < nr; ++r) {
+      sums[r] = softmax_row(scores + r * Sp, mask_rows[r0 + r], S, Sp, scale);
+      to_bf16(scores + r * Sp, Sp, prow + r * Sp);
+    }
+    __m512 acc[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+    const uint32_t* pw[kRows];
+    for (int r = 0; r < kRows; ++r)
+      pw[r] = reinterpret_cast<const uint32_t*>(prow + (r < nr ? r : 0) * Sp);
+    for (int64_t u = 0; u < U; ++u) {
+      __m512bh vv[kVecs];
+      for (int c = 0; c < kVecs; ++c)
+        vv[c] = (__m512bh)_mm512_loadu_si512(vp + u * D + 16 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[r][u]);
+#pragma GCC unroll 4
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, vv[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= nr) break;
+      __m512 inv = _mm512_set1_ps(sums[r] > 0.f ? 1.f / sums[r] : 0.f);
+#pragma GCC unroll 4
+      for (int c = 0; c < kVecs; ++c)
+        _mm512_storeu_ps(out + (r0 + r) * out_stride + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+    }
+  }
+}
+#endif
+
+at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                             double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "encoder_attention: q, k, v must be (batch, heads, length, head_dim)");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "encoder_attention: float32 only");
+  auto q = query.stride(3) == 1 ? query : query.contiguous();
+  auto k = key.stride(3) == 1 ? key : key.contiguous();
+  auto v = value.stride(3) == 1 ? value : value.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
+  const int64_t Sp = (S + 15) / 16 * 16;
+  // the mask as a (B, H, L, S) view: bool (true keeps) or float (added to the scores)
+  at::Tensor masks;
+  if (mask.has_value() && mask->defined())
+    masks = (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat))
+                .expand({B, H, L, S});
+  const bool bool_mask = masks.defined() && masks.scalar_type() == at::kBool;
+  auto out = at::empty({B, L, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* mp = masks.defined() && !bool_mask ? masks.data_ptr<float>() : nullptr;
+  const bool* keep = bool_mask ? masks.data_ptr<bool>() : nullptr;
+  const int64_t blocks = (L + kBlock - 1) / kBlock;
+#ifdef __AVX512BF16__
+  const bool use_bf16 = D == 16 || D == 32 || D == 64;
+#else
+  const bool use_bf16 = false;
+#endif
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  int64_t ms[4] = {0, 0, 0, 0};
+  if (masks.defined()) for (int i = 0; i < 4; ++i) ms[i] = masks.stride(i);
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t Sp32 = (S + 31) / 32 * 32;
+    std::vector<float> kt(use_bf16 ? 0 : D * Sp), scores(kBlock * Sp32), sums(kBlock);
+    // mask rows as floats where the mask is strided along the keys
+    std::vector<float> gathered(masks.defined() && ms[3] != 1 ? kBlock * S : 0);
+    std::vector<uint32_t> kpw(use_bf16 ? D / 2 * Sp32 : 0), vpw(use_bf16 ? Sp32 / 2 * D : 0);
+    std::vector<uint16_t> prow(use_bf16 ? kBlock * Sp32 : 0);
+    int64_t packed = -1;  // the (batch, head) whose k (and v) are laid out
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, blk = task % blocks, b = bh / H, h = bh % H;
+      const int64_t i0 = blk * kBlock, rows = std::min(kBlock, L - i0);
+      const float* qb = qp + b * qs0 + h * qs1 + i0 * qs2;
+      const float* kb = kp + b * ks0 + h * ks1;
+      const float* vb = vp + b * vs0 + h * vs1;
+      float* ob = op + ((b * L + i0) * H + h) * D;
+      MaskRow mask_rows[kBlock];
+      for (int64_t r = 0; r < rows && masks.defined(); ++r) {
+        const int64_t base = b * ms[0] + h * ms[1] + (i0 + r) * ms[2];
+        if (ms[3] == 1) {
+          mask_rows[r] = keep ? MaskRow{nullptr, keep + base} : MaskRow{mp + base, nullptr};
+          continue;
+        }
+        float* row = gathered.data() + r * S;  // strided along the keys: gathered as floats
+        for (int64_t j = 0; j < S; ++j)
+          row[j] = keep ? (keep[base + j * ms[3]] ? 0.f : -INFINITY) : mp[base + j * ms[3]];
+        mask_rows[r] = MaskRow{row, nullptr};
+      }
+      const bool pack = packed != bh;
+      packed = bh;
+#ifdef __AVX512BF16__
+      if (use_bf16) {
+        auto run = D == 16 ? attention_bf16<1> : D == 32 ? attention_bf16<2>
+                                                                : attention_bf16<4>;
+        run(qb, qs2, kb, ks2, vb, vs2, mask_rows, rows, S, (float)scale, kpw.data(),
+            vpw.data(), pack, scores.data(), prow.data(), sums.data(), ob, H * D);
+        continue;
+      }
+#endif
+      if (pack)  // k^T for this (batch, head), zero past S
+        for (int64_t d = 0; d < D; ++d) {
+          for (int64_t j = 0; j < S; ++j) kt[d * Sp + j] = kb[j * ks2 + d];
+          for (int64_t j = S; j < Sp; ++j) kt[d * Sp + j] = 0.f;
+        }
+      for (int64_t r = 0; r < rows; r += kRows)
+        scores_block(qb + r * qs2, qs2, std::min(kRows, rows - r), kt.data(), D, Sp,
+                     scores.data() + r * Sp);
+      for (int64_t r = 0; r < rows; ++r)
+        sums[r] = softmax_row(scores.data() + r * Sp, mask_rows[r], S, Sp, (float)scale);
+      weighted_values(scores.data(), Sp, S, rows, vb, vs2, D, sums.data(), ob, H * D);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(compress_encoder, m) {
+  m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(compress_encoder, CPU, m) {
+  m.impl("attention", &encoder_attention);
+}

@@ -1,0 +1,114 @@
+"""Encoder attention as a torch operator: `torch.ops.compress_encoder.attention(query, key,
+value, mask, scale)` computes softmax(q k^T * scale + mask) v for bidirectional attention
+(`encoder_attention.cpp`), with q, k, v of (batch, heads, length, head_dim) and the answer
+laid out (batch, length, heads, head_dim), the layout the next projection reads. `mask` is
+None, a bool mask (true keeps) or a float one added to the scores, broadcastable to
+(batch, heads, length, length).
+
+On a CPU with AVX512-BF16 and a head of 32 or 64 both products run on bfloat16 pairs
+(vdpbf16ps) with float32 sums and softmax: ~2x the float32 flash attention aten picks at
+8 x 128 for MiniLM. Elsewhere it is float32 (AVX-512 blocks, or plain loops).
+
+The library is built on first use for this CPU (a C++ compiler and ninja) into torch's
+extensions cache, under a name carrying the source, torch's version and the CPU's vector
+flags; one lying beside this file under that name (an archive carries the one built where it
+was packaged) is loaded instead. `load()` says whether the operator is registered, `error()`
+why not. Imports torch only: it ships inside archives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("encoder_attention.cpp")
+NAMESPACE = "compress_encoder"
+_state: dict[str, object] = {}
+
+
+def vector_flags() -> list[str]:
+    """The CPU's vector extensions from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return sorted(f for f in line.partition(":")[2].split()
+                  if f.startswith(("avx512", "avx2", "fma")))
+
+
+def library_name() -> tuple[str, list[str]]:
+    """The library's name for this source, torch and CPU, and its compiler flags
+    (`COMPRESS_KERNEL_MARCH` builds for another CPU level than this one's)."""
+    vector = vector_flags()
+    march = os.environ.get("COMPRESS_KERNEL_MARCH") or ("native" if vector else "")
+    cflags = ["-O3", "-fopenmp"] + ([f"-march={march}"] if march else [])
+    digest = hashlib.sha1(SOURCE.read_bytes()
+                          + " ".join([*vector, *cflags, torch.__version__]).encode())
+    return f"compress_encoder_attention_{digest.hexdigest()[:12]}", cflags
+
+
+def shipped_library(folder: Path | None = None) -> Path:
+    """Where the library for this CPU lies when it ships beside the source."""
+    return (folder or SOURCE.parent) / f"{library_name()[0]}.so"
+
+
+def built_library() -> Path | None:
+    """The library file this process loaded (None where the operator is not at hand)."""
+    if not load():
+        return None
+    if shipped_library().is_file():
+        return shipped_library()
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = library_name()[0]
+    library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    return library if library.is_file() else None
+
+
+def load() -> bool:
+    """Whether `torch.ops.compress_encoder.attention` is registered (built here if need be)."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def error() -> str | None:
+    """Why the operator could not be built, or None."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _load() -> bool:
+    if hasattr(getattr(torch.ops, NAMESPACE), "attention"):
+        return True
+    if os.environ.get("COMPRESS_NO_KERNELS"):
+        _state["error"] = "COMPRESS_NO_KERNELS is set"
+        return False
+    if shipped_library().is_file():
+        torch.ops.load_library(str(shipped_library()))
+    else:
+        from torch.utils.cpp_extension import load as build
+
+        scripts = Path(sys.executable).parent  # pip's ninja, where it is not on PATH
+        if shutil.which("ninja") is None and (scripts / "ninja").exists():
+            os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
+        name, cflags = library_name()
+        try:
+            build(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
+                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        except (RuntimeError, OSError, ImportError) as exc:  # no compiler, or it failed
+            _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            return False
+
+    @torch.library.register_fake(f"{NAMESPACE}::attention")
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        batch, heads, length, head_dim = query.shape
+        return query.new_empty(batch, length, heads, head_dim)
+
+    return True

@@ -1,0 +1,179 @@
+"""Issue 44 item 5: compress's encoder attention kernel (serve/encoder_attention.cpp) against
+aten's `scaled_dot_product_attention`, its float32 builds for CPUs without AVX512-BF16, the
+export pass that swaps it into a captured graph (export/attention_kernel.py), and an
+AOTInductor package calling it, run by the shipped runtime loaders without compress."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO, import_alone
+
+from compress.serving.archive import HANDLER, HANDLER_MODULES
+from export.errors import CaptureError
+from serve import encoder_attention
+
+BF16 = "avx512_bf16" in encoder_attention.vector_flags()
+TOLERANCE = 1e-2 if BF16 else 1e-5  # relative error: bfloat16 products, or float32
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert encoder_attention.load(), encoder_attention.error()
+    return torch.ops.compress_encoder.attention
+
+
+def qkv(batch: int, heads: int, length: int, head_dim: int, seed: int = 0):
+    """q, k, v as the views a projection's output gives: (batch, heads, length, head_dim)
+    with the rows of one token apart by the three projections' width."""
+    x = torch.randn(batch, length, 3 * heads * head_dim,
+                    generator=torch.Generator().manual_seed(seed))
+    return [t.view(batch, length, heads, head_dim).transpose(1, 2)
+            for t in x.split(heads * head_dim, -1)]
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def padding(batch: int, length: int) -> torch.Tensor:
+    """A key-padding mask (batch, 1, 1, length): row b keeps its first length - b tokens."""
+    kept = torch.arange(length)[None, :] < (length - torch.arange(batch))[:, None].clamp(min=1)
+    return kept[:, None, None, :]
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+@pytest.mark.parametrize("length", [1, 17, 70])
+def test_the_kernel_is_sdpa_for_every_mask_kind(kernel, head_dim: int, length: int) -> None:
+    q, k, v = qkv(3, 2, length, head_dim)
+    keep = padding(3, length)
+    full = keep.expand(3, 1, length, length).contiguous()
+    masks = {"none": None, "bool (B,1,1,L)": keep, "bool (B,1,L,L)": full,
+             "float": torch.zeros(keep.shape).masked_fill(~keep, -1e9),
+             "bool, keys strided": full.transpose(-1, -2).contiguous().transpose(-1, -2)}
+    for name, mask in masks.items():
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        got = kernel(q, k, v, mask, head_dim ** -0.5)
+        assert got.shape == (3, length, 2, head_dim) and got.is_contiguous()
+        assert relative(got, want) < TOLERANCE, name
+
+
+def test_a_row_with_every_key_masked_is_zeros(kernel) -> None:
+    q, k, v = qkv(1, 2, 5, 32)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool)
+    mask[0, 0, 2] = False
+    got = kernel(q, k, v, mask, 0.2)
+    assert torch.isfinite(got).all() and got[0, 2].abs().max() == 0
+    assert got[0, 1].abs().max() > 0
+
+
+FLOAT32_CHILD = """
+import json, torch, torch.nn.functional as F
+from serve import encoder_attention
+assert encoder_attention.load(), encoder_attention.error()
+errors = []
+for head_dim, length in ((16, 9), (32, 40), (64, 33), (24, 7)):
+    x = torch.randn(2, length, 3 * 2 * head_dim, generator=torch.Generator().manual_seed(1))
+    q, k, v = [t.view(2, length, 2, head_dim).transpose(1, 2) for t in x.split(2 * head_dim, -1)]
+    keep = torch.ones(2, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., length // 2:] = False
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
+    got = torch.ops.compress_encoder.attention(q, k, v, keep, head_dim ** -0.5)
+    errors.append(float((got - want).abs().max()))
+print(json.dumps({"errors": errors, "library": encoder_attention.shipped_library().name}))
+"""
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+def test_the_float32_builds_are_exact(avx2_kernels_env: dict[str, str], march: str) -> None:
+    """Built for a CPU without AVX512-BF16 (`COMPRESS_KERNEL_MARCH`: AVX2 only, or AVX-512
+    without BF16), the kernel is float32 throughout and matches sdpa to float rounding."""
+    env = {**avx2_kernels_env, "COMPRESS_KERNEL_MARCH": march}
+    done = subprocess.run([sys.executable, "-c", FLOAT32_CHILD], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["library"] != encoder_attention.shipped_library().name
+    assert max(found["errors"]) < 1e-5, found
+
+
+def tiny_encoder(tmp_path: Path):
+    """A 1-layer random BERT (heads of 16) as compress's ModelBundle, with MiniLM's
+    tokenizer."""
+    from conftest import minilm_folder
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from compress.models.bundle import ModelBundle
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, num_labels=2)
+    model = BertForSequenceClassification(config).eval()
+    model.set_attn_implementation("sdpa")  # as from_pretrained picks
+    return ModelBundle(model, "hf", ["neg", "pos"],
+                       tokenizer=AutoTokenizer.from_pretrained(minilm_folder()))
+
+
+def test_the_export_pass_swaps_bidirectional_attention_only() -> None:
+    from export.attention_kernel import use_attention_kernel
+    from export.graphs import TextLogits, export_graph, traced_inputs
+
+    class Causal(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    causal = torch.export.export(Causal(), (torch.randn(1, 2, 8, 32),))
+    with pytest.raises(CaptureError, match="no bidirectional float32 attention"):
+        use_attention_kernel(causal)
+    bundle = tiny_encoder(Path())
+    args = traced_inputs(bundle)
+    program = export_graph(TextLogits(bundle.model), args, True, 128)
+    assert use_attention_kernel(program) == 1
+    targets = {str(n.target) for n in program.graph.nodes}
+    assert "compress_encoder.attention.default" in targets
+    assert not any("scaled_dot_product" in t for t in targets)
+    with torch.inference_mode():
+        want, got = bundle.model(*args[:2], token_type_ids=args[2]).logits, \
+            program.module()(*args)
+    assert relative(got, want) < TOLERANCE
+
+
+def test_an_aoti_package_with_the_kernel_runs_from_an_archive_root(tmp_path: Path) -> None:
+    """`attention: kernel`: the package calls the operator, export.json says so, the library
+    lies beside it, and the shipped loaders (no compress importable) register it and run
+    the package at other batch sizes and lengths, as the model does."""
+    from compress.recipe.kinds.export import ExportConfig
+    from compress.stages.export import export
+
+    bundle = tiny_encoder(tmp_path)
+    folder = tmp_path / "aoti"
+    export(bundle, ExportConfig(format="aoti", attention="kernel"), folder)
+    meta = json.loads((folder / "export.json").read_text())
+    assert meta["aoti_operators"] == ["compress_encoder"]
+    assert meta["aoti_attention_kernel_calls"] == 1
+    assert (folder / encoder_attention.shipped_library().name).is_file()
+    for module in (HANDLER, *HANDLER_MODULES):  # what the package stage puts in the archive
+        shutil.copy(module, folder / module.name)
+    ids = torch.randint(1000, 20000, (5, 23), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1:, 17:] = 0
+    (folder / "x.json").write_text(json.dumps([ids.tolist(), mask.tolist()]))
+    reach, project, shown = import_alone(
+        folder, "runtimes, torch",
+        "meta = json.load(open('export.json')); "
+        "run = runtimes.load_runtime('.', meta, 1, spinning=False); "
+        "ids, mask = (torch.tensor(t) for t in json.load(open('x.json'))); "
+        "out(run(ids, mask, torch.zeros_like(ids)).tolist())")
+    assert reach == [] and project == []
+    with torch.inference_mode():
+        want = bundle.model(input_ids=ids, attention_mask=mask).logits
+    assert relative(torch.tensor(shown[0]), want) < TOLERANCE
+    assert os.environ.get("COMPRESS_NO_KERNELS") is None

@@ -1,5 +1,9 @@
-// Bidirectional attention for encoders: softmax(q k^T * scale + mask) v, one query block
-// of a (batch, head) a task; q, k, v (B, H, L, D) with unit stride along D; out (B, L, H, D).
+// Bidirectional attention for encoders (encoder_attention.py registers and documents it):
+// softmax(q k^T * scale + mask) v with q, k, v (B, H, L, D), unit stride along D, and the
+// answer laid out (B, L, H, D). A task is one block of 32 query rows of one (batch, head);
+// a thread lays out each (batch, head)'s k and v once for its tasks. Three paths:
+// AVX512-BF16 (heads of 16, 32, 64): both products on bfloat16 pairs (vdpbf16ps), float32
+// sums, softmax and output; AVX-512: float32 register blocks; else plain float32 loops.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -36,6 +36,9 @@ def candidate_stages(name: str, float_layers: list[str], calibration: Calibratio
         "pt2e_static_bf16_aoti": lambda: [
             QuantizeConfig(mode="static", compile=False, **static),
             ExportConfig(format="aoti", autocast="bf16")],
+        "pt2e_static_bf16_attention_aoti": lambda: [
+            QuantizeConfig(mode="static", compile=False, **static),
+            ExportConfig(format="aoti", attention="kernel")],
         "bf16_aoti": lambda: [PrecisionConfig(), ExportConfig(format="aoti")],
         "ort_dynamic_int8": lambda: [ExportConfig(format="onnx", quantize="dynamic",
                                                   **({"keep_float": keep} if keep else {}))],

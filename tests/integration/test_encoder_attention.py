@@ -177,3 +177,28 @@ def test_an_aoti_package_with_the_kernel_runs_from_an_archive_root(tmp_path: Pat
         want = bundle.model(input_ids=ids, attention_mask=mask).logits
     assert relative(torch.tensor(shown[0]), want) < TOLERANCE
     assert os.environ.get("COMPRESS_NO_KERNELS") is None
+
+
+def test_the_search_offers_the_kernel_on_bf16_cpus_only() -> None:
+    from compress.recipe.kinds.export import ExportConfig
+    from compress.recipe.kinds.search import not_applicable
+    from compress.recipe.options import CalibrationOptions
+    from compress.search.candidates import candidate_stages
+
+    name = "pt2e_static_bf16_attention_aoti"
+    quantize, export = candidate_stages(name, [], CalibrationOptions(), smoothing=0.8)
+    assert (quantize.mode, quantize.smoothing) == ("static", 0.8)
+    assert export == ExportConfig(format="aoti", attention="kernel") and export.quantizes
+    assert not_applicable(name, hugging_face=False, bf16_cpu=True) is None
+    assert "bfloat16" in not_applicable(name, hugging_face=True, bf16_cpu=False)
+
+
+def test_attention_is_an_aoti_option() -> None:
+    from pydantic import ValidationError
+
+    from compress.recipe.kinds.export import ExportConfig
+
+    with pytest.raises(ValidationError, match="attention do not apply to format onnx"):
+        ExportConfig(format="onnx", attention="kernel")
+    with pytest.raises(ValidationError, match="'sdpa' or 'kernel'"):
+        ExportConfig(format="aoti", attention="flash")

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--infinity", default=",".join(INFINITY_VARIANTS),
                         help=f"infinity's variants ({','.join(INFINITY_VARIANTS)}); '' for none")
     parser.add_argument("--no-compress", action="store_true", help="infinity alone")
-    parser.add_argument("--batch", type=int, default=32, help="infinity's --batch-size (32)")
+    parser.add_argument("--batch", default="32", help="infinity's --batch-size, comma-separated "
+                        "for a server each (32; 16,32: the faster counts)")
     parser.add_argument("--start-timeout", type=int, default=600,
                         help="seconds a server may take to answer its first call (600)")
     parser.add_argument("--markdown", type=Path, metavar="PATH",
@@ -94,6 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
         parser.error(f"--concurrency {args.concurrency!r}: expected numbers like 1,8,32")
+    try:
+        args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batch {args.batch!r}: expected numbers like 16,32")
     args.engines = [] if args.no_compress else [e for e in args.engines.split(",") if e]
     args.variants = [v for v in args.infinity.split(",") if v]
     problems = [f"unknown engine {e!r} (known: {', '.join(ENGINES)})"
@@ -101,7 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     problems += [f"unknown infinity variant {v!r} (known: {', '.join(INFINITY_VARIANTS)})"
                  for v in args.variants if v not in INFINITY_VARIANTS]
     problems += [f"--{n.replace('_', '-')} must be at least 1" for n in (
-        "rounds", "requests", "inputs", "batch", "start_timeout") if getattr(args, n) < 1]
+        "rounds", "requests", "inputs", "start_timeout") if getattr(args, n) < 1]
+    problems += ["--batch: give sizes of at least 1"] if not args.batches or min(
+        args.batches) < 1 else []
     problems += ["--concurrency: give levels of at least 1"] if not args.levels or min(
         args.levels) < 1 else []
     problems += ["no server to measure"] if not args.engines and not args.variants else []
@@ -144,8 +151,11 @@ def server_items(args: argparse.Namespace, run_dir: Path, source: Path
         facts["infinity environment"] = infinity
         built = st_onnx_build(run_dir, source, echo) if any(
             v.startswith("optimum") for v in args.variants) else None
-        for variant in args.variants:
-            item = {"key": f"infinity-{variant}", "name": f"infinity {variant}",
+        named = len(args.batches) > 1  # the batch in the name only when it varies
+        for variant, batch in ((v, b) for v in args.variants for b in args.batches):
+            suffix = f" b{batch}" if named else ""
+            item = {"key": f"infinity-{variant}{suffix.replace(' ', '-')}",
+                    "name": f"infinity {variant}{suffix}", "batch": batch,
                     "kind": "infinity", "variant": variant, "folder": str(source),
                     "binary": str(INFINITY.path() / "bin" / "infinity_emb"), "rounds": []}
             if variant.startswith("optimum") and isinstance(built, dict):
@@ -161,7 +171,7 @@ def server_items(args: argparse.Namespace, run_dir: Path, source: Path
 def visit(item: dict[str, Any], args: argparse.Namespace, texts: list[str], work: Path
           ) -> dict[str, Any]:
     """One round's figures of one server: started, loaded at every level, stopped."""
-    server = Server(item, work, args.batch)
+    server = Server(item, work, item.get("batch", 32))
     figures: dict[str, Any] = {}
     try:
         figures["cold_start_s"] = round(server.start(args.start_timeout), 2)

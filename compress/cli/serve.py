@@ -18,6 +18,8 @@ from compress.errors import CompressError, UserError
               help="Largest batch TorchServe forms (default: the archive's).")
 @click.option("--max-batch-delay", type=click.IntRange(0, 10_000), metavar="MS",
               help="Milliseconds TorchServe waits to fill a batch (default: the archive's).")
+@click.option("--threads", type=click.IntRange(1, 4096), help="Intra-op threads of each "
+              "worker (default: the archive's; workers x threads is capped at the cores).")
 @click.option("--no-auth", is_flag=True, help="Turn TorchServe's token authorization off.")
 @click.option("--enable-model-api", is_flag=True,
               help="Allow registering and scaling models through the management API "
@@ -30,8 +32,8 @@ from compress.errors import CompressError, UserError
               show_default=True, help="The server: TorchServe (Java), or LitServe running "
               "the archive's same handler (pip install litserve; no Java).")
 def serve(target: str | None, port: int, workers: int | None, batch_size: int | None,
-          max_batch_delay: int | None, no_auth: bool, enable_model_api: bool, timeout: int,
-          stop: bool, engine: str) -> None:
+          max_batch_delay: int | None, threads: int | None, no_auth: bool,
+          enable_model_api: bool, timeout: int, stop: bool, engine: str) -> None:
     """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe, or with
     LitServe (--engine litserve: the same archive, handler, URLs and token).
 
@@ -46,6 +48,7 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
       compress serve runs/bert_int8
       compress serve runs/bert_int8 --port 8081 --batch-size 16 --max-batch-delay 10
       compress serve runs/bert_int8 --engine litserve
+      compress serve runs/embed_search --threads 1 --batch-size 16
       compress serve --stop runs/bert_int8
     """
     from compress.serving import server
@@ -58,7 +61,8 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
         raise click.UsageError("give a run folder or a .mar to serve (or --stop)")
     info = server.start(server.resolve_target(target), port=port, workers=workers,
                         batch_size=batch_size, max_batch_delay_ms=max_batch_delay,
-                        auth=not no_auth, model_api=enable_model_api, timeout_s=timeout,
+                        threads=threads, auth=not no_auth, model_api=enable_model_api,
+                        timeout_s=timeout,
                         echo=lambda m: click.echo(m, err=True), engine=engine)
     settings = info["settings"]
     click.echo(f"serving {info['model_name']} at {info['url']} with "

@@ -81,7 +81,8 @@ def _mar_model_name(mar: Path) -> str:
 
 
 def unpack_model(target: ServeTarget, store: Path, workers: int | None,
-                 batch_size: int | None, max_batch_delay_ms: int | None) -> dict[str, Any]:
+                 batch_size: int | None, max_batch_delay_ms: int | None,
+                 threads: int | None = None) -> dict[str, Any]:
     """Unpack the archive into the model store and apply the command line's overrides to
     its model-config.yaml; return the settings in force."""
     folder = store / target.model_name
@@ -96,7 +97,8 @@ def unpack_model(target: ServeTarget, store: Path, workers: int | None,
     if max_batch_delay_ms is not None:
         config["maxBatchDelay"] = max_batch_delay_ms
     handler = config.setdefault("handler", {})
-    handler["threads"] = worker_threads(handler.get("threads"), int(config.get("maxWorkers", 1)))
+    handler["threads"] = worker_threads(threads or handler.get("threads"),
+                                        int(config.get("maxWorkers", 1)))
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     return {k: config.get(k) for k in ("minWorkers", "maxWorkers", "batchSize",
                                        "maxBatchDelay", "responseTimeout")} | {

@@ -75,12 +75,13 @@ def continuous_archive(mar: Path) -> bool:
 
 def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
           batch_size: int | None = None, max_batch_delay_ms: int | None = None,
-          auth: bool = True, model_api: bool = False, timeout_s: float = 900,
+          threads: int | None = None, auth: bool = True, model_api: bool = False,
+          timeout_s: float = 900,
           echo: Callable[[str], None] = print, engine: str = "torchserve") -> dict[str, Any]:
     """Start `engine` (TorchServe, or LitServe serving the same unpacked archive) on
     127.0.0.1:`port`, wait until a worker is ready; return server.json.
 
-    Batch and worker options override the archive's model-config.yaml. On any failure the
+    Batch, worker and thread options override the archive's model-config.yaml. On any failure the
     server is stopped before the error is raised."""
     if engine not in ENGINES:
         raise UserError(f"unknown serving engine {engine!r}: choose one of {', '.join(ENGINES)}")
@@ -109,11 +110,13 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     shutil.rmtree(serve_dir, ignore_errors=True)
     (serve_dir / "logs").mkdir(parents=True)
     store = serve_dir / "model-store"
-    settings = unpack_model(target, store, workers, batch_size, max_batch_delay_ms)
+    settings = unpack_model(target, store, workers, batch_size, max_batch_delay_ms, threads)
     write_openapi(store / target.model_name, serve_dir, target.model_name)
     if engine == litserve_launch.ENGINE:
         return litserve_launch.start(target.model_name, target.mar, store / target.model_name,
                                      serve_dir, port, settings, auth, timeout_s, echo)
+    if settings.get("maxBatchDelay") == 0:
+        settings["maxBatchDelay"] = _no_zero_delay(store / target.model_name, echo)
     management, metrics, grpc_i, grpc_m = free_ports(4, avoid={port})
     config = serve_dir / "config.properties"
     config.write_text("\n".join([
@@ -248,3 +251,14 @@ def _log_tail(serve_dir: Path, lines: int = 3) -> str:
 
 def _shown(target: ServeTarget) -> str:
     return str(target.mar if target.serve_dir.suffix == ".serve" else target.serve_dir.parent)
+
+
+def _no_zero_delay(model_dir: Path, echo: Callable[[str], None]) -> int:
+    """TorchServe reads a maxBatchDelay of 0 as its default 100 ms (a lone request waited
+    108 ms here): write 1 ms into the unpacked model-config.yaml instead; return it."""
+    config_file = model_dir / "model-config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["maxBatchDelay"] = 1
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    echo("max batch delay 0 ms served as 1 ms: TorchServe reads 0 as its default 100 ms")
+    return 1

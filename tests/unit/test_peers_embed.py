@@ -200,6 +200,8 @@ def test_calls_cycle_through_the_texts():
     (["RUN", "--infinity", "tensorrt"], "unknown infinity variant 'tensorrt'"),
     (["RUN", "--engines", "triton"], "unknown engine 'triton'"),
     (["RUN", "--no-compress", "--infinity", ""], "no server to measure"),
+    (["RUN", "--batch", "16,x"], "--batch"),
+    (["RUN", "--batch", "0"], "--batch: give sizes of at least 1"),
 ])
 def test_serve_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -212,6 +214,17 @@ def test_serve_quick_fills_only_what_was_not_given():
     args = serve_peers_embed.parse_args(["RUN", "--quick", "--requests", "5"])
     assert (args.rounds, args.levels, args.requests) == (1, [1, 8], 5)
     assert serve_peers_embed.parse_args(["RUN"]).levels == [1, 8, 32]
+
+
+def test_serve_several_infinity_batches_are_a_server_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve_peers_embed, "ensure", lambda venv, echo: {})  # no venv built
+    args = serve_peers_embed.parse_args(["RUN", "--infinity", "torch", "--batch", "16,32",
+                                         "--no-compress"])
+    assert args.batches == [16, 32]
+    items, _ = serve_peers_embed.server_items(args, tmp_path, tmp_path)
+    assert [(i["key"], i["name"], i["batch"]) for i in items] == [
+        ("infinity-torch-b16", "infinity torch b16", 16),
+        ("infinity-torch-b32", "infinity torch b32", 32)]
 
 
 def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_path,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from serve.causal_lm.tensor_parallel import split_problem
 
 DEFAULT_TOLERANCE = 1e-4
 TIMEOUT_S = 1800
+# A rank's exception line, bare or behind torchrun's `[rank0]: ` prefix.
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception|Interrupt)\b:.*)")
 
 
 def run_comparison_script(folder: Path, module: str, kind: str, ranks: int,
@@ -46,13 +49,23 @@ def run_comparison_script(folder: Path, module: str, kind: str, ranks: int,
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=folder,
                           timeout=TIMEOUT_S, check=False)
     if done.returncode or not out.is_file():
-        last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["?"]
+        log = ctx.folder / f"{kind}.log"
+        log.write_text(done.stdout + done.stderr)
         raise CompressError(f"{what.replace(' ', '-')} check failed on {ranks} processes: "
-                            f"{last[0][:240]}")
+                            f"{_first_error(done.stderr)[:240]} (torchrun's output: "
+                            f"{log.relative_to(ctx.run_dir)})")
     figures = {k: v for k, v in json.loads(out.read_text()).items()
                if not k.startswith("tokens")}
     out.write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def _first_error(stderr: str) -> str:
+    """The first line of a failed torchrun that names an error (its last line otherwise):
+    the rank's own exception, not the agent's summary after it."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    named = [m.group(1) for m in map(_EXCEPTION_LINE.match, lines) if m]
+    return (named or lines[-1:] or ["?"])[0]
 
 
 def check_parity(figures: dict[str, Any], cfg: ExportConfig, kind: str, ctx: StageContext,

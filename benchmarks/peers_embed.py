@@ -62,6 +62,9 @@ PEERS = ("st_fp32", "st_onnx_int8", "st_openvino_int8", "fastembed_fp32", "faste
 REFERENCE = "st_fp32"  # fidelity and recall@10 are against this row's embeddings
 
 
+# the fixed shape each row is also timed at (batch, tokens), as peers.py times classifiers
+FIXED = (8, 128)
+
 def echo(text: str) -> None:  # progress goes to stderr; stdout has the table alone
     print(text, file=sys.stderr, flush=True)
 
@@ -172,7 +175,7 @@ def measure(items: list[dict[str, Any]], texts_file: Path, work: Path,
             spec = {k: item.get(k) for k in ("kind", "folder", "file", "pooling", "normalize",
                                              "dimensions", "length_buckets")}
             spec.update(mode="measure", texts=str(texts_file), batch=args.batch,
-                        warmup=args.warmup, passes=args.passes,
+                        warmup=args.warmup, passes=args.passes, fixed=list(FIXED),
                         embeddings=str(work / f"{item['name']}.npy") if r == 0 else None,
                         sys_path=[str(REPO), *(p for p in sys.path if p)])
             figures = run_json_child([item.get("python") or sys.executable, str(CHILD),
@@ -232,7 +235,12 @@ def _main(args: argparse.Namespace) -> int:
         notes.append(f"compress's passes of similar length: FLOPs {bucketed / 1e9:.1f} G over "
                      "the texts")
     peak = gemm_peaks(gemm)["int8_gops"] if gemm else None
-    rows = table_rows(items, flops, len(texts), peak)
+    fixed_flops, _ = quality.pass_flops(source, [FIXED])
+    if fixed_flops:
+        notes.append(f"b{FIXED[0]}x{FIXED[1]}: a batch of {FIXED[0]} texts of {FIXED[1]} "
+                     f"tokens each in one call, texts in, embeddings out (15 calls after the "
+                     f"warm-up, the median; FLOPs {fixed_flops / 1e9:.2f} G a call)")
+    rows = table_rows(items, flops, len(texts), peak, fixed_flops)
     print(render_text(rows), end="")
     header = _header(args, recipe, source, texts, versions, peak, shapes,
                      [*notes, flops_note])

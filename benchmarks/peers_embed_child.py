@@ -147,6 +147,20 @@ def time_passes(encode: Encoder, texts: list[str], batch: int, warmup: int, pass
             "batch_ms_p50": round(statistics.median(batch_ms), 3)}, first
 
 
+def time_fixed(encode: Encoder, batch: int, length: int, warmup: int, iters: int = 15
+               ) -> dict[str, Any]:
+    """The median time of a batch of `batch` texts of `length` tokens each (special tokens
+    included: `length - 2` words that are one token each), texts in and embeddings out."""
+    texts = [" ".join(["word"] * (length - 2))] * batch
+    times = []
+    for i in range(max(warmup, 1) + iters):
+        began = time.perf_counter()
+        encode(texts)
+        if i >= max(warmup, 1):
+            times.append(1000 * (time.perf_counter() - began))
+    return {"fixed_ms": round(statistics.median(times), 3), "fixed_shape": [batch, length]}
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the row's model, time it on the texts, save its embeddings when asked."""
     texts = json.loads(Path(spec["texts"]).read_text())["texts"]
@@ -157,6 +171,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                                       spec["passes"])
     if spec.get("embeddings"):
         np.save(spec["embeddings"], embeddings)
+    if spec.get("fixed"):
+        figures.update(time_fixed(encode, *spec["fixed"], spec["warmup"]))
     return {**figures, "load_s": round(load_s, 3), "texts": len(texts),
             "dimensions": int(embeddings.shape[1]), "pid": os.getpid()}
 

@@ -11,6 +11,7 @@ only in the plot), unit-tested without timing anything (tests/unit/test_peers_em
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("x ST int8 best", "ratio_best", 2),
     ("size MB", "size_mb", 1),
     ("% int8 peak", "pct_int8_peak", 1),
+    ("b8x128 ms", "fixed_ms", 2),
+    ("% int8 peak b8x128", "pct_int8_peak_fixed", 1),
 )
 
 
@@ -46,12 +49,13 @@ def peak_share(flops: float | None, sps: float | None, count: int | None,
 
 
 def table_rows(items: list[dict[str, Any]], flops: float | None = None,
-               count: int | None = None, peak_gops: float | None = None
-               ) -> list[dict[str, Any]]:
+               count: int | None = None, peak_gops: float | None = None,
+               fixed_flops: float | None = None) -> list[dict[str, Any]]:
     """One row per item, in order. An item is {"name", "runtime", "rounds": [a child's
-    figures per round, each with "items_per_s"], "quality": {fidelity...}, "size_mb",
-    "peer", "error"?, "flops"?}; `flops` is one pass over the `count` texts (for the peak
-    share), where the item has no "flops" of its own (the work its passes do)."""
+    figures per round, each with "items_per_s" and maybe "fixed_ms"], "quality":
+    {fidelity...}, "size_mb", "peer", "error"?, "flops"?}; `flops` is one pass over the
+    `count` texts (for the peak share), where the item has no "flops" of its own (the work
+    its passes do); `fixed_flops` one call of the fixed shape (8 x 128)."""
     rows = []
     for item in items:
         rates = [r["items_per_s"] for r in item.get("rounds") or [] if r.get("items_per_s")]
@@ -62,6 +66,10 @@ def table_rows(items: list[dict[str, Any]], flops: float | None = None,
                **{k: quality.get(k) for k in QUALITY}}
         row["pct_int8_peak"] = peak_share(item.get("flops", flops), row["sps_median"], count,
                                           peak_gops)
+        fixed = [r["fixed_ms"] for r in item.get("rounds") or [] if r.get("fixed_ms")]
+        row["fixed_ms"] = round(statistics.median(fixed), 3) if fixed else None
+        row["pct_int8_peak_fixed"] = peak_share(fixed_flops, 1000 / row["fixed_ms"], 1,
+                                                peak_gops) if fixed else None
         rows.append(row)
     reference = next((r for r in rows if r["row"] == REFERENCE), {})
     for row in rows:
@@ -118,7 +126,9 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
               "text (p1: the 1st percentile); recall@10: the share of each text's 10 nearest "
               "texts under sentence-transformers fp32 kept. x ST int8: the row's sent/s over "
               f"{REFERENCE}'s, by median and by best (max) round. % int8 peak: the encoder FLOPs "
-              "of the row's passes (its own shapes) / their time / the int8 GEMM peak."]
+              "of the row's passes (its own shapes) / their time / the int8 GEMM peak. b8x128 "
+              "ms: the median over rounds of a batch of 8 texts of 128 tokens (a round's "
+              "figure is its median call); % int8 peak b8x128: that call's FLOPs over it."]
     lines += [f"- {note}" for note in header.get("notes") or []]
     lines += [f"- {r['row']}: failed: {r['error']}" for r in rows if r.get("error")]
     return "\n".join(lines) + "\n"

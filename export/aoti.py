@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from export.attention_kernel import OPERATOR, use_attention_kernel
+from export.flat_activations import flatten_activation_linears
 from export.graphs import (
     Bundle,
     export_graph,
@@ -41,6 +42,7 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
         program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
     refuse_random_ops(fx_random_nodes(program.graph), "the aoti graph")
+    flattened = flatten_activation_linears(program) if bundle.kind == "pt2e" else 0
     kernel_calls = use_attention_kernel(program) if getattr(cfg, "attention", "sdpa") == "kernel" \
         else 0
     path = folder / FILE
@@ -50,6 +52,8 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
     meta: dict[str, Any] = {"aoti_max_seq": max_seq}
     if autocast:
         meta["aoti_autocast"] = autocast
+    if flattened:
+        meta["aoti_fused_activations"] = flattened
     if kernel_calls:  # the operator the serving process registers before it loads, and its
         # library for this CPU beside the file (an archive carries it; plain torch loads it
         # with torch.ops.load_library)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from export.errors import CaptureError
+from export.padding_mask import INPUT, is_key_padding, padding_view
 from serve import encoder_attention
 
 OPERATOR = encoder_attention.NAMESPACE
@@ -61,6 +62,34 @@ def use_attention_kernel(program: torch.export.ExportedProgram) -> int:
         raise CaptureError("attention: kernel found no bidirectional float32 attention "
                            f"(scaled_dot_product_attention, heads of {HEAD_DIMS}) in the "
                            "graph to run on it; use attention: sdpa for this model")
+    _read_padding_from_input(program)
     graph.lint()
     program.graph_module.recompile()
     return swapped
+
+
+def _read_padding_from_input(program: torch.export.ExportedProgram) -> int:
+    """Give the kernel calls whose mask is only the input's padding a (batch, 1, 1, length)
+    view of `attention_mask` instead (export/padding_mask.py); the nodes that built the
+    full mask go. Returns how many calls changed."""
+    graph = program.graph_module.graph
+    user_inputs = list(program.graph_signature.user_inputs)
+    source = next((n for n in graph.nodes if n.op == "placeholder" and n.name == INPUT), None)
+    kernel = getattr(torch.ops, OPERATOR).attention.default
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target == kernel
+             and isinstance(n.args[3], torch.fx.Node)]
+    if source is None or not calls:
+        return 0
+    verdicts: dict[torch.fx.Node, bool] = {}
+    view, changed = None, 0
+    for call in calls:
+        mask = call.args[3]
+        if mask not in verdicts:
+            verdicts[mask] = is_key_padding(program.graph_module, mask, user_inputs)
+        if verdicts[mask]:
+            view = view or padding_view(graph, source)
+            call.update_arg(3, view)
+            changed += 1
+    if changed:
+        graph.eliminate_dead_code()
+    return changed

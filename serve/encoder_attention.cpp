@@ -10,7 +10,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <cstdlib>
 #include <vector>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -207,6 +211,64 @@ void to_bf16(const float* x, int64_t n, uint16_t* out) {
   for (; i < n; ++i) out[i] = (uint16_t)bf16_bits(x[i]);
 }
 
+void to_bf16_scaled(const float* x, int64_t n, float by, uint16_t* out) {  // x * by
+  const __m512 by_v = _mm512_set1_ps(by);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + i), by_v)));
+  for (; i < n; ++i) out[i] = (uint16_t)bf16_bits(x[i] * by);
+}
+
+constexpr float kLog2e = 1.44269504089f;
+
+// 2^x for x <= 0, exactly 0 at -inf: 2^n times a degree-5 polynomial of x - n, n the
+// nearest integer (relative error ~2e-6, far below the bfloat16 the weights round to)
+inline __m512 exp2_512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// 16 scores from key j on: the mask applied (bools: -inf where false; floats: added, in
+// log2 units), -inf from key S on
+inline __m512 masked_scores(__m512 x, const MaskRow& mask, int64_t j, int64_t S) {
+  const int64_t left = S - j;
+  const __mmask16 valid = left >= 16 ? (__mmask16)0xffff
+                                     : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+  if (mask.add)
+    x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(valid, mask.add + j), _mm512_set1_ps(kLog2e), x);
+  __mmask16 keep = valid;
+  if (mask.keep)
+    keep &= _mm_cmpneq_epi8_mask(_mm_maskz_loadu_epi8(valid, mask.keep + j),
+                                 _mm_setzero_si128());
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), x);
+}
+
+// prow = bfloat16 of 2^(row - max), returns the float sum (0 where every key is masked)
+inline float exp2_row(const float* row, float top, int64_t Sp, uint16_t* prow) {
+  if (top == -INFINITY) {
+    std::memset(prow, 0, Sp * sizeof(uint16_t));
+    return 0.f;
+  }
+  const __m512 top_v = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < Sp; j += 16) {
+    const __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(row + j), top_v));
+    total = _mm512_add_ps(total, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
 template <int kVecs>  // D / 16: float32 vectors of a head's output row
 void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, const float* vb,
                     int64_t vs, const MaskRow* mask_rows, int64_t rows, int64_t S,
@@ -238,9 +300,11 @@ void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, co
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const int64_t nr = std::min(kRows, rows - r0);
     uint32_t qw[kRows][T];
-    for (int r = 0; r < kRows; ++r)
-      to_bf16(qb + std::min<int64_t>(r0 + r, rows - 1) * qs, D,
-              reinterpret_cast<uint16_t*>(qw[r]));
+    for (int r = 0; r < kRows; ++r)  // q scaled to log2 units: softmax runs on 2^x
+      to_bf16_scaled(qb + std::min<int64_t>(r0 + r, rows - 1) * qs, D, scale * kLog2e,
+                     reinterpret_cast<uint16_t*>(qw[r]));
+    __m512 best[kRows];
+    for (int r = 0; r < kRows; ++r) best[r] = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < Sp; j += 32) {
       __m512 acc[kRows][2];
       for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -257,14 +321,15 @@ void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, co
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
         if (r >= nr) break;
-        _mm512_storeu_ps(scores + r * Sp + j, acc[r][0]);
-        _mm512_storeu_ps(scores + r * Sp + j + 16, acc[r][1]);
+        const __m512 a0 = masked_scores(acc[r][0], mask_rows[r0 + r], j, S);
+        const __m512 a1 = masked_scores(acc[r][1], mask_rows[r0 + r], j + 16, S);
+        _mm512_storeu_ps(scores + r * Sp + j, a0);
+        _mm512_storeu_ps(scores + r * Sp + j + 16, a1);
+        best[r] = _mm512_max_ps(best[r], _mm512_max_ps(a0, a1));
       }
     }
-    for (int r = 0; r < nr; ++r) {
-      sums[r] = softmax_row(scores + r * Sp, mask_rows[r0 + r], S, Sp, scale);
-      to_bf16(scores + r * Sp, Sp, prow + r * Sp);
-    }
+    for (int r = 0; r < nr; ++r)
+      sums[r] = exp2_row(scores + r * Sp, _mm512_reduce_max_ps(best[r]), Sp, prow + r * Sp);
     __m512 acc[kRows][kVecs];
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -382,6 +447,24 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
   });
   return out;
 }
+
+// An encoder package allocates its activations afresh each forward (MBs at 8 x 128).
+// glibc hands blocks above its mmap threshold to mmap, and trims the heap's top once
+// twice that much lies free: sized by the largest block freed so far, which an int8
+// encoder keeps small, so every forward faulted its pages in again (28% of the time on
+// one Zen 5 core). Loading the kernel keeps up to 64 MB blocks in the heap and 256 MB
+// free at its top; COMPRESS_MALLOC_DEFAULTS=1 leaves glibc's settings.
+struct KeepActivationPages {
+  KeepActivationPages() {
+#ifdef __GLIBC__
+    if (std::getenv("COMPRESS_MALLOC_DEFAULTS") == nullptr) {
+      mallopt(M_MMAP_THRESHOLD, 64 << 20);
+      mallopt(M_TRIM_THRESHOLD, 256 << 20);
+    }
+#endif
+  }
+};
+const KeepActivationPages keep_activation_pages;
 
 }  // namespace
 

@@ -14,10 +14,10 @@ import yaml
 
 from compress.distributed import process_group
 from compress.errors import CompressError, StageError, UserError, one_line
-from compress.pipeline.code_digest import code_digests
 from compress.recipe.chain import input_stage_index
 from compress.recipe.family_specs import FAMILIES, runner_of
 from compress.recipe.registry import import_function, spec_of
+from compress.runfolder.code_digest import code_digests
 from compress.runfolder.files import atomic_write_text, environment, now, sha256_json
 from compress.runfolder.records import (
     FINISHED,

@@ -20,11 +20,13 @@ from compress.errors import one_line
 from compress.measure.figures import latency_sweep, real_latency
 from compress.models.bundle import ModelBundle
 from compress.recipe.options import StrictModel
+from compress.runfolder.code_digest import code_digests
 from compress.runfolder.files import atomic_write_json, read_json, sha256_file, sha256_json
 from compress.search.quality import Quality
 
 TRIAL_FILE = "trial.json"
 VERSION = 1  # bump when what a trial measures changes
+BUILDER = "compress.search.candidates"  # builds a trial: its code is part of the key
 
 
 class Measurer:
@@ -84,9 +86,10 @@ def real_batch(metric: str) -> int | None:
 
 def trial_key(name: str, stages: list[StrictModel], float_layers: list[str], input_sha: str,
               settings: dict[str, Any]) -> str:
-    """The cache key of one trial."""
+    """The cache key of one trial: with the code that builds it (a change to an export pass
+    or a kernel builds the trial again)."""
     return sha256_json([VERSION, name, [s.model_dump(mode="json") for s in stages],
-                        float_layers, input_sha, settings])
+                        float_layers, input_sha, settings, code_digests([BUILDER])])
 
 
 def trial_id(name: str, float_layers: list[str], key: str) -> str:

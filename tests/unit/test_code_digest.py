@@ -10,10 +10,10 @@ from pathlib import Path
 
 from conftest import digits_recipe, write_recipe
 
-from compress.pipeline import code_digest
-from compress.pipeline.code_digest import module_closure
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
+from compress.runfolder import code_digest
+from compress.runfolder.code_digest import module_closure
 
 
 def test_the_closure_follows_lazy_and_relative_imports_within_the_project() -> None:
@@ -48,3 +48,13 @@ def test_a_changed_stage_module_runs_the_stage_again(tmp_path: Path, monkeypatch
     with open(copy / "stages" / "prune.py", "a") as out:  # the prune stage's module
         out.write("\n# a comment\n")
     assert _statuses(run_recipe(recipe, echo=lambda _: None)) == ["cached", "done"]
+
+
+def test_a_kernel_source_a_module_builds_is_part_of_its_digest() -> None:
+    from compress.runfolder.files import sha256_file
+    from serve import encoder_attention
+
+    digests = code_digest.code_digests(["serve.encoder_attention"])
+    source = encoder_attention.SOURCE
+    assert f"serve.encoder_attention:{source.name} {sha256_file(source)}" in digests
+    assert code_digest.native_sources(Path(encoder_attention.__file__)) == [source]

@@ -137,6 +137,33 @@ def test_the_timing_loop_pads_nothing_itself_and_keeps_the_first_pass():
     assert len(figures["items_per_s_passes"]) == 2 and figures["items_per_s"] > 0
 
 
+def test_the_fixed_shape_is_timed_on_texts_of_that_many_tokens_and_shared_by_the_peak():
+    from transformers import AutoTokenizer
+
+    from compress.recipe.sources import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model("sentence-transformers/all-MiniLM-L6-v2", None).location)
+    seen = []
+
+    def encode(texts):
+        seen.append(texts)
+        return np.ones((len(texts), 4), dtype=np.float32)
+
+    figures = child.time_fixed(encode, 8, 128, warmup=2, iters=5)
+    assert len(seen) == 7 and all(len(t) == 8 for t in seen)
+    assert len(tokenizer(seen[0][0])["input_ids"]) == 128  # [CLS] 126 words [SEP]
+    assert figures["fixed_shape"] == [8, 128] and figures["fixed_ms"] >= 0
+    # 10 ms a call of 1e10 FLOPs is 1e12/s: 10% of 1e4 GOP/s; the median over the rounds
+    item = _item("search", [900.0, 1000.0, 1100.0])
+    for r, ms in zip(item["rounds"], [12.0, 10.0, 30.0], strict=True):
+        r["fixed_ms"] = ms
+    row = table_rows([item], peak_gops=1e4, fixed_flops=1e10)[0]
+    assert row["fixed_ms"] == 12.0
+    assert row["pct_int8_peak_fixed"] == pytest.approx(100 / 12, abs=0.01)
+    assert table_rows([_item("st_onnx_int8", [436.0])])[0]["fixed_ms"] is None
+
+
 @pytest.mark.parametrize("argv, message", [
     (["RUN", "--rounds", "0"], "--rounds must be at least 1"),
     (["RUN", "--limit", "0"], "--limit must be at least 1"),

@@ -60,7 +60,7 @@ def test_kind_modules_hold_the_kind_names() -> None:
              for path in sorted((REPO / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     allowed = re.compile(r"^compress/(recipe/kinds/(export|package)\.py|__init__\.py|"
-                         r"pipeline/code_digest\.py:\d+:PROJECT = )")
+                         r"runfolder/code_digest\.py:\d+:PROJECT = )")
     assert found and all(allowed.match(line) for line in found), found
 
 

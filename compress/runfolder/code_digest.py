@@ -1,5 +1,6 @@
 """The code a stage runs, as digests for its cache key: its run module and every module of
-this project that it imports, directly or through others, lazily inside functions included.
+this project that it imports, directly or through others, lazily inside functions included,
+and the native sources a module builds (the `.cpp` files it names with `with_name`).
 
 The imports are read from the sources (`ast`), never executed, so keying a cached stage
 imports nothing. A change to any of that code runs the stage again instead of reporting it
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -16,6 +18,8 @@ from pathlib import Path
 from compress.runfolder.files import sha256_file
 
 PROJECT = ("compress", "export", "serve")  # the packages whose code is part of the key
+# a kernel source beside its module: SOURCE = Path(__file__).with_name("kernel.cpp")
+_NATIVE = re.compile(r"""with_name\(\s*["']([\w.-]+\.(?:cpp|cc|c|h|cu))["']\s*\)""")
 
 
 @cache
@@ -71,6 +75,18 @@ def module_closure(roots: Iterable[str]) -> list[str]:
     return sorted(seen)
 
 
+def native_sources(path: Path) -> list[Path]:
+    """The native sources beside a module that it names (and builds at run time)."""
+    names = sorted(set(_NATIVE.findall(path.read_text())))
+    return [path.with_name(n) for n in names if path.with_name(n).is_file()]
+
+
 def code_digests(roots: Iterable[str]) -> list[str]:
-    """"module sha256" for each module of `roots`' closure: what a stage's key includes."""
-    return [f"{m} {sha256_file(module_file(m))}" for m in module_closure(roots)]
+    """"module sha256" for each module of `roots`' closure, and "module:file sha256" for
+    each native source it builds: what a stage's key includes."""
+    digests = []
+    for name in module_closure(roots):
+        path = module_file(name)
+        digests.append(f"{name} {sha256_file(path)}")
+        digests += [f"{name}:{src.name} {sha256_file(src)}" for src in native_sources(path)]
+    return digests

@@ -452,13 +452,13 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
 // glibc hands blocks above its mmap threshold to mmap, and trims the heap's top once
 // twice that much lies free: sized by the largest block freed so far, which an int8
 // encoder keeps small, so every forward faulted its pages in again (28% of the time on
-// one Zen 5 core). Loading the kernel keeps up to 64 MB blocks in the heap and 256 MB
-// free at its top; COMPRESS_MALLOC_DEFAULTS=1 leaves glibc's settings.
+// one Zen 5 core). Loading the kernel keeps blocks up to 32 MB (the most glibc takes) in
+// the heap and up to 256 MB free at its top; COMPRESS_MALLOC_DEFAULTS=1 leaves glibc's.
 struct KeepActivationPages {
   KeepActivationPages() {
 #ifdef __GLIBC__
     if (std::getenv("COMPRESS_MALLOC_DEFAULTS") == nullptr) {
-      mallopt(M_MMAP_THRESHOLD, 64 << 20);
+      mallopt(M_MMAP_THRESHOLD, 32 << 20);
       mallopt(M_TRIM_THRESHOLD, 256 << 20);
     }
 #endif

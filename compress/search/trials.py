@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import time
 import traceback
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,18 @@ def real_batch(metric: str) -> int | None:
     return int(metric.removeprefix("latency_ms_b").removesuffix("_real"))
 
 
+@cache
+def _builder_code() -> list[str]:
+    """The digests of the code that builds a trial: read once a process, not once a trial."""
+    return code_digests([BUILDER])
+
+
 def trial_key(name: str, stages: list[StrictModel], float_layers: list[str], input_sha: str,
               settings: dict[str, Any]) -> str:
     """The cache key of one trial: with the code that builds it (a change to an export pass
     or a kernel builds the trial again)."""
     return sha256_json([VERSION, name, [s.model_dump(mode="json") for s in stages],
-                        float_layers, input_sha, settings, code_digests([BUILDER])])
+                        float_layers, input_sha, settings, _builder_code()])
 
 
 def trial_id(name: str, float_layers: list[str], key: str) -> str:

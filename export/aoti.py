@@ -4,7 +4,8 @@ pruned and PT2E int8 models alike (int8 compiles with Inductor freezing, where t
 int8 kernels are chosen). With `autocast: bf16` the graph is captured under bfloat16
 autocast: the float ops run in bf16 (int8-mixed-bf16 for a PT2E model). With
 `attention: kernel` the encoder's attention calls compress's own operator
-(export/attention_kernel.py)."""
+(export/attention_kernel.py), and in a PT2E int8 graph so do its add + LayerNorm + quantize
+(export/fused_norm.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from export.attention_kernel import OPERATOR, use_attention_kernel
 from export.flat_activations import flatten_activation_linears
+from export.fused_norm import fuse_norms
+from export.fused_projections import fuse_projections
 from export.graphs import (
     Bundle,
     export_graph,
@@ -43,8 +46,11 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
         program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
     refuse_random_ops(fx_random_nodes(program.graph), "the aoti graph")
     flattened = flatten_activation_linears(program) if bundle.kind == "pt2e" else 0
-    kernel_calls = use_attention_kernel(program) if getattr(cfg, "attention", "sdpa") == "kernel" \
-        else 0
+    merged = fuse_projections(program) if bundle.kind == "pt2e" else 0
+    kernels = getattr(cfg, "attention", "sdpa") == "kernel"
+    kernel_calls = use_attention_kernel(program) if kernels else 0
+    # an int8 graph on the kernels: its add + LayerNorm + quantize too
+    norms = fuse_norms(program) if kernels and bundle.kind == "pt2e" else 0
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():
@@ -54,6 +60,10 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
         meta["aoti_autocast"] = autocast
     if flattened:
         meta["aoti_fused_activations"] = flattened
+    if merged:
+        meta["aoti_merged_linears"] = merged
+    if norms:
+        meta["aoti_fused_norms"] = norms
     if kernel_calls:  # the operator the serving process registers before it loads, and its
         # library for this CPU beside the file (an archive carries it; plain torch loads it
         # with torch.ops.load_library)

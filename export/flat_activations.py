@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from export.graph_edits import add_node, is_per_tensor
+
 aten = torch.ops.aten
 _ACTIVATIONS = (aten.gelu.default,)
-
-
-def _per_tensor(node: object, op: str) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" \
-        and getattr(node.target, "__name__", "").startswith(f"{op}_per_tensor")
 
 
 def _chain(activation: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
@@ -30,25 +27,13 @@ def _chain(activation: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
             and len(linear.users) == 1 and len(activation.users) == 1):
         return None
     dequantize, quantize = linear.args[0], next(iter(activation.users))
-    if not (_per_tensor(dequantize, "dequantize") and _per_tensor(quantize, "quantize")):
+    if not (is_per_tensor(dequantize, "dequantize") and is_per_tensor(quantize, "quantize")):
         return None
     source = dequantize.args[0]
     value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
     if value is None or value.dim() != 3:
         return None
     return source, dequantize, linear, quantize
-
-
-def _node(graph: torch.fx.Graph, target, args: tuple, like: torch.fx.Node | None = None,
-          kwargs: dict | None = None) -> torch.fx.Node:
-    node = graph.call_function(target, args, kwargs or {})
-    values = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
-    node.meta["val"] = target(*values, **(kwargs or {}))
-    if like is not None:
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in like.meta:
-                node.meta[key] = like.meta[key]
-    return node
 
 
 def flatten_activation_linears(program: torch.export.ExportedProgram) -> int:
@@ -63,18 +48,18 @@ def flatten_activation_linears(program: torch.export.ExportedProgram) -> int:
         source, dequantize, linear, quantize = chain
         batch, length, features = source.meta["val"].shape
         with graph.inserting_before(linear):
-            flat = _node(graph, aten.view.default, (source, [-1, features]))
-            flat_dq = _node(graph, dequantize.target, (flat, *dequantize.args[1:]),
+            flat = add_node(graph, aten.view.default, (source, [-1, features]))
+            flat_dq = add_node(graph, dequantize.target, (flat, *dequantize.args[1:]),
                             dequantize, dequantize.kwargs)
-            flat_linear = _node(graph, linear.target, (flat_dq, *linear.args[1:]), linear)
-            flat_act = _node(graph, activation.target, (flat_linear, *activation.args[1:]),
+            flat_linear = add_node(graph, linear.target, (flat_dq, *linear.args[1:]), linear)
+            flat_act = add_node(graph, activation.target, (flat_linear, *activation.args[1:]),
                              activation, activation.kwargs)
-            flat_q = _node(graph, quantize.target, (flat_act, *quantize.args[1:]), quantize,
+            flat_q = add_node(graph, quantize.target, (flat_act, *quantize.args[1:]), quantize,
                            quantize.kwargs)
             outputs = flat_q.meta["val"].shape[-1]
-            sizes = [_node(graph, aten.sym_size.int, (source, d)) if not isinstance(s, int)
+            sizes = [add_node(graph, aten.sym_size.int, (source, d)) if not isinstance(s, int)
                      else s for d, s in enumerate((batch, length))]
-            back = _node(graph, aten.view.default, (flat_q, [*sizes, outputs]))
+            back = add_node(graph, aten.view.default, (flat_q, [*sizes, outputs]))
         quantize.replace_all_uses_with(back)
         for node in (quantize, activation, linear):
             graph.erase_node(node)

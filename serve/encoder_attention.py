@@ -3,7 +3,10 @@ value, mask, scale)` computes softmax(q k^T * scale + mask) v for bidirectional 
 (`encoder_attention.cpp`), with q, k, v of (batch, heads, length, head_dim) and the answer
 laid out (batch, length, heads, head_dim), the layout the next projection reads. `mask` is
 None, a bool mask (true keeps) or a float one added to the scores, broadcastable to
-(batch, heads, length, length).
+(batch, heads, length, length). The same library holds `add_layer_norm(input, residual,
+weight, bias, eps, scale, zero_point, quant_min, quant_max)` (`encoder_norm.cpp`): the
+residual add, LayerNorm and the uint8 quantization of the next int8 linear's input in one
+pass, returning (the float answer, its quantized copy).
 
 On a CPU with AVX512-BF16 and a head of 32 or 64 both products run on bfloat16 pairs
 (vdpbf16ps) with float32 sums and softmax: ~2x the float32 flash attention aten picks at
@@ -27,6 +30,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("encoder_attention.cpp")
+NORM_SOURCE = Path(__file__).with_name("encoder_norm.cpp")
+SOURCES = (SOURCE, NORM_SOURCE)
 NAMESPACE = "compress_encoder"
 _state: dict[str, object] = {}
 
@@ -48,7 +53,7 @@ def library_name() -> tuple[str, list[str]]:
     vector = vector_flags()
     march = os.environ.get("COMPRESS_KERNEL_MARCH") or ("native" if vector else "")
     cflags = ["-O3", "-fopenmp"] + ([f"-march={march}"] if march else [])
-    digest = hashlib.sha1(SOURCE.read_bytes()
+    digest = hashlib.sha1(b"".join(source.read_bytes() for source in SOURCES)
                           + " ".join([*vector, *cflags, torch.__version__]).encode())
     return f"compress_encoder_attention_{digest.hexdigest()[:12]}", cflags
 
@@ -72,7 +77,7 @@ def built_library() -> Path | None:
 
 
 def load() -> bool:
-    """Whether `torch.ops.compress_encoder.attention` is registered (built here if need be)."""
+    """Whether the library's operators are registered (built here if need be)."""
     if "ok" not in _state:
         _state["ok"] = _load()
     return bool(_state["ok"])
@@ -84,7 +89,7 @@ def error() -> str | None:
 
 
 def _load() -> bool:
-    if hasattr(getattr(torch.ops, NAMESPACE), "attention"):
+    if hasattr(getattr(torch.ops, NAMESPACE), "add_layer_norm"):
         return True
     if os.environ.get("COMPRESS_NO_KERNELS"):
         _state["error"] = "COMPRESS_NO_KERNELS is set"
@@ -99,7 +104,7 @@ def _load() -> bool:
             os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
         name, cflags = library_name()
         try:
-            build(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
+            build(name=name, sources=[str(source) for source in SOURCES], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as exc:  # no compiler, or it failed
             _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -110,5 +115,11 @@ def _load() -> bool:
           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         batch, heads, length, head_dim = query.shape
         return query.new_empty(batch, length, heads, head_dim)
+
+    @torch.library.register_fake(f"{NAMESPACE}::add_layer_norm")
+    def _(input: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          bias: torch.Tensor, eps: float, scale: float, zero_point: int, quant_min: int,
+          quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(input), torch.empty_like(input, dtype=torch.uint8)
 
     return True

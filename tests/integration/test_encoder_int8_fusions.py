@@ -1,0 +1,138 @@
+"""Issue 44 item 5: two more passes the AOTInductor export runs on an int8 encoder's graph:
+`add -> layer_norm -> quantize` on compress's kernel (export/fused_norm.py,
+serve/encoder_norm.cpp), and int8 linears reading one tensor merged into one GEMM
+(export/fused_projections.py). Each is checked on the graph, on the compiled package's
+answers at shapes other than the traced one, and the kernel against aten."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from test_encoder_attention import relative
+
+from export.fused_norm import fuse_norms
+from export.fused_projections import fuse_projections
+from export.graphs import inductor_freezing
+from serve import encoder_attention
+
+NORM = "compress_encoder.add_layer_norm.default"
+
+
+def _int8_program(model: torch.nn.Module, x: torch.Tensor
+                  ) -> tuple[torch.export.ExportedProgram, torch.nn.Module]:
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+
+    dims = ({0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("length", max=512)},)
+    graph = torch.export.export(model.eval(), (x,), dynamic_shapes=dims).module()
+    quantizer = x86.X86InductorQuantizer()
+    quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(graph, quantizer)
+    prepared(x)
+    converted = convert_pt2e(prepared)
+    return torch.export.export(converted, (x,), dynamic_shapes=dims), converted
+
+
+def _compiled(program: torch.export.ExportedProgram, path: Path):
+    with inductor_freezing(True), torch.no_grad():
+        return torch._inductor.aoti_load_package(
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path)))
+
+
+def _same_answers(compiled, converted: torch.nn.Module, features: int) -> None:
+    for shape in [(3, 7, features), (1, 40, features)]:  # not the traced batch and length
+        sample = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            got, want = compiled(sample), converted(sample)
+        assert got.shape == shape and relative(got, want) < 1e-2
+
+
+def test_the_norm_kernel_matches_aten_and_quantizes_as_pt2e() -> None:
+    assert encoder_attention.load(), encoder_attention.error()
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the q/dq ops)
+
+    kernel = torch.ops.compress_encoder.add_layer_norm
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(8, 128, 384), (3, 5, 100)]:  # a vector width and a tail
+        x, residual = (torch.randn(*shape, generator=generator) * 3 for _ in range(2))
+        weight, bias = (torch.randn(shape[-1], generator=generator) for _ in range(2))
+        for res in (residual, None):
+            out, quantized = kernel(x, res, weight, bias, 1e-12, 0.0578, 116, 0, 255)
+            want = F.layer_norm(x if res is None else x + res, shape[-1:], weight, bias, 1e-12)
+            assert (out - want).abs().max() < 1e-4
+            want_q = torch.ops.quantized_decomposed.quantize_per_tensor(
+                want, 0.0578, 116, 0, 255, torch.uint8)
+            assert quantized.dtype == torch.uint8 and quantized.shape == shape
+            assert (quantized.int() - want_q.int()).abs().max() <= 1
+            assert (quantized != want_q).float().mean() < 1e-3
+
+
+class _Block(torch.nn.Module):
+    """A norm without an add (an encoder's embeddings), then a post-norm residual block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm = torch.nn.LayerNorm(64), torch.nn.LayerNorm(64)
+        self.proj, self.out = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.dropout(self.first(x), 0.1, training=False)
+        hidden = self.norm(self.proj(hidden) + hidden)
+        return self.out(hidden) + hidden
+
+
+def test_add_norm_and_quantize_run_on_the_kernel(tmp_path: Path) -> None:
+    assert encoder_attention.load(), encoder_attention.error()
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    program, converted = _int8_program(_Block(), x)
+    assert fuse_norms(program) == 2
+    calls = [n for n in program.graph.nodes if str(n.target) == NORM]
+    assert [c.args[1] is None for c in calls] == [True, False]  # the block's add folded in
+    targets = {str(n.target) for n in program.graph.nodes}
+    assert "aten.layer_norm.default" not in targets and "aten.dropout.default" not in targets
+    assert fuse_norms(program) == 0
+    _same_answers(_compiled(program, tmp_path / "norm.pt2"), converted, 64)
+
+
+class _Projections(torch.nn.Module):
+    """Query, key and value of one input, of two widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.value = torch.nn.Linear(64, 32)
+        self.out = torch.nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (self.query(x) * self.key(x)).sum(-1, keepdim=True).softmax(1)
+        return self.out(scores * self.value(x))
+
+
+def test_linears_of_one_input_become_one_int8_gemm(tmp_path: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    program, converted = _int8_program(_Projections(), x)
+    def linears() -> list[torch.fx.Node]:
+        return [n for n in program.graph.nodes if n.target == torch.ops.aten.linear.default]
+
+    assert len(linears()) == 4
+    assert fuse_projections(program) == 2
+    merged = linears()
+    assert len(merged) == 2 and merged[0].meta["val"].shape[-1] == 160  # 64 + 64 + 32
+    assert fuse_projections(program) == 0
+    counters.clear()
+    compiled = _compiled(program, tmp_path / "qkv.pt2")
+    assert counters["inductor"]["qlinear_weight_prepack_matcher_count"] == 2  # both int8
+    _same_answers(compiled, converted, 64)
+
+
+def test_linears_of_different_inputs_are_left_apart() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    program, _ = _int8_program(model, x)
+    assert fuse_projections(program) == 0

@@ -13,10 +13,6 @@ residual, so the division cannot be folded into the norm as in a pre-norm decode
 (`compress.families.causal_lm.algorithms.equalize`): it stays an explicit multiply before
 the Linear (`SmoothedLinear`), which Inductor fuses into the quantize op of the input.
 Linears reading the same tensor (query, key and value) share one s and one multiply.
-A Linear reading an activation's output (a feed-forward's second, after GELU) is left as it
-is, as SmoothQuant itself smooths only the inputs behind a norm: there the multiply would sit
-between the activation and the quantize and keep Inductor from fusing both into the int8
-GEMM before it (a loop of their own, ~0.45 ms a MiniLM layer at 8 x 128 on two Zen 5 cores).
 """
 
 from __future__ import annotations
@@ -28,12 +24,6 @@ import torch
 from torch import nn
 
 FLOOR = 1e-5  # no scale or statistic below this (an all-zero channel stays as it is)
-
-
-def is_activation(module: nn.Module) -> bool:
-    """torch's activations and transformers' (`GELUActivation`, `NewGELUActivation`, ...)."""
-    return type(module).__module__.startswith("torch.nn.modules.activation") \
-        or type(module).__name__.endswith("Activation")
 
 
 class SmoothedLinear(nn.Module):
@@ -52,21 +42,14 @@ class SmoothedLinear(nn.Module):
 def input_statistics(model: nn.Module, run: Callable[[], None]
                      ) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     """Per Linear (by name), the largest |x| of each input channel while `run()` drives the
-    model over calibration data, and the groups of Linears that read the same tensor
-    (Linears reading an activation's output left out)."""
+    model over calibration data, and the groups of Linears that read the same tensor."""
     absmax: dict[str, torch.Tensor] = {}
     groups: list[list[str]] = []
     last: list[torch.Tensor | None] = [None]  # the input the previous Linear read
-    activated: list[torch.Tensor | None] = [None]  # the last activation's output
-
-    def remember(_module: nn.Module, _args: tuple, output: object) -> None:
-        activated[0] = output if isinstance(output, torch.Tensor) else None
 
     def observe(name: str) -> Callable:
         def hook(_module: nn.Module, args: tuple) -> None:
             x = args[0]
-            if x is activated[0]:
-                return
             peak = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float()
             if name not in absmax:  # first call: consecutive readers of one tensor group
                 if last[0] is x:
@@ -79,13 +62,12 @@ def input_statistics(model: nn.Module, run: Callable[[], None]
 
     handles = [m.register_forward_pre_hook(observe(n)) for n, m in model.named_modules()
                if isinstance(m, nn.Linear)]
-    handles += [m.register_forward_hook(remember) for m in model.modules() if is_activation(m)]
     try:
         run()
     finally:
         for handle in handles:
             handle.remove()
-        last[0] = activated[0] = None
+        last[0] = None
     return absmax, groups
 
 

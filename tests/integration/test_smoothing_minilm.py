@@ -39,7 +39,7 @@ def test_smoothing_keeps_minilm_int8_embeddings_closer_to_float() -> None:
         quantized, metrics = quantize(bundle, cfg, calibration, max_length=128)
         cosine[smoothing] = fidelity(embed(quantized.model, texts, 32, bundle.tokenizer, 128),
                                      reference)
-        assert metrics.get("smoothed_linears") == (None if smoothing is None else 30)
+        assert metrics.get("smoothed_linears") == (None if smoothing is None else 36)
     # measured: 0.9923 without, 0.9976 with (mean); the worst texts gain more
     assert cosine[0.8]["fidelity"] > cosine[None]["fidelity"] + 0.002, cosine
     assert cosine[0.8]["fidelity_p1"] > cosine[None]["fidelity_p1"], cosine

@@ -7,7 +7,9 @@ pattern misses, and a loop of its own computes GELU and quantizes (0.9 ms a laye
 
 This pass runs such a chain on (tokens, features): it views the int8 input as 2-D before
 its dequantize, and the quantized output back to 3-D after. Quantize, dequantize and GELU
-are elementwise, so the values are the same."""
+are elementwise, so the values are the same. A SmoothQuant multiply between GELU and the
+quantize (compress/algorithms/smoothing.py) comes along: GELU then still fuses into the GEMM
+(float out) and the multiply and quantize run in one loop after it."""
 
 from __future__ import annotations
 
@@ -19,50 +21,67 @@ aten = torch.ops.aten
 _ACTIVATIONS = (aten.gelu.default,)
 
 
-def _chain(activation: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
-    """(quantized input, its dequantize, the linear, the output quantize) of a 3-D
-    `dq -> linear -> activation -> q` chain ending at `activation`, else None."""
+def _channel_scale(node: torch.fx.Node) -> bool:
+    """Whether `node` multiplies by a constant of one value or one per feature (SmoothQuant's
+    division of the next Linear's input, compress/algorithms/smoothing.py)."""
+    if node.target != aten.mul.Tensor or len(node.users) != 1:
+        return False
+    scale = node.args[1]
+    value = scale.meta.get("val") if isinstance(scale, torch.fx.Node) else None
+    return isinstance(scale, (int, float)) or (
+        scale.op in ("placeholder", "get_attr") and value is not None and value.dim() <= 1)
+
+
+def _chain(activation: torch.fx.Node) -> tuple[torch.fx.Node | None, ...] | None:
+    """(quantized input, its dequantize, the linear, a per-feature multiply or None, the
+    output quantize) of a 3-D `dq -> linear -> activation [-> mul] -> q` chain ending at
+    `activation`, else None."""
     linear = activation.args[0]
     if not (isinstance(linear, torch.fx.Node) and linear.target == aten.linear.default
             and len(linear.users) == 1 and len(activation.users) == 1):
         return None
-    dequantize, quantize = linear.args[0], next(iter(activation.users))
+    dequantize, after = linear.args[0], next(iter(activation.users))
+    scale = after if _channel_scale(after) and after.args[0] is activation else None
+    quantize = next(iter(scale.users)) if scale is not None else after
     if not (is_per_tensor(dequantize, "dequantize") and is_per_tensor(quantize, "quantize")):
         return None
     source = dequantize.args[0]
     value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
     if value is None or value.dim() != 3:
         return None
-    return source, dequantize, linear, quantize
+    return source, dequantize, linear, scale, quantize
 
 
 def flatten_activation_linears(program: torch.export.ExportedProgram) -> int:
-    """Rewrite each 3-D `dq -> linear -> gelu -> q` chain of `program` to run on 2-D in
-    place; return how many were rewritten."""
+    """Rewrite each 3-D `dq -> linear -> gelu [-> mul] -> q` chain of `program` to run on 2-D
+    in place; return how many were rewritten."""
     graph = program.graph_module.graph
     done = 0
     for activation in [n for n in graph.nodes if n.target in _ACTIVATIONS]:
         chain = _chain(activation)
         if chain is None:
             continue
-        source, dequantize, linear, quantize = chain
+        source, dequantize, linear, scale, quantize = chain
         batch, length, features = source.meta["val"].shape
         with graph.inserting_before(linear):
             flat = add_node(graph, aten.view.default, (source, [-1, features]))
             flat_dq = add_node(graph, dequantize.target, (flat, *dequantize.args[1:]),
-                            dequantize, dequantize.kwargs)
+                               dequantize, dequantize.kwargs)
             flat_linear = add_node(graph, linear.target, (flat_dq, *linear.args[1:]), linear)
             flat_act = add_node(graph, activation.target, (flat_linear, *activation.args[1:]),
-                             activation, activation.kwargs)
+                                activation, activation.kwargs)
+            if scale is not None:
+                flat_act = add_node(graph, scale.target, (flat_act, scale.args[1]), scale)
             flat_q = add_node(graph, quantize.target, (flat_act, *quantize.args[1:]), quantize,
-                           quantize.kwargs)
+                              quantize.kwargs)
             outputs = flat_q.meta["val"].shape[-1]
             sizes = [add_node(graph, aten.sym_size.int, (source, d)) if not isinstance(s, int)
                      else s for d, s in enumerate((batch, length))]
             back = add_node(graph, aten.view.default, (flat_q, [*sizes, outputs]))
         quantize.replace_all_uses_with(back)
-        for node in (quantize, activation, linear):
-            graph.erase_node(node)
+        for node in (quantize, scale, activation, linear):
+            if node is not None:
+                graph.erase_node(node)
         if not dequantize.users:
             graph.erase_node(dequantize)
         done += 1

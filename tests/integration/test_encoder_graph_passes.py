@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_encoder_attention import TOLERANCE, relative, tiny_encoder
 
+from compress.algorithms.smoothing import SmoothedLinear
 from export.attention_kernel import use_attention_kernel
 from export.flat_activations import flatten_activation_linears
 from export.graphs import TextLogits, export_graph, inductor_freezing, traced_inputs
@@ -81,13 +82,15 @@ class _FeedForward(torch.nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def _int8_program(x: torch.Tensor) -> tuple[torch.export.ExportedProgram, torch.nn.Module]:
+def _int8_program(x: torch.Tensor, model: torch.nn.Module | None = None
+                  ) -> tuple[torch.export.ExportedProgram, torch.nn.Module]:
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
 
     dims = {"x": {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("length", max=512)}}
     torch.manual_seed(0)
-    graph = torch.export.export(_FeedForward().eval(), (x,), dynamic_shapes=dims).module()
+    model = model or _FeedForward()
+    graph = torch.export.export(model.eval(), (x,), dynamic_shapes=dims).module()
     quantizer = x86.X86InductorQuantizer()
     quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
     prepared = prepare_pt2e(graph, quantizer)
@@ -115,3 +118,32 @@ def test_gelu_and_its_quantize_fuse_into_the_int8_gemm_on_dynamic_3d_inputs(
         with torch.no_grad():
             got, want = compiled(sample), converted(sample)
         assert got.shape == shape and relative(got, want) < 1e-2
+
+
+class _SmoothedFeedForward(_FeedForward):
+    """The feed-forward after SmoothQuant: its second Linear's input divided per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        scale = torch.rand(256, generator=torch.Generator().manual_seed(2)) + 0.5
+        self.down = SmoothedLinear(self.down, scale)
+
+
+def test_gelu_fuses_into_the_int8_gemm_before_a_smoothing_multiply(tmp_path: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    program, converted = _int8_program(x, _SmoothedFeedForward())
+    assert flatten_activation_linears(program) == 1
+    counters.clear()
+    with inductor_freezing(True), torch.no_grad():
+        path = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(tmp_path / "ffn.pt2"))
+    # GELU in the GEMM's epilogue (float out); the multiply and quantize in a loop after
+    assert counters["inductor"]["qlinear_unary_matcher_count"] == 1
+    compiled = torch._inductor.aoti_load_package(path)
+    sample = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = compiled(sample), converted(sample)
+    assert got.shape == sample.shape and relative(got, want) < 1e-2

@@ -359,6 +359,15 @@ void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, co
 }
 #endif
 
+// n where keep[0, n) are all true and keep[n, S) all false, else -1
+int64_t kept_prefix(const bool* keep, int64_t S) {
+  int64_t n = 0;
+  while (n < S && keep[n]) ++n;
+  for (int64_t j = n; j < S; ++j)
+    if (keep[j]) return -1;
+  return n;
+}
+
 at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& value, const std::optional<at::Tensor>& mask,
                              double scale) {
@@ -394,6 +403,8 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   int64_t ms[4] = {0, 0, 0, 0};
   if (masks.defined()) for (int i = 0; i < 4; ++i) ms[i] = masks.stride(i);
+  // a bool mask that does not vary along the queries, contiguous along the keys
+  const bool padding_mask = bool_mask && ms[2] == 0 && ms[3] == 1;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t Sp32 = (S + 31) / 32 * 32;
     std::vector<float> kt(use_bf16 ? 0 : D * Sp), scores(kBlock * Sp32), sums(kBlock);
@@ -402,6 +413,7 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
     std::vector<uint32_t> kpw(use_bf16 ? D / 2 * Sp32 : 0), vpw(use_bf16 ? Sp32 / 2 * D : 0);
     std::vector<uint16_t> prow(use_bf16 ? kBlock * Sp32 : 0);
     int64_t packed = -1;  // the (batch, head) whose k (and v) are laid out
+    int64_t prefix = -1;  // its padding mask's kept keys (-1: not a prefix)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, blk = task % blocks, b = bh / H, h = bh % H;
       const int64_t i0 = blk * kBlock, rows = std::min(kBlock, L - i0);
@@ -427,7 +439,17 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
       if (use_bf16) {
         auto run = D == 16 ? attention_bf16<1> : D == 32 ? attention_bf16<2>
                                                                 : attention_bf16<4>;
-        run(qb, qs2, kb, ks2, vb, vs2, mask_rows, rows, S, (float)scale, kpw.data(),
+        // a padding mask (the same keys kept for every query, a prefix of them): the keys
+        // past the prefix are left out, and no mask is read
+        int64_t keys = S;
+        if (padding_mask) {
+          if (pack) prefix = kept_prefix(keep + b * ms[0] + h * ms[1], S);
+          if (prefix >= 0) {
+            keys = prefix;
+            for (int64_t r = 0; r < rows; ++r) mask_rows[r] = MaskRow{};
+          }
+        }
+        run(qb, qs2, kb, ks2, vb, vs2, mask_rows, rows, keys, (float)scale, kpw.data(),
             vpw.data(), pack, scores.data(), prow.data(), sums.data(), ob, H * D);
         continue;
       }

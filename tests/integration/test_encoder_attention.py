@@ -56,7 +56,10 @@ def test_the_kernel_is_sdpa_for_every_mask_kind(kernel, head_dim: int, length: i
     q, k, v = qkv(3, 2, length, head_dim)
     keep = padding(3, length)
     full = keep.expand(3, 1, length, length).contiguous()
+    holes = keep.clone()  # a padding mask that is not a prefix of the keys
+    holes[0, ..., 0] = length == 1
     masks = {"none": None, "bool (B,1,1,L)": keep, "bool (B,1,L,L)": full,
+             "bool (B,1,1,L), not a prefix": holes,
              "float": torch.zeros(keep.shape).masked_fill(~keep, -1e9),
              "bool, keys strided": full.transpose(-1, -2).contiguous().transpose(-1, -2)}
     for name, mask in masks.items():

@@ -20,6 +20,7 @@ from export.attention_kernel import OPERATOR, use_attention_kernel
 from export.flat_activations import flatten_activation_linears
 from export.fused_norm import fuse_norms
 from export.fused_projections import fuse_projections
+from export.graph_edits import merge_repeats
 from export.graphs import (
     Bundle,
     export_graph,
@@ -45,6 +46,8 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
         program = export_graph(module, export_inputs(bundle), bundle.is_text, max_seq)
     refuse_random_ops(fx_random_nodes(program.graph), "the aoti graph")
+    if bundle.kind == "pt2e" and merge_repeats(program.graph_module.graph):
+        program.graph_module.recompile()  # one multiply and quantize where SmoothQuant repeated
     flattened = flatten_activation_linears(program) if bundle.kind == "pt2e" else 0
     merged = fuse_projections(program) if bundle.kind == "pt2e" else 0
     kernels = getattr(cfg, "attention", "sdpa") == "kernel"

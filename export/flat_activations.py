@@ -15,21 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from export.graph_edits import add_node, is_per_tensor
+from export.graph_edits import add_node, is_channel_scale, is_per_tensor
 
 aten = torch.ops.aten
 _ACTIVATIONS = (aten.gelu.default,)
-
-
-def _channel_scale(node: torch.fx.Node) -> bool:
-    """Whether `node` multiplies by a constant of one value or one per feature (SmoothQuant's
-    division of the next Linear's input, compress/algorithms/smoothing.py)."""
-    if node.target != aten.mul.Tensor or len(node.users) != 1:
-        return False
-    scale = node.args[1]
-    value = scale.meta.get("val") if isinstance(scale, torch.fx.Node) else None
-    return isinstance(scale, (int, float)) or (
-        scale.op in ("placeholder", "get_attr") and value is not None and value.dim() <= 1)
 
 
 def _chain(activation: torch.fx.Node) -> tuple[torch.fx.Node | None, ...] | None:
@@ -41,7 +30,7 @@ def _chain(activation: torch.fx.Node) -> tuple[torch.fx.Node | None, ...] | None
             and len(linear.users) == 1 and len(activation.users) == 1):
         return None
     dequantize, after = linear.args[0], next(iter(activation.users))
-    scale = after if _channel_scale(after) and after.args[0] is activation else None
+    scale = after if is_channel_scale(after) and after.args[0] is activation else None
     quantize = next(iter(scale.users)) if scale is not None else after
     if not (is_per_tensor(dequantize, "dequantize") and is_per_tensor(quantize, "quantize")):
         return None

@@ -5,9 +5,10 @@ division between them (~0.1 ms a norm at 8 x 128 on two Zen 5 cores). This pass 
 such norm for `compress_encoder.add_layer_norm` (serve/encoder_norm.cpp), which returns the
 float answer (the next residual) and its quantized copy from one pass over each row.
 
-A norm is swapped only where a per-tensor uint8 quantization reads it; its add is folded in
-where it adds two tensors of the norm's shape. Eval-mode dropout (the identity) is dropped
-first, so a quantization behind it is seen."""
+A norm is swapped only where a per-tensor uint8 quantization reads it, directly or through
+SmoothQuant's per-feature multiply (the kernel applies it to the quantized copy only); its
+add is folded in where it adds two tensors of the norm's shape. Eval-mode dropout (the
+identity) is dropped first, so a quantization behind it is seen."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import operator
 
 import torch
 
-from export.graph_edits import SOURCE_META
+from export.graph_edits import SOURCE_META, is_channel_scale
 from serve import encoder_attention
 
 aten = torch.ops.aten
@@ -26,6 +27,21 @@ def _is_uint8_quantize(node: torch.fx.Node) -> bool:
             and getattr(node.target, "__name__", "").startswith("quantize_per_tensor")
             and not isinstance(node.args[1], torch.fx.Node)
             and node.args[-1] == torch.uint8)
+
+
+def _quantizes(norm: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """The uint8 quantizes of `norm` with the first one's parameters (all reading it directly,
+    or the one behind a per-feature multiply), and that multiply (or None)."""
+    direct = [u for u in norm.users if _is_uint8_quantize(u)]
+    if direct:
+        return [q for q in direct if q.args[1:] == direct[0].args[1:]], None
+    for user in norm.users:
+        if is_channel_scale(user) and user.args[0] is norm and not isinstance(
+                user.args[1], (int, float)):
+            after = next(iter(user.users))
+            if _is_uint8_quantize(after):
+                return [after], user
+    return [], None
 
 
 def _value(node: object) -> torch.Tensor | None:
@@ -68,18 +84,17 @@ def fuse_norms(program: torch.export.ExportedProgram) -> int:
         source, shape, weight, bias = (list(norm.args) + [None] * 4)[:4]
         eps = norm.args[4] if len(norm.args) > 4 else norm.kwargs.get("eps", 1e-5)
         value = _value(source)
-        quantizes = [u for u in norm.users if _is_uint8_quantize(u)]
+        same, smooth = _quantizes(norm)
         if (weight is None or bias is None or value is None or value.dtype != torch.float32
-                or len(shape) != 1 or not quantizes):
+                or len(shape) != 1 or not same):
             continue
-        scale, zero_point, low, high = quantizes[0].args[1:5]
-        same = [q for q in quantizes if q.args[1:] == quantizes[0].args[1:]]
+        scale, zero_point, low, high = same[0].args[1:5]
         pair = _residual_pair(source, value.shape)
         x, residual = pair if pair else (source, None)
         with graph.inserting_before(norm):
-            call = graph.call_function(kernel, (x, residual, weight, bias, float(eps),
-                                                float(scale), int(zero_point), int(low),
-                                                int(high)))
+            call = graph.call_function(kernel, (
+                x, residual, weight, bias, float(eps), smooth.args[1] if smooth else None,
+                float(scale), int(zero_point), int(low), int(high)))
             call.meta["val"] = kernel(*(_value(a) if isinstance(a, torch.fx.Node) else a
                                         for a in call.args))
             answer = graph.call_function(operator.getitem, (call, 0))
@@ -91,6 +106,8 @@ def fuse_norms(program: torch.export.ExportedProgram) -> int:
         for quantize in same:
             quantize.replace_all_uses_with(quantized)
             graph.erase_node(quantize)
+        if smooth is not None:
+            graph.erase_node(smooth)
         norm.replace_all_uses_with(answer)
         graph.erase_node(norm)
         if pair:

@@ -1,11 +1,13 @@
-"""Small pieces the graph passes share: reading a quantization node, and adding a node with
-its fake value and the source metadata Inductor's kernel names and profiles come from."""
+"""Small pieces the graph passes share: reading a quantization or SmoothQuant node, adding a
+node with its fake value and the source metadata Inductor's kernel names and profiles come
+from, and merging repeated elementwise nodes."""
 
 from __future__ import annotations
 
 import torch
 
 SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+aten = torch.ops.aten
 
 
 def is_per_tensor(node: object, op: str) -> bool:
@@ -26,3 +28,40 @@ def add_node(graph: torch.fx.Graph, target, args: tuple, like: torch.fx.Node | N
             if key in like.meta:
                 node.meta[key] = like.meta[key]
     return node
+
+
+def is_channel_scale(node: torch.fx.Node) -> bool:
+    """Whether `node` multiplies (one user) by a constant of one value or one per feature
+    (SmoothQuant's division of the next Linear's input, compress/algorithms/smoothing.py)."""
+    if node.op != "call_function" or node.target != aten.mul.Tensor or len(node.users) != 1:
+        return False
+    scale = node.args[1]
+    value = scale.meta.get("val") if isinstance(scale, torch.fx.Node) else None
+    return isinstance(scale, (int, float)) or (
+        isinstance(scale, torch.fx.Node) and scale.op in ("placeholder", "get_attr")
+        and value is not None and value.dim() <= 1)
+
+
+def _key(value: object) -> object:
+    return tuple(_key(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def merge_repeats(graph: torch.fx.Graph) -> int:
+    """Merge multiplies and quantizes that repeat another's arguments (three SmoothedLinears
+    reading one tensor each multiply it by the same scale, and PT2E gives each product its
+    own quantize); return how many nodes went. Dequantizes stay one a user, as PT2E leaves
+    them for Inductor's int8 patterns."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not (
+                node.target == aten.mul.Tensor or is_per_tensor(node, "quantize")):
+            continue
+        key = (node.target, _key(node.args), _key(sorted(node.kwargs.items())))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    return merged

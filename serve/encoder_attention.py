@@ -4,9 +4,10 @@ value, mask, scale)` computes softmax(q k^T * scale + mask) v for bidirectional 
 laid out (batch, length, heads, head_dim), the layout the next projection reads. `mask` is
 None, a bool mask (true keeps) or a float one added to the scores, broadcastable to
 (batch, heads, length, length). The same library holds `add_layer_norm(input, residual,
-weight, bias, eps, scale, zero_point, quant_min, quant_max)` (`encoder_norm.cpp`): the
-residual add, LayerNorm and the uint8 quantization of the next int8 linear's input in one
-pass, returning (the float answer, its quantized copy).
+weight, bias, eps, smooth, scale, zero_point, quant_min, quant_max)` (`encoder_norm.cpp`):
+the residual add, LayerNorm and the uint8 quantization of the next int8 linear's input (after
+SmoothQuant's per-feature multiply `smooth`, if any) in one pass, returning (the float
+answer, its quantized copy).
 
 On a CPU with AVX512-BF16 and a head of 32 or 64 both products run on bfloat16 pairs
 (vdpbf16ps) with float32 sums and softmax: ~2x the float32 flash attention aten picks at
@@ -118,8 +119,9 @@ def _load() -> bool:
 
     @torch.library.register_fake(f"{NAMESPACE}::add_layer_norm")
     def _(input: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-          bias: torch.Tensor, eps: float, scale: float, zero_point: int, quant_min: int,
-          quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor, eps: float, smooth: torch.Tensor | None, scale: float,
+          zero_point: int, quant_min: int, quant_max: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(input), torch.empty_like(input, dtype=torch.uint8)
 
     return True

@@ -57,10 +57,11 @@ float centred_squares(const float* row, int64_t n, float mean) {
   return total;
 }
 
-// row = (row - mean) * rstd * weight + bias in place; q = clamp(rint(row / scale) + zp)
+// row = (row - mean) * rstd * weight + bias in place; q = clamp(rint(row * smooth / scale)
+// + zp), smooth a per-feature multiply (SmoothQuant's, null: none)
 void normalize_row(float* row, int64_t n, float mean, float rstd, const float* weight,
-                   const float* bias, float inv_scale, float zero_point, float lo, float hi,
-                   uint8_t* q) {
+                   const float* bias, const float* smooth, float inv_scale, float zero_point,
+                   float lo, float hi, uint8_t* q) {
   int64_t j = 0;
 #ifdef __AVX512F__
   const __m512 m = _mm512_set1_ps(mean), r = _mm512_set1_ps(rstd);
@@ -70,6 +71,7 @@ void normalize_row(float* row, int64_t n, float mean, float rstd, const float* w
     __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), m), r);
     y = _mm512_fmadd_ps(y, _mm512_loadu_ps(weight + j), _mm512_loadu_ps(bias + j));
     _mm512_storeu_ps(row + j, y);
+    if (smooth) y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth + j));
     __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(y, inv),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zp), lo_v), hi_v);
@@ -80,15 +82,16 @@ void normalize_row(float* row, int64_t n, float mean, float rstd, const float* w
   for (; j < n; ++j) {
     const float y = (row[j] - mean) * rstd * weight[j] + bias[j];
     row[j] = y;
-    const float t = std::nearbyint(y * inv_scale) + zero_point;
+    const float t = std::nearbyint((smooth ? y * smooth[j] : y) * inv_scale) + zero_point;
     q[j] = static_cast<uint8_t>(std::fmin(std::fmax(t, lo), hi));
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> add_layer_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& residual,
-    const at::Tensor& weight, const at::Tensor& bias, double eps, double scale,
-    int64_t zero_point, int64_t quant_min, int64_t quant_max) {
+    const at::Tensor& weight, const at::Tensor& bias, double eps,
+    const std::optional<at::Tensor>& smooth, double scale, int64_t zero_point,
+    int64_t quant_min, int64_t quant_max) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "add_layer_norm: float32 only");
   TORCH_CHECK(quant_min >= 0 && quant_max <= 255 && quant_min <= quant_max,
               "add_layer_norm: a uint8 range only");
@@ -102,12 +105,18 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
   }
   const auto w = weight.contiguous().to(at::kFloat), b = bias.contiguous().to(at::kFloat);
   TORCH_CHECK(w.numel() == n && b.numel() == n, "add_layer_norm: weight and bias of the last dim");
+  at::Tensor by;
+  if (smooth.has_value() && smooth->defined()) {
+    by = smooth->contiguous().to(at::kFloat);
+    TORCH_CHECK(by.numel() == n, "add_layer_norm: smooth must hold one factor a feature");
+  }
   auto out = at::empty_like(x);
   auto q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   const float* xp = x.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
   const float* wp = w.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
+  const float* sp = by.defined() ? by.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   // as quantized_decomposed.quantize_per_tensor: x * (1 / scale), the reciprocal in double
@@ -119,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
       const float mean = add_row(xp + i * n, rp ? rp + i * n : nullptr, n, row) / n;
       const float var = centred_squares(row, n, mean) / n;
       const float rstd = 1.f / std::sqrt(var + static_cast<float>(eps));
-      normalize_row(row, n, mean, rstd, wp, bp, inv_scale, zp, lo, hi, qp + i * n);
+      normalize_row(row, n, mean, rstd, wp, bp, sp, inv_scale, zp, lo, hi, qp + i * n);
     }
   });
   return {out, q};
@@ -129,8 +138,8 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
 
 TORCH_LIBRARY_FRAGMENT(compress_encoder, m) {
   m.def("add_layer_norm(Tensor input, Tensor? residual, Tensor weight, Tensor bias, "
-        "float eps, float scale, int zero_point, int quant_min, int quant_max) "
-        "-> (Tensor, Tensor)");
+        "float eps, Tensor? smooth, float scale, int zero_point, int quant_min, "
+        "int quant_max) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(compress_encoder, CPU, m) {

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from test_encoder_attention import relative
 
+from compress.algorithms.smoothing import SmoothedLinear
 from export.fused_norm import fuse_norms
 from export.fused_projections import fuse_projections
+from export.graph_edits import merge_repeats
 from export.graphs import inductor_freezing
 from serve import encoder_attention
 
@@ -58,12 +60,13 @@ def test_the_norm_kernel_matches_aten_and_quantizes_as_pt2e() -> None:
     for shape in [(8, 128, 384), (3, 5, 100)]:  # a vector width and a tail
         x, residual = (torch.randn(*shape, generator=generator) * 3 for _ in range(2))
         weight, bias = (torch.randn(shape[-1], generator=generator) for _ in range(2))
-        for res in (residual, None):
-            out, quantized = kernel(x, res, weight, bias, 1e-12, 0.0578, 116, 0, 255)
+        smooth = torch.rand(shape[-1], generator=generator) + 0.5
+        for res, by in ((residual, None), (None, None), (residual, smooth)):
+            out, quantized = kernel(x, res, weight, bias, 1e-12, by, 0.0578, 116, 0, 255)
             want = F.layer_norm(x if res is None else x + res, shape[-1:], weight, bias, 1e-12)
-            assert (out - want).abs().max() < 1e-4
+            assert (out - want).abs().max() < 1e-4  # the float answer is never multiplied
             want_q = torch.ops.quantized_decomposed.quantize_per_tensor(
-                want, 0.0578, 116, 0, 255, torch.uint8)
+                want if by is None else want * by, 0.0578, 116, 0, 255, torch.uint8)
             assert quantized.dtype == torch.uint8 and quantized.shape == shape
             assert (quantized.int() - want_q.int()).abs().max() <= 1
             assert (quantized != want_q).float().mean() < 1e-3
@@ -136,3 +139,37 @@ def test_linears_of_different_inputs_are_left_apart() -> None:
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     program, _ = _int8_program(model, x)
     assert fuse_projections(program) == 0
+
+
+class _SmoothedBlock(torch.nn.Module):
+    """A post-norm block after SmoothQuant: three Linears reading the norm's output, each
+    multiplying it by the same scale (compress/algorithms/smoothing.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        scale = torch.rand(64, generator=torch.Generator().manual_seed(3)) + 0.5
+        self.query, self.key, self.value = (
+            SmoothedLinear(torch.nn.Linear(64, 64), scale) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(x + 1.0)
+        return self.query(hidden) * self.key(hidden) + self.value(hidden) + hidden
+
+
+def test_smoothquant_multiplies_are_merged_and_fused(tmp_path: Path) -> None:
+    assert encoder_attention.load(), encoder_attention.error()
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    program, converted = _int8_program(_SmoothedBlock(), x)
+    graph = program.graph_module.graph
+    assert merge_repeats(graph) == 4  # two of the three multiplies, two of the quantizes
+    program.graph_module.recompile()
+    assert fuse_projections(program) == 2
+    assert fuse_norms(program) == 1
+    (call,) = [n for n in program.graph.nodes if str(n.target) == NORM]
+    assert call.args[5] is not None  # the scale, applied by the kernel to the quantized copy
+    assert not any(n.target == torch.ops.aten.mul.Tensor  # no multiply left before a quantize
+                   and any("quantize_per_tensor" in str(u.target) for u in n.users)
+                   for n in program.graph.nodes)
+    _same_answers(_compiled(program, tmp_path / "smoothed.pt2"), converted, 64)

@@ -82,12 +82,12 @@ class _FeedForward(torch.nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def _int8_program(x: torch.Tensor, model: torch.nn.Module | None = None
+def int8_program(x: torch.Tensor, model: torch.nn.Module | None = None
                   ) -> tuple[torch.export.ExportedProgram, torch.nn.Module]:
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
 
-    dims = {"x": {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("length", max=512)}}
+    dims = ({0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("length", max=512)},)
     torch.manual_seed(0)
     model = model or _FeedForward()
     graph = torch.export.export(model.eval(), (x,), dynamic_shapes=dims).module()
@@ -104,7 +104,7 @@ def test_gelu_and_its_quantize_fuse_into_the_int8_gemm_on_dynamic_3d_inputs(
     from torch._dynamo.utils import counters
 
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    program, converted = _int8_program(x)
+    program, converted = int8_program(x)
     assert flatten_activation_linears(program) == 1
     assert flatten_activation_linears(program) == 0  # nothing left to rewrite
     counters.clear()
@@ -134,7 +134,7 @@ def test_gelu_fuses_into_the_int8_gemm_before_a_smoothing_multiply(tmp_path: Pat
 
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    program, converted = _int8_program(x, _SmoothedFeedForward())
+    program, converted = int8_program(x, _SmoothedFeedForward())
     assert flatten_activation_linears(program) == 1
     counters.clear()
     with inductor_freezing(True), torch.no_grad():

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from test_encoder_attention import relative
+from test_encoder_graph_passes import int8_program
 
 from compress.algorithms.smoothing import SmoothedLinear
 from export.fused_norm import fuse_norms
@@ -20,21 +21,6 @@ from export.graphs import inductor_freezing
 from serve import encoder_attention
 
 NORM = "compress_encoder.add_layer_norm.default"
-
-
-def _int8_program(model: torch.nn.Module, x: torch.Tensor
-                  ) -> tuple[torch.export.ExportedProgram, torch.nn.Module]:
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
-
-    dims = ({0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("length", max=512)},)
-    graph = torch.export.export(model.eval(), (x,), dynamic_shapes=dims).module()
-    quantizer = x86.X86InductorQuantizer()
-    quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
-    prepared = prepare_pt2e(graph, quantizer)
-    prepared(x)
-    converted = convert_pt2e(prepared)
-    return torch.export.export(converted, (x,), dynamic_shapes=dims), converted
 
 
 def _compiled(program: torch.export.ExportedProgram, path: Path):
@@ -90,7 +76,7 @@ def test_add_norm_and_quantize_run_on_the_kernel(tmp_path: Path) -> None:
     assert encoder_attention.load(), encoder_attention.error()
     torch.manual_seed(0)
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    program, converted = _int8_program(_Block(), x)
+    program, converted = int8_program(x, _Block())
     assert fuse_norms(program) == 2
     calls = [n for n in program.graph.nodes if str(n.target) == NORM]
     assert [c.args[1] is None for c in calls] == [True, False]  # the block's add folded in
@@ -119,7 +105,7 @@ def test_linears_of_one_input_become_one_int8_gemm(tmp_path: Path) -> None:
 
     torch.manual_seed(0)
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    program, converted = _int8_program(_Projections(), x)
+    program, converted = int8_program(x, _Projections())
     def linears() -> list[torch.fx.Node]:
         return [n for n in program.graph.nodes if n.target == torch.ops.aten.linear.default]
 
@@ -137,7 +123,7 @@ def test_linears_of_one_input_become_one_int8_gemm(tmp_path: Path) -> None:
 def test_linears_of_different_inputs_are_left_apart() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    program, _ = _int8_program(model, x)
+    program, _ = int8_program(x, model)
     assert fuse_projections(program) == 0
 
 
@@ -161,7 +147,7 @@ def test_smoothquant_multiplies_are_merged_and_fused(tmp_path: Path) -> None:
     assert encoder_attention.load(), encoder_attention.error()
     torch.manual_seed(0)
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    program, converted = _int8_program(_SmoothedBlock(), x)
+    program, converted = int8_program(x, _SmoothedBlock())
     graph = program.graph_module.graph
     assert merge_repeats(graph) == 4  # two of the three multiplies, two of the quantizes
     program.graph_module.recompile()

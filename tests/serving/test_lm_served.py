@@ -120,11 +120,14 @@ def test_tokens_stream_before_the_last_is_generated(served: dict, offline) -> No
     assert "".join(c["delta"] for c in chunks) == final["text"]
     assert final["text"] == offline_text(offline, PROMPTS[0], 160)
     # the first chunk left the server with 1 of 160 tokens and arrived well before the last;
-    # chunks kept arriving while the rest were generated (buffered: all within a few ms)
+    # chunks kept arriving while the rest were generated (buffered: all within a few ms). A
+    # busy machine may hold the client back for a while, so the chunks' arrival times are
+    # counted in ten slices of the stream: a stream fills several, a buffered answer two.
     times = [t for t, _ in lines]
-    first, middle, last = times[0], times[len(times) // 2], times[-1]
+    first, last = times[0], times[-1]
     assert chunks[0]["tokens"] == 1 and last - first > 0.05, (sent, first, last)
-    assert middle - first > 0.25 * (last - first), (first, middle, last)
+    slices = {min(int(10 * (t - first) / (last - first)), 9) for t in times}
+    assert len(slices) >= 4, (sorted(slices), [round(t - first, 4) for t in times])
 
 
 def test_eight_concurrent_requests_are_batched_and_answer_as_offline(

@@ -41,6 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_child_main import run_modes  # noqa: E402
 
 Encoder = Callable[[list[str]], np.ndarray]
+# texts -> one call of the row's model on them already tokenized and padded (tokenizing is
+# done once, outside the call): the model alone, as peers.py and the search time an encoder
+ModelCall = Callable[[list[str]], Callable[[], Any]]
 FASTEMBED_NAME = "compress-peers/local-minilm"  # the custom model's name in fastembed
 
 
@@ -58,6 +61,18 @@ def load_sentence_transformers(spec: dict[str, Any]) -> Encoder:
         return model.encode(texts, batch_size=batch, convert_to_numpy=True,
                             show_progress_bar=False)
 
+    def model_call(texts: list[str]) -> Callable[[], Any]:
+        import torch
+
+        features = model.tokenize(texts)
+
+        def call() -> Any:
+            with torch.inference_mode():
+                return model(dict(features))["sentence_embedding"]
+
+        return call
+
+    encode.model_call = model_call  # type: ignore[attr-defined]
     return encode
 
 
@@ -114,6 +129,16 @@ def load_compress(spec: dict[str, Any]) -> Encoder:
         rows = token_rows(tokenizer, texts, max_length, names)
         return np.stack(by_length(rows, one_pass, spec.get("length_buckets") is not False))
 
+    def model_call(texts: list[str]) -> Callable[[], Any]:
+        tensors = padded(token_rows(tokenizer, texts, max_length, names), pad, names)
+
+        def call() -> Any:
+            with torch.inference_mode():
+                return run(*tensors)
+
+        return call
+
+    encode.model_call = model_call  # type: ignore[attr-defined]
     return encode
 
 
@@ -150,15 +175,28 @@ def time_passes(encode: Encoder, texts: list[str], batch: int, warmup: int, pass
 def time_fixed(encode: Encoder, batch: int, length: int, warmup: int, iters: int = 15
                ) -> dict[str, Any]:
     """The median time of a batch of `batch` texts of `length` tokens each (special tokens
-    included: `length - 2` words that are one token each), texts in and embeddings out."""
+    included: `length - 2` words that are one token each), texts in and embeddings out; and,
+    where the row's library lets its model be called on tokens (`model_call`), the median
+    time of the model alone on the same batch, tokenized once (None for fastembed)."""
     texts = [" ".join(["word"] * (length - 2))] * batch
+    figures: dict[str, Any] = {"fixed_ms": _median_ms(lambda: encode(texts), warmup, iters),
+                               "fixed_shape": [batch, length]}
+    model_call = getattr(encode, "model_call", None)
+    figures["fixed_model_ms"] = (_median_ms(model_call(texts), warmup, iters)
+                                 if model_call else None)
+    return figures
+
+
+def _median_ms(call: Callable[[], Any], warmup: int, iters: int) -> float:
+    """The median time of `iters` calls after `warmup` (at least one) untimed, in ms."""
+    for _ in range(max(warmup, 1)):
+        call()
     times = []
-    for i in range(max(warmup, 1) + iters):
+    for _ in range(iters):
         began = time.perf_counter()
-        encode(texts)
-        if i >= max(warmup, 1):
-            times.append(1000 * (time.perf_counter() - began))
-    return {"fixed_ms": round(statistics.median(times), 3), "fixed_shape": [batch, length]}
+        call()
+        times.append(1000 * (time.perf_counter() - began))
+    return round(statistics.median(times), 3)
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:

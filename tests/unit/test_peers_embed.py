@@ -161,7 +161,34 @@ def test_the_fixed_shape_is_timed_on_texts_of_that_many_tokens_and_shared_by_the
     row = table_rows([item], peak_gops=1e4, fixed_flops=1e10)[0]
     assert row["fixed_ms"] == 12.0
     assert row["pct_int8_peak_fixed"] == pytest.approx(100 / 12, abs=0.01)
+    assert row["fixed_model_ms"] is None and row["pct_int8_peak_fixed_model"] is None
     assert table_rows([_item("st_onnx_int8", [436.0])])[0]["fixed_ms"] is None
+
+
+def test_the_model_alone_is_timed_on_the_fixed_batch_tokenized_once():
+    """Where a row's library can call its model on tokens, the fixed batch is prepared once
+    (`model_call` gets the texts) and only the model's call is timed; its median over the
+    rounds and its share of the peak are columns of their own."""
+    prepared, calls = [], []
+
+    def encode(texts):
+        return np.ones((len(texts), 4), dtype=np.float32)
+
+    def model_call(texts):
+        prepared.append(texts)
+        return lambda: calls.append(len(texts))
+
+    encode.model_call = model_call
+    figures = child.time_fixed(encode, 8, 128, warmup=2, iters=5)
+    assert len(prepared) == 1 and len(prepared[0]) == 8 and calls == [8] * 7
+    assert figures["fixed_model_ms"] >= 0
+    item = _item("search", [900.0, 1000.0, 1100.0])
+    for r, ms, model_ms in zip(item["rounds"], [12.0, 10.0, 30.0], [9.0, 8.0, 20.0],
+                               strict=True):
+        r["fixed_ms"], r["fixed_model_ms"] = ms, model_ms
+    row = table_rows([item], peak_gops=1e4, fixed_flops=1e10)[0]
+    assert row["fixed_model_ms"] == 9.0
+    assert row["pct_int8_peak_fixed_model"] == pytest.approx(100 / 9, abs=0.01)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -285,6 +312,13 @@ def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_pa
     for buckets, passes in ((True, [(4, 4), (1, max(lengths))]), (False, [(5, max(lengths))])):
         shapes.clear()
         spec = {"folder": str(folder), "threads": 1, "length_buckets": buckets}
-        out = child.load_compress(spec)(texts)
+        encode = child.load_compress(spec)
+        out = encode(texts)
         assert out[:, 0].tolist() == lengths  # in the texts' order
         assert shapes == passes
+    # the model alone: the texts tokenized and padded once, one pass a call
+    shapes.clear()
+    call = encode.model_call(texts)
+    assert shapes == []
+    assert call()[:, 0].tolist() == lengths and call()[:, 0].tolist() == lengths
+    assert shapes == [(5, max(lengths))] * 2

@@ -233,15 +233,33 @@ def test_a_surrogate_is_refused_with_its_reason(text_handler) -> None:
 def test_a_tokenizer_failure_fails_its_request_alone(text_handler, monkeypatch) -> None:
     tokenizer = text_handler.tokenizer
 
+    def check(texts) -> None:
+        if any("boom" in t for t in ([texts] if isinstance(texts, str) else texts)):
+            raise RuntimeError("the tokenizer broke")
+
+    class FussyRust:
+        """The real Rust tokenizer, which raises on any text holding "boom"."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer.backend_tokenizer, name)
+
+        def encode_batch_fast(self, texts, *args, **kwargs):
+            check(texts)
+            return tokenizer.backend_tokenizer.encode_batch_fast(texts, *args, **kwargs)
+
+        encode_batch = encode_batch_fast
+
     class Fussy:
-        """The real tokenizer, which raises on any text holding "boom"."""
+        """The real tokenizer, which raises on any text holding "boom" (called, or through
+        its Rust tokenizer as token_rows reads a fast one)."""
+
+        backend_tokenizer = FussyRust()
 
         def __getattr__(self, name: str) -> Any:
             return getattr(tokenizer, name)
 
         def __call__(self, texts, *args, **kwargs):
-            if any("boom" in t for t in ([texts] if isinstance(texts, str) else texts)):
-                raise RuntimeError("the tokenizer broke")
+            check(texts)
             return tokenizer(texts, *args, **kwargs)
 
     monkeypatch.setattr(text_handler, "tokenizer", Fussy())

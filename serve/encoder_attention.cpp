@@ -203,14 +203,6 @@ inline uint32_t bf16_bits(float x) {  // round to nearest even
   return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
 }
 
-void to_bf16(const float* x, int64_t n, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  for (; i < n; ++i) out[i] = (uint16_t)bf16_bits(x[i]);
-}
-
 void to_bf16_scaled(const float* x, int64_t n, float by, uint16_t* out) {  // x * by
   const __m512 by_v = _mm512_set1_ps(by);
   int64_t i = 0;
@@ -220,22 +212,51 @@ void to_bf16_scaled(const float* x, int64_t n, float by, uint16_t* out) {  // x 
   for (; i < n; ++i) out[i] = (uint16_t)bf16_bits(x[i] * by);
 }
 
+// 16 words of two bfloat16 from 32 floats at x (words = 8: 16 floats, the rest zero)
+inline __m512i key_words(const float* x, int64_t words) {
+  if (words < 16)
+    return _mm512_zextsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+}
+
+// r[i][l] <- r[l][i]: a 16 x 16 tile of 32-bit words transposed in registers
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0x88);
+      t[8 * i + 4 + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + 4 + k], 0xDD);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xDD);
+  }
+}
+
 constexpr float kLog2e = 1.44269504089f;
 
-// 2^x for x <= 0, exactly 0 at -inf: 2^n times a degree-5 polynomial of x - n, n the
-// nearest integer (relative error ~2e-6, far below the bfloat16 the weights round to)
+// 2^x for x <= 0: 2^n times a degree-3 polynomial of x - n, n the nearest integer, its
+// relative error below 2e-4 (a sixth of a bfloat16's rounding, what the weights round to);
+// -inf gives 2^-126 (~1e-38: no weight next to a row's largest, which is 1)
 inline __m512 exp2_512(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+  __m512 p = _mm512_set1_ps(5.58755351e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42294631e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93127263e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99948234e-1f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // 16 scores from key j on: the mask applied (bools: -inf where false; floats: added, in
@@ -253,20 +274,42 @@ inline __m512 masked_scores(__m512 x, const MaskRow& mask, int64_t j, int64_t S)
   return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), x);
 }
 
-// prow = bfloat16 of 2^(row - max), returns the float sum (0 where every key is masked)
-inline float exp2_row(const float* row, float top, int64_t Sp, uint16_t* prow) {
+// prow = bfloat16 of 2^(row - max); returns the float sums, 16 lanes (0 where every key
+// is masked)
+inline __m512 exp2_row(const float* row, float top, int64_t Sp, uint16_t* prow) {
+  __m512 total = _mm512_setzero_ps();
   if (top == -INFINITY) {
     std::memset(prow, 0, Sp * sizeof(uint16_t));
-    return 0.f;
+    return total;
   }
   const __m512 top_v = _mm512_set1_ps(top);
-  __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < Sp; j += 16) {
     const __m512 e = exp2_512(_mm512_sub_ps(_mm512_loadu_ps(row + j), top_v));
     total = _mm512_add_ps(total, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
-  return _mm512_reduce_add_ps(total);
+  return total;
+}
+
+// out[r] = the sum (or the largest) of v[r]'s 16 lanes, for the 8 rows of a register block
+// at once: halves folded across rows in shuffles, a third of the work of 8 reductions
+template <bool kMax>
+inline void reduce_rows(const __m512* v, float* out) {
+  auto op = [](__m512 a, __m512 b) { return kMax ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); };
+  __m512 pair[4], quad[2];
+  for (int i = 0; i < 4; ++i)  // rows 2i, 2i+1: two 128-bit partials each
+    pair[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                 _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane l: row 4i + l's four partials
+    quad[i] = op(_mm512_shuffle_f32x4(pair[2 * i], pair[2 * i + 1], 0x88),
+                 _mm512_shuffle_f32x4(pair[2 * i], pair[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {
+    __m512 x = op(quad[i], _mm512_permute_ps(quad[i], 0x4E));
+    x = op(x, _mm512_permute_ps(x, 0xB1));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, x);
+    for (int l = 0; l < 4; ++l) out[4 * i + l] = lanes[4 * l];
+  }
 }
 
 template <int kVecs>  // D / 16: float32 vectors of a head's output row
@@ -278,22 +321,28 @@ void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, co
   constexpr int64_t D = 16 * kVecs, T = D / 2;
   const int64_t Sp = (S + 31) / 32 * 32, U = Sp / 2;
   if (pack) {
-    alignas(64) uint16_t row[D];
-    for (int64_t j = 0; j < Sp; ++j) {
-      if (j < S) to_bf16(kb + j * ks, D, row); else std::memset(row, 0, sizeof(row));
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(row);
-      for (int64_t t = 0; t < T; ++t) kp[t * Sp + j] = words[t];
-    }
+    for (int64_t j0 = 0; j0 < Sp; j0 += 16)  // 16 keys' words a tile, transposed in registers
+      for (int64_t w0 = 0; w0 < T; w0 += 16) {
+        __m512i tile[16];
+        for (int i = 0; i < 16; ++i)
+          tile[i] = j0 + i < S ? key_words(kb + (j0 + i) * ks + 2 * w0, T - w0)
+                               : _mm512_setzero_si512();
+        transpose16(tile);
+        for (int64_t t = 0; t < std::min<int64_t>(16, T - w0); ++t)
+          _mm512_storeu_si512(kp + (w0 + t) * Sp + j0, tile[t]);
+      }
+    // (v[2u][d], v[2u+1][d]): both rows rounded in one conversion, their halves interleaved
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
     for (int64_t u = 0; u < U; ++u) {
       for (int c = 0; c < kVecs; ++c) {
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-        if (2 * u < S)
-          lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-              _mm512_loadu_ps(vb + 2 * u * vs + 16 * c)));
-        if (2 * u + 1 < S)
-          hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-              _mm512_loadu_ps(vb + (2 * u + 1) * vs + 16 * c)));
-        _mm512_storeu_si512(vp + u * D + 16 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        const __m512 even = 2 * u < S ? _mm512_loadu_ps(vb + 2 * u * vs + 16 * c)
+                                      : _mm512_setzero_ps();
+        const __m512 odd = 2 * u + 1 < S ? _mm512_loadu_ps(vb + (2 * u + 1) * vs + 16 * c)
+                                         : _mm512_setzero_ps();
+        _mm512_storeu_si512(vp + u * D + 16 * c, _mm512_permutexvar_epi16(
+            pairs, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
       }
     }
   }
@@ -328,8 +377,14 @@ void attention_bf16(const float* qb, int64_t qs, const float* kb, int64_t ks, co
         best[r] = _mm512_max_ps(best[r], _mm512_max_ps(a0, a1));
       }
     }
-    for (int r = 0; r < nr; ++r)
-      sums[r] = exp2_row(scores + r * Sp, _mm512_reduce_max_ps(best[r]), Sp, prow + r * Sp);
+    static_assert(kRows == 8, "reduce_rows folds 8 rows");
+    float tops[kRows];
+    reduce_rows<true>(best, tops);
+    __m512 totals[kRows];
+    for (int r = 0; r < kRows; ++r)
+      totals[r] = r < nr ? exp2_row(scores + r * Sp, tops[r], Sp, prow + r * Sp)
+                         : _mm512_setzero_ps();
+    reduce_rows<false>(totals, sums);
     __m512 acc[kRows][kVecs];
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();

@@ -14,6 +14,7 @@ import peers_optimum as optimum
 from peers_table import FLOPS_BATCH, SEQ_LEN, forward_flops
 
 from compress.errors import UserError
+from compress.models.folders import STRUCTURE
 from compress.recipe.kinds.export import SPEC as EXPORT_SPEC
 from compress.recipe.kinds.search import CANDIDATES
 from compress.report.plot import pareto_front
@@ -45,24 +46,25 @@ def check_finished(run_dir: Path) -> Manifest:
 
 def flops_of(run_dir: Path, manifest: Manifest, index: int) -> tuple[float | None, str]:
     """FLOPs of one 8 x 128 forward of stage `index`'s model, from the config.json of its
-    own folder or, failing that, of the model it was made from; and where they came from."""
-    entry, pruned, own = manifest.stages[index], False, True
+    own folder or, failing that, of the model it was made from, with the shapes pruning
+    left (the nearest structure.json on the way); and where they came from."""
+    entry, structure, own = manifest.stages[index], None, True
     while entry is not None:
         output = entry.outputs[0] if entry.outputs else None
         folder = output and (output.model_dir or output.export_dir)
-        if folder and (run_dir / folder / "structure.json").is_file():
-            pruned = True
+        if folder and structure is None and (run_dir / folder / STRUCTURE).is_file():
+            structure = (folder, json.loads((run_dir / folder / STRUCTURE).read_text()))
         if folder and (run_dir / folder / "config.json").is_file():
             config = json.loads((run_dir / folder / "config.json").read_text())
             try:
-                flops = forward_flops(config)
+                flops = forward_flops(config, structure=structure and structure[1])
             except KeyError as exc:
                 return None, f"no FLOPs: {folder}/config.json: {exc.args[0]}"
             whose = "its own config" if own else "the config of the model it was made from"
             note = (f"FLOPs {flops / 1e9:.2f} G at {FLOPS_BATCH} x {SEQ_LEN} from "
                     f"{folder}/config.json ({whose})")
-            if pruned:
-                note += "; pruned units not subtracted, so % int8 peak is an upper bound"
+            if structure:
+                note += f", the pruned shapes from {structure[0]}/{STRUCTURE}"
             return flops, note
         entry, own = producer(manifest, entry), False
     return None, "no FLOPs: no config.json in its folder or its source's"
@@ -115,10 +117,12 @@ def shape_flops(stage_dir: Path, record: dict[str, Any], label: str | None
     path = stage_dir / "shapes" / shape["folder"] / "model" / "config.json"
     if not path.is_file():
         return None, f"no FLOPs: {path.name} missing"
-    flops = forward_flops(json.loads(path.read_text()))
+    pruned = path.parent / STRUCTURE
+    structure = json.loads(pruned.read_text()) if pruned.is_file() else None
+    flops = forward_flops(json.loads(path.read_text()), structure=structure)
     note = f"FLOPs {flops / 1e9:.2f} G at {FLOPS_BATCH} x {SEQ_LEN} from the shape's config"
-    if (path.parent / "structure.json").is_file():
-        note += "; pruned units not subtracted, so % int8 peak is an upper bound"
+    if structure is not None:
+        note += f" and its pruned shapes ({STRUCTURE})"
     return flops, note
 
 

@@ -66,17 +66,40 @@ def shapes_of(config: dict[str, Any]) -> dict[str, int]:
 
 
 def forward_flops(config: dict[str, Any], batch: int = FLOPS_BATCH,
-                  seq: int = SEQ_LEN) -> float:
+                  seq: int = SEQ_LEN, structure: dict[str, Any] | None = None) -> float:
     """FLOPs of one encoder forward on `batch` x `seq` tokens: 2 x (the layers' linear
     weights) x tokens, plus the attention products (QK^T and AV: 2 x 2 x batch x heads x
     seq^2 x head_dim per layer). Embeddings, norms, softmax, pooler and head are left out
-    (under 0.1% for MiniLM)."""
+    (under 0.1% for MiniLM). `structure` (a pruned model's structure.json) gives the shapes
+    pruning left: its linears' [out, in] and its attention modules' head counts."""
     s = shapes_of(config)
     tokens = batch * seq
     head_dim = s["hidden"] // s["heads"]
-    linear = 4 * s["hidden"] * s["hidden"] + 2 * s["hidden"] * s["intermediate"]
-    attention = 2 * 2 * batch * s["heads"] * seq * seq * head_dim
-    return float(s["layers"] * (2 * linear * tokens + attention))
+    total = 0.0
+    for layer in range(s["layers"]):
+        weights = 0
+        for suffix, (out, into) in LAYER_LINEARS.items():
+            shape = _pruned(structure, "modules", layer, suffix)
+            weights += shape[0] * shape[1] if shape else s[out] * s[into]
+        heads = _pruned(structure, "attention_heads", layer, "attention.self") or s["heads"]
+        total += 2 * weights * tokens + 2 * 2 * batch * heads * seq * seq * head_dim
+    return float(total)
+
+
+# a BERT layer's linears, by the end of their module name: (out, in) in shapes_of's names
+LAYER_LINEARS = {"attention.self.query": ("hidden", "hidden"),
+                 "attention.self.key": ("hidden", "hidden"),
+                 "attention.self.value": ("hidden", "hidden"),
+                 "attention.output.dense": ("hidden", "hidden"),
+                 "intermediate.dense": ("intermediate", "hidden"),
+                 "output.dense": ("hidden", "intermediate")}
+
+
+def _pruned(structure: dict[str, Any] | None, section: str, layer: int, suffix: str) -> Any:
+    """What `structure`'s section says of layer `layer`'s module ending in `suffix`."""
+    ending = f"layer.{layer}.{suffix}"
+    return next((value for name, value in ((structure or {}).get(section) or {}).items()
+                 if name == ending or name.endswith("." + ending)), None)
 
 
 def peak_fraction(flops: float | None, latency_ms: float | None,

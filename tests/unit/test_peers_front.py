@@ -51,3 +51,22 @@ def test_front_trials_other_than_the_winner_are_rows(tmp_path: Path) -> None:
     assert shaped["size_mb"] == 2.0
     assert shaped["flops"] == peers_contenders.forward_flops(CONFIG)
     assert "from the shape's config" in shaped["flops_source"]
+
+
+def test_a_pruned_shape_counts_the_flops_pruning_left(tmp_path: Path) -> None:
+    """A shape folder with a structure.json (the feed-forward layers halved): its FLOPs at
+    8 x 128 are the pruned model's, and the note says where the shapes came from."""
+    shape = tmp_path / "shapes" / "L3-ffn50-1234" / "model"
+    shape.mkdir(parents=True)
+    (shape / "config.json").write_text(json.dumps(CONFIG))
+    record = {"shapes": [{"label": "L3-ffn50", "folder": "L3-ffn50-1234"}]}
+    full, _ = peers_contenders.shape_flops(tmp_path, record, "L3-ffn50")
+    assert full == peers_contenders.forward_flops(CONFIG)
+    halved = {f"bert.encoder.layer.{i}.{name}": shape_of for i in range(3)
+              for name, shape_of in (("intermediate.dense", [768, 384]),
+                                     ("output.dense", [384, 768]))}
+    (shape / "structure.json").write_text(json.dumps({"modules": halved,
+                                                      "attention_heads": {}}))
+    flops, note = peers_contenders.shape_flops(tmp_path, record, "L3-ffn50")
+    assert flops == full - 3 * 2 * (2 * 384 * 768) * 8 * 128
+    assert "pruned shapes (structure.json)" in note

@@ -32,6 +32,29 @@ def test_minilm_forward_is_about_23_gflop_at_8_by_128() -> None:
         peers_table.forward_flops({"hidden_size": 8})
 
 
+def test_pruned_shapes_count_only_the_work_left() -> None:
+    """A structure.json (the shapes structured pruning left) takes its linears' [out, in]
+    and attention modules' head counts over the config's: layer 0's feed-forward halved and
+    layer 1's attention at 6 heads of 32 (its query, key and value 192 wide)."""
+    structure = {"modules": {
+        "bert.encoder.layer.0.intermediate.dense": [768, 384],
+        "bert.encoder.layer.0.output.dense": [384, 768],
+        **{f"bert.encoder.layer.1.attention.self.{n}": [192, 384]
+           for n in ("query", "key", "value")},
+        "bert.encoder.layer.1.attention.output.dense": [384, 192]},
+        "attention_heads": {"bert.encoder.layer.1.attention.self": 6}}
+    full = peers_table.forward_flops(MINILM, 8, 128)
+    tokens = 8 * 128
+    ffn_saved = 2 * (2 * 384 * 768) * tokens
+    attention_saved = 2 * (4 * 384 * 192) * tokens + 2 * 2 * 8 * 6 * 128 * 128 * 32
+    assert peers_table.forward_flops(MINILM, 8, 128, structure) == \
+        full - ffn_saved - attention_saved
+    # layer 10 is not layer 1; an empty structure changes nothing
+    other = {"modules": {"encoder.layer.10.intermediate.dense": [8, 384]}}
+    assert peers_table.forward_flops(MINILM, 8, 128, other) == full
+    assert peers_table.forward_flops(MINILM, 8, 128, {}) == full
+
+
 def test_peak_fraction_and_ratio() -> None:
     # 23 GFLOP in 50 ms is 460 GOP/s: 0.59 of a 775 GOP/s peak
     assert peers_table.peak_fraction(23e9, 50.0, 775.0) == pytest.approx(460 / 775)

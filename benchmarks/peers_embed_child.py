@@ -41,9 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers_child_main import run_modes  # noqa: E402
 
 Encoder = Callable[[list[str]], np.ndarray]
-# texts -> one call of the row's model on them already tokenized and padded (tokenizing is
-# done once, outside the call): the model alone, as peers.py and the search time an encoder
-ModelCall = Callable[[list[str]], Callable[[], Any]]
 FASTEMBED_NAME = "compress-peers/local-minilm"  # the custom model's name in fastembed
 
 

@@ -476,8 +476,14 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
       const float* kb = kp + b * ks0 + h * ks1;
       const float* vb = vp + b * vs0 + h * vs1;
       float* ob = op + ((b * L + i0) * H + h) * D;
+      const bool pack = packed != bh;
+      packed = bh;
+      // a padding mask (the same keys kept for every query) that keeps a prefix of the keys:
+      // on the bf16 path the keys past it are left out, and no mask is read
+      if (pack)
+        prefix = use_bf16 && padding_mask ? kept_prefix(keep + b * ms[0] + h * ms[1], S) : -1;
       MaskRow mask_rows[kBlock];
-      for (int64_t r = 0; r < rows && masks.defined(); ++r) {
+      for (int64_t r = 0; r < rows && masks.defined() && prefix < 0; ++r) {
         const int64_t base = b * ms[0] + h * ms[1] + (i0 + r) * ms[2];
         if (ms[3] == 1) {
           mask_rows[r] = keep ? MaskRow{nullptr, keep + base} : MaskRow{mp + base, nullptr};
@@ -488,24 +494,12 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
           row[j] = keep ? (keep[base + j * ms[3]] ? 0.f : -INFINITY) : mp[base + j * ms[3]];
         mask_rows[r] = MaskRow{row, nullptr};
       }
-      const bool pack = packed != bh;
-      packed = bh;
 #ifdef __AVX512BF16__
       if (use_bf16) {
         auto run = D == 16 ? attention_bf16<1> : D == 32 ? attention_bf16<2>
                                                                 : attention_bf16<4>;
-        // a padding mask (the same keys kept for every query, a prefix of them): the keys
-        // past the prefix are left out, and no mask is read
-        int64_t keys = S;
-        if (padding_mask) {
-          if (pack) prefix = kept_prefix(keep + b * ms[0] + h * ms[1], S);
-          if (prefix >= 0) {
-            keys = prefix;
-            for (int64_t r = 0; r < rows; ++r) mask_rows[r] = MaskRow{};
-          }
-        }
-        run(qb, qs2, kb, ks2, vb, vs2, mask_rows, rows, keys, (float)scale, kpw.data(),
-            vpw.data(), pack, scores.data(), prow.data(), sums.data(), ob, H * D);
+        run(qb, qs2, kb, ks2, vb, vs2, mask_rows, rows, prefix >= 0 ? prefix : S, (float)scale,
+            kpw.data(), vpw.data(), pack, scores.data(), prow.data(), sums.data(), ob, H * D);
         continue;
       }
 #endif

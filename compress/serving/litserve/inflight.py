@@ -15,9 +15,10 @@ chunk fell behind the worker under many streams.
 
 `watch` follows the server's inference workers (its spawned children) and, when one dies,
 ends with a 503 the requests it took and those not yet taken that it may have been taking:
-a worker killed inside the manager queue's `get` loses the request that get returns, so
-every request sent before the death was seen, plus `hold_s` (the longest get a worker
-makes: `IDLE_GET_S`, or the batch delay), is ended and cancelled."""
+a worker killed inside the manager queue's `get` loses the requests that get returns (the
+API server sends those it read in one pass of its loop as one group), and those it got but
+had not yet batched, so every request sent before the death was seen, plus `hold_s` (the
+longest get a worker makes: `IDLE_GET_S`, or the batch delay), is ended and cancelled."""
 
 from __future__ import annotations
 

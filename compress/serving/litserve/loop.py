@@ -3,16 +3,17 @@ decode / predict / encode steps.
 
 It forms batches of up to `batchSize` requests within `maxBatchDelay` ms (at once, one
 request a batch, for an `asyncCommunication` handler, whose `handle` returns a coroutine
-that runs as a task on the worker's event loop thread while the next requests arrive). For
-each request it takes it first sends "take" (its worker index and pid, so that the API
-server can tell when this process dies), then each streamed chunk and the answer, through
-LitServe's transport as `(kind, status, headers, content type, bytes)`: kind "chunk" or
-"end" (batched: every message waiting when the transport is free goes in one, under the id
-`inflight.BATCH`). A request id read from the worker's cancel queue cancels the task of its request
-(the handler cleans up in its `finally`); a request cancelled or past `responseTimeout`
-before it was taken is dropped. A failure answers a 500 with an error id; the traceback goes
-to the model log under that id.
-"""
+that runs as a task on the worker's event loop thread while the next requests arrive), from
+the groups of requests the API server queues (`routes.TorchServeRoutes._enqueue`: one get a
+group; what does not fit the batch waits for the next). For each request it takes it first
+sends "take" (its worker index and pid, so that the API server can tell when this process
+dies), then each streamed chunk and the answer, through LitServe's transport as `(kind,
+status, headers, content type, bytes)`: kind "chunk" or "end" (batched: every message
+waiting when the transport is free goes in one, under the id `inflight.BATCH`). A request
+id read from the worker's cancel queue cancels the task of its request (the handler cleans
+up in its `finally`); a request cancelled or past `responseTimeout` before it was taken is
+dropped. A failure answers a 500 with an error id; the traceback goes to the model log
+under that id. """
 
 from __future__ import annotations
 
@@ -52,28 +53,32 @@ class HandlerLoop(LitLoop):
         self._outbox: list[tuple[int, str, tuple]] = []  # messages not sent yet
         self._ready: threading.Condition | None = None
         self._early: dict[str, float] = {}  # uid -> when it was cancelled, not yet taken
+        self._backlog: list[tuple] = []  # requests got from the queue, not yet in a batch
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tasks": {}, "_early": {}, "_outbox": []}
+        return {**self.__dict__, "_tasks": {}, "_early": {}, "_outbox": [], "_backlog": []}
 
     def run(self, lit_api: Any, device: str, worker_id: int, request_queue: Any,
             transport: Any, *_: Any) -> None:
         """One batch: wait for a request, gather more, hand them to the handler."""
         if self._lock is None:
             self._start(transport, worker_id)
-        try:  # never a get without end: a worker killed in one loses the request it returns
-            batch = [request_queue.get(timeout=IDLE_GET_S)]
-        except Empty:
-            return
+        if not self._backlog:
+            try:  # never a get without end: a worker killed in one loses what it returns
+                self._backlog.extend(request_queue.get(timeout=IDLE_GET_S))
+            except Empty:
+                return
         delay = 0.0 if lit_api.joining else lit_api.batch_timeout
         deadline = time.monotonic() + delay
-        while len(batch) < lit_api.max_batch_size:
+        while len(self._backlog) < lit_api.max_batch_size:
             remaining = deadline - time.monotonic()
             try:
-                batch.append(request_queue.get(timeout=remaining) if remaining > 0
-                             else request_queue.get_nowait())
+                self._backlog.extend(request_queue.get(timeout=remaining) if remaining > 0
+                                     else request_queue.get_nowait())
             except Empty:
                 break
+        size = lit_api.max_batch_size
+        batch, self._backlog = self._backlog[:size], self._backlog[size:]
         batch = [item for item in batch if self._wanted(item, lit_api.timeout_s)]
         if not batch:
             return

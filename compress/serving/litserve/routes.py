@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections import deque
@@ -35,6 +36,7 @@ from compress.serving.litserve.body import form_fields, read_body
 from compress.serving.litserve.errors import error_body, http_error  # noqa: F401 (re-export)
 from compress.serving.litserve.inflight import JSON, Message, Pending
 
+logger = logging.getLogger(__name__)
 TOKEN_FAILED = ("Token Authorization failed. Token either incorrect, expired, or not "
                 "provided correctly")
 MAX_REQUEST_SIZE = 6_553_500  # TorchServe's default max_request_size
@@ -62,6 +64,8 @@ class TorchServeRoutes(LitSpec):
         self.api_path = f"/predictions/{model_name}"
         self.controls: list[Any] | None = None  # each worker's cancel queue (main.Server)
         self.hold_s = inflight.IDLE_GET_S  # the longest get of a worker (HandlerAPI sets it)
+        self.group_size = 1  # requests in one put on the request queue (HandlerAPI sets it)
+        self._outgoing: list[tuple] = []  # requests read in this pass of the event loop
         self._watch: asyncio.Task | None = None
         self._dispatch: asyncio.Task | None = None
 
@@ -104,8 +108,7 @@ class TorchServeRoutes(LitSpec):
         self.response_buffer[uid] = pending
         messages = self._messages(pending)
         try:
-            self.request_queue.put((self.response_queue_id, uid, time.monotonic(),
-                                    (data, headers)))
+            self._enqueue((self.response_queue_id, uid, time.monotonic(), (data, headers)))
             kind, status, answer_headers, media, first = await _first(request, messages)
         except (ClientLeft, TimeoutError) as exc:
             pending.cancel()
@@ -122,6 +125,26 @@ class TorchServeRoutes(LitSpec):
             return Response(first, status, answer_headers, media_type=media or JSON)
         return Stream(_chain(first, messages, media), pending.cancel, status_code=status,
                       headers=answer_headers, media_type=media or JSON)
+
+    def _enqueue(self, request: tuple) -> None:
+        """Queue one request for the workers: those read in the same pass of the event loop
+        go in groups of `group_size`, one manager round trip a group (`_send_outgoing`)."""
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._send_outgoing)
+        self._outgoing.append(request)
+
+    def _send_outgoing(self) -> None:
+        waiting, self._outgoing = self._outgoing, []
+        for start in range(0, len(waiting), self.group_size):
+            group = waiting[start:start + self.group_size]
+            try:
+                self.request_queue.put(group)
+            except Exception:  # the manager is gone: the server is stopping
+                logger.exception("could not queue %d requests", len(group))
+                for _, uid, _, _ in group:
+                    pending = self.response_buffer.get(uid)
+                    if isinstance(pending, Pending):
+                        inflight.end(pending, 503, "the server is stopping")
 
     async def _messages(self, pending: Pending) -> AsyncIterator[Message]:
         try:

@@ -54,6 +54,7 @@ class HandlerAPI(ls.LitAPI):
                          batch_timeout=int(self.config.get("maxBatchDelay", 100)) / 1000,
                          spec=routes, loop=HandlerLoop())
         routes.hold_s = max(IDLE_GET_S, self.batch_timeout) + 0.05
+        routes.group_size = batch
         self.handler: Any = None
 
     def setup(self, device: str) -> None:

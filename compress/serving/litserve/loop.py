@@ -13,7 +13,7 @@ waiting when the transport is free goes in one, under the id `inflight.BATCH`). 
 id read from the worker's cancel queue cancels the task of its request (the handler cleans
 up in its `finally`); a request cancelled or past `responseTimeout` before it was taken is
 dropped. A failure answers a 500 with an error id; the traceback goes to the model log
-under that id. """
+under that id."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -423,6 +424,60 @@ int64_t kept_prefix(const bool* keep, int64_t S) {
   return n;
 }
 
+// One thread's buffers for sequences of up to S keys of heads of D.
+struct Scratch {
+  std::vector<float> kt, scores, sums, gathered;
+  std::vector<uint32_t> kpw, vpw;
+  std::vector<uint16_t> prow;
+  Scratch(int64_t S, int64_t D, bool use_bf16, bool gather) {
+    const int64_t Sp = (S + 15) / 16 * 16, Sp32 = (S + 31) / 32 * 32;
+    kt.resize(use_bf16 ? 0 : D * Sp);
+    scores.resize(kBlock * Sp32);
+    sums.resize(kBlock);
+    gathered.resize(gather ? kBlock * S : 0);
+    kpw.resize(use_bf16 ? D / 2 * Sp32 : 0);
+    vpw.resize(use_bf16 ? Sp32 / 2 * D : 0);
+    prow.resize(use_bf16 ? kBlock * Sp32 : 0);
+  }
+};
+
+// softmax(q k^T * scale + mask) v for `rows` (<= kBlock) query rows of one (sequence, head)
+// over its S keys, written with `out_stride` between rows; its k (and v) laid out in `w`
+// first where `pack` (the thread's previous block was of another sequence or head)
+void attend(const float* qb, int64_t qs, const float* kb, int64_t ks, const float* vb,
+            int64_t vs, int64_t D, const MaskRow* mask_rows, int64_t rows, int64_t S,
+            float scale, bool pack, bool use_bf16, Scratch& w, float* ob,
+            int64_t out_stride) {
+#ifdef __AVX512BF16__
+  if (use_bf16) {
+    auto run = D == 16 ? attention_bf16<1> : D == 32 ? attention_bf16<2> : attention_bf16<4>;
+    run(qb, qs, kb, ks, vb, vs, mask_rows, rows, S, scale, w.kpw.data(), w.vpw.data(), pack,
+        w.scores.data(), w.prow.data(), w.sums.data(), ob, out_stride);
+    return;
+  }
+#endif
+  const int64_t Sp = (S + 15) / 16 * 16;
+  if (pack)  // k^T for this (sequence, head), zero past S
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t j = 0; j < S; ++j) w.kt[d * Sp + j] = kb[j * ks + d];
+      for (int64_t j = S; j < Sp; ++j) w.kt[d * Sp + j] = 0.f;
+    }
+  for (int64_t r = 0; r < rows; r += kRows)
+    scores_block(qb + r * qs, qs, std::min(kRows, rows - r), w.kt.data(), D, Sp,
+                 w.scores.data() + r * Sp);
+  for (int64_t r = 0; r < rows; ++r)
+    w.sums[r] = softmax_row(w.scores.data() + r * Sp, mask_rows[r], S, Sp, scale);
+  weighted_values(w.scores.data(), Sp, S, rows, vb, vs, D, w.sums.data(), ob, out_stride);
+}
+
+bool bf16_head(int64_t D) {
+#ifdef __AVX512BF16__
+  return D == 16 || D == 32 || D == 64;
+#else
+  return false;
+#endif
+}
+
 at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
                              const at::Tensor& value, const std::optional<at::Tensor>& mask,
                              double scale) {
@@ -433,7 +488,6 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
   auto k = key.stride(3) == 1 ? key : key.contiguous();
   auto v = value.stride(3) == 1 ? value : value.contiguous();
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), S = k.size(2);
-  const int64_t Sp = (S + 15) / 16 * 16;
   // the mask as a (B, H, L, S) view: bool (true keeps) or float (added to the scores)
   at::Tensor masks;
   if (mask.has_value() && mask->defined())
@@ -448,11 +502,7 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
   const float* mp = masks.defined() && !bool_mask ? masks.data_ptr<float>() : nullptr;
   const bool* keep = bool_mask ? masks.data_ptr<bool>() : nullptr;
   const int64_t blocks = (L + kBlock - 1) / kBlock;
-#ifdef __AVX512BF16__
-  const bool use_bf16 = D == 16 || D == 32 || D == 64;
-#else
-  const bool use_bf16 = false;
-#endif
+  const bool use_bf16 = bf16_head(D);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
@@ -461,21 +511,13 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
   // a bool mask that does not vary along the queries, contiguous along the keys
   const bool padding_mask = bool_mask && ms[2] == 0 && ms[3] == 1;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    const int64_t Sp32 = (S + 31) / 32 * 32;
-    std::vector<float> kt(use_bf16 ? 0 : D * Sp), scores(kBlock * Sp32), sums(kBlock);
     // mask rows as floats where the mask is strided along the keys
-    std::vector<float> gathered(masks.defined() && ms[3] != 1 ? kBlock * S : 0);
-    std::vector<uint32_t> kpw(use_bf16 ? D / 2 * Sp32 : 0), vpw(use_bf16 ? Sp32 / 2 * D : 0);
-    std::vector<uint16_t> prow(use_bf16 ? kBlock * Sp32 : 0);
+    Scratch w(S, D, use_bf16, masks.defined() && ms[3] != 1);
     int64_t packed = -1;  // the (batch, head) whose k (and v) are laid out
     int64_t prefix = -1;  // its padding mask's kept keys (-1: not a prefix)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, blk = task % blocks, b = bh / H, h = bh % H;
       const int64_t i0 = blk * kBlock, rows = std::min(kBlock, L - i0);
-      const float* qb = qp + b * qs0 + h * qs1 + i0 * qs2;
-      const float* kb = kp + b * ks0 + h * ks1;
-      const float* vb = vp + b * vs0 + h * vs1;
-      float* ob = op + ((b * L + i0) * H + h) * D;
       const bool pack = packed != bh;
       packed = bh;
       // a padding mask (the same keys kept for every query) that keeps a prefix of the keys:
@@ -489,31 +531,70 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
           mask_rows[r] = keep ? MaskRow{nullptr, keep + base} : MaskRow{mp + base, nullptr};
           continue;
         }
-        float* row = gathered.data() + r * S;  // strided along the keys: gathered as floats
+        float* row = w.gathered.data() + r * S;  // strided along the keys: gathered as floats
         for (int64_t j = 0; j < S; ++j)
           row[j] = keep ? (keep[base + j * ms[3]] ? 0.f : -INFINITY) : mp[base + j * ms[3]];
         mask_rows[r] = MaskRow{row, nullptr};
       }
-#ifdef __AVX512BF16__
-      if (use_bf16) {
-        auto run = D == 16 ? attention_bf16<1> : D == 32 ? attention_bf16<2>
-                                                                : attention_bf16<4>;
-        run(qb, qs2, kb, ks2, vb, vs2, mask_rows, rows, prefix >= 0 ? prefix : S, (float)scale,
-            kpw.data(), vpw.data(), pack, scores.data(), prow.data(), sums.data(), ob, H * D);
-        continue;
-      }
-#endif
-      if (pack)  // k^T for this (batch, head), zero past S
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t j = 0; j < S; ++j) kt[d * Sp + j] = kb[j * ks2 + d];
-          for (int64_t j = S; j < Sp; ++j) kt[d * Sp + j] = 0.f;
-        }
-      for (int64_t r = 0; r < rows; r += kRows)
-        scores_block(qb + r * qs2, qs2, std::min(kRows, rows - r), kt.data(), D, Sp,
-                     scores.data() + r * Sp);
-      for (int64_t r = 0; r < rows; ++r)
-        sums[r] = softmax_row(scores.data() + r * Sp, mask_rows[r], S, Sp, (float)scale);
-      weighted_values(scores.data(), Sp, S, rows, vb, vs2, D, sums.data(), ob, H * D);
+      attend(qp + b * qs0 + h * qs1 + i0 * qs2, qs2, kp + b * ks0 + h * ks1, ks2,
+             vp + b * vs0 + h * vs1, vs2, D, mask_rows, rows, prefix >= 0 ? prefix : S,
+             (float)scale, pack, use_bf16, w, op + ((b * L + i0) * H + h) * D, H * D);
+    }
+  });
+  return out;
+}
+
+// Attention within each of the sequences packed one after another along the length of q,
+// k, v (1, H, T, D): sequence s holds positions [offsets[s], offsets[s + 1]), and its
+// queries see its own keys only. The answer is laid out (1, T, H, D). A task is one block of
+// query rows of one (sequence, head).
+at::Tensor packed_attention(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& offsets,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1,
+              "packed_attention: q, k, v must be (1, heads, tokens, head_dim)");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "packed_attention: float32 only");
+  auto q = query.stride(3) == 1 ? query : query.contiguous();
+  auto k = key.stride(3) == 1 ? key : key.contiguous();
+  auto v = value.stride(3) == 1 ? value : value.contiguous();
+  const int64_t H = q.size(1), T = q.size(2), D = q.size(3);
+  auto bounds = offsets.to(at::kLong).contiguous();
+  const int64_t* o = bounds.data_ptr<int64_t>();
+  const int64_t count = bounds.numel() - 1;
+  TORCH_CHECK(count >= 0 && (count == 0 || (o[0] == 0 && o[count] == T)),
+              "packed_attention: offsets must run from 0 to the token count");
+  // the first task of each sequence (its blocks of every head), and the longest sequence
+  std::vector<int64_t> first(count + 1, 0);
+  int64_t longest = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t n = o[s + 1] - o[s];
+    TORCH_CHECK(n >= 0, "packed_attention: offsets must not decrease");
+    longest = std::max(longest, n);
+    first[s + 1] = first[s] + H * ((n + kBlock - 1) / kBlock);
+  }
+  auto out = at::empty({1, T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool use_bf16 = bf16_head(D);
+  const int64_t qs1 = q.stride(1), qs2 = q.stride(2), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs1 = v.stride(1), vs2 = v.stride(2);
+  at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
+    Scratch w(std::max<int64_t>(longest, 1), D, use_bf16, false);
+    MaskRow mask_rows[kBlock];  // none: a sequence's own keys are all kept
+    int64_t s = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    int64_t packed = -1;  // the (sequence, head) whose k (and v) are laid out
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= first[s + 1]) ++s;
+      const int64_t n = o[s + 1] - o[s], blocks = (n + kBlock - 1) / kBlock;
+      const int64_t h = (task - first[s]) / blocks, blk = (task - first[s]) % blocks;
+      const int64_t i0 = o[s] + blk * kBlock, rows = std::min(kBlock, o[s + 1] - i0);
+      const bool pack = packed != s * H + h;
+      packed = s * H + h;
+      attend(qp + h * qs1 + i0 * qs2, qs2, kp + h * ks1 + o[s] * ks2, ks2,
+             vp + h * vs1 + o[s] * vs2, vs2, D, mask_rows, rows, n, (float)scale, pack,
+             use_bf16, w, op + (i0 * H + h) * D, H * D);
     }
   });
   return out;
@@ -541,8 +622,11 @@ const KeepActivationPages keep_activation_pages;
 
 TORCH_LIBRARY(compress_encoder, m) {
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.def("packed_attention(Tensor query, Tensor key, Tensor value, Tensor offsets, float scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(compress_encoder, CPU, m) {
   m.impl("attention", &encoder_attention);
+  m.impl("packed_attention", &packed_attention);
 }

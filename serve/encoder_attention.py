@@ -3,7 +3,10 @@ value, mask, scale)` computes softmax(q k^T * scale + mask) v for bidirectional 
 (`encoder_attention.cpp`), with q, k, v of (batch, heads, length, head_dim) and the answer
 laid out (batch, length, heads, head_dim), the layout the next projection reads. `mask` is
 None, a bool mask (true keeps) or a float one added to the scores, broadcastable to
-(batch, heads, length, length). The same library holds `add_layer_norm(input, residual,
+(batch, heads, length, length). `packed_attention(query, key, value, offsets, scale)` is the
+same for texts packed one after another along the length of a (1, heads, tokens, head_dim)
+batch, text s at positions [offsets[s], offsets[s + 1]): each sees its own tokens only, and
+no padding is computed. The same library holds `add_layer_norm(input, residual,
 weight, bias, eps, smooth, scale, zero_point, quant_min, quant_max)` (`encoder_norm.cpp`):
 the residual add, LayerNorm and the uint8 quantization of the next int8 linear's input (after
 SmoothQuant's per-feature multiply `smooth`, if any) in one pass, returning (the float
@@ -116,6 +119,12 @@ def _load() -> bool:
           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
         batch, heads, length, head_dim = query.shape
         return query.new_empty(batch, length, heads, head_dim)
+
+    @torch.library.register_fake(f"{NAMESPACE}::packed_attention")
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
+          scale: float) -> torch.Tensor:
+        _, heads, tokens, head_dim = query.shape
+        return query.new_empty(1, tokens, heads, head_dim)
 
     @torch.library.register_fake(f"{NAMESPACE}::add_layer_norm")
     def _(input: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

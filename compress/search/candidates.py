@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from compress.errors import CompressError
 from compress.models.bundle import ModelBundle
 from compress.recipe.kinds.export import ExportConfig
 from compress.recipe.kinds.precision import PrecisionConfig
@@ -39,6 +40,9 @@ def candidate_stages(name: str, float_layers: list[str], calibration: Calibratio
         "pt2e_static_bf16_attention_aoti": lambda: [
             QuantizeConfig(mode="static", compile=False, **static),
             ExportConfig(format="aoti", attention="kernel")],
+        "pt2e_static_packed_aoti": lambda: [
+            QuantizeConfig(mode="static", compile=False, **static),
+            ExportConfig(format="aoti", attention="packed")],
         "bf16_aoti": lambda: [PrecisionConfig(), ExportConfig(format="aoti")],
         "ort_dynamic_int8": lambda: [ExportConfig(format="onnx", quantize="dynamic",
                                                   **({"keep_float": keep} if keep else {}))],
@@ -62,6 +66,8 @@ def build(bundle: ModelBundle, stages: list[StrictModel], folder: Path, calibrat
     from compress.stages.precision import cast
 
     current, facts = bundle, {}
+    if getattr(stages[-1], "attention", None) == "packed" and len(stages) > 1:
+        current = packed_bundle(current)  # packed before it is captured and quantized
     for cfg in stages[:-1]:
         if isinstance(cfg, QuantizeConfig):
             current, figures = quantize(current, cfg, calibration, max_length=max_length)
@@ -72,6 +78,15 @@ def build(bundle: ModelBundle, stages: list[StrictModel], folder: Path, calibrat
             raise TypeError(f"a search candidate cannot apply a {cfg.kind} stage")
     path, figures = export(current, stages[-1], folder, calibration, max_length, log, meta)
     return {**facts, **figures, "file": path.name}
+
+
+def packed_bundle(bundle: ModelBundle) -> ModelBundle:
+    """The bundle with a packed copy of its sentence encoder; CompressError for another
+    model."""
+    pack = getattr(bundle.model, "packed", None)
+    if pack is None:
+        raise CompressError("attention: packed is for sentence encoders (task: embedding)")
+    return dataclasses.replace(bundle, model=pack())
 
 
 def copy_bundle(bundle: ModelBundle) -> ModelBundle:

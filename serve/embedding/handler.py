@@ -7,7 +7,8 @@ nothing from compress. The exported file (`export.json` names it; its `embedding
 says the pooling, normalization, width, max_seq_length and Matryoshka training) returns
 each row's embedding already pooled and normalized. `model-config.yaml`'s `handler:`
 section holds threads, max_items (inputs in one request, 64 by default), max_text_chars and
-length_buckets (true by default: rows in passes of similar length, `batching.by_length`).
+length_buckets (true by default: rows in passes of similar length, `batching.by_length`;
+a packed file, which computes the real tokens only, takes every row in one pass).
 
 Routes: POST on the model's URL (text, texts or plain text: `{"embedding": [...]}`, or
 `{"embeddings": [[...], ...]}` for texts) and under it OpenAI's `v1/embeddings` and
@@ -79,7 +80,9 @@ class EmbeddingHandler(BaseHandler):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.normalize = bool(facts.get("normalize"))
         self.model_name = context.model_name
-        self.length_buckets = bool(settings.get("length_buckets", True))
+        # a packed file (export.json's aoti_packed) computes no padding: a batch is one pass
+        self.length_buckets = (bool(settings.get("length_buckets", True))
+                               and not self.meta.get("aoti_packed"))
         limits = embedding_requests.Limits(
             int(settings.get("max_items", DEFAULT_MAX_ITEMS)),
             int(settings.get("max_text_chars", DEFAULT_MAX_CHARS)),

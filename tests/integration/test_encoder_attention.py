@@ -78,6 +78,42 @@ def test_a_row_with_every_key_masked_is_zeros(kernel) -> None:
     assert got[0, 1].abs().max() > 0
 
 
+def per_text_sdpa(q, k, v, offsets: list[int]) -> torch.Tensor:
+    """Attention within each packed text, by sdpa on each one's slice: (1, T, H, D)."""
+    out = torch.zeros(1, q.shape[2], q.shape[1], q.shape[3])
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        if b > a:
+            out[:, a:b] = F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]).transpose(1, 2)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 24])
+def test_packed_attention_is_sdpa_within_each_text(head_dim: int) -> None:
+    """Texts of 5, 1, 0, 37, 64, 33 and 100 tokens one after another: each text's queries
+    see its own keys only (blocks of 32 rows cut inside and across texts)."""
+    assert encoder_attention.load(), encoder_attention.error()
+    lengths = [5, 1, 0, 37, 64, 33, 100]
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    q, k, v = qkv(1, 3, offsets[-1], head_dim, seed=2)
+    got = torch.ops.compress_encoder.packed_attention(q, k, v, torch.tensor(offsets),
+                                                       head_dim ** -0.5)
+    want = per_text_sdpa(q, k, v, offsets)
+    assert got.shape == (1, offsets[-1], 3, head_dim)
+    assert relative(got, want) < (TOLERANCE if head_dim in (16, 32, 64) else 1e-5)
+    whole = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # what no packing gives
+    assert relative(whole, want) > 0.1
+
+
+def test_packed_attention_refuses_offsets_that_do_not_cover_the_tokens() -> None:
+    assert encoder_attention.load(), encoder_attention.error()
+    q, k, v = qkv(1, 2, 10, 32)
+    with pytest.raises(RuntimeError, match="offsets must run from 0 to the token count"):
+        torch.ops.compress_encoder.packed_attention(q, k, v, torch.tensor([0, 4, 9]), 0.2)
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        torch.ops.compress_encoder.packed_attention(q, k, v, torch.tensor([0, 6, 4, 10]), 0.2)
+
+
 FLOAT32_CHILD = """
 import json, torch, torch.nn.functional as F
 from serve import encoder_attention
@@ -91,6 +127,13 @@ for head_dim, length in ((16, 9), (32, 40), (64, 33), (24, 7)):
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
     got = torch.ops.compress_encoder.attention(q, k, v, keep, head_dim ** -0.5)
     errors.append(float((got - want).abs().max()))
+    offsets = [0, length // 3, length // 3, length]  # three packed texts, one of them empty
+    got = torch.ops.compress_encoder.packed_attention(q[:1], k[:1], v[:1],
+                                                      torch.tensor(offsets), head_dim ** -0.5)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        if b > a:
+            want = F.scaled_dot_product_attention(q[:1, :, a:b], k[:1, :, a:b], v[:1, :, a:b])
+            errors.append(float((got[:, a:b] - want.transpose(1, 2)).abs().max()))
 print(json.dumps({"errors": errors, "library": encoder_attention.shipped_library().name}))
 """
 
@@ -185,16 +228,17 @@ def test_an_aoti_package_with_the_kernel_runs_from_an_archive_root(tmp_path: Pat
     assert os.environ.get("COMPRESS_NO_KERNELS") is None
 
 
-def test_the_search_offers_the_kernel_on_bf16_cpus_only() -> None:
+@pytest.mark.parametrize(("name", "attention"), [("pt2e_static_bf16_attention_aoti", "kernel"),
+                                               ("pt2e_static_packed_aoti", "packed")])
+def test_the_search_offers_the_kernel_on_bf16_cpus_only(name: str, attention: str) -> None:
     from compress.recipe.kinds.export import ExportConfig
     from compress.recipe.kinds.search import not_applicable
     from compress.recipe.options import CalibrationOptions
     from compress.search.candidates import candidate_stages
 
-    name = "pt2e_static_bf16_attention_aoti"
     quantize, export = candidate_stages(name, [], CalibrationOptions(), smoothing=0.8)
     assert (quantize.mode, quantize.smoothing) == ("static", 0.8)
-    assert export == ExportConfig(format="aoti", attention="kernel") and export.quantizes
+    assert export == ExportConfig(format="aoti", attention=attention) and export.quantizes
     assert not_applicable(name, hugging_face=False, bf16_cpu=True) is None
     assert "bfloat16" in not_applicable(name, hugging_face=True, bf16_cpu=False)
 
@@ -206,7 +250,7 @@ def test_attention_is_an_aoti_option() -> None:
 
     with pytest.raises(ValidationError, match="attention do not apply to format onnx"):
         ExportConfig(format="onnx", attention="kernel")
-    with pytest.raises(ValidationError, match="'sdpa' or 'kernel'"):
+    with pytest.raises(ValidationError, match="'sdpa', 'kernel' or 'packed'"):
         ExportConfig(format="aoti", attention="flash")
 
 

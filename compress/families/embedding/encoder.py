@@ -106,6 +106,13 @@ class SentenceEncoder(nn.Module):
         """The transformer (where layer-level code finds `encoder.layer`)."""
         return self.transformer
 
+    def packed(self) -> SentenceEncoder:
+        """A copy of this encoder that computes the real tokens of its batch only, in one
+        sequence (`packing.PackedEncoder`)."""
+        from compress.families.embedding.packing import packed
+
+        return packed(self)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}

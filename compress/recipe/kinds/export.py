@@ -87,11 +87,14 @@ class ExportConfig(StrictModel):
     autocast: Literal["bf16"] | None = Field(
         None, description="AOTInductor: compile the graph's float ops in bfloat16 (for a "
         "PT2E int8 model: int8 layers, everything else in bf16). Needs a bf16 CPU.")
-    attention: Literal["sdpa", "kernel"] = Field(
+    attention: Literal["sdpa", "kernel", "packed"] = Field(
         "sdpa", description="AOTInductor, encoders: sdpa (aten's float32 attention) or "
         "kernel (compress's own, serve/encoder_attention.cpp: bfloat16 products with float32 "
-        "softmax on AVX512-BF16, ~2x sdpa at 8 x 128 on MiniLM; float32 elsewhere). The "
-        "package then needs that operator, which the served archive builds or carries.")
+        "softmax on AVX512-BF16, ~2x sdpa at 8 x 128 on MiniLM; float32 elsewhere); packed "
+        "(sentence encoders): the same kernel over the real tokens of a batch only, packed "
+        "into one sequence inside the graph (no padding, one pass a batch; an int8 model "
+        "must be quantized packed: the search's pt2e_static_packed_aoti). The package then "
+        "needs that operator, which the served archive builds or carries.")
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
     tensor_parallel: int | None = Field(
         None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
@@ -121,7 +124,7 @@ class ExportConfig(StrictModel):
         """Whether the export itself changes the precision (its logits cannot match)."""
         return (self.format == "onnx" and self.quantize is not None) or (
             self.format == "tensorrt" and self.precision != "fp32") or (
-            self.format == "aoti" and (self.autocast is not None or self.attention == "kernel"))
+            self.format == "aoti" and (self.autocast is not None or self.attention != "sdpa"))
 
     @model_validator(mode="after")
     def _options_fit_the_format(self) -> ExportConfig:

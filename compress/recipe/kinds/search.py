@@ -28,6 +28,10 @@ CANDIDATES: dict[str, tuple[str, str, bool, bool, bool]] = {
     "pt2e_static_bf16_attention_aoti": ("PT2E int8 static as an AOTInductor package whose "
                                         "attention runs on compress's bf16 kernel", "aoti",
                                         False, True, True),
+    "pt2e_static_packed_aoti": ("PT2E int8 static as an AOTInductor package that computes "
+                                "a batch's real tokens only, packed into one sequence, "
+                                "attention per text on compress's kernel (sentence "
+                                "encoders)", "aoti", False, True, True),
     "bf16_aoti": ("bfloat16 as an AOTInductor package", "aoti", True, True, False),
     "ort_dynamic_int8": ("ONNX Runtime dynamic int8 (every MatMul)", "onnx", False, False,
                          True),
@@ -37,8 +41,8 @@ CANDIDATES: dict[str, tuple[str, str, bool, bool, bool]] = {
     "aoti_fp32": ("float32 as an AOTInductor package", "aoti", False, False, False),
 }
 Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "pt2e_static_bf16_aoti",
-                    "pt2e_static_bf16_attention_aoti", "bf16_aoti", "ort_dynamic_int8",
-                    "ort_static_int8", "onnx_fp32", "aoti_fp32"]
+                    "pt2e_static_bf16_attention_aoti", "pt2e_static_packed_aoti", "bf16_aoti",
+                    "ort_dynamic_int8", "ort_static_int8", "onnx_fp32", "aoti_fp32"]
 OBJECTIVES = {"latency_b1": "latency_ms_b1", "latency_b8": "latency_ms_b8",
               "latency_real": "latency_ms_b8_real", "latency_real_b32": "latency_ms_b32_real",
               "size": "bytes"}

@@ -1,0 +1,101 @@
+"""A sentence encoder that packs its batch: called like `SentenceEncoder` on a right-padded
+batch, it keeps only the real tokens (those the attention mask keeps), runs them as one
+sequence of all the batch's tokens, attention within each text on compress's
+`packed_attention` kernel (serve/encoder_attention.cpp), and pools each text from its own
+tokens. No padding is computed and a batch is one pass, whatever its lengths: a served batch
+of short texts is no longer split into passes of similar length (`batching.by_length`), and
+pays neither padding nor a pass's fixed cost more than once.
+
+The packing is part of the graph (the kept positions of `attention_mask.nonzero()`, a
+length the graph learns at run time), so a captured, quantized or AOTInductor-compiled
+packed encoder keeps the padded signature (input_ids, attention_mask, token_type_ids) that
+every measure, harness and server of compress calls. Each token keeps its position in its
+row, as the padded model numbers it; `cls` pooling reads each text's first kept token (the
+first position of a right-padded row). It runs where the kernel is built, in eval mode."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+from compress.families.embedding.encoder import SentenceEncoder
+from serve import encoder_attention
+
+ATTENTION = "compress_packed"  # the transformers attention function `PackedEncoder` selects
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float | None = None, dropout: float = 0.0, **kwargs
+                     ) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over packed texts: `cu_seq_lens_q` holds their
+    offsets along the one sequence (the mask is unused: there is no padding)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    kernel = getattr(torch.ops, encoder_attention.NAMESPACE).packed_attention
+    return kernel(query, key, value, kwargs["cu_seq_lens_q"], float(scale)), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+
+
+class PackedEncoder(SentenceEncoder):
+    """`SentenceEncoder` over the real tokens of its batch only (see the module's doc)."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training:
+            raise CompressError("a packed encoder runs in eval mode only (its attention "
+                                "kernel has no backward)")
+        rows, width = input_ids.shape
+        kept = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat positions of real tokens
+        torch._check(kept.shape[0] >= 1)
+        row = torch.div(kept, width, rounding_mode="floor")
+        lengths = attention_mask.ne(0).sum(1)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        tokens = self.transformer(
+            input_ids=input_ids.reshape(-1)[kept][None],
+            token_type_ids=types.reshape(-1)[kept][None],
+            position_ids=(kept - row * width)[None],
+            cu_seq_lens_q=offsets, cu_seq_lens_k=offsets).last_hidden_state[0]
+        pooled = pool_packed(tokens, row, offsets, rows, self.pooling)
+        return nn.functional.normalize(pooled, p=2, dim=-1) if self.normalize else pooled
+
+
+def pool_packed(tokens: torch.Tensor, row: torch.Tensor, offsets: torch.Tensor, rows: int,
+                mode: str) -> torch.Tensor:
+    """One vector per text from packed `tokens` (tokens x width; `row[t]`: the text of token
+    t, `offsets`: where each text begins and ends), as `encoder.pool` on the padded batch."""
+    last = tokens.shape[0] - 1
+    if mode == "cls":
+        return tokens[offsets[:-1].clamp(max=last)]
+    if mode == "lasttoken":
+        return tokens[(offsets[1:] - 1).clamp(min=0)]
+    width = tokens.shape[1]
+    if mode == "max":
+        lowest = tokens.new_full((rows, width), torch.finfo(tokens.dtype).min)
+        return lowest.scatter_reduce(0, row[:, None].expand(-1, width), tokens, "amax")
+    total = tokens.new_zeros(rows, width).index_add(0, row, tokens)
+    count = (offsets[1:] - offsets[:-1]).to(tokens.dtype).clamp_min(1e-9)[:, None]
+    return total / (count.sqrt() if mode == "mean_sqrt_len" else count)
+
+
+def packed(encoder: SentenceEncoder) -> PackedEncoder:
+    """A packed copy of `encoder` (its weights copied; `encoder` is left as it was).
+    CompressError where compress's attention kernel cannot be built here."""
+    if not encoder_attention.load():
+        raise CompressError(f"a packed encoder needs compress's attention kernel, which "
+                            f"could not be built here ({encoder_attention.error()})")
+    _register()
+    source = copy.deepcopy(encoder)
+    transformer = source.transformer
+    transformer.set_attn_implementation(ATTENTION)
+    result = PackedEncoder(transformer, source.pooling, source.normalize,
+                           source.max_seq_length, source.matryoshka)
+    return result.eval()

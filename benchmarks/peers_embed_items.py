@@ -52,7 +52,8 @@ def is_embedding_export(folder: Path) -> dict[str, Any] | None:
 def compress_items(run_dir: Path, manifest: Manifest, one_pass: bool = False
                    ) -> list[dict[str, Any]]:
     """One row per embedding export of the run, in stage order (its batches in passes of
-    similar length, as the handlers run them); with `one_pass`, each also as `NAME one
+    similar length, as the handlers run them, or for a packed file, `aoti_packed`, a batch
+    in one pass of its real tokens); with `one_pass`, each padded file also as `NAME one
     pass`, a batch in one pass."""
     items = []
     for artifact in artifacts_of(run_dir):
@@ -61,12 +62,13 @@ def compress_items(run_dir: Path, manifest: Manifest, one_pass: bool = False
         if meta is None:
             continue
         file = folder / meta["file"]
+        packed = bool(meta.get("aoti_packed"))
         items.append({"name": artifact["name"], "kind": "compress", "folder": str(folder),
                       "runtime": "compress " + runtime_label(manifest, artifact["index"],
                                                              artifact["config"]),
                       "python": None, "size_mb": _mb(file), "peer": False, "rounds": [],
-                      "length_buckets": True})
-        if one_pass:
+                      "length_buckets": not packed, "packed": packed})
+        if one_pass and not packed:
             items.append({**items[-1], "name": f"{artifact['name']} one pass",
                           "length_buckets": False, "rounds": []})
     return items

@@ -45,12 +45,16 @@ def batch_lengths(source: Path, texts: list[str], batch: int, max_length: int
             for i in range(0, len(texts), batch)]
 
 
-def pass_shapes(batches: list[list[int]], bucketed: bool = False) -> list[tuple[int, int]]:
+def pass_shapes(batches: list[list[int]], bucketed: bool = False,
+                packed: bool = False) -> list[tuple[int, int]]:
     """(rows, padded length) of each forward pass over batches of these token counts: a
     pass a batch, or with `bucketed` the passes of similar length compress's handlers cut a
-    batch into (`serve.batching.length_buckets`)."""
+    batch into (`serve.batching.length_buckets`), or with `packed` each text's own tokens
+    (a packed file computes no padding: its FLOPs are those of the texts alone)."""
     from serve.batching import length_buckets
 
+    if packed:
+        return [(1, n) for lengths in batches for n in lengths]
     shapes = []
     for lengths in batches:
         for part in length_buckets(lengths) if bucketed else [range(len(lengths))]:

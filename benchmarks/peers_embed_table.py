@@ -125,7 +125,7 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
               "each library), the texts in order in batches of the stated size; a peer runs a "
               "batch in one pass padded to its longest, compress's rows in passes of similar "
               "length (the served handlers' length_buckets; `one pass`: the same file "
-              "without). "
+              "without), or a packed file's batch in one pass of its real tokens only. "
               "fidelity: mean cosine with sentence-transformers fp32's embedding of the same "
               "text (p1: the 1st percentile); recall@10: the share of each text's 10 nearest "
               "texts under sentence-transformers fp32 kept. x ST int8: the row's sent/s over "

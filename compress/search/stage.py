@@ -103,7 +103,8 @@ class Search:
         now (None when the budget is spent)."""
         stages = candidate_stages(name, float_layers, self.cfg.calibration,
                                   self.cfg.smoothing)
-        key = trial_key(name, stages, float_layers, self.input_sha, self.measurer.settings())
+        key = trial_key(name, stages, float_layers, self.input_sha, self.measurer.settings(),
+                        type(self.bundle.model).__module__)
         tid = trial_id(name, float_layers, key)
         if self.shape is not None:
             tid = f"{self.shape['label']}-{tid}"

@@ -86,17 +86,19 @@ def real_batch(metric: str) -> int | None:
 
 
 @cache
-def _builder_code() -> list[str]:
-    """The digests of the code that builds a trial: read once a process, not once a trial."""
-    return code_digests([BUILDER])
+def _builder_code(model_module: str | None = None) -> list[str]:
+    """The digests of the code that builds a trial, with the module of the model's class
+    (its forms, such as a sentence encoder's packed copy, are built by its methods): read
+    once a process, not once a trial."""
+    return code_digests([BUILDER, *([model_module] if model_module else [])])
 
 
 def trial_key(name: str, stages: list[StrictModel], float_layers: list[str], input_sha: str,
-              settings: dict[str, Any]) -> str:
+              settings: dict[str, Any], model_module: str | None = None) -> str:
     """The cache key of one trial: with the code that builds it (a change to an export pass
     or a kernel builds the trial again)."""
     return sha256_json([VERSION, name, [s.model_dump(mode="json") for s in stages],
-                        float_layers, input_sha, settings, _builder_code()])
+                        float_layers, input_sha, settings, _builder_code(model_module)])
 
 
 def trial_id(name: str, float_layers: list[str], key: str) -> str:

@@ -322,3 +322,14 @@ def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_pa
     assert shapes == []
     assert call()[:, 0].tolist() == lengths and call()[:, 0].tolist() == lengths
     assert shapes == [(5, max(lengths))] * 2
+
+
+def test_a_packed_file_is_one_pass_and_counts_each_texts_own_flops():
+    """Compress's padded rows are cut by length; a packed file's (export.json aoti_packed)
+    batch is one pass of its real tokens, its FLOPs those of each text alone."""
+    import peers_embed_quality as quality
+
+    batches = [[5, 30, 7], [12]]
+    assert quality.pass_shapes(batches) == [(3, 30), (1, 12)]
+    assert quality.pass_shapes(batches, packed=True) == [(1, 5), (1, 30), (1, 7), (1, 12)]
+    assert len(quality.pass_shapes(batches, bucketed=True)) >= 2

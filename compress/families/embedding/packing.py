@@ -81,7 +81,10 @@ def pool_packed(tokens: torch.Tensor, row: torch.Tensor, offsets: torch.Tensor, 
     if mode == "max":
         lowest = tokens.new_full((rows, width), torch.finfo(tokens.dtype).min)
         return lowest.scatter_reduce(0, row[:, None].expand(-1, width), tokens, "amax")
-    total = tokens.new_zeros(rows, width).index_add(0, row, tokens)
+    # each text's sum as one product with its tokens' membership (texts x tokens, 0 or 1):
+    # a GEMM, where index_add compiles to an atomic add per element (~2 ms at 8 x 128)
+    member = (row[None, :] == torch.arange(rows, device=row.device)[:, None]).to(tokens.dtype)
+    total = member @ tokens
     count = (offsets[1:] - offsets[:-1]).to(tokens.dtype).clamp_min(1e-9)[:, None]
     return total / (count.sqrt() if mode == "mean_sqrt_len" else count)
 

@@ -34,7 +34,7 @@ def test_stages_lists_the_items_of_a_list_of_sections() -> None:
 def test_stages_lists_the_allowed_items_of_a_list() -> None:
     candidates = _options("search")["candidates"]
     assert candidates["allowed"][:2] == ["pt2e_static_aoti", "pt2e_dynamic_aoti"]
-    assert len(candidates["allowed"]) == 9
+    assert len(candidates["allowed"]) == 10
     assert "one of: pt2e_static_aoti, " in render_kinds(describe_kinds("search"))
 
 

@@ -10,6 +10,7 @@ Pooling modes: `mean` (over the tokens the attention mask keeps), `cls` (the fir
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from compress.errors import UserError
+from compress.families.embedding.packing import packed_forward, use_packed_attention
 
 MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
 
@@ -106,12 +108,14 @@ class SentenceEncoder(nn.Module):
         """The transformer (where layer-level code finds `encoder.layer`)."""
         return self.transformer
 
-    def packed(self) -> SentenceEncoder:
-        """A copy of this encoder that computes the real tokens of its batch only, in one
-        sequence (`packing.PackedEncoder`)."""
-        from compress.families.embedding.packing import packed
-
-        return packed(self)
+    def packed(self) -> PackedEncoder:
+        """A copy of this encoder (weights copied) that computes the real tokens of its
+        batch only, in one sequence (`PackedEncoder`); CompressError where compress's
+        attention kernel cannot be built here."""
+        source = copy.deepcopy(self)
+        use_packed_attention(source.transformer)
+        return PackedEncoder(source.transformer, source.pooling, source.normalize,
+                             source.max_seq_length, source.matryoshka).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,6 +124,15 @@ class SentenceEncoder(nn.Module):
                                   **extra).last_hidden_state
         pooled = pool(tokens, attention_mask, self.pooling)
         return nn.functional.normalize(pooled, p=2, dim=-1) if self.normalize else pooled
+
+
+class PackedEncoder(SentenceEncoder):
+    """`SentenceEncoder` over the real tokens of its batch only, in one sequence, attention
+    within each text on compress's kernel (`packing.py`): called as it, on a padded batch."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return packed_forward(self, input_ids, attention_mask, token_type_ids)
 
 
 def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:

@@ -11,20 +11,18 @@ length the graph learns at run time), so a captured, quantized or AOTInductor-co
 packed encoder keeps the padded signature (input_ids, attention_mask, token_type_ids) that
 every measure, harness and server of compress calls. Each token keeps its position in its
 row, as the padded model numbers it; `cls` pooling reads each text's first kept token (the
-first position of a right-padded row). It runs where the kernel is built, in eval mode."""
+first position of a right-padded row). It runs where the kernel is built, in eval mode.
+`encoder.PackedEncoder` is the module; this file holds how it computes."""
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.families.embedding.encoder import SentenceEncoder
 from serve import encoder_attention
 
-ATTENTION = "compress_packed"  # the transformers attention function `PackedEncoder` selects
+ATTENTION = "compress_packed"  # the transformers attention function a packed encoder uses
 
 
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -38,34 +36,28 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return kernel(query, key, value, kwargs["cu_seq_lens_q"], float(scale)), None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, packed_attention)
-
-
-class PackedEncoder(SentenceEncoder):
-    """`SentenceEncoder` over the real tokens of its batch only (see the module's doc)."""
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training:
-            raise CompressError("a packed encoder runs in eval mode only (its attention "
-                                "kernel has no backward)")
-        rows, width = input_ids.shape
-        kept = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat positions of real tokens
-        torch._check(kept.shape[0] >= 1)
-        row = torch.div(kept, width, rounding_mode="floor")
-        lengths = attention_mask.ne(0).sum(1)
-        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        tokens = self.transformer(
-            input_ids=input_ids.reshape(-1)[kept][None],
-            token_type_ids=types.reshape(-1)[kept][None],
-            position_ids=(kept - row * width)[None],
-            cu_seq_lens_q=offsets, cu_seq_lens_k=offsets).last_hidden_state[0]
-        pooled = pool_packed(tokens, row, offsets, rows, self.pooling)
-        return nn.functional.normalize(pooled, p=2, dim=-1) if self.normalize else pooled
+def packed_forward(encoder: nn.Module, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor,
+                   token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A sentence encoder's embeddings of a right-padded batch from its real tokens only
+    (`encoder`: its transformer, pooling and normalize, as `SentenceEncoder` holds them)."""
+    if encoder.training:
+        raise CompressError("a packed encoder runs in eval mode only (its attention "
+                            "kernel has no backward)")
+    rows, width = input_ids.shape
+    kept = attention_mask.reshape(-1).nonzero().squeeze(1)  # flat positions of real tokens
+    torch._check(kept.shape[0] >= 1)
+    row = torch.div(kept, width, rounding_mode="floor")
+    lengths = attention_mask.ne(0).sum(1)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+    tokens = encoder.transformer(
+        input_ids=input_ids.reshape(-1)[kept][None],
+        token_type_ids=types.reshape(-1)[kept][None],
+        position_ids=(kept - row * width)[None],
+        cu_seq_lens_q=offsets, cu_seq_lens_k=offsets).last_hidden_state[0]
+    pooled = pool_packed(tokens, row, offsets, rows, encoder.pooling)
+    return nn.functional.normalize(pooled, p=2, dim=-1) if encoder.normalize else pooled
 
 
 def pool_packed(tokens: torch.Tensor, row: torch.Tensor, offsets: torch.Tensor, rows: int,
@@ -89,16 +81,13 @@ def pool_packed(tokens: torch.Tensor, row: torch.Tensor, offsets: torch.Tensor, 
     return total / (count.sqrt() if mode == "mean_sqrt_len" else count)
 
 
-def packed(encoder: SentenceEncoder) -> PackedEncoder:
-    """A packed copy of `encoder` (its weights copied; `encoder` is left as it was).
-    CompressError where compress's attention kernel cannot be built here."""
+def use_packed_attention(transformer: nn.Module) -> None:
+    """Switch `transformer` (a transformers model) to the packed attention; CompressError
+    where compress's attention kernel cannot be built here."""
     if not encoder_attention.load():
         raise CompressError(f"a packed encoder needs compress's attention kernel, which "
                             f"could not be built here ({encoder_attention.error()})")
-    _register()
-    source = copy.deepcopy(encoder)
-    transformer = source.transformer
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, packed_attention)
     transformer.set_attn_implementation(ATTENTION)
-    result = PackedEncoder(transformer, source.pooling, source.normalize,
-                           source.max_seq_length, source.matryoshka)
-    return result.eval()

@@ -228,7 +228,9 @@ def _main(args: argparse.Namespace) -> int:
     shapes = quality.pass_shapes(batches)
     flops, flops_note = quality.pass_flops(source, shapes)
     bucketed, _ = quality.pass_flops(source, quality.pass_shapes(batches, bucketed=True))
-    packed, _ = quality.pass_flops(source, quality.pass_shapes(batches, packed=True))
+    packed = None  # a packed file's FLOPs: each text's own
+    if any(item.get("packed") for item in items):
+        packed, _ = quality.pass_flops(source, quality.pass_shapes(batches, packed=True))
     for item in items:
         if item.get("packed") and packed:
             item["flops"] = packed
@@ -237,7 +239,7 @@ def _main(args: argparse.Namespace) -> int:
     if bucketed:
         notes.append(f"compress's passes of similar length: FLOPs {bucketed / 1e9:.1f} G over "
                      "the texts")
-    if packed and any(item.get("packed") for item in items):
+    if packed:
         notes.append(f"a packed file (no padding computed): FLOPs {packed / 1e9:.1f} G over "
                      "the texts, each text's own")
     peak = gemm_peaks(gemm)["int8_gops"] if gemm else None

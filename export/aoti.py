@@ -57,13 +57,10 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
         program.graph_module.recompile()  # one multiply and quantize where SmoothQuant repeated
     flattened = flatten_activation_linears(program) if bundle.kind == "pt2e" else 0
     merged = fuse_projections(program) if bundle.kind == "pt2e" else 0
-    kernels = attention in ("kernel", "packed")
-    if attention == "packed":
-        kernel_calls = packed_calls(program)
-    else:
-        kernel_calls = use_attention_kernel(program) if kernels else 0
+    kernel_calls = (packed_calls(program) if attention == "packed"
+                    else use_attention_kernel(program) if attention == "kernel" else 0)
     # an int8 graph on the kernels: its add + LayerNorm + quantize too
-    norms = fuse_norms(program) if kernels and bundle.kind == "pt2e" else 0
+    norms = fuse_norms(program) if kernel_calls and bundle.kind == "pt2e" else 0
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compress.errors import CompressError
 from compress.models.bundle import ModelBundle
 from compress.recipe.kinds.export import ExportConfig
 from compress.recipe.kinds.precision import PrecisionConfig
@@ -81,12 +80,11 @@ def build(bundle: ModelBundle, stages: list[StrictModel], folder: Path, calibrat
 
 
 def packed_bundle(bundle: ModelBundle) -> ModelBundle:
-    """The bundle with a packed copy of its sentence encoder; CompressError for another
+    """The bundle with a packed copy of its sentence encoder; CaptureError for another
     model."""
-    pack = getattr(bundle.model, "packed", None)
-    if pack is None:
-        raise CompressError("attention: packed is for sentence encoders (task: embedding)")
-    return dataclasses.replace(bundle, model=pack())
+    from export.aoti import packed_model
+
+    return dataclasses.replace(bundle, model=packed_model(bundle.model))
 
 
 def copy_bundle(bundle: ModelBundle) -> ModelBundle:

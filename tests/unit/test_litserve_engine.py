@@ -66,13 +66,16 @@ class Fake:
 '''
 
 
-def write_archive(folder: Path, config: dict[str, Any]) -> Path:
-    """An unpacked fake archive: manifest, model-config.yaml, the fake handler."""
+def write_archive(folder: Path, config: dict[str, Any], handler: str = FAKE_HANDLER,
+                  file: str = "fake_handler.py") -> Path:
+    """An unpacked fake archive: manifest, model-config.yaml, the handler's source in `file`
+    (the fake handler unless given; another source needs another file name, as the module
+    is imported by its name once a process)."""
     (folder / "MAR-INF").mkdir(parents=True)
     (folder / "MAR-INF/MANIFEST.json").write_text(json.dumps(
-        {"model": {"modelName": "fake", "modelVersion": "1.0", "handler": "fake_handler.py"}}))
+        {"model": {"modelName": "fake", "modelVersion": "1.0", "handler": file}}))
     (folder / "model-config.yaml").write_text(json.dumps(config))
-    (folder / "fake_handler.py").write_text(FAKE_HANDLER)
+    (folder / file).write_text(handler)
     return folder
 
 

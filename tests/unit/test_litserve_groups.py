@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("litserve")
+from test_litserve_engine import write_archive  # noqa: E402
 
 RECORDER = '''import json
 
@@ -30,15 +31,6 @@ class Recorder:
         self.sizes.append(len(data))
         return [json.dumps({"batch": len(data)}) for _ in data]
 '''
-
-
-def _archive(folder: Path, config: dict[str, Any]) -> Path:
-    (folder / "MAR-INF").mkdir(parents=True)
-    (folder / "MAR-INF/MANIFEST.json").write_text(json.dumps(
-        {"model": {"modelName": "rec", "modelVersion": "1.0", "handler": "recorder.py"}}))
-    (folder / "model-config.yaml").write_text(json.dumps(config))
-    (folder / "recorder.py").write_text(RECORDER)
-    return folder
 
 
 class Sent:
@@ -104,8 +96,8 @@ def test_a_group_that_cannot_be_queued_ends_its_requests_with_503() -> None:
 def test_a_worker_splits_a_group_into_batches_and_keeps_the_rest(tmp_path: Path) -> None:
     from compress.serving.litserve.worker import HandlerAPI
 
-    api = HandlerAPI(_archive(tmp_path / "model", {"batchSize": 2, "maxBatchDelay": 0}),
-                     tmp_path, None, 1000)
+    api = HandlerAPI(write_archive(tmp_path / "model", {"batchSize": 2, "maxBatchDelay": 0},
+                                   RECORDER, "recorder.py"), tmp_path, None, 1000)
     api.setup("cpu")
     try:
         _split_and_answer(api)

@@ -5,9 +5,10 @@ int8 kernels are chosen). With `autocast: bf16` the graph is captured under bflo
 autocast: the float ops run in bf16 (int8-mixed-bf16 for a PT2E model). With
 `attention: kernel` the encoder's attention calls compress's own operator
 (export/attention_kernel.py), and in a PT2E int8 graph so do its add + LayerNorm + quantize
-(export/fused_norm.py). With `attention: packed` a sentence encoder computes the real tokens
-of its batch only, in one sequence (its `packed()` copy, compress/families/embedding/
-packing.py); an int8 graph must have been captured so (the search's packed candidate)."""
+(export/fused_norm.py) and its GELU + SmoothQuant multiply + quantize (export/fused_gelu.py).
+With `attention: packed` a sentence encoder computes the real tokens of its batch only, in
+one sequence (its `packed()` copy, compress/families/embedding/packing.py); an int8 graph
+must have been captured so (the search's packed candidate)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from export.attention_kernel import OPERATOR, use_attention_kernel
 from export.errors import CaptureError
 from export.flat_activations import flatten_activation_linears
+from export.fused_gelu import fuse_gelus
 from export.fused_norm import fuse_norms
 from export.fused_projections import fuse_projections
 from export.graph_edits import merge_repeats
@@ -59,8 +61,10 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
     merged = fuse_projections(program) if bundle.kind == "pt2e" else 0
     kernel_calls = (packed_calls(program) if attention == "packed"
                     else use_attention_kernel(program) if attention == "kernel" else 0)
-    # an int8 graph on the kernels: its add + LayerNorm + quantize too
+    # an int8 graph on the kernels: its add + LayerNorm + quantize, and GELU + multiply +
+    # quantize, too
     norms = fuse_norms(program) if kernel_calls and bundle.kind == "pt2e" else 0
+    gelus = fuse_gelus(program) if kernel_calls and bundle.kind == "pt2e" else 0
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():
@@ -74,6 +78,8 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
         meta["aoti_merged_linears"] = merged
     if norms:
         meta["aoti_fused_norms"] = norms
+    if gelus:
+        meta["aoti_fused_gelus"] = gelus
     if attention == "packed":
         meta["aoti_packed"] = True  # one pass a batch: a server need not split it by length
     if kernel_calls:  # the operator the serving process registers before it loads, and its

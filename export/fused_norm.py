@@ -16,30 +16,23 @@ import operator
 
 import torch
 
-from export.graph_edits import SOURCE_META, is_channel_scale
+from export.graph_edits import SOURCE_META, is_channel_scale, is_uint8_quantize
 from serve import encoder_attention
 
 aten = torch.ops.aten
 
 
-def _is_uint8_quantize(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is not None
-            and getattr(node.target, "__name__", "").startswith("quantize_per_tensor")
-            and not isinstance(node.args[1], torch.fx.Node)
-            and node.args[-1] == torch.uint8)
-
-
 def _quantizes(norm: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
     """The uint8 quantizes of `norm` with the first one's parameters (all reading it directly,
     or the one behind a per-feature multiply), and that multiply (or None)."""
-    direct = [u for u in norm.users if _is_uint8_quantize(u)]
+    direct = [u for u in norm.users if is_uint8_quantize(u)]
     if direct:
         return [q for q in direct if q.args[1:] == direct[0].args[1:]], None
     for user in norm.users:
         if is_channel_scale(user) and user.args[0] is norm and not isinstance(
                 user.args[1], (int, float)):
             after = next(iter(user.users))
-            if _is_uint8_quantize(after):
+            if is_uint8_quantize(after):
                 return [after], user
     return [], None
 

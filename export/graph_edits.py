@@ -16,6 +16,13 @@ def is_per_tensor(node: object, op: str) -> bool:
         and getattr(node.target, "__name__", "").startswith(f"{op}_per_tensor")
 
 
+def is_uint8_quantize(node: torch.fx.Node) -> bool:
+    """Whether `node` quantizes per tensor to uint8 with constant scale and zero point (the
+    input of an int8 linear)."""
+    return is_per_tensor(node, "quantize") and not isinstance(node.args[1], torch.fx.Node) \
+        and node.args[-1] == torch.uint8
+
+
 def add_node(graph: torch.fx.Graph, target, args: tuple, like: torch.fx.Node | None = None,
              kwargs: dict | None = None) -> torch.fx.Node:
     """A `call_function` node of `target` at the graph's insertion point, its "val" computed

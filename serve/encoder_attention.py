@@ -10,7 +10,8 @@ no padding is computed. The same library holds `add_layer_norm(input, residual,
 weight, bias, eps, smooth, scale, zero_point, quant_min, quant_max)` (`encoder_norm.cpp`):
 the residual add, LayerNorm and the uint8 quantization of the next int8 linear's input (after
 SmoothQuant's per-feature multiply `smooth`, if any) in one pass, returning (the float
-answer, its quantized copy).
+answer, its quantized copy); and `gelu_quantize(input, smooth, scale, zero_point, quant_min,
+quant_max)` (`encoder_activation.cpp`): GELU, that multiply and the quantization in one pass.
 
 On a CPU with AVX512-BF16 and a head of 32 or 64 both products run on bfloat16 pairs
 (vdpbf16ps) with float32 sums and softmax: ~2x the float32 flash attention aten picks at
@@ -35,7 +36,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("encoder_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("encoder_norm.cpp")
-SOURCES = (SOURCE, NORM_SOURCE)
+ACTIVATION_SOURCE = Path(__file__).with_name("encoder_activation.cpp")
+SOURCES = (SOURCE, NORM_SOURCE, ACTIVATION_SOURCE)
 NAMESPACE = "compress_encoder"
 _state: dict[str, object] = {}
 
@@ -132,5 +134,10 @@ def _load() -> bool:
           zero_point: int, quant_min: int, quant_max: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(input), torch.empty_like(input, dtype=torch.uint8)
+
+    @torch.library.register_fake(f"{NAMESPACE}::gelu_quantize")
+    def _(input: torch.Tensor, smooth: torch.Tensor | None, scale: float, zero_point: int,
+          quant_min: int, quant_max: int) -> torch.Tensor:
+        return torch.empty_like(input, dtype=torch.uint8)
 
     return True

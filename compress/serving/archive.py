@@ -24,7 +24,8 @@ HANDLER = SERVE / "handler.py"
 HANDLER_MODULES = (SERVE / "runtimes.py", SERVE / "worker_threads.py",
                    SERVE / "handler_metrics.py", SERVE / "http_answers.py",
                    SERVE / "batching.py", SERVE / "encoder_attention.py",
-                   SERVE / "encoder_attention.cpp", SERVE / "encoder_norm.cpp")
+                   SERVE / "encoder_attention.cpp", SERVE / "encoder_norm.cpp",
+                   SERVE / "encoder_activation.cpp")
 SERVED_METRICS = ("accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8",
                   "parity_max_abs_diff", "parity_argmax_agreement", "runtime_threads")
 

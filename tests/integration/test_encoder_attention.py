@@ -134,7 +134,15 @@ for head_dim, length in ((16, 9), (32, 40), (64, 33), (24, 7)):
         if b > a:
             want = F.scaled_dot_product_attention(q[:1, :, a:b], k[:1, :, a:b], v[:1, :, a:b])
             errors.append(float((got[:, a:b] - want.transpose(1, 2)).abs().max()))
-print(json.dumps({"errors": errors, "library": encoder_attention.shipped_library().name}))
+import torch.ao.quantization.fx._decomposed  # registers quantize_per_tensor
+x = torch.randn(3, 5, 100, generator=torch.Generator().manual_seed(2)) * 3
+smooth = torch.rand(100, generator=torch.Generator().manual_seed(3)) + 0.5
+got = torch.ops.compress_encoder.gelu_quantize(x, smooth, 0.02, 60, 0, 255)
+want = torch.ops.quantized_decomposed.quantize_per_tensor(F.gelu(x) * smooth, 0.02, 60, 0, 255,
+                                                          torch.uint8)
+gelu = [int((got.int() - want.int()).abs().max()), float((got != want).float().mean())]
+print(json.dumps({"errors": errors, "gelu": gelu,
+                  "library": encoder_attention.shipped_library().name}))
 """
 
 
@@ -144,7 +152,8 @@ print(json.dumps({"errors": errors, "library": encoder_attention.shipped_library
         reason="this CPU runs no AVX-512 code"))])
 def test_the_float32_builds_are_exact(avx2_kernels_env: dict[str, str], march: str) -> None:
     """Built for a CPU without AVX512-BF16 (`COMPRESS_KERNEL_MARCH`: AVX2 only, or AVX-512
-    without BF16), the kernel is float32 throughout and matches sdpa to float rounding."""
+    without BF16), the kernel is float32 throughout and matches sdpa to float rounding; the
+    library's GELU quantizes as aten's GELU does (std::erf, or the AVX-512 approximation)."""
     env = {**avx2_kernels_env, "COMPRESS_KERNEL_MARCH": march}
     done = subprocess.run([sys.executable, "-c", FLOAT32_CHILD], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -152,6 +161,7 @@ def test_the_float32_builds_are_exact(avx2_kernels_env: dict[str, str], march: s
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["library"] != encoder_attention.shipped_library().name
     assert max(found["errors"]) < 1e-5, found
+    assert found["gelu"][0] <= 1 and found["gelu"][1] < 3e-3, found  # <= 4 of 1500 a level off
 
 
 def tiny_encoder(tmp_path: Path):

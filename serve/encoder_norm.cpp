@@ -4,7 +4,8 @@
 // Inductor lowers `add -> layer_norm -> quantize` at a hidden size of 384 into three loops
 // over the rows with a serial division between them (its two-step variance), ~0.1 ms at
 // 8 x 128 on two Zen 5 cores; here each row is summed, centred and normalized while it
-// stays in L1 (its float sum is written once, to `out`, and read back from there).
+// stays in L1 (its float sum is written once, to `out`, and read back from there), or for a
+// hidden size of 384 in registers (0.065 -> 0.054 ms a norm at 8 x 128, two Zen 5 cores).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -87,6 +88,53 @@ void normalize_row(float* row, int64_t n, float mean, float rstd, const float* w
   }
 }
 
+#ifdef __AVX512F__
+// The same for a row of kVecs * 16 features held in registers (MiniLM's 384: 24 of the 32):
+// x and residual read once, out and q written once, where the loops above store the sum to
+// `out` and read it back twice (perf: those reloads waited on the stores, ~30% of the norm)
+template <int kVecs>
+void norm_row_in_registers(const float* x, const float* residual, float eps,
+                           const float* weight, const float* bias, const float* smooth,
+                           float inv_scale, float zero_point, float lo, float hi, float* out,
+                           uint8_t* q) {
+  constexpr int64_t n = 16 * kVecs;
+  __m512 v[kVecs], part[4];
+  for (auto& p : part) p = _mm512_setzero_ps();
+#pragma GCC unroll 32
+  for (int i = 0; i < kVecs; ++i) {
+    v[i] = _mm512_loadu_ps(x + 16 * i);
+    if (residual) v[i] = _mm512_add_ps(v[i], _mm512_loadu_ps(residual + 16 * i));
+    part[i & 3] = _mm512_add_ps(part[i & 3], v[i]);
+  }
+  const float mean = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[1]),
+                                                        _mm512_add_ps(part[2], part[3]))) / n;
+  const __m512 m = _mm512_set1_ps(mean);
+  for (auto& p : part) p = _mm512_setzero_ps();
+#pragma GCC unroll 32
+  for (int i = 0; i < kVecs; ++i) {
+    v[i] = _mm512_sub_ps(v[i], m);
+    part[i & 3] = _mm512_fmadd_ps(v[i], v[i], part[i & 3]);
+  }
+  const float var = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[1]),
+                                                       _mm512_add_ps(part[2], part[3]))) / n;
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(var + eps));
+  const __m512 inv = _mm512_set1_ps(inv_scale), zp = _mm512_set1_ps(zero_point);
+  const __m512 lo_v = _mm512_set1_ps(lo), hi_v = _mm512_set1_ps(hi);
+#pragma GCC unroll 32
+  for (int i = 0; i < kVecs; ++i) {
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v[i], r), _mm512_loadu_ps(weight + 16 * i),
+                               _mm512_loadu_ps(bias + 16 * i));
+    _mm512_storeu_ps(out + 16 * i, y);
+    if (smooth) y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth + 16 * i));
+    __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(y, inv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zp), lo_v), hi_v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+  }
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> add_layer_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& residual,
     const at::Tensor& weight, const at::Tensor& bias, double eps,
@@ -125,6 +173,14 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* row = op + i * n;
+#ifdef __AVX512F__
+      if (n == 384) {
+        norm_row_in_registers<24>(xp + i * n, rp ? rp + i * n : nullptr,
+                                  static_cast<float>(eps), wp, bp, sp, inv_scale, zp, lo, hi,
+                                  row, qp + i * n);
+        continue;
+      }
+#endif
       const float mean = add_row(xp + i * n, rp ? rp + i * n : nullptr, n, row) / n;
       const float var = centred_squares(row, n, mean) / n;
       const float rstd = 1.f / std::sqrt(var + static_cast<float>(eps));

@@ -63,8 +63,9 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
                     else use_attention_kernel(program) if attention == "kernel" else 0)
     # an int8 graph on the kernels: its add + LayerNorm + quantize, and GELU + multiply +
     # quantize, too
-    norms = fuse_norms(program) if kernel_calls and bundle.kind == "pt2e" else 0
-    gelus = fuse_gelus(program) if kernel_calls and bundle.kind == "pt2e" else 0
+    int8_on_kernels = bool(kernel_calls) and bundle.kind == "pt2e"
+    norms = fuse_norms(program) if int8_on_kernels else 0
+    gelus = fuse_gelus(program) if int8_on_kernels else 0
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():

@@ -76,11 +76,11 @@ at::Tensor gelu_quantize(const at::Tensor& input, const std::optional<at::Tensor
   const int64_t n = x.dim() ? x.size(-1) : 1, rows = n ? x.numel() / n : 0;
   // as quantized_decomposed.quantize_per_tensor: x * (1 / scale), the reciprocal in double
   const float inv_scale = static_cast<float>(1.0 / scale);
-  auto factor = at::full({n}, inv_scale, x.options());
-  if (smooth.has_value() && smooth->defined()) {
-    TORCH_CHECK(smooth->numel() == n, "gelu_quantize: smooth must hold one factor a feature");
-    factor = smooth->contiguous().to(at::kFloat).reshape({n}) * inv_scale;
-  }
+  const bool smoothed = smooth.has_value() && smooth->defined();
+  TORCH_CHECK(!smoothed || smooth->numel() == n,
+              "gelu_quantize: smooth must hold one factor a feature");
+  const auto factor = smoothed ? smooth->contiguous().to(at::kFloat).reshape({n}) * inv_scale
+                               : at::full({n}, inv_scale, x.options());
   auto q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   const float* xp = x.data_ptr<float>();
   const float* fp = factor.data_ptr<float>();

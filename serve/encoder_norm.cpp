@@ -58,6 +58,24 @@ float centred_squares(const float* row, int64_t n, float mean) {
   return total;
 }
 
+#ifdef __AVX512F__
+// q[0, 16) = clamp(rint(y * smooth / scale) + zp), smooth a per-feature multiply
+// (SmoothQuant's, null: none)
+struct Quantizer {
+  __m512 inv, zp, lo, hi;
+  Quantizer(float inv_scale, float zero_point, float low, float high)
+      : inv(_mm512_set1_ps(inv_scale)), zp(_mm512_set1_ps(zero_point)),
+        lo(_mm512_set1_ps(low)), hi(_mm512_set1_ps(high)) {}
+  void store(__m512 y, const float* smooth, uint8_t* q) const {
+    if (smooth) y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth));
+    __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(y, inv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zp), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+  }
+};
+#endif
+
 // row = (row - mean) * rstd * weight + bias in place; q = clamp(rint(row * smooth / scale)
 // + zp), smooth a per-feature multiply (SmoothQuant's, null: none)
 void normalize_row(float* row, int64_t n, float mean, float rstd, const float* weight,
@@ -66,18 +84,12 @@ void normalize_row(float* row, int64_t n, float mean, float rstd, const float* w
   int64_t j = 0;
 #ifdef __AVX512F__
   const __m512 m = _mm512_set1_ps(mean), r = _mm512_set1_ps(rstd);
-  const __m512 inv = _mm512_set1_ps(inv_scale), zp = _mm512_set1_ps(zero_point);
-  const __m512 lo_v = _mm512_set1_ps(lo), hi_v = _mm512_set1_ps(hi);
+  const Quantizer quantize(inv_scale, zero_point, lo, hi);
   for (; j + 16 <= n; j += 16) {
     __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), m), r);
     y = _mm512_fmadd_ps(y, _mm512_loadu_ps(weight + j), _mm512_loadu_ps(bias + j));
     _mm512_storeu_ps(row + j, y);
-    if (smooth) y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth + j));
-    __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(y, inv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zp), lo_v), hi_v);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j),
-                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+    quantize.store(y, smooth ? smooth + j : nullptr, q + j);
   }
 #endif
   for (; j < n; ++j) {
@@ -89,6 +101,12 @@ void normalize_row(float* row, int64_t n, float mean, float rstd, const float* w
 }
 
 #ifdef __AVX512F__
+// the sum of four partial sums' lanes
+inline float sum4(const __m512* part) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[1]),
+                                            _mm512_add_ps(part[2], part[3])));
+}
+
 // The same for a row of kVecs * 16 features held in registers (MiniLM's 384: 24 of the 32):
 // x and residual read once, out and q written once, where the loops above store the sum to
 // `out` and read it back twice (perf: those reloads waited on the stores, ~30% of the norm)
@@ -106,8 +124,7 @@ void norm_row_in_registers(const float* x, const float* residual, float eps,
     if (residual) v[i] = _mm512_add_ps(v[i], _mm512_loadu_ps(residual + 16 * i));
     part[i & 3] = _mm512_add_ps(part[i & 3], v[i]);
   }
-  const float mean = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[1]),
-                                                        _mm512_add_ps(part[2], part[3]))) / n;
+  const float mean = sum4(part) / n;
   const __m512 m = _mm512_set1_ps(mean);
   for (auto& p : part) p = _mm512_setzero_ps();
 #pragma GCC unroll 32
@@ -115,22 +132,15 @@ void norm_row_in_registers(const float* x, const float* residual, float eps,
     v[i] = _mm512_sub_ps(v[i], m);
     part[i & 3] = _mm512_fmadd_ps(v[i], v[i], part[i & 3]);
   }
-  const float var = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[1]),
-                                                       _mm512_add_ps(part[2], part[3]))) / n;
+  const float var = sum4(part) / n;
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(var + eps));
-  const __m512 inv = _mm512_set1_ps(inv_scale), zp = _mm512_set1_ps(zero_point);
-  const __m512 lo_v = _mm512_set1_ps(lo), hi_v = _mm512_set1_ps(hi);
+  const Quantizer quantize(inv_scale, zero_point, lo, hi);
 #pragma GCC unroll 32
   for (int i = 0; i < kVecs; ++i) {
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v[i], r), _mm512_loadu_ps(weight + 16 * i),
-                               _mm512_loadu_ps(bias + 16 * i));
+    const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(v[i], r), _mm512_loadu_ps(weight + 16 * i),
+                                     _mm512_loadu_ps(bias + 16 * i));
     _mm512_storeu_ps(out + 16 * i, y);
-    if (smooth) y = _mm512_mul_ps(y, _mm512_loadu_ps(smooth + 16 * i));
-    __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(y, inv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    t = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(t, zp), lo_v), hi_v);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i),
-                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(t)));
+    quantize.store(y, smooth ? smooth + 16 * i : nullptr, q + 16 * i);
   }
 }
 #endif

@@ -35,6 +35,7 @@ from export.graphs import (
     inductor_freezing,
     max_sequence,
 )
+from export.quantized_attention import quantize_attention_answers
 from export.random_ops import fx_random_nodes, refuse_random_ops
 from serve import encoder_attention
 
@@ -61,11 +62,12 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
     merged = fuse_projections(program) if bundle.kind == "pt2e" else 0
     kernel_calls = (packed_calls(program) if attention == "packed"
                     else use_attention_kernel(program) if attention == "kernel" else 0)
-    # an int8 graph on the kernels: its add + LayerNorm + quantize, and GELU + multiply +
-    # quantize, too
+    # an int8 graph on the kernels: its add + LayerNorm + quantize, GELU + multiply +
+    # quantize, and attention + multiply + quantize, too
     int8_on_kernels = bool(kernel_calls) and bundle.kind == "pt2e"
     norms = fuse_norms(program) if int8_on_kernels else 0
     gelus = fuse_gelus(program) if int8_on_kernels else 0
+    answers = quantize_attention_answers(program) if int8_on_kernels else 0
     path = folder / FILE
     # Inductor freezes (constant-folds weights, picks the int8 kernels) only with grad off
     with inductor_freezing(True), torch.no_grad():
@@ -81,6 +83,8 @@ def export(bundle: Bundle, cfg, folder: Path, calibration=None,
         meta["aoti_fused_norms"] = norms
     if gelus:
         meta["aoti_fused_gelus"] = gelus
+    if answers:
+        meta["aoti_quantized_attention"] = answers
     if attention == "packed":
         meta["aoti_packed"] = True  # one pass a batch: a server need not split it by length
     if kernel_calls:  # the operator the serving process registers before it loads, and its

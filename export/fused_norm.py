@@ -3,7 +3,9 @@ post-LayerNorm block ends in the residual add, the norm, and the uint8 quantizat
 next int8 linear's input; Inductor lowers that into three loops over the rows with a serial
 division between them (~0.1 ms a norm at 8 x 128 on two Zen 5 cores). This pass swaps each
 such norm for `compress_encoder.add_layer_norm` (serve/encoder_norm.cpp), which returns the
-float answer (the next residual) and its quantized copy from one pass over each row.
+float answer (the next residual) and its quantized copy from one pass over each row. The
+first norm, whose input is a sum of embedding lookups (word, position, token type), goes to
+`compress_encoder.embed_layer_norm`, which gathers the rows itself, prefetching ahead.
 
 A norm is swapped only where a per-tensor uint8 quantization reads it, directly or through
 SmoothQuant's per-feature multiply (the kernel applies it to the quantized copy only); its
@@ -16,25 +18,10 @@ import operator
 
 import torch
 
-from export.graph_edits import SOURCE_META, is_channel_scale, is_uint8_quantize
+from export.graph_edits import SOURCE_META, uint8_quantizes
 from serve import encoder_attention
 
 aten = torch.ops.aten
-
-
-def _quantizes(norm: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
-    """The uint8 quantizes of `norm` with the first one's parameters (all reading it directly,
-    or the one behind a per-feature multiply), and that multiply (or None)."""
-    direct = [u for u in norm.users if is_uint8_quantize(u)]
-    if direct:
-        return [q for q in direct if q.args[1:] == direct[0].args[1:]], None
-    for user in norm.users:
-        if is_channel_scale(user) and user.args[0] is norm and not isinstance(
-                user.args[1], (int, float)):
-            after = next(iter(user.users))
-            if is_uint8_quantize(after):
-                return [after], user
-    return [], None
 
 
 def _value(node: object) -> torch.Tensor | None:
@@ -52,6 +39,27 @@ def _residual_pair(node: torch.fx.Node, shape: torch.Size) -> tuple[torch.fx.Nod
     return tuple(node.args)
 
 
+def _embedding_sum(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The `aten.embedding` lookups of float32 rows whose sum `node` is (one lookup, or an add
+    tree of them, each read only by the tree), else None."""
+    if len(node.users) != 1 or node.kwargs:
+        return None
+    if node.target == aten.embedding.default:
+        table = _value(node.args[0])
+        return [node] if table is not None and table.dtype == torch.float32 else None
+    if node.target != aten.add.Tensor or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    parts = [_embedding_sum(a) for a in node.args]
+    return None if None in parts else parts[0] + parts[1]
+
+
+def _add_tree(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the adds under it, parents first."""
+    if node.target != aten.add.Tensor:
+        return []
+    return [node] + [n for a in node.args for n in _add_tree(a)]
+
+
 def drop_eval_dropout(graph: torch.fx.Graph) -> int:
     """Remove `dropout(x, p, train=False)` nodes (the identity); return how many."""
     dropped = 0
@@ -65,11 +73,13 @@ def drop_eval_dropout(graph: torch.fx.Graph) -> int:
 
 
 def fuse_norms(program: torch.export.ExportedProgram) -> int:
-    """Swap each `[add ->] layer_norm -> uint8 quantize` of `program` for the kernel in place;
-    return how many norms were swapped (0 where the kernel cannot be built here)."""
+    """Swap each `[add ->] layer_norm -> uint8 quantize` of `program` for the kernel in place,
+    a norm of summed embedding lookups for the embedding kernel; return how many norms were
+    swapped (0 where the kernel cannot be built here)."""
     if not encoder_attention.load():
         return 0
     kernel = torch.ops.compress_encoder.add_layer_norm.default
+    embed_kernel = torch.ops.compress_encoder.embed_layer_norm.default
     graph = program.graph_module.graph
     drop_eval_dropout(graph)
     fused = 0
@@ -77,19 +87,26 @@ def fuse_norms(program: torch.export.ExportedProgram) -> int:
         source, shape, weight, bias = (list(norm.args) + [None] * 4)[:4]
         eps = norm.args[4] if len(norm.args) > 4 else norm.kwargs.get("eps", 1e-5)
         value = _value(source)
-        same, smooth = _quantizes(norm)
+        same, smooth = uint8_quantizes(norm)
         if (weight is None or bias is None or value is None or value.dtype != torch.float32
                 or len(shape) != 1 or not same):
             continue
         scale, zero_point, low, high = same[0].args[1:5]
-        pair = _residual_pair(source, value.shape)
+        quantization = (float(eps), smooth.args[1] if smooth else None, float(scale),
+                        int(zero_point), int(low), int(high))
+        lookups = _embedding_sum(source)
+        pair = None if lookups else _residual_pair(source, value.shape)
         x, residual = pair if pair else (source, None)
         with graph.inserting_before(norm):
-            call = graph.call_function(kernel, (
-                x, residual, weight, bias, float(eps), smooth.args[1] if smooth else None,
-                float(scale), int(zero_point), int(low), int(high)))
-            call.meta["val"] = kernel(*(_value(a) if isinstance(a, torch.fx.Node) else a
-                                        for a in call.args))
+            if lookups:
+                call = graph.call_function(embed_kernel, (
+                    [e.args[0] for e in lookups], [e.args[1] for e in lookups], weight, bias,
+                    *quantization))
+            else:
+                call = graph.call_function(kernel, (x, residual, weight, bias, *quantization))
+            call.meta["val"] = call.target(*(
+                [_value(i) for i in a] if isinstance(a, list) else
+                _value(a) if isinstance(a, torch.fx.Node) else a for a in call.args))
             answer = graph.call_function(operator.getitem, (call, 0))
             quantized = graph.call_function(operator.getitem, (call, 1))
         answer.meta["val"], quantized.meta["val"] = call.meta["val"]
@@ -103,8 +120,9 @@ def fuse_norms(program: torch.export.ExportedProgram) -> int:
             graph.erase_node(smooth)
         norm.replace_all_uses_with(answer)
         graph.erase_node(norm)
-        if pair:
-            graph.erase_node(source)
+        erased = _add_tree(source) + lookups if lookups else [source] if pair else []
+        for node in erased:  # parents first
+            graph.erase_node(node)
         fused += 1
     graph.lint()
     program.graph_module.recompile()

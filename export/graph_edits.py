@@ -49,6 +49,21 @@ def is_channel_scale(node: torch.fx.Node) -> bool:
         and value is not None and value.dim() <= 1)
 
 
+def uint8_quantizes(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """The uint8 quantizes of `node` with the first one's parameters (all reading it directly,
+    or the one behind SmoothQuant's per-feature multiply), and that multiply (or None)."""
+    direct = [u for u in node.users if is_uint8_quantize(u)]
+    if direct:
+        return [q for q in direct if q.args[1:] == direct[0].args[1:]], None
+    for user in node.users:
+        if is_channel_scale(user) and user.args[0] is node and not isinstance(
+                user.args[1], (int, float)):
+            after = next(iter(user.users))
+            if is_uint8_quantize(after):
+                return [after], user
+    return [], None
+
+
 def _key(value: object) -> object:
     return tuple(_key(v) for v in value) if isinstance(value, (list, tuple)) else value
 

@@ -426,10 +426,11 @@ int64_t kept_prefix(const bool* keep, int64_t S) {
 
 // One thread's buffers for sequences of up to S keys of heads of D.
 struct Scratch {
-  std::vector<float> kt, scores, sums, gathered;
+  std::vector<float> kt, scores, sums, gathered, block;
   std::vector<uint32_t> kpw, vpw;
   std::vector<uint16_t> prow;
-  Scratch(int64_t S, int64_t D, bool use_bf16, bool gather) {
+  Scratch(int64_t S, int64_t D, bool use_bf16, bool gather, bool quantized) {
+    block.resize(quantized ? kBlock * D : 0);
     const int64_t Sp = (S + 15) / 16 * 16, Sp32 = (S + 31) / 32 * 32;
     kt.resize(use_bf16 ? 0 : D * Sp);
     scores.resize(kBlock * Sp32);
@@ -438,6 +439,44 @@ struct Scratch {
     kpw.resize(use_bf16 ? D / 2 * Sp32 : 0);
     vpw.resize(use_bf16 ? Sp32 / 2 * D : 0);
     prow.resize(use_bf16 ? kBlock * Sp32 : 0);
+  }
+};
+
+// Where a quantized answer goes: the next int8 linear's uint8 input, clamp(rint(y * smooth /
+// scale) + zero_point) of each answer y, smooth SmoothQuant's multiply of each of the H * D
+// features (null: none); data null: the answer stays float32.
+struct QuantizedAnswer {
+  uint8_t* data = nullptr;
+  at::Tensor factors;  // holds smooth
+  const float* smooth = nullptr;
+  float inv_scale = 1.f, zero_point = 0.f, lo = 0.f, hi = 255.f;
+
+  // rows x D answers of head h, `block` one row after another, to rows `stride` apart
+  void store(const float* block, int64_t rows, int64_t D, int64_t h, uint8_t* out,
+             int64_t stride) const {
+    const float* by = smooth ? smooth + h * D : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* y = block + r * D;
+      uint8_t* q = out + r * stride;
+      int64_t d = 0;
+#ifdef __AVX512F__
+      const __m512 inv = _mm512_set1_ps(inv_scale), zp = _mm512_set1_ps(zero_point);
+      for (; d + 16 <= D; d += 16) {
+        __m512 v = _mm512_loadu_ps(y + d);
+        if (by) v = _mm512_mul_ps(v, _mm512_loadu_ps(by + d));
+        v = _mm512_add_ps(_mm512_roundscale_ps(_mm512_mul_ps(v, inv),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                          zp);
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + d),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+      }
+#endif
+      for (; d < D; ++d) {
+        const float t = std::nearbyint((by ? y[d] * by[d] : y[d]) * inv_scale) + zero_point;
+        q[d] = static_cast<uint8_t>(std::fmin(std::fmax(t, lo), hi));
+      }
+    }
   }
 };
 
@@ -478,9 +517,33 @@ bool bf16_head(int64_t D) {
 #endif
 }
 
-at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
-                             const at::Tensor& value, const std::optional<at::Tensor>& mask,
-                             double scale) {
+// Rows x D answers of head h for the answer's rows from `token` on: attend() writes them
+// in place, or to the thread's block and then quantized (quant.data set)
+struct AnswerRows {
+  float* out;
+  QuantizedAnswer quant;
+  int64_t H, D;
+  float* where(Scratch& w, int64_t token, int64_t h) const {
+    return quant.data ? w.block.data() : out + (token * H + h) * D;
+  }
+  int64_t stride() const { return quant.data ? D : H * D; }
+  void done(Scratch& w, int64_t token, int64_t h, int64_t rows) const {
+    if (quant.data)
+      quant.store(w.block.data(), rows, D, h, quant.data + (token * H + h) * D, H * D);
+  }
+};
+
+// An answer of `shape`: float32, or uint8 where `quant` is given (its data set to it)
+at::Tensor answer_tensor(at::IntArrayRef shape, const at::Tensor& like, QuantizedAnswer* quant) {
+  if (!quant) return at::empty(shape, like.options());
+  auto out = at::empty(shape, like.options().dtype(at::kByte));
+  quant->data = out.data_ptr<uint8_t>();
+  return out;
+}
+
+at::Tensor attention_into(const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                          double scale, QuantizedAnswer* quant) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
               "encoder_attention: q, k, v must be (batch, heads, length, head_dim)");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "encoder_attention: float32 only");
@@ -494,11 +557,12 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
     masks = (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat))
                 .expand({B, H, L, S});
   const bool bool_mask = masks.defined() && masks.scalar_type() == at::kBool;
-  auto out = at::empty({B, L, H, D}, q.options());
+  auto out = answer_tensor({B, L, H, D}, q, quant);
+  const AnswerRows answer{quant ? nullptr : out.data_ptr<float>(),
+                          quant ? *quant : QuantizedAnswer{}, H, D};
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float* mp = masks.defined() && !bool_mask ? masks.data_ptr<float>() : nullptr;
   const bool* keep = bool_mask ? masks.data_ptr<bool>() : nullptr;
   const int64_t blocks = (L + kBlock - 1) / kBlock;
@@ -512,7 +576,7 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
   const bool padding_mask = bool_mask && ms[2] == 0 && ms[3] == 1;
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
     // mask rows as floats where the mask is strided along the keys
-    Scratch w(S, D, use_bf16, masks.defined() && ms[3] != 1);
+    Scratch w(S, D, use_bf16, masks.defined() && ms[3] != 1, quant != nullptr);
     int64_t packed = -1;  // the (batch, head) whose k (and v) are laid out
     int64_t prefix = -1;  // its padding mask's kept keys (-1: not a prefix)
     for (int64_t task = begin; task < end; ++task) {
@@ -538,7 +602,8 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
       }
       attend(qp + b * qs0 + h * qs1 + i0 * qs2, qs2, kp + b * ks0 + h * ks1, ks2,
              vp + b * vs0 + h * vs1, vs2, D, mask_rows, rows, prefix >= 0 ? prefix : S,
-             (float)scale, pack, use_bf16, w, op + ((b * L + i0) * H + h) * D, H * D);
+             (float)scale, pack, use_bf16, w, answer.where(w, b * L + i0, h), answer.stride());
+      answer.done(w, b * L + i0, h, rows);
     }
   });
   return out;
@@ -548,9 +613,9 @@ at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
 // k, v (1, H, T, D): sequence s holds positions [offsets[s], offsets[s + 1]), and its
 // queries see its own keys only. The answer is laid out (1, T, H, D). A task is one block of
 // query rows of one (sequence, head).
-at::Tensor packed_attention(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, const at::Tensor& offsets,
-                            double scale) {
+at::Tensor packed_attention_into(const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& offsets,
+                                 double scale, QuantizedAnswer* quant) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1,
               "packed_attention: q, k, v must be (1, heads, tokens, head_dim)");
   TORCH_CHECK(query.scalar_type() == at::kFloat, "packed_attention: float32 only");
@@ -572,16 +637,17 @@ at::Tensor packed_attention(const at::Tensor& query, const at::Tensor& key,
     longest = std::max(longest, n);
     first[s + 1] = first[s] + H * ((n + kBlock - 1) / kBlock);
   }
-  auto out = at::empty({1, T, H, D}, q.options());
+  auto out = answer_tensor({1, T, H, D}, q, quant);
+  const AnswerRows answer{quant ? nullptr : out.data_ptr<float>(),
+                          quant ? *quant : QuantizedAnswer{}, H, D};
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const bool use_bf16 = bf16_head(D);
   const int64_t qs1 = q.stride(1), qs2 = q.stride(2), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs1 = v.stride(1), vs2 = v.stride(2);
   at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
-    Scratch w(std::max<int64_t>(longest, 1), D, use_bf16, false);
+    Scratch w(std::max<int64_t>(longest, 1), D, use_bf16, false, quant != nullptr);
     MaskRow mask_rows[kBlock];  // none: a sequence's own keys are all kept
     int64_t s = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     int64_t packed = -1;  // the (sequence, head) whose k (and v) are laid out
@@ -594,10 +660,60 @@ at::Tensor packed_attention(const at::Tensor& query, const at::Tensor& key,
       packed = s * H + h;
       attend(qp + h * qs1 + i0 * qs2, qs2, kp + h * ks1 + o[s] * ks2, ks2,
              vp + h * vs1 + o[s] * vs2, vs2, D, mask_rows, rows, n, (float)scale, pack,
-             use_bf16, w, op + (i0 * H + h) * D, H * D);
+             use_bf16, w, answer.where(w, i0, h), answer.stride());
+      answer.done(w, i0, h, rows);
     }
   });
   return out;
+}
+
+at::Tensor encoder_attention(const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                             double scale) {
+  return attention_into(query, key, value, mask, scale, nullptr);
+}
+
+at::Tensor packed_attention(const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& offsets, double scale) {
+  return packed_attention_into(query, key, value, offsets, scale, nullptr);
+}
+
+// The quantization of the answer of `query` (its H * D features)
+QuantizedAnswer quantized_answer(const at::Tensor& query, const std::optional<at::Tensor>& smooth,
+                                 double scale, int64_t zero_point, int64_t quant_min,
+                                 int64_t quant_max) {
+  TORCH_CHECK(quant_min >= 0 && quant_max <= 255 && quant_min <= quant_max,
+              "attention_quantized: a uint8 range only");
+  QuantizedAnswer quant;
+  if (smooth.has_value() && smooth->defined()) {
+    quant.factors = smooth->contiguous().to(at::kFloat);
+    TORCH_CHECK(quant.factors.numel() == query.size(1) * query.size(3),
+                "attention_quantized: smooth must hold one factor a feature (heads x head_dim)");
+    quant.smooth = quant.factors.data_ptr<float>();
+  }
+  quant.inv_scale = static_cast<float>(1.0 / scale);  // as quantize_per_tensor
+  quant.zero_point = static_cast<float>(zero_point);
+  quant.lo = static_cast<float>(quant_min);
+  quant.hi = static_cast<float>(quant_max);
+  return quant;
+}
+
+at::Tensor attention_quantized(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const std::optional<at::Tensor>& mask,
+                               double scale, const std::optional<at::Tensor>& smooth,
+                               double out_scale, int64_t zero_point, int64_t quant_min,
+                               int64_t quant_max) {
+  auto quant = quantized_answer(query, smooth, out_scale, zero_point, quant_min, quant_max);
+  return attention_into(query, key, value, mask, scale, &quant);
+}
+
+at::Tensor packed_attention_quantized(const at::Tensor& query, const at::Tensor& key,
+                                      const at::Tensor& value, const at::Tensor& offsets,
+                                      double scale, const std::optional<at::Tensor>& smooth,
+                                      double out_scale, int64_t zero_point, int64_t quant_min,
+                                      int64_t quant_max) {
+  auto quant = quantized_answer(query, smooth, out_scale, zero_point, quant_min, quant_max);
+  return packed_attention_into(query, key, value, offsets, scale, &quant);
 }
 
 // An encoder package allocates its activations afresh each forward (MBs at 8 x 128).
@@ -624,9 +740,17 @@ TORCH_LIBRARY(compress_encoder, m) {
   m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
   m.def("packed_attention(Tensor query, Tensor key, Tensor value, Tensor offsets, float scale) "
         "-> Tensor");
+  m.def("attention_quantized(Tensor query, Tensor key, Tensor value, Tensor? mask, "
+        "float scale, Tensor? smooth, float out_scale, int zero_point, int quant_min, "
+        "int quant_max) -> Tensor");
+  m.def("packed_attention_quantized(Tensor query, Tensor key, Tensor value, Tensor offsets, "
+        "float scale, Tensor? smooth, float out_scale, int zero_point, int quant_min, "
+        "int quant_max) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(compress_encoder, CPU, m) {
   m.impl("attention", &encoder_attention);
   m.impl("packed_attention", &packed_attention);
+  m.impl("attention_quantized", &attention_quantized);
+  m.impl("packed_attention_quantized", &packed_attention_quantized);
 }

@@ -6,12 +6,16 @@ None, a bool mask (true keeps) or a float one added to the scores, broadcastable
 (batch, heads, length, length). `packed_attention(query, key, value, offsets, scale)` is the
 same for texts packed one after another along the length of a (1, heads, tokens, head_dim)
 batch, text s at positions [offsets[s], offsets[s + 1]): each sees its own tokens only, and
-no padding is computed. The same library holds `add_layer_norm(input, residual,
+no padding is computed. `attention_quantized` and `packed_attention_quantized` take the
+same arguments and then `smooth, out_scale, zero_point, quant_min, quant_max`: they return the
+answer as the next int8 linear's uint8 input (after SmoothQuant's per-feature multiply
+`smooth`, if any) instead of float32. The same library holds `add_layer_norm(input, residual,
 weight, bias, eps, smooth, scale, zero_point, quant_min, quant_max)` (`encoder_norm.cpp`):
-the residual add, LayerNorm and the uint8 quantization of the next int8 linear's input (after
-SmoothQuant's per-feature multiply `smooth`, if any) in one pass, returning (the float
-answer, its quantized copy); and `gelu_quantize(input, smooth, scale, zero_point, quant_min,
-quant_max)` (`encoder_activation.cpp`): GELU, that multiply and the quantization in one pass.
+the residual add, LayerNorm and that quantization in one pass, returning (the float answer,
+its quantized copy); `embed_layer_norm(tables, ids, weight, ...)`, the same for a sum of
+embedding lookups (each `tables[k]` row picked by `ids[k]`, broadcast to one shape); and
+`gelu_quantize(input, smooth, scale, zero_point, quant_min, quant_max)`
+(`encoder_activation.cpp`): GELU, that multiply and the quantization in one pass.
 
 On a CPU with AVX512-BF16 and a head of 32 or 64 both products run on bfloat16 pairs
 (vdpbf16ps) with float32 sums and softmax: ~2x the float32 flash attention aten picks at
@@ -128,12 +132,34 @@ def _load() -> bool:
         _, heads, tokens, head_dim = query.shape
         return query.new_empty(1, tokens, heads, head_dim)
 
+    @torch.library.register_fake(f"{NAMESPACE}::attention_quantized")
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          mask: torch.Tensor | None, scale: float, smooth: torch.Tensor | None,
+          out_scale: float, zero_point: int, quant_min: int, quant_max: int) -> torch.Tensor:
+        batch, heads, length, head_dim = query.shape
+        return query.new_empty(batch, length, heads, head_dim, dtype=torch.uint8)
+
+    @torch.library.register_fake(f"{NAMESPACE}::packed_attention_quantized")
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
+          scale: float, smooth: torch.Tensor | None, out_scale: float, zero_point: int,
+          quant_min: int, quant_max: int) -> torch.Tensor:
+        _, heads, tokens, head_dim = query.shape
+        return query.new_empty(1, tokens, heads, head_dim, dtype=torch.uint8)
+
     @torch.library.register_fake(f"{NAMESPACE}::add_layer_norm")
     def _(input: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
           bias: torch.Tensor, eps: float, smooth: torch.Tensor | None, scale: float,
           zero_point: int, quant_min: int, quant_max: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(input), torch.empty_like(input, dtype=torch.uint8)
+
+    @torch.library.register_fake(f"{NAMESPACE}::embed_layer_norm")
+    def _(tables: list[torch.Tensor], ids: list[torch.Tensor], weight: torch.Tensor,
+          bias: torch.Tensor, eps: float, smooth: torch.Tensor | None, scale: float,
+          zero_point: int, quant_min: int, quant_max: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = torch.broadcast_shapes(*(i.shape for i in ids)) + tables[0].shape[-1:]
+        return tables[0].new_empty(shape), tables[0].new_empty(shape, dtype=torch.uint8)
 
     @torch.library.register_fake(f"{NAMESPACE}::gelu_quantize")
     def _(input: torch.Tensor, smooth: torch.Tensor | None, scale: float, zero_point: int,

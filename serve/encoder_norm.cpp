@@ -6,6 +6,12 @@
 // 8 x 128 on two Zen 5 cores; here each row is summed, centred and normalized while it
 // stays in L1 (its float sum is written once, to `out`, and read back from there), or for a
 // hidden size of 384 in registers (0.065 -> 0.054 ms a norm at 8 x 128, two Zen 5 cores).
+//
+// compress_encoder::embed_layer_norm: the same for an encoder's first norm, whose input is a
+// sum of embedding rows (word, position, token type: rows of tables picked by integer ids).
+// Inductor gathers them in a loop of its own that waits on each word row's cache miss (the
+// table is 47 MB for MiniLM; ~0.19 ms at 8 x 128 on two Zen 5 cores); here the rows a few
+// tokens ahead are prefetched while a token's rows are summed and normalized.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +20,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -21,22 +28,23 @@
 
 namespace {
 
-// out = x + residual (residual may be null); returns the row's sum
-float add_row(const float* x, const float* residual, int64_t n, float* out) {
+// out = the sum of rows[0, count); returns the sum of its elements
+float sum_rows(const float* const* rows, int count, int64_t n, float* out) {
   int64_t j = 0;
   float total = 0.f;
 #ifdef __AVX512F__
   __m512 acc = _mm512_setzero_ps();
   for (; j + 16 <= n; j += 16) {
-    __m512 v = _mm512_loadu_ps(x + j);
-    if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + j));
+    __m512 v = _mm512_loadu_ps(rows[0] + j);
+    for (int k = 1; k < count; ++k) v = _mm512_add_ps(v, _mm512_loadu_ps(rows[k] + j));
     _mm512_storeu_ps(out + j, v);
     acc = _mm512_add_ps(acc, v);
   }
   total = _mm512_reduce_add_ps(acc);
 #endif
   for (; j < n; ++j) {
-    out[j] = x[j] + (residual ? residual[j] : 0.f);
+    out[j] = rows[0][j];
+    for (int k = 1; k < count; ++k) out[j] += rows[k][j];
     total += out[j];
   }
   return total;
@@ -107,21 +115,21 @@ inline float sum4(const __m512* part) {
                                             _mm512_add_ps(part[2], part[3])));
 }
 
-// The same for a row of kVecs * 16 features held in registers (MiniLM's 384: 24 of the 32):
-// x and residual read once, out and q written once, where the loops above store the sum to
-// `out` and read it back twice (perf: those reloads waited on the stores, ~30% of the norm)
-template <int kVecs>
-void norm_row_in_registers(const float* x, const float* residual, float eps,
-                           const float* weight, const float* bias, const float* smooth,
-                           float inv_scale, float zero_point, float lo, float hi, float* out,
-                           uint8_t* q) {
+// The same for a row of kVecs * 16 features held in registers (MiniLM's 384: 24 of the 32),
+// the sum of kCount input rows: each read once, out and q written once, where the loops above
+// store the sum to `out` and read it back twice (perf: those reloads waited on the stores,
+// ~30% of the norm)
+template <int kVecs, int kCount>
+void norm_row_in_registers(const float* const* rows, float eps, const float* weight,
+                           const float* bias, const float* smooth, float inv_scale,
+                           float zero_point, float lo, float hi, float* out, uint8_t* q) {
   constexpr int64_t n = 16 * kVecs;
   __m512 v[kVecs], part[4];
   for (auto& p : part) p = _mm512_setzero_ps();
 #pragma GCC unroll 32
   for (int i = 0; i < kVecs; ++i) {
-    v[i] = _mm512_loadu_ps(x + 16 * i);
-    if (residual) v[i] = _mm512_add_ps(v[i], _mm512_loadu_ps(residual + 16 * i));
+    v[i] = _mm512_loadu_ps(rows[0] + 16 * i);
+    for (int k = 1; k < kCount; ++k) v[i] = _mm512_add_ps(v[i], _mm512_loadu_ps(rows[k] + 16 * i));
     part[i & 3] = _mm512_add_ps(part[i & 3], v[i]);
   }
   const float mean = sum4(part) / n;
@@ -145,14 +153,64 @@ void norm_row_in_registers(const float* x, const float* residual, float eps,
 }
 #endif
 
+// The parameters every row of a norm shares.
+struct NormParams {
+  int64_t n;
+  float eps;
+  const float *weight, *bias, *smooth;  // smooth: SmoothQuant's multiply, or null
+  float inv_scale, zero_point, lo, hi;
+};
+
+// out = LayerNorm(the sum of rows[0, count)), q its quantized copy
+void norm_row(const float* const* rows, int count, const NormParams& p, float* out,
+              uint8_t* q) {
+#ifdef __AVX512F__
+  if (p.n == 384 && count >= 1 && count <= 3) {
+    auto run = count == 1 ? norm_row_in_registers<24, 1>
+               : count == 2 ? norm_row_in_registers<24, 2> : norm_row_in_registers<24, 3>;
+    run(rows, p.eps, p.weight, p.bias, p.smooth, p.inv_scale, p.zero_point, p.lo, p.hi, out,
+        q);
+    return;
+  }
+#endif
+  const float mean = sum_rows(rows, count, p.n, out) / p.n;
+  const float var = centred_squares(out, p.n, mean) / p.n;
+  const float rstd = 1.f / std::sqrt(var + p.eps);
+  normalize_row(out, p.n, mean, rstd, p.weight, p.bias, p.smooth, p.inv_scale, p.zero_point,
+                p.lo, p.hi, q);
+}
+
+// The norm's parameters as float32 tensors, checked against its width `n`.
+struct NormTensors {
+  at::Tensor weight, bias, smooth;
+  NormTensors(const char* op, int64_t n, const at::Tensor& w, const at::Tensor& b,
+              const std::optional<at::Tensor>& by, int64_t quant_min, int64_t quant_max)
+      : weight(w.contiguous().to(at::kFloat)), bias(b.contiguous().to(at::kFloat)) {
+    TORCH_CHECK(quant_min >= 0 && quant_max <= 255 && quant_min <= quant_max, op,
+                ": a uint8 range only");
+    TORCH_CHECK(weight.numel() == n && bias.numel() == n, op,
+                ": weight and bias of the last dim");
+    if (by.has_value() && by->defined()) {
+      smooth = by->contiguous().to(at::kFloat);
+      TORCH_CHECK(smooth.numel() == n, op, ": smooth must hold one factor a feature");
+    }
+  }
+  NormParams params(int64_t n, double eps, double scale, int64_t zero_point,
+                    int64_t quant_min, int64_t quant_max) const {
+    // as quantized_decomposed.quantize_per_tensor: x * (1 / scale), the reciprocal in double
+    return {n, static_cast<float>(eps), weight.data_ptr<float>(), bias.data_ptr<float>(),
+            smooth.defined() ? smooth.data_ptr<float>() : nullptr,
+            static_cast<float>(1.0 / scale), static_cast<float>(zero_point),
+            static_cast<float>(quant_min), static_cast<float>(quant_max)};
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> add_layer_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& residual,
     const at::Tensor& weight, const at::Tensor& bias, double eps,
     const std::optional<at::Tensor>& smooth, double scale, int64_t zero_point,
     int64_t quant_min, int64_t quant_max) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "add_layer_norm: float32 only");
-  TORCH_CHECK(quant_min >= 0 && quant_max <= 255 && quant_min <= quant_max,
-              "add_layer_norm: a uint8 range only");
   const auto x = input.contiguous();
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   at::Tensor res;
@@ -161,40 +219,82 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(
                 "add_layer_norm: the residual must match the input");
     res = residual->contiguous();
   }
-  const auto w = weight.contiguous().to(at::kFloat), b = bias.contiguous().to(at::kFloat);
-  TORCH_CHECK(w.numel() == n && b.numel() == n, "add_layer_norm: weight and bias of the last dim");
-  at::Tensor by;
-  if (smooth.has_value() && smooth->defined()) {
-    by = smooth->contiguous().to(at::kFloat);
-    TORCH_CHECK(by.numel() == n, "add_layer_norm: smooth must hold one factor a feature");
-  }
+  const NormTensors tensors("add_layer_norm", n, weight, bias, smooth, quant_min, quant_max);
+  const NormParams p = tensors.params(n, eps, scale, zero_point, quant_min, quant_max);
   auto out = at::empty_like(x);
   auto q = at::empty(x.sizes(), x.options().dtype(at::kByte));
   const float* xp = x.data_ptr<float>();
   const float* rp = res.defined() ? res.data_ptr<float>() : nullptr;
-  const float* wp = w.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  const float* sp = by.defined() ? by.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
-  // as quantized_decomposed.quantize_per_tensor: x * (1 / scale), the reciprocal in double
-  const float inv_scale = static_cast<float>(1.0 / scale);
-  const float zp = static_cast<float>(zero_point), lo = quant_min, hi = quant_max;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      float* row = op + i * n;
-#ifdef __AVX512F__
-      if (n == 384) {
-        norm_row_in_registers<24>(xp + i * n, rp ? rp + i * n : nullptr,
-                                  static_cast<float>(eps), wp, bp, sp, inv_scale, zp, lo, hi,
-                                  row, qp + i * n);
-        continue;
+      const float* inputs[2] = {xp + i * n, rp ? rp + i * n : nullptr};
+      norm_row(inputs, rp ? 2 : 1, p, op + i * n, qp + i * n);
+    }
+  });
+  return {out, q};
+}
+
+constexpr int64_t kAhead = 4;  // tokens whose embedding rows are prefetched ahead
+
+// LayerNorm(sum_k tables[k][ids[k]]) and its quantized copy; ids broadcast to one shape
+std::tuple<at::Tensor, at::Tensor> embed_layer_norm(
+    at::TensorList tables, at::TensorList ids, const at::Tensor& weight,
+    const at::Tensor& bias, double eps, const std::optional<at::Tensor>& smooth,
+    double scale, int64_t zero_point, int64_t quant_min, int64_t quant_max) {
+  const int count = static_cast<int>(tables.size());
+  TORCH_CHECK(count >= 1 && ids.size() == tables.size(),
+              "embed_layer_norm: one ids tensor a table, at least one table");
+  const int64_t n = tables[0].size(-1);
+  std::vector<at::Tensor> table(count), index(count);
+  const auto shape = at::infer_size_dimvector(ids[0].sizes(), ids[count - 1].sizes());
+  at::DimVector sizes(shape.begin(), shape.end());
+  for (int k = 0; k < count; ++k)
+    sizes = at::infer_size_dimvector(sizes, ids[k].sizes());
+  for (int k = 0; k < count; ++k) {
+    TORCH_CHECK(tables[k].dim() == 2 && tables[k].size(1) == n &&
+                    tables[k].scalar_type() == at::kFloat,
+                "embed_layer_norm: float32 tables of one width");
+    TORCH_CHECK(!at::isFloatingType(ids[k].scalar_type()), "embed_layer_norm: integer ids");
+    table[k] = tables[k].contiguous();
+    index[k] = ids[k].to(at::kLong).expand(sizes).contiguous();
+  }
+  const NormTensors tensors("embed_layer_norm", n, weight, bias, smooth, quant_min, quant_max);
+  const NormParams p = tensors.params(n, eps, scale, zero_point, quant_min, quant_max);
+  at::DimVector out_sizes(sizes.begin(), sizes.end());
+  out_sizes.push_back(n);
+  auto out = at::empty(out_sizes, table[0].options());
+  auto q = at::empty(out_sizes, table[0].options().dtype(at::kByte));
+  const int64_t tokens = index[0].numel();
+  std::vector<const float*> tp(count);
+  std::vector<const int64_t*> ip(count);
+  std::vector<int64_t> limit(count);
+  for (int k = 0; k < count; ++k) {
+    tp[k] = table[k].data_ptr<float>();
+    ip[k] = index[k].data_ptr<int64_t>();
+    limit[k] = table[k].size(0);
+  }
+  float* op = out.data_ptr<float>();
+  uint8_t* qp = q.data_ptr<uint8_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> rows(count);
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < end)  // the word row of a token ahead misses the caches
+        for (int k = 0; k < count; ++k) {
+          const int64_t id = ip[k][i + kAhead];
+          if (id < 0 || id >= limit[k]) continue;  // checked when its turn comes
+          const char* row = reinterpret_cast<const char*>(tp[k] + id * n);
+          for (int64_t byte = 0; byte < n * 4; byte += 64)
+            __builtin_prefetch(row + byte, 0, 3);
+        }
+      for (int k = 0; k < count; ++k) {
+        const int64_t id = ip[k][i];
+        TORCH_CHECK(id >= 0 && id < limit[k], "embed_layer_norm: id ", id,
+                    " out of range for a table of ", limit[k], " rows");
+        rows[k] = tp[k] + id * n;
       }
-#endif
-      const float mean = add_row(xp + i * n, rp ? rp + i * n : nullptr, n, row) / n;
-      const float var = centred_squares(row, n, mean) / n;
-      const float rstd = 1.f / std::sqrt(var + static_cast<float>(eps));
-      normalize_row(row, n, mean, rstd, wp, bp, sp, inv_scale, zp, lo, hi, qp + i * n);
+      norm_row(rows.data(), count, p, op + i * n, qp + i * n);
     }
   });
   return {out, q};
@@ -206,8 +306,12 @@ TORCH_LIBRARY_FRAGMENT(compress_encoder, m) {
   m.def("add_layer_norm(Tensor input, Tensor? residual, Tensor weight, Tensor bias, "
         "float eps, Tensor? smooth, float scale, int zero_point, int quant_min, "
         "int quant_max) -> (Tensor, Tensor)");
+  m.def("embed_layer_norm(Tensor[] tables, Tensor[] ids, Tensor weight, Tensor bias, "
+        "float eps, Tensor? smooth, float scale, int zero_point, int quant_min, "
+        "int quant_max) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(compress_encoder, CPU, m) {
   m.impl("add_layer_norm", &add_layer_norm);
+  m.impl("embed_layer_norm", &embed_layer_norm);
 }

@@ -141,7 +141,22 @@ got = torch.ops.compress_encoder.gelu_quantize(x, smooth, 0.02, 60, 0, 255)
 want = torch.ops.quantized_decomposed.quantize_per_tensor(F.gelu(x) * smooth, 0.02, 60, 0, 255,
                                                           torch.uint8)
 gelu = [int((got.int() - want.int()).abs().max()), float((got != want).float().mean())]
-print(json.dumps({"errors": errors, "gelu": gelu,
+quantize = torch.ops.quantized_decomposed.quantize_per_tensor
+answer = torch.ops.compress_encoder.attention(q, k, v, keep, 24 ** -0.5)  # heads of 24
+by = torch.rand(48, generator=torch.Generator().manual_seed(4)) + 0.5
+got = torch.ops.compress_encoder.attention_quantized(q, k, v, keep, 24 ** -0.5, by, 0.01, 128, 0,
+                                                     255)
+same = [bool(torch.equal(got.flatten(2), quantize(answer.flatten(2) * by, 0.01, 128, 0, 255,
+                                                  torch.uint8)))]
+tables = [torch.randn(50, 100, generator=torch.Generator().manual_seed(5)), smooth[None]]
+ids = [torch.randint(0, 50, (3, 5), generator=torch.Generator().manual_seed(6)),
+       torch.zeros(1, 5, dtype=torch.long)]
+out, got = torch.ops.compress_encoder.embed_layer_norm(tables, ids, smooth, smooth, 1e-12, None,
+                                                       0.02, 60, 0, 255)
+want = F.layer_norm(F.embedding(ids[0], tables[0]) + smooth, (100,), smooth, smooth, 1e-12)
+errors.append(float((out - want).abs().max()))
+same.append(int((got.int() - quantize(want, 0.02, 60, 0, 255, torch.uint8).int()).abs().max()))
+print(json.dumps({"errors": errors, "gelu": gelu, "same": same,
                   "library": encoder_attention.shipped_library().name}))
 """
 
@@ -153,7 +168,9 @@ print(json.dumps({"errors": errors, "gelu": gelu,
 def test_the_float32_builds_are_exact(avx2_kernels_env: dict[str, str], march: str) -> None:
     """Built for a CPU without AVX512-BF16 (`COMPRESS_KERNEL_MARCH`: AVX2 only, or AVX-512
     without BF16), the kernel is float32 throughout and matches sdpa to float rounding; the
-    library's GELU quantizes as aten's GELU does (std::erf, or the AVX-512 approximation)."""
+    library's GELU quantizes as aten's GELU does (std::erf, or the AVX-512 approximation), its
+    quantized attention answers as aten quantizes the float ones, and its embedding norm as
+    aten's embedding, LayerNorm and quantize."""
     env = {**avx2_kernels_env, "COMPRESS_KERNEL_MARCH": march}
     done = subprocess.run([sys.executable, "-c", FLOAT32_CHILD], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -162,6 +179,7 @@ def test_the_float32_builds_are_exact(avx2_kernels_env: dict[str, str], march: s
     assert found["library"] != encoder_attention.shipped_library().name
     assert max(found["errors"]) < 1e-5, found
     assert found["gelu"][0] <= 1 and found["gelu"][1] < 3e-3, found  # <= 4 of 1500 a level off
+    assert found["same"][0] is True and found["same"][1] <= 1, found  # the quantized answers
 
 
 def tiny_encoder(tmp_path: Path):

@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from export.graph_edits import SOURCE_META, uint8_quantizes
+from export.graph_edits import add_node, uint8_quantizes
 from serve import encoder_attention
 
 aten = torch.ops.aten
@@ -99,20 +99,15 @@ def fuse_norms(program: torch.export.ExportedProgram) -> int:
         x, residual = pair if pair else (source, None)
         with graph.inserting_before(norm):
             if lookups:
-                call = graph.call_function(embed_kernel, (
+                call = add_node(graph, embed_kernel, (
                     [e.args[0] for e in lookups], [e.args[1] for e in lookups], weight, bias,
-                    *quantization))
+                    *quantization), like=norm)
             else:
-                call = graph.call_function(kernel, (x, residual, weight, bias, *quantization))
-            call.meta["val"] = call.target(*(
-                [_value(i) for i in a] if isinstance(a, list) else
-                _value(a) if isinstance(a, torch.fx.Node) else a for a in call.args))
+                call = add_node(graph, kernel, (x, residual, weight, bias, *quantization),
+                                like=norm)
             answer = graph.call_function(operator.getitem, (call, 0))
             quantized = graph.call_function(operator.getitem, (call, 1))
         answer.meta["val"], quantized.meta["val"] = call.meta["val"]
-        for key in SOURCE_META:
-            if key in norm.meta:
-                call.meta[key] = norm.meta[key]
         for quantize in same:
             quantize.replace_all_uses_with(quantized)
             graph.erase_node(quantize)

@@ -248,10 +248,8 @@ std::tuple<at::Tensor, at::Tensor> embed_layer_norm(
               "embed_layer_norm: one ids tensor a table, at least one table");
   const int64_t n = tables[0].size(-1);
   std::vector<at::Tensor> table(count), index(count);
-  const auto shape = at::infer_size_dimvector(ids[0].sizes(), ids[count - 1].sizes());
-  at::DimVector sizes(shape.begin(), shape.end());
-  for (int k = 0; k < count; ++k)
-    sizes = at::infer_size_dimvector(sizes, ids[k].sizes());
+  at::DimVector sizes(ids[0].sizes().begin(), ids[0].sizes().end());  // ids broadcast
+  for (int k = 1; k < count; ++k) sizes = at::infer_size_dimvector(sizes, ids[k].sizes());
   for (int k = 0; k < count; ++k) {
     TORCH_CHECK(tables[k].dim() == 2 && tables[k].size(1) == n &&
                     tables[k].scalar_type() == at::kFloat,

@@ -567,6 +567,33 @@ def pytest_terminal_summary(terminalreporter) -> None:
             for tier, (seconds, count) in sorted(_TIER_SECONDS.items())))
 
 
+def removed_after_module(request, folder: Path) -> Path:
+    """`folder`, removed when the module-scoped fixture that made it is torn down, unless a
+    test of the session has failed by then (its files stay for reading): a big run folder
+    (SmolLM2's is 0.9 GB) does not sit on the disk for the rest of the suite."""
+    import shutil
+
+    request.addfinalizer(
+        lambda: request.session.testsfailed or shutil.rmtree(folder, ignore_errors=True))
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache_in_session_folder(tmp_path_factory):
+    """Inductor's cache (about 0.7 GB a run) goes into this session's temporary folder,
+    shared by both xdist workers and the CLI children they start, and leaves with that
+    folder (pyproject.toml's retention): a machine that runs the suite often does not fill
+    its /tmp with stale caches. A cache the caller names in TORCHINDUCTOR_CACHE_DIR stays."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        yield
+        return
+    base = tmp_path_factory.getbasetemp()
+    session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(session / "torchinductor")
+    yield
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
 @pytest.fixture(autouse=True)
 def _no_kernel_build_in_unit_tests(request, monkeypatch):
     """The unit tier stays in seconds: none of its tests builds the grouped C++ kernels

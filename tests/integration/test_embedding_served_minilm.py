@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, http_post, minilm_folder, serving, write_recipe
+from conftest import REPO, http_post, minilm_folder, removed_after_module, serving, write_recipe
 
 pytest.importorskip("ts")
 pytest.importorskip("litserve")
@@ -34,12 +34,12 @@ def _texts(data_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def minilm_run(tmp_path_factory, data_dir: Path) -> Path:
+def minilm_run(request, tmp_path_factory, data_dir: Path) -> Path:
     """The recipe's fp32 ONNX and int8 ONNX exports, each packaged (embed_fp32,
     embed_int8); the run folder."""
     from builders import run_in_process
 
-    tmp = tmp_path_factory.mktemp("embed_int8")
+    tmp = removed_after_module(request, tmp_path_factory.mktemp("embed_int8"))
     raw = yaml.safe_load((REPO / "recipes/embed_int8.yaml").read_text())
     fp32, int8, *_, package = raw["stages"]
     assert (fp32["name"], int8["name"], package["kind"]) == ("fp32_onnx", "int8_onnx",

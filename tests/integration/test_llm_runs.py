@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, removed_after_module, run_cli
 
 from compress.recipe.sources import shipped_gguf
 
@@ -17,9 +17,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def llm_run(tmp_path_factory, data_dir: Path) -> Path:
+def llm_run(request, tmp_path_factory, data_dir: Path) -> Path:
     """recipes/llm_int8.yaml shrunk: the run folder."""
-    tmp_path = tmp_path_factory.mktemp("llm_int8")
+    tmp_path = removed_after_module(request, tmp_path_factory.mktemp("llm_int8"))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("What is the capital of France?\nName three primary colours.\n")
     # each stage's figures from the eager decoder: the compile stage compiles the real model;

@@ -11,7 +11,18 @@ from typing import Any
 
 SERVER_INFO = "server.json"  # mode 0600: it holds the inference token
 KEY_FILE = "key_file.json"
-PID_FILE = ".model_server.pid"
+# the server's TMPDIR, removed when it stops: TorchServe's launcher writes its pid file
+# there, and what the workers unpack goes with the server (AOTInductor extracts each .pt2
+# it loads, 60 MB for a SmolLM2 decode step, and a killed worker never removes it)
+WORKER_TEMP = "tmp"
+PID_FILE = f"{WORKER_TEMP}/.model_server.pid"
+
+
+def worker_temp(serve_dir: Path) -> Path:
+    """The serve folder's temporary folder, made: the TMPDIR its server's processes get."""
+    folder = serve_dir / WORKER_TEMP
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def registry_dir() -> Path:

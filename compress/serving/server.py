@@ -43,6 +43,7 @@ from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     registry_dir,
     token_command,
     token_of,
+    worker_temp,
     write_info,
 )
 from compress.serving.serve_target import (  # noqa: F401 (the server's API)
@@ -139,7 +140,8 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         command.append("--enable-model-api")
     # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's;
     # an inherited TS_CONFIG_FILE would replace `config` (addresses, auth): ours wins
-    env = {**os.environ, "TMPDIR": str(serve_dir), "LOG_LOCATION": str(serve_dir / "logs"),
+    env = {**os.environ, "TMPDIR": str(worker_temp(serve_dir)),
+           "LOG_LOCATION": str(serve_dir / "logs"),
            "TS_CONFIG_FILE": str(config), server_process.SERVE_DIR_ENV: str(serve_dir),
            "METRICS_LOCATION": str(serve_dir / "logs"),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent),

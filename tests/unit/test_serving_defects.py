@@ -214,6 +214,27 @@ def test_stop_checks_the_recorded_start_time_and_boot(tmp_path: Path, monkeypatc
         ours.wait()
 
 
+def test_stop_removes_what_the_workers_unpacked(tmp_path: Path, monkeypatch) -> None:
+    from compress.serving import server_process
+
+    monkeypatch.setenv("COMPRESS_STATE_DIR", str(tmp_path / "state"))
+    serve_dir = tmp_path / "serve"
+    ours = _sleeper(server_process.MARKERS[1], str(serve_dir))
+    try:
+        _record(serve_dir, ours, **server_process.identity(ours.pid))
+        unpacked = serve_folder.worker_temp(serve_dir) / "aotinductor_x1Yz" / "model.so"
+        unpacked.parent.mkdir()
+        unpacked.write_bytes(b"\0" * 1024)  # what a killed worker's AOTI loader leaves
+        (serve_dir / "logs").mkdir()
+        (serve_dir / "logs" / "litserve.out").write_text("kept")
+        assert server.stop(serve_dir, grace_s=5) is True
+        assert not (serve_dir / serve_folder.WORKER_TEMP).exists()
+        assert (serve_dir / "logs" / "litserve.out").read_text() == "kept"
+    finally:
+        ours.kill()
+        ours.wait()
+
+
 # 6. compress's own TorchServe config wins; no auth with the model API is refused
 
 def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) -> None:
@@ -237,6 +258,7 @@ def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) 
         server.start(target, port=port, echo=lambda _: None)
     assert seen["env"].get("TS_CONFIG_FILE") in (None, str(target.serve_dir /
                                                            "config.properties"))
+    assert seen["env"]["TMPDIR"] == str(target.serve_dir / serve_folder.WORKER_TEMP)
 
 
 def test_no_auth_with_the_model_api_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -29,6 +29,7 @@ from compress.serving.serve_folder import (
     KEY_FILE,
     process_alive,
     record_server,
+    worker_temp,
     write_info,
 )
 from compress.serving.worker_log import WorkerLog
@@ -65,7 +66,8 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
     command = [sys.executable, "-m", MAIN, str(serve_dir), str(model_dir), str(port)]
     if not auth:
         command.append("--no-auth")
-    env = {**os.environ, server_process.SERVE_DIR_ENV: str(serve_dir)}
+    env = {**os.environ, server_process.SERVE_DIR_ENV: str(serve_dir),
+           "TMPDIR": str(worker_temp(serve_dir))}
     with open(serve_dir / "logs" / "litserve.out", "wb") as out:
         process = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)

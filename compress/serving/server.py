@@ -9,9 +9,11 @@ Every listener binds 127.0.0.1; only the inference port is chosen by the user.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -152,7 +154,9 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         launcher.wait(timeout=120)
     pid_file = serve_dir / PID_FILE
-    if not pid_file.is_file():
+    if not pid_file.is_file():  # what the launcher started goes too: nothing left running
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(launcher.pid, signal.SIGKILL)
         raise UserError(f"TorchServe did not start: {_log_tail(serve_dir)}")
     pid = int(pid_file.read_text().split()[0])
     info = {"pid": pid, "pgid": launcher.pid, **server_process.identity(pid),

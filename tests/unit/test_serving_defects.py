@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -241,9 +242,10 @@ def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) 
     monkeypatch.setenv("TS_CONFIG_FILE", str(tmp_path / "evil.properties"))
     monkeypatch.setattr(server, "check_prerequisites", lambda: None)
     seen: dict = {}
+    java = _sleeper()  # what TorchServe's launcher leaves running, in the launcher's group
 
     class Launcher:
-        pid = 1
+        pid = java.pid
 
         def __init__(self, command, env, **kwargs) -> None:
             seen.update(env=env, command=command)
@@ -259,6 +261,7 @@ def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) 
     assert seen["env"].get("TS_CONFIG_FILE") in (None, str(target.serve_dir /
                                                            "config.properties"))
     assert seen["env"]["TMPDIR"] == str(target.serve_dir / serve_folder.WORKER_TEMP)
+    assert java.wait(timeout=10) == -signal.SIGKILL  # a failed start leaves nothing running
 
 
 def test_no_auth_with_the_model_api_is_refused(tmp_path: Path, monkeypatch, capsys) -> None:

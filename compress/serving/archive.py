@@ -8,6 +8,7 @@ The archive holds the exported file, `export.json`, the tokenizer files, `parity
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -67,7 +68,11 @@ def build_mar(export_dir: Path, out_dir: Path, model_name: str, version: str,
                    "--serialized-file", str(serialized), "--handler", str(handler),
                    "--extra-files", ",".join(str(p) for p in extra),
                    "--config-file", str(config_file), "--export-path", str(staging), "--force"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        # it gathers the files in <TMPDIR>/<model name>: two runs packaging the same name at
+        # once (two test workers, two recipes) would share /tmp's and break each other
+        (staging / "tmp").mkdir()
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "TMPDIR": str(staging / "tmp")})
         built = staging / f"{model_name}.mar"
         if done.returncode != 0 or not built.is_file():
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]

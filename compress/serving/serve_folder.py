@@ -5,24 +5,32 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
 SERVER_INFO = "server.json"  # mode 0600: it holds the inference token
 KEY_FILE = "key_file.json"
-# the server's TMPDIR, removed when it stops: TorchServe's launcher writes its pid file
-# there, and what the workers unpack goes with the server (AOTInductor extracts each .pt2
-# it loads, 60 MB for a SmolLM2 decode step, and a killed worker never removes it)
-WORKER_TEMP = "tmp"
-PID_FILE = f"{WORKER_TEMP}/.model_server.pid"
+PID_FILE = ".model_server.pid"  # in the server's temporary folder
+TEMP_PREFIX = "compress-serve-"
 
 
-def worker_temp(serve_dir: Path) -> Path:
-    """The serve folder's temporary folder, made: the TMPDIR its server's processes get."""
-    folder = serve_dir / WORKER_TEMP
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+def server_temp() -> Path:
+    """A new temporary folder for one server, its processes' TMPDIR, removed when it stops:
+    TorchServe's launcher writes its pid file there, and what the workers unpack goes with
+    the server (AOTInductor extracts each .pt2 it loads, 60 MB for a SmolLM2 decode step,
+    and a killed worker never removes it). Under the system's, not the serve folder: the
+    AF_UNIX sockets LitServe's processes make there allow 107 bytes of path."""
+    return Path(tempfile.mkdtemp(prefix=TEMP_PREFIX))
+
+
+def remove_server_temp(folder: str | Path | None) -> None:
+    """Remove a folder `server_temp` made (any other path is left alone)."""
+    path = Path(folder or "")
+    if path.name.startswith(TEMP_PREFIX) and path.parent == Path(tempfile.gettempdir()):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def registry_dir() -> Path:

@@ -43,9 +43,10 @@ from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     read_keys,
     record_server,
     registry_dir,
+    remove_server_temp,
+    server_temp,
     token_command,
     token_of,
-    worker_temp,
     write_info,
 )
 from compress.serving.serve_target import (  # noqa: F401 (the server's API)
@@ -142,7 +143,8 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         command.append("--enable-model-api")
     # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's;
     # an inherited TS_CONFIG_FILE would replace `config` (addresses, auth): ours wins
-    env = {**os.environ, "TMPDIR": str(worker_temp(serve_dir)),
+    temp = server_temp()
+    env = {**os.environ, "TMPDIR": str(temp),
            "LOG_LOCATION": str(serve_dir / "logs"),
            "TS_CONFIG_FILE": str(config), server_process.SERVE_DIR_ENV: str(serve_dir),
            "METRICS_LOCATION": str(serve_dir / "logs"),
@@ -153,10 +155,11 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         launcher = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         launcher.wait(timeout=120)
-    pid_file = serve_dir / PID_FILE
+    pid_file = temp / PID_FILE
     if not pid_file.is_file():  # what the launcher started goes too: nothing left running
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(launcher.pid, signal.SIGKILL)
+        remove_server_temp(temp)
         raise UserError(f"TorchServe did not start: {_log_tail(serve_dir)}")
     pid = int(pid_file.read_text().split()[0])
     info = {"pid": pid, "pgid": launcher.pid, **server_process.identity(pid),
@@ -165,7 +168,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
             "port": port, "management_port": management, "metrics_port": metrics,
             "metrics_url": metrics_url(metrics),
             "auth": auth, "model_api": model_api, "settings": settings,
-            "serve_dir": str(serve_dir), "started": time.time()}
+            "serve_dir": str(serve_dir), "temp_dir": str(temp), "started": time.time()}
     record_server(serve_dir, info)
     try:
         wait_ready(info, serve_dir, timeout_s, echo)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -24,12 +23,11 @@ from typing import Any
 
 from compress.serving.serve_folder import (
     KEY_FILE,
-    PID_FILE,
     SERVER_INFO,
-    WORKER_TEMP,
     process_alive,
     read_info,
     registry_dir,
+    remove_server_temp,
 )
 
 # in the command line of TorchServe's frontend, or of compress's LitServe server
@@ -148,9 +146,9 @@ def _wait_group_gone(pgid: int, timeout_s: float = 10) -> None:
 
 def _forget(serve_dir: Path, info: dict[str, Any]) -> None:
     """Remove the record of a server whose processes are gone, and what they unpacked."""
-    for name in (SERVER_INFO, PID_FILE, KEY_FILE):
+    for name in (SERVER_INFO, KEY_FILE):
         (Path(serve_dir) / name).unlink(missing_ok=True)
-    shutil.rmtree(Path(serve_dir) / WORKER_TEMP, ignore_errors=True)
+    remove_server_temp(info.get("temp_dir"))
     (registry_dir() / f"{info['pid']}.json").unlink(missing_ok=True)
 
 

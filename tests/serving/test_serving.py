@@ -145,10 +145,10 @@ def test_cli_serves_a_run_folder_and_stops_it(packaged_text_run: Path, state_dir
                        for line in config.splitlines() if "_address=" in line)
         status, _, answer = http_post(url, b'{"text": "lovely warm movie"}')
         assert status == 200 and answer["label"] == "positive"
-        assert (packaged_text_run / "serve/tmp").is_dir()  # the workers' TMPDIR
+        assert Path(info["temp_dir"]).is_dir()  # the workers' TMPDIR
     finally:
         stopped = run_cli("serve", "--stop", str(packaged_text_run), env=env)
-    assert not (packaged_text_run / "serve/tmp").exists()
+    assert not Path(info["temp_dir"]).exists()
     assert stopped.returncode == 0
     assert stopped.stdout.split() == ["stopped", "1", "server(s)", str(packaged_text_run / "serve")]
     assert not server.process_alive(info["pid"]) and not server.port_in_use(port)

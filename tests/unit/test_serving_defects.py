@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -222,15 +223,21 @@ def test_stop_removes_what_the_workers_unpacked(tmp_path: Path, monkeypatch) -> 
     serve_dir = tmp_path / "serve"
     ours = _sleeper(server_process.MARKERS[1], str(serve_dir))
     try:
-        _record(serve_dir, ours, **server_process.identity(ours.pid))
-        unpacked = serve_folder.worker_temp(serve_dir) / "aotinductor_x1Yz" / "model.so"
+        temp = serve_folder.server_temp()
+        _record(serve_dir, ours, temp_dir=str(temp), **server_process.identity(ours.pid))
+        unpacked = temp / "aotinductor_x1Yz" / "model.so"
         unpacked.parent.mkdir()
         unpacked.write_bytes(b"\0" * 1024)  # what a killed worker's AOTI loader leaves
         (serve_dir / "logs").mkdir()
         (serve_dir / "logs" / "litserve.out").write_text("kept")
         assert server.stop(serve_dir, grace_s=5) is True
-        assert not (serve_dir / serve_folder.WORKER_TEMP).exists()
+        assert not temp.exists()
         assert (serve_dir / "logs" / "litserve.out").read_text() == "kept"
+        elsewhere = tmp_path / f"{serve_folder.TEMP_PREFIX}not-made-by-us"
+        elsewhere.mkdir()  # a record naming another folder: it is not removed
+        _record(serve_dir, ours, temp_dir=str(elsewhere), **server_process.identity(ours.pid))
+        server.stop(serve_dir, grace_s=5)
+        assert elsewhere.is_dir()
     finally:
         ours.kill()
         ours.wait()
@@ -260,7 +267,8 @@ def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) 
         server.start(target, port=port, echo=lambda _: None)
     assert seen["env"].get("TS_CONFIG_FILE") in (None, str(target.serve_dir /
                                                            "config.properties"))
-    assert seen["env"]["TMPDIR"] == str(target.serve_dir / serve_folder.WORKER_TEMP)
+    temp = Path(seen["env"]["TMPDIR"])  # short: LitServe's sockets are made there
+    assert temp.parent == Path(tempfile.gettempdir()) and not temp.exists()
     assert java.wait(timeout=10) == -signal.SIGKILL  # a failed start leaves nothing running
 
 

@@ -29,7 +29,7 @@ from compress.serving.serve_folder import (
     KEY_FILE,
     process_alive,
     record_server,
-    worker_temp,
+    server_temp,
     write_info,
 )
 from compress.serving.worker_log import WorkerLog
@@ -66,8 +66,8 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
     command = [sys.executable, "-m", MAIN, str(serve_dir), str(model_dir), str(port)]
     if not auth:
         command.append("--no-auth")
-    env = {**os.environ, server_process.SERVE_DIR_ENV: str(serve_dir),
-           "TMPDIR": str(worker_temp(serve_dir))}
+    temp = server_temp()
+    env = {**os.environ, server_process.SERVE_DIR_ENV: str(serve_dir), "TMPDIR": str(temp)}
     with open(serve_dir / "logs" / "litserve.out", "wb") as out:
         process = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -75,7 +75,7 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
             **server_process.identity(process.pid), "model_name": model_name,
             "mar": str(mar), "url": f"http://127.0.0.1:{port}/predictions/{model_name}",
             "port": port, "auth": auth, "model_api": False, "settings": settings,
-            "serve_dir": str(serve_dir), "started": time.time()}
+            "serve_dir": str(serve_dir), "temp_dir": str(temp), "started": time.time()}
     record_server(serve_dir, info)
     try:
         wait_ready(info, serve_dir, timeout_s, echo)

@@ -9,11 +9,9 @@ Every listener binds 127.0.0.1; only the inference port is chosen by the user.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -157,8 +155,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
         launcher.wait(timeout=120)
     pid_file = temp / PID_FILE
     if not pid_file.is_file():  # what the launcher started goes too: nothing left running
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(launcher.pid, signal.SIGKILL)
+        server_process.kill_group(launcher.pid)
         remove_server_temp(temp)
         raise UserError(f"TorchServe did not start: {_log_tail(serve_dir)}")
     pid = int(pid_file.read_text().split()[0])

@@ -93,9 +93,7 @@ def stop(serve_dir: Path, grace_s: float = 30,
         while process_alive(info["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
     if ran or _group_is_ours(info["pgid"], info["serve_dir"]):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(info["pgid"], signal.SIGKILL)  # workers left behind, if any
-        _wait_group_gone(info["pgid"])  # SIGKILL lands later: until then they hold the port
+        kill_group(info["pgid"])  # workers left behind, if any
     _forget(serve_dir, info)
     return ran
 
@@ -117,6 +115,14 @@ def stop_servers(target: str | None, echo: Callable[[str], None] = print) -> lis
             stopped.append(str(folder))
         entry.unlink(missing_ok=True)
     return stopped
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL process group `pgid` and wait until it is gone (SIGKILL lands later: until
+    then its processes hold their ports)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    _wait_group_gone(pgid)
 
 
 def _group_is_ours(pgid: int, serve_dir: str) -> bool:

@@ -17,12 +17,8 @@ from typing import Any
 import numpy
 import torch
 
-try:  # inside the archive the modules lie beside this file
-    from handler_metrics import record
-    from http_answers import check_unicode, json_answer, openai_error, reason_phrase
-except ImportError:  # in the compress repository
-    from serve.handler_metrics import record
-    from serve.http_answers import check_unicode, json_answer, openai_error, reason_phrase
+from serve.handler_metrics import record
+from serve.http_answers import check_unicode, json_answer, openai_error, reason_phrase
 
 logger = logging.getLogger(__name__)
 BATCH_HEADER = "X-Batch-Size"  # every answer says how many requests shared its batch

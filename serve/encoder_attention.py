@@ -86,10 +86,12 @@ def built_library() -> Path | None:
     return library if library.is_file() else None
 
 
-def load() -> bool:
-    """Whether the library's operators are registered (built here if need be)."""
+def load(folder: Path | None = None) -> bool:
+    """Whether the library's operators are registered: the library for this CPU loaded from
+    `folder` (an export folder, an archive's root) or from beside this file where it lies
+    there, built here if need be."""
     if "ok" not in _state:
-        _state["ok"] = _load()
+        _state["ok"] = _load(folder)
     return bool(_state["ok"])
 
 
@@ -98,14 +100,15 @@ def error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def _load() -> bool:
+def _load(folder: Path | None) -> bool:
     if hasattr(getattr(torch.ops, NAMESPACE), "add_layer_norm"):
         return True
     if os.environ.get("COMPRESS_NO_KERNELS"):
         _state["error"] = "COMPRESS_NO_KERNELS is set"
         return False
-    if shipped_library().is_file():
-        torch.ops.load_library(str(shipped_library()))
+    shipped = [p for p in (shipped_library(folder), shipped_library()) if p.is_file()]
+    if shipped:
+        torch.ops.load_library(str(shipped[0]))
     else:
         from torch.utils.cpp_extension import load as build
 

@@ -28,11 +28,9 @@ def load_aoti(path: Path, meta: dict[str, Any], threads: int, spinning: bool) ->
     """The AOTInductor package, callable with the positional input tensors (the operators
     its export.json names under `aoti_operators` registered first)."""
     if "compress_encoder" in meta.get("aoti_operators", ()):
-        try:  # inside an archive: a sibling module at its root
-            import encoder_attention
-        except ImportError:
-            from serve import encoder_attention
-        if not encoder_attention.load():
+        from serve import encoder_attention
+
+        if not encoder_attention.load(path.parent):  # its library for this CPU may lie beside
             raise RuntimeError(f"{path.name} calls compress's attention kernel, which could "
                                f"not be built here: {encoder_attention.error()}")
     return torch._inductor.aoti_load_package(str(path))

@@ -8,11 +8,11 @@ import threading
 
 import torch
 
-from serve.causal_lm import batcher as lm_batcher
-from serve.causal_lm.aot_steps import use_step
-from serve.causal_lm.compiled_graphs import warm_up
-from serve.causal_lm.decode import Sampling, StaticDecoder
-from serve.causal_lm.prefill import Prefiller
+from serve.causal_lm.runtime.decode import Sampling, StaticDecoder
+from serve.causal_lm.server.aot_steps import use_step
+from serve.causal_lm.server.batcher import ContinuousBatcher, Row
+from serve.causal_lm.server.compiled_graphs import warm_up
+from serve.causal_lm.server.prefill import Prefiller
 
 CACHE = 64
 
@@ -44,7 +44,7 @@ def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
     prefiller = Prefiller(model, CACHE, compiled=bool(compile_mode), **prefill)
     if compile_mode:
         prefiller.warm_up()
-    return lm_batcher.ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread)
+    return ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread)
 
 
 def alone(model, ids: list[int], new: int, sampling: Sampling | None = None) -> list[int]:
@@ -92,8 +92,8 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     """Rows joining at any step, through cursor moves both ways, each decode the tokens
     their prompt gets alone."""
     moves: list[int] = []
-    move = lm_batcher.ContinuousBatcher._move
-    monkeypatch.setattr(lm_batcher.ContinuousBatcher, "_move",
+    move = ContinuousBatcher._move
+    monkeypatch.setattr(ContinuousBatcher, "_move",
                         lambda self, *a: (moves.append(a[2]), move(self, *a))[1])
     from torch._dynamo.utils import counters
 
@@ -104,7 +104,7 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     def submit(length: int, new: int, seed: int, hold_at: int | None = None) -> Collect:
         got = Collect(hold_at)
         ids = prompt(length, seed)
-        batcher.submit(lm_batcher.Row(ids, new, got.emit))
+        batcher.submit(Row(ids, new, got.emit))
         rows.append((ids, new, got))
         return got
 

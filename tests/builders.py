@@ -144,8 +144,8 @@ def cls_bert_folder(folder: Path) -> Path:
 
 # ---- causal LMs ------------------------------------------------------------------------------
 
-def lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,
-              **extra) -> Path:
+def causal_lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,
+                     **extra) -> Path:
     """A recipe of `stages` on a tiny causal LM and SST-2 text (with `train_samples` train
     sentences if any)."""
     from conftest import write_recipe
@@ -159,11 +159,11 @@ def lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: in
     return write_recipe(tmp_path / "lm.yaml", raw)
 
 
-def saved_lm(source: Path, folder: Path) -> Path:
+def saved_causal_lm(source: Path, folder: Path) -> Path:
     """A causal LM folder as a stage saves it (causal_lm.json beside the HF files)."""
-    from compress.families.causal_lm.folder import load_recipe_lm, save_lm
+    from compress.families.causal_lm.folder import load_recipe_causal_lm, save_causal_lm
 
-    save_lm(load_recipe_lm(str(source)), folder)
+    save_causal_lm(load_recipe_causal_lm(str(source)), folder)
     return folder
 
 
@@ -177,13 +177,13 @@ class Socket:
         self.messages.append(bytes(message))
 
 
-def lm_handler(folder: Path, batch_size: int, settings: dict, **config: object):
+def causal_lm_handler(folder: Path, batch_size: int, settings: dict, **config: object):
     """A causal-LM handler started on an exported folder as a TorchServe worker starts it:
     `settings` are the archive's handler settings, `config` more of its model-config (such
     as asyncCommunication)."""
     from ts.context import Context
 
-    from serve.causal_lm.handler import CausalLMHandler
+    from serve.causal_lm.server.handler import CausalLMHandler
 
     model_config = {"batchSize": batch_size, "maxWorkers": 1, "handler": settings, **config}
     handler = CausalLMHandler()
@@ -225,7 +225,7 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
 def grouped_module(bits: int, half: bool, seed: int, activations: str):
     """A packed 96 -> 77 `GroupedLinear` in an activation mode, its records float16
     (`half`) or float32 (scales and offsets that float16 does not hold)."""
-    from serve.causal_lm import grouped
+    from serve.causal_lm.runtime import grouped
 
     torch.manual_seed(seed)
     module = grouped.GroupedLinear.from_linear(nn.Linear(96, 77), 32, bits)

@@ -210,8 +210,8 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
-def packaged_lm_run(folder: Path, name: str, source: Path, package: dict, data_dir: Path,
-                    cache_len: int, prompts: list[str] | None = None) -> Path:
+def packaged_causal_lm_run(folder: Path, name: str, source: Path, package: dict, data_dir: Path,
+                           cache_len: int, prompts: list[str] | None = None) -> Path:
     """`compress run` of a causal LM exported (`format: transformers`) and packaged with
     `package`'s options, measured on 2 prompts x 8 tokens; its run folder."""
     data = {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
@@ -308,17 +308,22 @@ SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",
 def import_alone(folder: Path, modules: str, then: str = "") -> list:
     """Import `modules` (comma-separated) from `folder` in a fresh Python that cannot reach
     the repository (no path to it, no editable-install finder), run `then`, and return the
-    printed JSON: first the project packages still findable and imported (both must be
-    empty), then whatever `then` prints with `out(...)`."""
-    code = ("import importlib.util, json, sys; "
+    printed JSON: first the project packages findable outside `folder` and the project
+    modules imported from outside it (both must be empty: an archive ships its own `serve`
+    package), then whatever `then` prints with `out(...)`."""
+    code = ("import importlib.util, json, os, sys; "
             "sys.meta_path[:] = [f for f in sys.meta_path "
             "if '__editable__' not in getattr(f, '__module__', '')]; "
             "sys.path[:] = [sys.argv[1]] + [p for p in sys.path if 'site-packages' in p "
             "or 'python3' in p]; "
-            "reach = [m for m in ('compress', 'serve', 'export') if importlib.util.find_spec(m)]; "
+            "home = os.path.realpath(sys.argv[1]) + os.sep; "
+            "inside = lambda f: os.path.realpath(f or '/').startswith(home); "
+            "reach = [m for m in ('compress', 'serve', 'export') "
+            "if importlib.util.find_spec(m) and not inside(importlib.util.find_spec(m).origin)]; "
             f"import {modules}; "
-            "project = sorted(m for m in sys.modules "
-            "if m.split('.')[0] in ('compress', 'serve', 'export')); "
+            "project = sorted(m for m, v in list(sys.modules.items()) "
+            "if m.split('.')[0] in ('compress', 'serve', 'export') "
+            "and not inside(getattr(v, '__file__', None))); "
             "shown = []; out = shown.append; "
             f"{then or 'pass'}; "
             "print(json.dumps([reach, project, shown]))")
@@ -436,16 +441,6 @@ def packaged_text_run(tiny_bert: Path, tmp_path_factory) -> Path:
     return tmp / "runs" / "tiny_served"
 
 
-def benchmark_module(name: str):
-    """benchmarks/<name>.py imported as a module (benchmarks/ is no package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def served(packaged_text_run: Path, state_dir, engine: str) -> dict:
     """tiny_onnx.mar behind `engine` with token authorization (the default), for a serving
@@ -457,6 +452,7 @@ def serving(source: Path, engine: str, timeout_s: float):
     """A fixture's body: `source` served by `engine` on a free port; its server info is
     yielded, then the server is stopped and must be gone."""
     from compress.serving import server
+    from compress.system import processes
 
     target = server.resolve_target(source)
     (port,) = server.free_ports(1)
@@ -464,7 +460,7 @@ def serving(source: Path, engine: str, timeout_s: float):
                         engine=engine)
     yield info
     server.stop(target.serve_dir)
-    assert not server.process_alive(info["pid"])
+    assert not processes.alive(info["pid"])
 
 
 @pytest.fixture(scope="module")
@@ -481,7 +477,7 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval(), tokenizer
 
 
-TIERS = ("unit", "integration", "serving", "gpu")
+TIERS = ("unit", "benchmarks", "integration", "serving", "gpu")  # by folder: tests/<tier>/
 
 
 def serving_missing(engine: str = "torchserve") -> list[str]:
@@ -596,25 +592,25 @@ def _inductor_cache_in_session_folder(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _no_kernel_build_in_unit_tests(request, monkeypatch):
-    """The unit tier stays in seconds: none of its tests builds the grouped C++ kernels
-    (about 30 s on first use; tests/integration/test_grouped_kernel.py builds and checks
-    them). Where an earlier test of the same process built them, they are used."""
-    if "unit" not in Path(str(request.node.fspath)).parts:
+    """The unit and benchmarks tiers stay in seconds: none of their tests builds the grouped
+    C++ kernels (about 30 s on first use; tests/integration/test_grouped_kernel.py builds and
+    checks them). Where an earlier test of the same process built them, they are used."""
+    if not {"unit", "benchmarks"} & set(Path(str(request.node.fspath)).parts):
         yield
         return
-    from serve.causal_lm import grouped_kernels
+    from serve.causal_lm.runtime import kernels
 
     monkeypatch.setenv("COMPRESS_NO_KERNELS", "1")
-    saved = dict(grouped_kernels._state)
-    grouped_kernels._state.clear()
+    saved = dict(kernels._state)
+    kernels._state.clear()
     yield
-    grouped_kernels._state.clear()
-    grouped_kernels._state.update(saved)
+    kernels._state.clear()
+    kernels._state.update(saved)
 
 
 def fuzz_routes(served: dict, model: str) -> None:
     """schemathesis cases (valid and invalid bodies) for every route of a causal-LM
-    archive's OpenAPI description (`lm_openapi`, at most 16 new tokens to keep it short):
+    archive's OpenAPI description (`causal_lm_openapi`, at most 16 new tokens to keep it short):
     each answered 2xx or 4xx within 60 s. COMPRESS_FUZZ_EXAMPLES sets the cases per route
     and mode (default 10)."""
     import collections
@@ -622,9 +618,9 @@ def fuzz_routes(served: dict, model: str) -> None:
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
 
-    from compress.serving.openapi import lm_openapi
+    from compress.serving.openapi import causal_lm_openapi
 
-    schema = schemathesis.openapi.from_dict(lm_openapi(model, "1.0", 16))
+    schema = schemathesis.openapi.from_dict(causal_lm_openapi(model, "1.0", 16))
     base = served["url"].split("/predictions/")[0]
     auth = {"Authorization": f"Bearer {served['token']}"}
     statuses: collections.Counter = collections.Counter()

@@ -50,7 +50,7 @@ def tiny_moe(style: str):  # noqa: ANN201
     from torch import nn
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from serve.causal_lm.experts import is_experts
+    from serve.causal_lm.runtime.experts import is_experts
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
     torch.manual_seed(0)

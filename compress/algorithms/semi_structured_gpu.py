@@ -18,7 +18,7 @@ backend class at run time, so a later PyTorch's constraints are the ones applied
 Eager calls are slow: on an H200 with torch 2.11 and cuSPARSELt 0.8 each product spends
 about 0.5 ms of host time in `aten::_cslt_sparse_mm` (cuSPARSELt's plan set up per call),
 while its kernel runs 8 us on 1024 x 384 x 384 and the dense product takes 15 us in all
-(torch.profiler, benchmarks/sparse24_gpu.py). `graphed` captures a converted model's call in
+(torch.profiler, benchmarks/gpu/sparse24.py). `graphed` captures a converted model's call in
 a CUDA graph, whose replay launches the kernels alone: that is how the sparse products pay.
 
 Conversion is for inference: the sparse weight is an nn.Parameter with requires_grad False,

@@ -128,13 +128,8 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
       compress loadtest http://127.0.0.1:8080/predictions/llm_int8/v1/chat/completions \\
           --run runs/llm_int8 --concurrency 1,8 --requests 32 --shared-prefix 512
     """
-    from compress.serving.loadtest import (
-        failure_summary,
-        format_table,
-        load_payloads,
-        record_result,
-        sweep,
-    )
+    from compress.serving.loadtest.predictions import format_table, load_payloads, sweep
+    from compress.serving.loadtest.report import failure_summary, record_result
     from compress.serving.server import served_task, token_of
 
     try:
@@ -144,7 +139,7 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
     token = token or (token_of(run_dir) if run_dir else None)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     if api == "auto":
-        from compress.serving.chat_load import is_chat_url
+        from compress.serving.loadtest.chat import is_chat_url
 
         api = "openai" if is_chat_url(url) else "native"
     if api == "native" and (shared_prefix or ignore_eos):
@@ -157,9 +152,9 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
         if task != "causal-lm":
             raise UserError("--api openai load-tests a causal LM's chat completions: leave "
                             "--task at auto or causal-lm")
-        from compress.serving.chat_load import format_chat_table, sweep_chat
-        from compress.serving.chat_workload import chat_payloads, read_prompts
-        from compress.serving.generation_load import SAMPLE_PROMPTS
+        from compress.serving.loadtest.chat import format_chat_table, sweep_chat
+        from compress.serving.loadtest.chat_workload import chat_payloads, read_prompts
+        from compress.serving.loadtest.generation import SAMPLE_PROMPTS
 
         payloads = chat_payloads(read_prompts(texts, SAMPLE_PROMPTS), max_new_tokens,
                                  warmup + n_requests, shared_prefix,
@@ -167,7 +162,7 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
         result = sweep_chat(url, levels, n_requests, payloads, headers=headers, warmup=warmup)
         click.echo(format_chat_table(result))
     elif task == "causal-lm":
-        from compress.serving.generation_load import (
+        from compress.serving.loadtest.generation import (
             format_generation_table,
             load_prompts,
             sweep_generation,

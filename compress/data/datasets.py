@@ -42,7 +42,7 @@ class Examples:
 class DataBundle:
     """The splits a recipe uses, with the label names and any string-label mapping."""
 
-    task: str  # "text" or "image"
+    task: str  # "text", "image" or "causal-lm"
     splits: dict[str, Examples]
     label_names: list[str]
     label_mapping: dict[str, int] | None = None

@@ -16,7 +16,7 @@ around its kernel (`TORCH_NCCL_ENABLE_TIMING=1`, set by `process_group.init`), r
 `Work._get_duration()` once the step's work is done. One process group's collectives run on
 one NCCL stream, one after another, so their durations add up to the union.
 
-Expert-parallel inference (`serve/causal_lm/expert_dispatch.py`) records its own
+Expert-parallel inference (`serve/causal_lm/runtime/expert_dispatch.py`) records its own
 all-to-alls and all-gathers in the shipped runtime, which imports no compress code;
 `step_of_record` reads a decode step's record into the same `StepComm`.
 """
@@ -127,7 +127,7 @@ class CommMeter:
 
 def step_of_record(per_kind: dict[str, dict[str, float]]) -> StepComm:
     """One decode step's collectives as the shipped expert-parallel runtime records them
-    (`serve/causal_lm/expert_dispatch.py`'s CommRecord, per step: {kind: {"s_per_step",
+    (`serve/causal_lm/runtime/expert_dispatch.py`'s CommRecord, per step: {kind: {"s_per_step",
     "bytes_per_step"}}): its collectives run one after another, so their seconds add up."""
     by_kind = {k: float(v["s_per_step"]) for k, v in per_kind.items() if k in KINDS}
     return StepComm(sum(by_kind.values()),

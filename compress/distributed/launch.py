@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from compress.errors import UserError
+from compress.system import processes
 
 # Restarted ranks must not share the rendezvous store of the round before: there they read
 # the dead rank's gloo address and fail to connect (pytorch/pytorch#135712). Every torchrun
@@ -138,13 +138,9 @@ def kill_rank(marker: str, rank: int) -> int:
     """SIGKILL the torchrun workers of `rank` whose command line holds `marker` (a recipe
     or run path); how many were killed (for fault-injection tests and benchmarks)."""
     killed = 0
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, NotADirectoryError):
-            continue
-        if marker in cmdline and f"RANK={rank}".encode() in environ:
-            os.kill(int(entry.name), signal.SIGKILL)
+    for pid in processes.pids():
+        if marker in processes.command_line(pid) and (
+                f"RANK={rank}".encode() in processes.environment(pid)):
+            os.kill(pid, signal.SIGKILL)
             killed += 1
     return killed

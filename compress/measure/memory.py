@@ -1,29 +1,12 @@
-"""Memory as measured, not computed: the peak resident memory of this process, and the bytes
-of parameters, gradients and optimizer state a process actually holds (under FSDP, its
-shards only)."""
+"""Memory as measured, not computed: the peak resident memory of this process (read from
+/proc by compress.system.processes), and the bytes of parameters, gradients and optimizer
+state a process actually holds (under FSDP, its shards only)."""
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
 from typing import Any
 
-
-def reset_peak_rss() -> None:
-    """Start a new peak of resident memory (Linux: clear_refs 5 resets VmHWM)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_mb() -> float | None:
-    """Peak resident memory of this process since the last reset, in MB (Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None
+from compress.system.processes import peak_rss_mb, reset_peak_rss  # noqa: F401 (measured here)
 
 
 def held_bytes(tensors: Any) -> int:

@@ -22,7 +22,9 @@ class ModelBundle:
     kwargs: dict[str, Any] = field(default_factory=dict)
     input_shape: list[int] = field(default_factory=list)
     structure: dict[str, Any] | None = None  # shapes after structured pruning (to rebuild)
-    lm: dict[str, Any] | None = None  # causal LMs: weight scheme, dtype, provenance
+    # a causal LM's facts, as its folder's causal_lm.json holds them: weight scheme, dtype,
+    # compile mode, provenance
+    causal_lm_facts: dict[str, Any] | None = None
 
     @property
     def is_text(self) -> bool:

@@ -25,7 +25,7 @@ def save_model(bundle: ModelBundle, folder: Path) -> Path:
     if bundle.kind == "causal-lm":  # the family's own folder (compress.recipe.family_specs)
         from compress.recipe.family_specs import part
 
-        return part("causal-lm", "folder").save_lm(bundle, folder)
+        return part("causal-lm", "folder").save_causal_lm(bundle, folder)
     if bundle.kind == "embedding":  # a sentence-transformers folder
         from compress.recipe.family_specs import part
 
@@ -55,7 +55,7 @@ def load_saved(folder: Path) -> ModelBundle:
     if (folder / "causal_lm.json").is_file():
         from compress.recipe.family_specs import part
 
-        return part("causal-lm", "folder").load_lm(folder)
+        return part("causal-lm", "folder").load_causal_lm_folder(folder)
     if (folder / "modules.json").is_file():  # a sentence-transformers folder
         from compress.recipe.family_specs import part
 

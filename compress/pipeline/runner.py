@@ -17,7 +17,7 @@ from compress.errors import CompressError, StageError, UserError, one_line
 from compress.recipe.chain import input_stage_index
 from compress.recipe.family_specs import FAMILIES, runner_of
 from compress.recipe.registry import import_function, spec_of
-from compress.runfolder.code_digest import code_digests
+from compress.runfolder.code_digest import code_digests, shipped_digests
 from compress.runfolder.files import atomic_write_text, environment, now, sha256_json
 from compress.runfolder.records import (
     FINISHED,
@@ -156,11 +156,12 @@ class Runner:
         self.save()
 
     def _code_of(self, kind: str, spec) -> list[str]:
-        """Digests of the code a stage runs: its run module, the modules it ships in its
-        output, the family's measurement, and every project module they import."""
+        """Digests of the code a stage runs: its run module, the family's measurement, the
+        modules it names, every project module they import, and the packages it ships in
+        its output (every file of their folders)."""
         runner = (runner_of(kind, self.task) or spec.runner).split(":")[0]
-        shipped = spec.code_modules + spec.runner_code.get(self.task, ())
-        return code_digests([runner, FAMILIES[self.task].module, *shipped])
+        return (code_digests([runner, FAMILIES[self.task].module, *spec.code_modules])
+                + shipped_digests(spec.shipped_code.get(self.task, ())))
 
     def _reusable(self, entry: StageRecord | None, key: str) -> bool:
         return bool(entry and entry.key == key and entry.finished_ok and entry.outputs

@@ -63,7 +63,8 @@ FAMILIES = {
          "ttft_ms", "agreement", "next_token_agreement", "size_mb"),
         ("data.prompts", "data.chat_template", "evaluation.generation"),
         stages=f"{CAUSAL_LM}.stages",
-        parts={"folder": f"{CAUSAL_LM}.folder"},  # save_lm(bundle, folder), load_lm(folder)
+        # save_causal_lm(bundle, folder), load_causal_lm_folder(folder)
+        parts={"folder": f"{CAUSAL_LM}.folder"},
     ),
     "embedding": Family(
         "embedding", "an embedding model", f"{EMBEDDING}.family",

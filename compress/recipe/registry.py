@@ -4,14 +4,13 @@ A stage kind is three things: a config class and a spec in `compress/recipe/kind
 (no torch import), and a run module `compress/stages/<kind>.py` with
 `run(state, cfg, ctx) -> state`. The spec holds every trait the pipeline, validation,
 data-parallel training, `compress bench`, the report and the benchmarks ask about, so no
-code outside the kind's own modules names the kind. Specs are found by importing every
-module of `compress.recipe.kinds` (the torchao config-to-handler registry is the model).
+code outside the kind's own modules names the kind. Specs are found by importing the modules
+that `compress.recipe.kinds.KINDS` lists (the torchao config-to-handler registry is the model).
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +47,7 @@ class StageSpec:
     data_parallel: bool = False  # trains on every rank under torchrun (DDP)
     measured: bool = True  # accuracy and latency are measured after it
     reference: bool = False  # as the first stage, its model is what reports compare with
-    code_modules: tuple[str, ...] = ()  # modules shipped in its output: part of the cache key
+    code_modules: tuple[str, ...] = ()  # modules it runs beyond its runner: part of the cache key
     splits: Callable[[Any], tuple[str, ...]] = _no_splits  # data splits a config reads
     needs_before: tuple[str, ...] = ()  # kinds that must come earlier in the model's chain
     refused_before: tuple[str, ...] = ()  # kinds that must not come earlier in that chain
@@ -64,8 +63,8 @@ class StageSpec:
     # folder (`export_dir`) in one of these formats, which a package stage can archive
     check_task: Callable[[Any, str, int], list[str]] | None = None  # (config, family, index)
     # -> problems: options that do not fit the model's family
-    runner_code: dict[str, tuple[str, ...]] = field(default_factory=dict)  # family ->
-    # modules its runner ships in the output (like `code_modules`, for that family only)
+    shipped_code: dict[str, tuple[str, ...]] = field(default_factory=dict)  # family ->
+    # the packages its output ships (their folders, whole): part of the cache key
 
     def precision_of(self, config: dict[str, Any]) -> str | None:
         """`precision` of a config as recorded in a manifest (every option written out, so
@@ -95,10 +94,10 @@ def register(spec: StageSpec) -> StageSpec:
 def all_specs() -> dict[str, StageSpec]:
     """Every registered stage kind, in listing order."""
     if not _DISCOVERED:  # a spec module imported directly registers only itself
-        import compress.recipe.kinds as package
+        from compress.recipe.kinds import KINDS
 
-        for info in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"compress.recipe.kinds.{info.name}")
+        for kind in KINDS:
+            importlib.import_module(f"compress.recipe.kinds.{kind}")
         _DISCOVERED.append(True)
     return dict(sorted(_REGISTRY.items(), key=lambda item: item[1].order))
 

@@ -21,6 +21,7 @@ from compress.recipe.files import apply_overrides, interpolate_env, read_yaml
 from compress.recipe.messages import format_validation_error
 from compress.recipe.options import StrictModel
 from compress.recipe.registry import stage_configs
+from serve.handler_settings import HandlerSettings
 
 StageConfig = Annotated[Union[tuple(stage_configs().values())],  # noqa: UP007
                         Field(discriminator="kind")]
@@ -132,7 +133,8 @@ class GenerationConfig(StrictModel):
     eager_generate: bool = Field(
         True, description="Also time Hugging Face `generate` at batch 1 (eager, dynamic "
         "cache): the naive path the other figures are compared with.")
-    cache_len: int = Field(512, ge=16, le=131_072, description="Static KV cache positions.")
+    cache_len: int = Field(HandlerSettings.cache_len, ge=16, le=131_072,
+                           description="Static KV cache positions.")
 
 
 class EvaluationConfig(StrictModel):

@@ -46,7 +46,7 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
     for row in rows:
         _derive(row, ref, batches)
         if task == "causal-lm":
-            derive_lm(row, ref, decode_batches)
+            derive_causal_lm(row, ref, decode_batches)
         figures = ((fresh or {}).get("artifacts") or {}).get(row["name"]) or {}
         for b in batches:
             if figures.get(f"latency_ms_b{b}"):
@@ -119,7 +119,7 @@ def _derive(row: dict[str, Any], ref: dict | None, batches: list[int]) -> None:
         row["noisy"] = m["latency_noisy_batches"]
 
 
-def derive_lm(row: dict[str, Any], ref: dict | None, decode_batches: list[int]) -> None:
+def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list[int]) -> None:
     """A causal LM's columns: perplexity and its change, agreement, TTFT, decode rates
     and the batch-1 speedup against the reference row."""
     m, r = row["metrics"], (ref or {}).get("metrics", {})

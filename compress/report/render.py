@@ -19,7 +19,7 @@ SIZE_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
 )
 
 
-LM_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
+CAUSAL_LM_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
     ("perplexity", "ppl", 2, "low"),
     ("ppl_delta_pct", "Δ ppl %", 2, None),
     ("agreement", "greedy agree", 3, "high"),
@@ -30,9 +30,9 @@ LM_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
 )
 
 
-def lm_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
+def causal_lm_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
     """A causal LM's columns: quality, then decode rates per batch size and the speedup."""
-    cols = list(LM_COLUMNS)
+    cols = list(CAUSAL_LM_COLUMNS)
     for b in report.get("decode_batch_sizes") or []:
         cols.append((f"decode_tok_s_b{b}", f"decode tok/s b{b}", 1, "high"))
     cols += [("decode_speedup_b1", "speedup b1", 2, "high"),
@@ -44,7 +44,7 @@ def columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
     """The table's columns for this report's batch sizes: (row key, header, digits, which
     way is better). Latency cells show p50 / p90; the best mark goes by p50."""
     if report.get("task") == "causal-lm":
-        return lm_columns(report)
+        return causal_lm_columns(report)
     cols = list(COLUMNS)
     for b in report["batch_sizes"]:
         cols.append((f"p50_ms_b{b}", f"b{b} ms p50/p90", 2, "low"))

@@ -1,6 +1,8 @@
 """The code a stage runs, as digests for its cache key: its run module and every module of
 this project that it imports, directly or through others, lazily inside functions included,
-and the native sources a module builds (the `.cpp` files it names with `with_name`).
+and the native sources a module builds (the `.cpp` files it names beside it or in a `csrc/`
+folder beside it); and the packages it ships in its output, whose folders are the list of
+what ships (`shipped_files`: every file, sub-folders included).
 
 The imports are read from the sources (`ast`), never executed, so keying a cached stage
 imports nothing. A change to any of that code runs the stage again instead of reporting it
@@ -18,8 +20,9 @@ from pathlib import Path
 from compress.runfolder.files import sha256_file
 
 PROJECT = ("compress", "export", "serve")  # the packages whose code is part of the key
-# a kernel source beside its module: SOURCE = Path(__file__).with_name("kernel.cpp")
-_NATIVE = re.compile(r"""with_name\(\s*["']([\w.-]+\.(?:cpp|cc|c|h|cu))["']\s*\)""")
+# a kernel source a module names: Path(__file__).with_name("kernel.cpp"), CSRC / "kernel.cpp"
+_NATIVE = re.compile(r"""["']([\w.-]+\.(?:cpp|cc|c|h|cu))["']""")
+NOT_SHIPPED = ("__pycache__", "*.pyc", "*.so")  # caches and built libraries
 
 
 @cache
@@ -76,9 +79,39 @@ def module_closure(roots: Iterable[str]) -> list[str]:
 
 
 def native_sources(path: Path) -> list[Path]:
-    """The native sources beside a module that it names (and builds at run time)."""
+    """The native sources a module names (and builds at run time), beside it or in the
+    `csrc/` folder beside it."""
     names = sorted(set(_NATIVE.findall(path.read_text())))
-    return [path.with_name(n) for n in names if path.with_name(n).is_file()]
+    found = [folder / n for n in names for folder in (path.parent, path.parent / "csrc")]
+    return [source for source in found if source.is_file()]
+
+
+def shipped_files(package: str) -> list[Path]:
+    """Every file of a project package's folder, sub-folders included (its sub-packages,
+    its C++ sources), but caches and built libraries: what a stage that ships the package
+    copies, sorted."""
+    path = module_file(package)
+    if path is None or path.name != "__init__.py":
+        raise ValueError(f"{package} is not a package of this project")
+    files = (p for p in path.parent.rglob("*") if p.is_file())
+    return sorted(p for p in files if not any(p.match(pattern) or pattern in p.parts
+                                              for pattern in NOT_SHIPPED))
+
+
+def shipped_digests(packages: Iterable[str]) -> list[str]:
+    """"package:file sha256" for every file of each of `packages` (`shipped_files`), and
+    the digests of the project modules those files import (`code_digests`): the key of a
+    stage's shipped code."""
+    digests, modules = [], []
+    for package in packages:
+        folder = module_file(package).parent  # type: ignore[union-attr]
+        for path in shipped_files(package):
+            digests.append(f"{package}:{path.relative_to(folder)} {sha256_file(path)}")
+            if path.suffix == ".py":
+                parts = path.relative_to(folder).with_suffix("").parts
+                name = ".".join((package, *parts)).removesuffix(".__init__")
+                modules += _imported(name, path)
+    return digests + code_digests(modules)
 
 
 def code_digests(roots: Iterable[str]) -> list[str]:

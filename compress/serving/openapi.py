@@ -87,8 +87,8 @@ def openai_routes(config: dict[str, Any]) -> bool:
     return bool(config.get("asyncCommunication")) and not config.get("parallelType")
 
 
-def lm_openapi(model: str, version: str, max_new_tokens: int,
-               openai_paths: bool = True) -> dict[str, Any]:
+def causal_lm_openapi(model: str, version: str, max_new_tokens: int,
+                      openai_paths: bool = True) -> dict[str, Any]:
     """The description of model `model` (archive version `version`) under /predictions,
     with the OpenAI routes where `openai_paths`."""
     native = {"type": "object", "additionalProperties": False,
@@ -135,7 +135,7 @@ def write_openapi(model_folder: Path, serve_dir: Path, model: str) -> Path | Non
     manifest = json.loads((model_folder / "MAR-INF" / "MANIFEST.json").read_text())
     version = str(manifest.get("model", {}).get("modelVersion") or "1.0")
     path = serve_dir / "openapi.json"
-    description = lm_openapi(model, version, int(handler["max_new_tokens"]),
-                             openai_routes(config))
+    description = causal_lm_openapi(model, version, int(handler["max_new_tokens"]),
+                                    openai_routes(config))
     path.write_text(json.dumps(description, indent=2))
     return path

@@ -1,5 +1,5 @@
 """The serve folder's files and the machine's state for compress.serving.server: the registry of
-servers compress started, tokens, `server.json`, processes and ports."""
+servers compress started, tokens, `server.json` and ports."""
 
 from __future__ import annotations
 
@@ -81,21 +81,6 @@ def token_command(info: dict[str, Any]) -> str:
     path = Path(info["serve_dir"]) / SERVER_INFO
     return ("TOKEN=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))"
             f"[\"token\"])' {shlex.quote(str(path))})")
-
-
-def process_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 def port_in_use(port: int) -> bool:

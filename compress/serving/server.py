@@ -1,22 +1,17 @@
-"""Start, wait for and stop a TorchServe (or LitServe: `engine="litserve"`, see
-compress.serving.litserve) serving one compress `.mar`.
+"""Start, wait for and stop a TorchServe (or LitServe: `engine="litserve"`) serving one
+compress `.mar`: `start` checks what is asked, unpacks the archive, and hands it to the
+engine's launcher (compress.serving.torchserve.launch, compress.serving.litserve.launch).
 
 Each server lives in a serve folder (`<run>/serve/`, or `<name>.serve/` beside a bare
 `.mar`): `config.properties`, the unpacked model with its batch settings, `logs/`,
-TorchServe's pid file, `key_file.json` (tokens) and `server.json` (what `--stop` needs).
-Every listener binds 127.0.0.1; only the inference port is chosen by the user.
+`key_file.json` (tokens) and `server.json` (what `--stop` needs). Every listener binds
+127.0.0.1; only the inference port is chosen by the user.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,25 +19,18 @@ from typing import Any
 
 import yaml
 
-from compress.distributed.launch import TORCHRUN_ENV
 from compress.errors import UserError
 from compress.serving import server_process
 from compress.serving.litserve import launch as litserve_launch
-from compress.serving.metrics_config import metrics_url, write_metrics_config
 from compress.serving.openapi import write_openapi
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
-    PID_FILE,
     SERVER_INFO,
     free_ports,
     port_in_use,
-    process_alive,
     read_info,
     read_keys,
-    record_server,
     registry_dir,
-    remove_server_temp,
-    server_temp,
     token_command,
     token_of,
     write_info,
@@ -54,14 +42,11 @@ from compress.serving.serve_target import (  # noqa: F401 (the server's API)
     unpack_model,
 )
 from compress.serving.server_process import stop, stop_servers  # noqa: F401 (the API)
-from compress.serving.worker_log import WorkerLog
+from compress.serving.torchserve import launch as torchserve_launch
 
-TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
-JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubuntu: "
-             "apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
 OPEN_MODEL_API = ("--no-auth with --enable-model-api would let any local process register "
                   "an archive whose handler runs code: keep the token, or the model API off")
-ENGINES = ("torchserve", litserve_launch.ENGINE)  # the first is the default
+ENGINES = (torchserve_launch.ENGINE, litserve_launch.ENGINE)  # the first is the default
 
 
 def continuous_archive(mar: Path) -> bool:
@@ -95,7 +80,7 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
                             "serves the archive it starts with, and no other")
         litserve_launch.check_installed()
     else:
-        check_prerequisites()
+        torchserve_launch.check_installed()
     running = read_info(target.serve_dir)
     if server_process.serving(running):
         raise UserError(f"{target.serve_dir.parent}: already served at {running['url']}; stop "
@@ -117,110 +102,8 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     if engine == litserve_launch.ENGINE:
         return litserve_launch.start(target.model_name, target.mar, store / target.model_name,
                                      serve_dir, port, settings, auth, timeout_s, echo)
-    if settings.get("maxBatchDelay") == 0:
-        settings["maxBatchDelay"] = _no_zero_delay(store / target.model_name, echo)
-    management, metrics, grpc_i, grpc_m = free_ports(4, avoid={port})
-    config = serve_dir / "config.properties"
-    config.write_text("\n".join([
-        f"inference_address=http://127.0.0.1:{port}",
-        f"management_address=http://127.0.0.1:{management}",
-        f"metrics_address=http://127.0.0.1:{metrics}",
-        "grpc_inference_address=127.0.0.1", f"grpc_inference_port={grpc_i}",
-        "grpc_management_address=127.0.0.1", f"grpc_management_port={grpc_m}",
-        f"model_store={store}", f"token_expiration_min={TOKEN_MINUTES}",
-        f"enable_model_api={'true' if model_api else 'false'}",
-        "disable_system_metrics=true", "install_py_dep_per_model=false",
-        "metrics_mode=prometheus",
-        f"metrics_config={write_metrics_config(serve_dir / 'metrics.yaml')}", ""]))
-    command = [sys.executable, "-m", "ts.model_server", "--start", "--ncs", "--ts-config",
-               str(config), "--model-store", str(store), "--models",
-               f"{target.model_name}={target.model_name}"]
-    if not auth:
-        command.append("--disable-token-auth")
-    if model_api:
-        command.append("--enable-model-api")
-    # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's;
-    # an inherited TS_CONFIG_FILE would replace `config` (addresses, auth): ours wins
-    temp = server_temp()
-    env = {**os.environ, "TMPDIR": str(temp),
-           "LOG_LOCATION": str(serve_dir / "logs"),
-           "TS_CONFIG_FILE": str(config), server_process.SERVE_DIR_ENV: str(serve_dir),
-           "METRICS_LOCATION": str(serve_dir / "logs"),
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent),
-                                    os.environ.get("PATH", "")]),
-           **TORCHRUN_ENV}
-    with open(serve_dir / "logs" / "torchserve.out", "wb") as out:
-        launcher = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        launcher.wait(timeout=120)
-    pid_file = temp / PID_FILE
-    if not pid_file.is_file():  # what the launcher started goes too: nothing left running
-        server_process.kill_group(launcher.pid)
-        remove_server_temp(temp)
-        raise UserError(f"TorchServe did not start: {_log_tail(serve_dir)}")
-    pid = int(pid_file.read_text().split()[0])
-    info = {"pid": pid, "pgid": launcher.pid, **server_process.identity(pid),
-            "model_name": target.model_name, "mar": str(target.mar),
-            "url": f"http://127.0.0.1:{port}/predictions/{target.model_name}",
-            "port": port, "management_port": management, "metrics_port": metrics,
-            "metrics_url": metrics_url(metrics),
-            "auth": auth, "model_api": model_api, "settings": settings,
-            "serve_dir": str(serve_dir), "temp_dir": str(temp), "started": time.time()}
-    record_server(serve_dir, info)
-    try:
-        wait_ready(info, serve_dir, timeout_s, echo)
-    except BaseException:
-        stop(serve_dir)
-        raise
-    if auth:
-        info["token"] = read_keys(serve_dir)["inference"]
-        write_info(serve_dir, info)
-    return info
-
-
-def check_prerequisites() -> None:
-    """TorchServe and Java 17 are installed, or a UserError says how to get them."""
-    import importlib.util
-
-    if importlib.util.find_spec("ts") is None:
-        raise UserError("TorchServe is not installed: pip install -e '.[serve]' (torchserve, "
-                        "torch-model-archiver, PyYAML)")
-    java_home = os.environ.get("JAVA_HOME")
-    java = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
-    if not java or not Path(java).exists():
-        raise UserError(JAVA_HELP)
-
-
-def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
-               echo: Callable[[str], None]) -> None:
-    """Poll the management API until a worker of the model is READY (not just /ping),
-    echoing what the workers say they are doing; a second worker death while loading is
-    a UserError with the exception's last line (TorchServe would restart it forever)."""
-    url = f"http://127.0.0.1:{info['management_port']}/models/{info['model_name']}"
-    deadline = time.monotonic() + timeout_s
-    echo(f"waiting for a READY worker of {info['model_name']} (up to {timeout_s:.0f} s)")
-    workers_log = WorkerLog(serve_dir / "logs" / "model_log.log")
-    while time.monotonic() < deadline:
-        if not process_alive(info["pid"]):
-            raise UserError(f"TorchServe exited while loading the model: {_log_tail(serve_dir)}")
-        for line in workers_log.read():
-            echo(f"  {line}")
-        if workers_log.deaths >= 2:
-            raise UserError(workers_log.failure())
-        try:
-            headers = {}
-            if info["auth"] and (serve_dir / KEY_FILE).is_file():  # may be half-written yet
-                headers["Authorization"] = f"Bearer {read_keys(serve_dir)['management']}"
-            request = urllib.request.Request(url, headers=headers)
-            with urllib.request.urlopen(request, timeout=5) as answer:
-                described = json.loads(answer.read())
-            workers = [w for m in described for w in m.get("workers", [])]
-            if any(w.get("status") == "READY" for w in workers):
-                return
-        except (urllib.error.URLError, OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.5)
-    raise UserError(f"no READY worker after {timeout_s:.0f} s: {_log_tail(serve_dir)}")
+    return torchserve_launch.start(target.model_name, target.mar, store / target.model_name,
+                                   serve_dir, port, settings, auth, model_api, timeout_s, echo)
 
 
 def curl_example(info: dict[str, Any], text: str = "a gripping, beautiful film") -> str:
@@ -242,29 +125,5 @@ def served_task(run_dir: str | Path) -> str:
     return (info.get("settings") or {}).get("task") or "classification"
 
 
-def _log_tail(serve_dir: Path, lines: int = 3) -> str:
-    """The last error-looking lines of TorchServe's logs, on one line."""
-    found: list[str] = []
-    for log in (serve_dir / "logs").glob("*.log*"):
-        found += [line.strip() for line in log.read_text(errors="replace").splitlines()
-                  if "ERROR" in line or "Error" in line or "Exception" in line]
-    out = serve_dir / "logs" / "torchserve.out"
-    if not found and out.is_file():
-        found = out.read_text(errors="replace").strip().splitlines()
-    tail = " | ".join(found[-lines:]) or "no log output"
-    return f"{tail} (logs in {serve_dir / 'logs'})"
-
-
 def _shown(target: ServeTarget) -> str:
     return str(target.mar if target.serve_dir.suffix == ".serve" else target.serve_dir.parent)
-
-
-def _no_zero_delay(model_dir: Path, echo: Callable[[str], None]) -> int:
-    """TorchServe reads a maxBatchDelay of 0 as its default 100 ms (a lone request waited
-    108 ms here): write 1 ms into the unpacked model-config.yaml instead; return it."""
-    config_file = model_dir / "model-config.yaml"
-    config = yaml.safe_load(config_file.read_text())
-    config["maxBatchDelay"] = 1
-    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    echo("max batch delay 0 ms served as 1 ms: TorchServe reads 0 as its default 100 ms")
-    return 1

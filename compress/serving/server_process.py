@@ -1,5 +1,5 @@
-"""Whether a recorded TorchServe (or LitServe) is still the one compress started, and
-stopping it.
+"""A started TorchServe (or LitServe) recorded until it is ready, whether a recorded one is
+still the one compress started, and stopping it.
 
 `server.json` records the pid of TorchServe's Java frontend (or of compress's LitServe
 process, `compress.serving.litserve.main`), its process group and what
@@ -24,53 +24,65 @@ from typing import Any
 from compress.serving.serve_folder import (
     KEY_FILE,
     SERVER_INFO,
-    process_alive,
     read_info,
+    record_server,
     registry_dir,
     remove_server_temp,
+    write_info,
 )
+from compress.system import processes
 
 # in the command line of TorchServe's frontend, or of compress's LitServe server
 MARKERS = ("org.pytorch.serve.ModelServer", "compress.serving.litserve.main")
 SERVE_DIR_ENV = "COMPRESS_SERVE_DIR"  # set for the launch: the server's processes inherit it
 
 
-def boot_id() -> str | None:
-    """This boot's id (None where /proc does not say)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
 def identity(pid: int) -> dict[str, Any]:
     """What identifies process `pid` across pid reuse and restarts, for server.json."""
-    stat = _stat(pid)
-    return {"boot_id": boot_id(), "pid_start": int(stat[19]) if stat else None}
+    stat = processes.stat(pid)
+    return {"boot_id": processes.boot_id(), "pid_start": stat.start_ticks if stat else None}
 
 
 def stale_reason(info: dict[str, Any]) -> str | None:
     """Why the record `info` no longer describes the server compress started (None: it
     does, or its server is gone and left nothing to identify)."""
-    pid, recorded_boot, now_boot = int(info["pid"]), info.get("boot_id"), boot_id()
+    pid, recorded_boot, now_boot = int(info["pid"]), info.get("boot_id"), processes.boot_id()
     if recorded_boot and now_boot and recorded_boot != now_boot:
         return "written before the machine restarted"
-    if not process_alive(pid):
+    if not processes.alive(pid):
         return None
-    stat = _stat(pid)
-    if info.get("pid_start") is not None and (stat is None or int(stat[19]) != info["pid_start"]):
+    stat = processes.stat(pid)
+    if info.get("pid_start") is not None and (stat is None
+                                              or stat.start_ticks != info["pid_start"]):
         return f"pid {pid} is now another process"
-    command = _cmdline(pid)
+    command = processes.command_line(pid)
     if not any(m in command for m in MARKERS) or str(info.get("serve_dir")) not in command:
         return f"pid {pid} is not this folder's server"
-    if stat is not None and info.get("pgid") is not None and int(stat[2]) != info["pgid"]:
+    if stat is not None and info.get("pgid") is not None and stat.pgid != info["pgid"]:
         return f"pid {pid} left its process group"
     return None
 
 
+def record_until_ready(serve_dir: Path, info: dict[str, Any], wait_ready: Callable[[], None],
+                       token: Callable[[], str] | None) -> dict[str, Any]:
+    """What every engine's launcher does once its server runs: record it (server.json, the
+    registry), wait until it is ready (stopping it on any failure), then add its inference
+    token, when `token` reads one; server.json as it ends."""
+    record_server(serve_dir, info)
+    try:
+        wait_ready()
+    except BaseException:
+        stop(serve_dir)
+        raise
+    if token is not None:
+        info["token"] = token()
+        write_info(serve_dir, info)
+    return info
+
+
 def serving(info: dict[str, Any] | None) -> bool:
     """Whether the record `info` names a live server that compress started."""
-    return bool(info) and process_alive(int(info["pid"])) and stale_reason(info) is None
+    return bool(info) and processes.alive(int(info["pid"])) and stale_reason(info) is None
 
 
 def stop(serve_dir: Path, grace_s: float = 30,
@@ -86,11 +98,11 @@ def stop(serve_dir: Path, grace_s: float = 30,
         echo(f"{serve_dir}: stale server record ({reason}); removed it, signalled nothing")
         _forget(serve_dir, info)
         return False
-    ran = process_alive(info["pid"])
+    ran = processes.alive(info["pid"])
     if ran:
         os.kill(info["pid"], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while process_alive(info["pid"]) and time.monotonic() < deadline:
+        while processes.alive(info["pid"]) and time.monotonic() < deadline:
             time.sleep(0.2)
     if ran or _group_is_ours(info["pgid"], info["serve_dir"]):
         kill_group(info["pgid"])  # workers left behind, if any
@@ -129,23 +141,15 @@ def _group_is_ours(pgid: int, serve_dir: str) -> bool:
     """Whether a process of group `pgid` is left by the server of `serve_dir` (its
     frontend gone): one carries the folder in its command line or environment."""
     mark = f"{SERVE_DIR_ENV}={serve_dir}".encode()
-    for entry in Path("/proc").iterdir():
-        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
-        if stat is None or int(stat[2]) != pgid:
-            continue
-        with contextlib.suppress(OSError):
-            if serve_dir in _cmdline(int(entry.name)) or mark in (
-                    entry / "environ").read_bytes().split(b"\0"):
-                return True
-    return False
+    return any(serve_dir in processes.command_line(pid) or mark in processes.environment(pid)
+               for pid in processes.group_members(pgid))
 
 
 def _wait_group_gone(pgid: int, timeout_s: float = 10) -> None:
     """Wait until no live (non-zombie) process is left in group `pgid`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stats = (_stat(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit())
-        if not any(s is not None and int(s[2]) == pgid and s[0] != "Z" for s in stats):
+        if not processes.group_members(pgid):
             return
         time.sleep(0.05)
 
@@ -156,19 +160,3 @@ def _forget(serve_dir: Path, info: dict[str, Any]) -> None:
         (Path(serve_dir) / name).unlink(missing_ok=True)
     remove_server_temp(info.get("temp_dir"))
     (registry_dir() / f"{info['pid']}.json").unlink(missing_ok=True)
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command name (field 3 is [0]), or None."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
-    except OSError:
-        return ""

@@ -10,8 +10,9 @@ from typing import Any
 from compress.errors import CompressError
 from compress.recipe.kinds.package import PackageConfig
 from compress.runfolder.records import Manifest, StageRecord, artifact_record
-from compress.serving.archive import HANDLER, SERVED_METRICS, build_mar, model_config
+from compress.serving.archive import CLASSIFIER, SERVED_METRICS, build_mar, model_config
 from compress.stages.context import StageContext, State
+from serve.handler_settings import UnknownSetting
 from serve.worker_threads import worker_threads
 
 
@@ -24,13 +25,13 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
 
 
 def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[str, Any],
-            handler_file: Path = HANDLER, modules: tuple[Path, ...] = (),
-            served_metrics: tuple[str, ...] = SERVED_METRICS,
-            settings: dict[str, Any] | None = None, trees: tuple[Path, ...] = ()) -> State:
-    """Build `<model_name>.mar` of the export entering the stage with `handler_file` (and
-    the `modules` it imports, and `trees`: folders whose contents go to the archive's root),
-    its settings in model-config.yaml's `handler:` section (and `settings`, more top-level
-    TorchServe keys)."""
+            handler_class: str = CLASSIFIER, served_metrics: tuple[str, ...] = SERVED_METRICS,
+            settings: dict[str, Any] | None = None, code: tuple[Path, Path] | None = None,
+            ) -> State:
+    """Build `<model_name>.mar` of the export entering the stage with `handler_class`
+    ("module:Class" in its family's package) and the code it ships (`code`: a `code_tree`
+    already written, or one written here), its settings in model-config.yaml's `handler:`
+    section (and `settings`, more top-level TorchServe keys)."""
     export = state.source
     export_dir = ctx.run_dir / export.outputs[0].export_dir
     name = cfg.model_name or ctx.recipe.name
@@ -45,7 +46,9 @@ def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[s
     began = time.perf_counter()
     try:
         path = build_mar(export_dir, ctx.folder, name, cfg.version, config, summary,
-                         handler_file, modules, trees)
+                         handler_class, code)
+    except UnknownSetting as exc:  # a handler section this archive's handler cannot read
+        raise CompressError(f"package: {exc}") from None
     except RuntimeError as exc:
         raise CompressError(str(exc)) from None
     served_format = export.outputs[0].format

@@ -1,11 +1,5 @@
-"""The embedding family's server: what an embedding archive ships beside its exported file.
-
-In the repository this is `serve.embedding`; in an unpacked archive it is the top-level
-package `embedding` (the archive's root on `sys.path`), whose modules import each other
-relatively and the shared serving modules (`batch_answers`, `http_answers`, `text_inputs`,
-`runtimes`, `worker_threads`, `handler_metrics`) from the archive's root. Nothing is
-imported here.
+"""The embedding family's server: what an embedding archive ships beside its exported file,
+as `serve/embedding/` (the handler and its requests), with the shared serving modules of
+`serve/` (`batching`, `http_answers`, `runtimes`, `worker_threads`, `handler_metrics`), which
+it imports as `serve.<module>`. Nothing is imported here.
 """
-
-# the modules an archive ships in `embedding/`: the handler (and its answers), its requests
-SERVING_MODULES = ("handler", "requests")

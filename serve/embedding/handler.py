@@ -1,14 +1,14 @@
 """compress's TorchServe handler for embedding models: every input of every good request in a
 TorchServe batch is a row, and the rows run in forward passes of similar length.
 
-Packed into an embedding `.mar` by the package stage with the modules of
-`embedding.SERVING_MODULES` (and the shared serving modules at the archive's root); imports
-nothing from compress. The exported file (`export.json` names it; its `embedding` block
-says the pooling, normalization, width, max_seq_length and Matryoshka training) returns
-each row's embedding already pooled and normalized. `model-config.yaml`'s `handler:`
-section holds threads, max_items (inputs in one request, 64 by default), max_text_chars and
-length_buckets (true by default: rows in passes of similar length, `batching.by_length`;
-a packed file, which computes the real tokens only, takes every row in one pass).
+Packed into an embedding `.mar` by the package stage as `serve/embedding/`, with serve's own
+modules beside it (`serve/`, what every handler shares); imports nothing from compress. The
+exported file (`export.json` names it; its `embedding` block says the pooling, normalization,
+width, max_seq_length and Matryoshka training) returns each row's embedding already pooled
+and normalized. `model-config.yaml`'s `handler:` section (`HandlerSettings`) holds threads,
+max_items (inputs in one request), max_text_chars and length_buckets (rows in passes of
+similar length, `batching.by_length`; a packed file, which computes the real tokens only,
+takes every row in one pass).
 
 Routes: POST on the model's URL (text, texts or plain text: `{"embedding": [...]}`, or
 `{"embeddings": [[...], ...]}` for texts) and under it OpenAI's `v1/embeddings` and
@@ -37,25 +37,17 @@ from typing import Any
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
-from . import requests as embedding_requests
+from serve.batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
+from serve.handler_metrics import record
+from serve.handler_settings import HandlerSettings
+from serve.http_answers import openai_models, read_body, refusal, request_content_type
+from serve.runtimes import load_runtime
+from serve.worker_threads import worker_threads
 
-try:  # inside the archive the shared modules lie at its root, beside the `embedding` package
-    from batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
-    from handler_metrics import record
-    from http_answers import openai_models, read_body, refusal, request_content_type
-    from runtimes import load_runtime
-    from worker_threads import worker_threads
-except ImportError:  # in the compress repository
-    from serve.batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
-    from serve.handler_metrics import record
-    from serve.http_answers import openai_models, read_body, refusal, request_content_type
-    from serve.runtimes import load_runtime
-    from serve.worker_threads import worker_threads
+from . import requests as embedding_requests
 
 logger = logging.getLogger(__name__)
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
-DEFAULT_MAX_CHARS = 10_000
-DEFAULT_MAX_ITEMS = 64  # inputs in one request: each is a row of the batch
 EMBEDDINGS, MODELS = "v1/embeddings", "v1/models"
 ROUTES = (EMBEDDINGS, MODELS)
 
@@ -70,22 +62,20 @@ class EmbeddingHandler(BaseHandler):
 
         model_dir = Path(context.system_properties["model_dir"])
         config = context.model_yaml_config or {}
-        settings = config.get("handler") or {}
+        settings = HandlerSettings.from_config(config.get("handler"))
         logger.info("%sloading %s", PROGRESS, model_dir.name)
         self.meta = json.loads((model_dir / "export.json").read_text())
         facts = self.meta["embedding"]
-        threads = worker_threads(settings.get("threads"), config.get("maxWorkers", 1))
+        threads = worker_threads(settings.threads, config.get("maxWorkers", 1))
         torch.set_num_threads(threads)
         self.forward = load_runtime(model_dir, self.meta, threads, spinning=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.normalize = bool(facts.get("normalize"))
         self.model_name = context.model_name
         # a packed file (export.json's aoti_packed) computes no padding: a batch is one pass
-        self.length_buckets = (bool(settings.get("length_buckets", True))
-                               and not self.meta.get("aoti_packed"))
+        self.length_buckets = settings.length_buckets and not self.meta.get("aoti_packed")
         limits = embedding_requests.Limits(
-            int(settings.get("max_items", DEFAULT_MAX_ITEMS)),
-            int(settings.get("max_text_chars", DEFAULT_MAX_CHARS)),
+            settings.max_items, settings.max_text_chars,
             int(facts.get("max_seq_length") or self.tokenizer.model_max_length),
             int(facts["dimensions"]), bool(facts.get("matryoshka")))
         self.reader = embedding_requests.Reader(self.tokenizer, self.meta["inputs"], limits)

@@ -16,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-try:  # inside the archive the shared modules lie at its root, beside the `embedding` package
-    from batching import Row, check_texts, complete_row, text_items, token_rows
-except ImportError:  # in the compress repository
-    from serve.batching import Row, check_texts, complete_row, text_items, token_rows
+from serve.batching import Row, check_texts, complete_row, text_items, token_rows
 
 FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
 FORMATS = ("float", "base64")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("torch_tensorrt", reason="torch-tensorrt is not installed: "
-                    "pip install -e '.[tensorrt]' (benchmarks/gpu_check.sh tries it)")
+                    "pip install -e '.[tensorrt]' (benchmarks/gpu/check.sh tries it)")
 
 WORDS = ["good", "great", "fine", "bad", "awful", "dull", "movie", "film", "a", "the"]
 

@@ -1,4 +1,4 @@
-"""Decode steps compiled ahead of time by AOTInductor (serve/causal_lm/aot_steps.py), as the
+"""Decode steps compiled ahead of time by AOTInductor (serve/causal_lm/server/aot_steps.py), as the
 package stage ships them and a worker loads them: rows joining a continuous batch that
 decodes through them get the tokens their prompts get alone, with nothing compiled while
 serving; the grouped kernel's int8 weights decode through them too; a worker whose model
@@ -18,10 +18,10 @@ from batcher_checks import (
     varied_model,
 )
 
-from serve.causal_lm import aot_steps, compiled_graphs
-from serve.causal_lm.decode import StaticDecoder
-from serve.causal_lm.grouped_kernels import grouped_mm_available
-from serve.causal_lm.runtime import quantize_weights
+from serve.causal_lm.runtime.decode import StaticDecoder
+from serve.causal_lm.runtime.kernels import grouped_mm_available
+from serve.causal_lm.runtime.loading import quantize_weights
+from serve.causal_lm.server import aot_steps, compiled_graphs
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from builders import q4_1, q8_0
 from torch import nn
 
 from compress.families.causal_lm.model import StaticDecoder
-from serve.causal_lm import grouped
-from serve.causal_lm.grouped_kernels import build_error
-from serve.causal_lm.runtime import StaticDecoder as RuntimeDecoder
-from serve.causal_lm.runtime import quantize_weights
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime.kernels import build_error
+from serve.causal_lm.runtime.loading import StaticDecoder as RuntimeDecoder
+from serve.causal_lm.runtime.loading import quantize_weights
 
 
 def test_static_decoder_matches_generate_eager_and_compiled(tiny_llama) -> None:
@@ -94,7 +94,7 @@ def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_fo
     assert all(m.half_scales for m in linears)  # GGUF grids: float16 scales in the kernel's records
     assert len(linears) == 16  # 14 in the layers, the head, the embedding's table
     # the kernel's layouts: the forward runs the kernel, not the torch fallback (a fused
-    # projection's records are its block's group's: serve/causal_lm/fused.py)
+    # projection's records are its block's group's: serve/causal_lm/runtime/fused.py)
     assert sum(m.packed is not None or m.fused for m in linears) >= 15, build_error()
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
     assert isinstance(packed.get_input_embeddings(), grouped.GroupedEmbedding)

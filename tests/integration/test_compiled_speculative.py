@@ -1,5 +1,5 @@
 """Prompt-lookup speculative decoding through Inductor (the unit tier runs it eager,
-tests/unit/test_lm_speculative.py): the compiled verifying forward, its window dynamic,
+tests/unit/test_causal_lm_speculative.py): the compiled verifying forward, its window dynamic,
 gives the compiled decode step's greedy tokens, drafts kept and refused, limits kept."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 from batcher_checks import varied_model
 
-from serve.causal_lm.attention import attention
-from serve.causal_lm.decode import StaticDecoder
-from serve.causal_lm.grouped_kernels import grouped_mm_available
-from serve.causal_lm.runtime import quantize_weights
-from serve.causal_lm.speculative import SpeculativeDecoder
+from serve.causal_lm.runtime.attention import attention
+from serve.causal_lm.runtime.decode import StaticDecoder
+from serve.causal_lm.runtime.kernels import grouped_mm_available
+from serve.causal_lm.runtime.loading import quantize_weights
+from serve.causal_lm.runtime.speculative import SpeculativeDecoder
 
 
 def test_compiled_speculative_greedy_tokens_equal_the_compiled_decoders() -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, import_alone
 
-from compress.serving.archive import HANDLER, HANDLER_MODULES
+from compress.serving.archive import CLASSIFIER, code_tree
 from export.errors import CaptureError
 from serve import encoder_attention
 
@@ -237,16 +237,17 @@ def test_an_aoti_package_with_the_kernel_runs_from_an_archive_root(tmp_path: Pat
     assert meta["aoti_operators"] == ["compress_encoder"]
     assert meta["aoti_attention_kernel_calls"] == 1
     assert (folder / encoder_attention.shipped_library().name).is_file()
-    for module in (HANDLER, *HANDLER_MODULES):  # what the package stage puts in the archive
-        shutil.copy(module, folder / module.name)
+    tree, entry = code_tree(tmp_path / "code", CLASSIFIER)  # what an archive's root holds
+    shutil.copytree(tree, folder, dirs_exist_ok=True)
+    shutil.copy(entry, folder / entry.name)
     ids = torch.randint(1000, 20000, (5, 23), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1:, 17:] = 0
     (folder / "x.json").write_text(json.dumps([ids.tolist(), mask.tolist()]))
     reach, project, shown = import_alone(
-        folder, "runtimes, torch",
+        folder, "serve.runtimes, torch",
         "meta = json.load(open('export.json')); "
-        "run = runtimes.load_runtime('.', meta, 1, spinning=False); "
+        "run = serve.runtimes.load_runtime('.', meta, 1, spinning=False); "
         "ids, mask = (torch.tensor(t) for t in json.load(open('x.json'))); "
         "out(run(ids, mask, torch.zeros_like(ids)).tolist())")
     assert reach == [] and project == []

@@ -59,7 +59,7 @@ def test_two_ranks_give_the_one_process_logits_with_half_the_experts_each(
         assert rank["all_to_all"]["calls_per_step"] == 3 * 2  # 3 a layer, 2 layers
         assert rank["all_to_all"]["bytes_per_step"] > 0
     folder = tmp_path / "runs/ep" / stage["outputs"][0]["export_dir"]
-    assert (folder / "causal_lm/expert_parallel.py").is_file()
+    assert (folder / "causal_lm/runtime/expert_parallel.py").is_file()
 
 
 def test_splits_that_cannot_work_are_one_line_each(tmp_path: Path, mixtral_folder: Path,
@@ -96,7 +96,8 @@ GROUPED = """
 import copy, json
 import torch, torch.distributed as dist
 from transformers import MixtralConfig, MixtralForCausalLM
-from serve.causal_lm import expert_dispatch, experts
+from serve.causal_lm.runtime import expert_dispatch
+from serve.causal_lm.runtime import experts
 
 dist.init_process_group("gloo")
 rank, ranks = dist.get_rank(), dist.get_world_size()

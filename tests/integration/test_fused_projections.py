@@ -1,6 +1,6 @@
 """A layer's kernel projections of one input fused into one kernel call
-(serve/causal_lm/fused.py), grouped and 2:4 alike: the logits are the unfused model's bit for
-bit, eager and compiled, with 4 products a layer instead of 7; the state dict is unchanged;
+(serve/causal_lm/runtime/fused.py), grouped and 2:4 alike: the logits are the unfused model's bit
+for bit, eager and compiled, with 4 products a layer instead of 7; the state dict is unchanged;
 loading weights into a fused model is refused."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serve.causal_lm import fused
-from serve.causal_lm.decode import StaticDecoder
-from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
-from serve.causal_lm.runtime import quantize_weights
+from serve.causal_lm.runtime import fused
+from serve.causal_lm.runtime.decode import StaticDecoder
+from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
+from serve.causal_lm.runtime.loading import quantize_weights
 
 pytestmark = pytest.mark.skipif(not grouped_mm_available(), reason=f"{build_error()}")
 

@@ -18,10 +18,10 @@ from batcher_checks import varied_model
 from builders import grouped_module
 from conftest import REPO
 
-from serve.causal_lm import grouped
-from serve.causal_lm.fused import ProjectionGroup
-from serve.causal_lm.grouped_kernels import bf16_native, build_error, grouped_mm_available
-from serve.causal_lm.runtime import quantize_weights
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime.fused import ProjectionGroup
+from serve.causal_lm.runtime.kernels import bf16_native, build_error, grouped_mm_available
+from serve.causal_lm.runtime.loading import quantize_weights
 
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40]
 pytestmark = pytest.mark.skipif(not grouped_mm_available(),
@@ -113,8 +113,9 @@ def test_a_quantized_model_in_the_bf16_mode_compiles_to_its_eager_logits() -> No
 
 CHILD = """
 import json, torch
-from serve.causal_lm import grouped, grouped_kernels
-assert grouped_kernels.grouped_mm_available(), grouped_kernels.build_error()
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime import kernels
+assert kernels.grouped_mm_available(), kernels.build_error()
 torch.manual_seed(0)
 same = {}
 for bits in (8, 4):
@@ -124,7 +125,7 @@ for bits in (8, 4):
     rounded = module(x)
     module.activations = "float32"
     same[bits] = torch.equal(rounded, module(x))
-print(json.dumps({"same": same, "native": grouped_kernels.bf16_native()}))
+print(json.dumps({"same": same, "native": kernels.bf16_native()}))
 """
 
 

@@ -16,8 +16,8 @@ import torch
 from builders import grouped_module
 from conftest import REPO
 
-from serve.causal_lm import grouped
-from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
 
 ROWS = [1, 2, 3, 7, 8, 9, 16, 17, 40]
 
@@ -67,8 +67,9 @@ def test_the_int8_activation_product_keeps_leading_dimensions() -> None:
 
 CHILD = """
 import json, sys, torch
-from serve.causal_lm import grouped, grouped_kernels
-assert grouped_kernels.grouped_mm_available(), grouped_kernels.build_error()
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime import kernels
+assert kernels.grouped_mm_available(), kernels.build_error()
 torch.manual_seed(0)
 errors = {}
 for bits in (8, 4):
@@ -83,7 +84,7 @@ for bits in (8, 4):
         got = module(x).double() - module.bias.double()
         want = (xq if name == "int8" else x).double() @ weight.T
         errors[f"{name}_{bits}"] = float((got - want).abs().max() / want.abs().max())
-print(json.dumps({"errors": errors, "library": grouped_kernels.shipped_library().name}))
+print(json.dumps({"errors": errors, "library": kernels.shipped_library().name}))
 """
 
 
@@ -99,6 +100,6 @@ def test_an_avx2_build_computes_both_products(avx2_kernels_env: dict[str, str]) 
 
 
 def grouped_kernels_library_here() -> str:
-    from serve.causal_lm.grouped_kernels import shipped_library
+    from serve.causal_lm.runtime.kernels import shipped_library
 
     return shipped_library().name

@@ -5,17 +5,12 @@ bytes of the kernel's records."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from conftest import REPO
 from torch import nn
 
-from serve.causal_lm import grouped
-
-sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/peers_llm_child.py
-from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
 
 
 def test_the_kernel_is_built_here() -> None:
@@ -57,10 +52,10 @@ def test_up_to_5_rows_each_row_gets_its_one_row_product_bit_for_bit(bits) -> Non
 
 
 def test_int8_grouped_weights_count_the_kernel_records() -> None:
-    import peers_llm_child as child
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from serve.causal_lm.runtime import quantize_weights
+    from benchmarks.causal_lm import child
+    from serve.causal_lm.runtime.loading import quantize_weights
 
     torch.manual_seed(0)  # 1 layer, 32 wide, 64 in the MLP, 300 tokens, the table tied
     tiny = LlamaForCausalLM(LlamaConfig(

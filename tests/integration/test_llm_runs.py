@@ -49,7 +49,7 @@ def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(llm_run: Path) -> N
     assert abs(quant["perplexity_delta_vs_float_pct"]) < 0.1  # the GGUF's grids are kept
     assert quant["agreement"] >= 0.95 and quant["next_token_agreement"] >= 0.95
     assert quant["size_mb"] < 0.45 * base["size_mb"]
-    reference = json.loads((run_dir / "lm_reference.json").read_text())
+    reference = json.loads((run_dir / "causal_lm_reference.json").read_text())
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run_dir / manifest["stages"][0]["outputs"][0]

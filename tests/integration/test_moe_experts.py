@@ -13,15 +13,15 @@ import pytest
 import torch
 from moe_models import STYLES, tiny_moe
 
-from serve.causal_lm import runtime as lm_runtime
-from serve.causal_lm.experts import (
+from serve.causal_lm.runtime import loading
+from serve.causal_lm.runtime.experts import (
     GroupedExperts,
     expert_count,
     is_experts,
     keep_experts,
     routed_experts,
 )
-from serve.causal_lm.grouped_kernels import build_error, grouped_mm_available
+from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
 
 PROMPTS = ["the film was", "a much longer prompt about a movie that goes on and on", "hi"]
 
@@ -97,69 +97,64 @@ def test_keep_experts_keeps_a_share_of_both_kinds(mixtral_experts) -> None:
 @pytest.mark.parametrize("style", STYLES)
 def test_int8_grouped_decodes_the_float_tokens_eager_compiled_and_reloaded(
         style, tmp_path: Path) -> None:
-    from compress.families.causal_lm.folder import save_lm
+    from compress.families.causal_lm.folder import save_causal_lm
     from compress.models.bundle import ModelBundle
 
     model, tokenizer = tiny_moe(style)
-    ids = [lm_runtime.prompt_ids(tokenizer, p, chat_template=False) for p in PROMPTS]
-    want = lm_runtime.StaticDecoder(model, 64).generate(ids, 12).rows
+    ids = [loading.prompt_ids(tokenizer, p, chat_template=False) for p in PROMPTS]
+    want = loading.StaticDecoder(model, 64).generate(ids, 12).rows
     assert len({t for row in want for t in row}) > 12  # tokens vary: no trivial match
-    lm_runtime.quantize_weights(model, "int8_grouped")
+    loading.quantize_weights(model, "int8_grouped")
     grouped = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     assert len(grouped) == 2 and not any(
         is_experts(m) and not isinstance(m, GroupedExperts) for m in model.modules())
-    assert lm_runtime.StaticDecoder(model, 64).generate(ids, 12).rows == want
+    assert loading.StaticDecoder(model, 64).generate(ids, 12).rows == want
     if style == "qwen2_moe":  # one style compiled (fullgraph): the experts are one op
-        compiled = lm_runtime.StaticDecoder(model, 64).compile()
+        compiled = loading.StaticDecoder(model, 64).compile()
         assert compiled.generate(ids, 12).rows == want
     bundle = ModelBundle(model, "causal-lm", [], tokenizer=tokenizer,
-                         lm={"scheme": "int8_grouped", "group_size": 32})
-    save_lm(bundle, tmp_path)
-    (tmp_path / lm_runtime.LM_FILE).write_text(json.dumps(bundle.lm))
-    loaded = lm_runtime.load_folder(tmp_path)
-    assert lm_runtime.StaticDecoder(loaded.model, 64).generate(ids, 12).rows == want
+                         causal_lm_facts={"scheme": "int8_grouped", "group_size": 32})
+    save_causal_lm(bundle, tmp_path)
+    (tmp_path / loading.CAUSAL_LM_FILE).write_text(json.dumps(bundle.causal_lm_facts))
+    loaded = loading.load_folder(tmp_path)
+    assert loading.StaticDecoder(loaded.model, 64).generate(ids, 12).rows == want
 
 
 def test_int4_grouped_experts_hold_half_the_codes_and_reload(tmp_path: Path) -> None:
-    from compress.families.causal_lm.folder import save_lm
+    from compress.families.causal_lm.folder import save_causal_lm
     from compress.models.bundle import ModelBundle
 
     model, tokenizer = tiny_moe("qwen3_moe")
-    ids = [lm_runtime.prompt_ids(tokenizer, p, chat_template=False) for p in PROMPTS]
-    lm_runtime.quantize_weights(model, "int4_grouped")
+    ids = [loading.prompt_ids(tokenizer, p, chat_template=False) for p in PROMPTS]
+    loading.quantize_weights(model, "int4_grouped")
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     assert [m.bits for m in experts] == [4, 4]
     assert experts[0].gate_up_qweight.shape == (4, 128, 32)  # two 4-bit codes a byte
-    want = lm_runtime.StaticDecoder(model, 64).generate(ids, 12).rows
+    want = loading.StaticDecoder(model, 64).generate(ids, 12).rows
     bundle = ModelBundle(model, "causal-lm", [], tokenizer=tokenizer,
-                         lm={"scheme": "int4_grouped", "group_size": 32,
-                             "head_scheme": "int8_grouped"})
-    save_lm(bundle, tmp_path)
-    (tmp_path / lm_runtime.LM_FILE).write_text(json.dumps(bundle.lm))
-    loaded = lm_runtime.load_folder(tmp_path)
-    assert lm_runtime.StaticDecoder(loaded.model, 64).generate(ids, 12).rows == want
+                         causal_lm_facts={"scheme": "int4_grouped", "group_size": 32,
+                                          "head_scheme": "int8_grouped"})
+    save_causal_lm(bundle, tmp_path)
+    (tmp_path / loading.CAUSAL_LM_FILE).write_text(json.dumps(bundle.causal_lm_facts))
+    loaded = loading.load_folder(tmp_path)
+    assert loading.StaticDecoder(loaded.model, 64).generate(ids, 12).rows == want
 
 
 @pytest.mark.parametrize("scheme", ["int8_weight_only", "int8_sparse24"])
 def test_other_schemes_refuse_a_moe_model_in_one_line(scheme) -> None:
     model, _ = tiny_moe("olmoe")
     with pytest.raises(ValueError, match=r"int8_grouped or int4_grouped") as refused:
-        lm_runtime.quantize_weights(model, scheme)
+        loading.quantize_weights(model, scheme)
     assert "\n" not in str(refused.value) and scheme in str(refused.value)
 
 
 @pytest.mark.parametrize("scheme", [None, "int8_grouped"])
 def test_bytes_per_token_count_the_routed_experts_share(scheme) -> None:
-    import sys
-
-    from conftest import REPO
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import peers_llm_child as child
+    from benchmarks.causal_lm import child
 
     model, _ = tiny_moe("mixtral")
     if scheme:
-        lm_runtime.quantize_weights(model, scheme)
+        loading.quantize_weights(model, scheme)
     experts = [m for m in model.modules() if is_experts(m)]
     whole = sum(child.tensor_bytes(t) for m in experts for t in (
         [m.gate_up_packed, m.down_packed] if scheme else [m.gate_up_proj, m.down_proj]))
@@ -170,10 +165,10 @@ def test_bytes_per_token_count_the_routed_experts_share(scheme) -> None:
 
 def test_the_opt_in_activation_modes_reach_the_experts() -> None:
     model, tokenizer = tiny_moe("mixtral")
-    ids = lm_runtime.prompt_ids(tokenizer, PROMPTS[1], chat_template=False)
+    ids = loading.prompt_ids(tokenizer, PROMPTS[1], chat_template=False)
     with torch.inference_mode():
         want = model(torch.tensor([ids])).logits
-        lm_runtime.quantize_weights(model, "int8_grouped", activations="int8")
+        loading.quantize_weights(model, "int8_grouped", activations="int8")
         got = model(torch.tensor([ids])).logits
     assert {m.activations for m in model.modules() if isinstance(m, GroupedExperts)} == {"int8"}
     assert not torch.equal(got, want)  # rounded activations: close, not exact

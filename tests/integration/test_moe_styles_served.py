@@ -13,12 +13,12 @@ import pytest
 
 pytest.importorskip("ts")
 
-from builders import handler_batch, lm_handler  # noqa: E402
+from builders import causal_lm_handler, handler_batch  # noqa: E402
 from moe_models import tiny_moe  # noqa: E402
 
-from compress.families.causal_lm.stages.export import export_lm  # noqa: E402
+from compress.families.causal_lm.stages.export import export_causal_lm  # noqa: E402
 from compress.models.bundle import ModelBundle  # noqa: E402
-from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.runtime import loading  # noqa: E402
 
 PROMPTS = ["the film was", "a much longer prompt about a movie that goes on", "hi"]
 
@@ -26,21 +26,22 @@ PROMPTS = ["the film was", "a much longer prompt about a movie that goes on", "h
 @pytest.mark.parametrize("style", ["mixtral", "qwen3_moe", "olmoe"])
 def test_a_moe_style_is_exported_compiled_and_answers_its_offline_text(style, tmp_path) -> None:
     model, tokenizer = tiny_moe(style)
-    lm_runtime.quantize_weights(model, "int8_grouped")
-    export_lm(ModelBundle(model, "causal-lm", [], tokenizer=tokenizer,
-                          lm={"scheme": "int8_grouped", "group_size": 32}), tmp_path / "export")
-    offline = lm_runtime.load_folder(tmp_path / "export")
+    loading.quantize_weights(model, "int8_grouped")
+    export_causal_lm(ModelBundle(model, "causal-lm", [], tokenizer=tokenizer,
+                                 causal_lm_facts={"scheme": "int8_grouped", "group_size": 32}),
+                     tmp_path / "export")
+    offline = loading.load_folder(tmp_path / "export")
     want = []
     for prompt in PROMPTS:
-        ids = lm_runtime.prompt_ids(offline.tokenizer, prompt, chat_template=False)
-        out = lm_runtime.StaticDecoder(offline.model, 48).generate(
-            [ids], 8, lm_runtime.stop_ids(offline.model, offline.tokenizer))
+        ids = loading.prompt_ids(offline.tokenizer, prompt, chat_template=False)
+        out = loading.StaticDecoder(offline.model, 48).generate(
+            [ids], 8, loading.stop_ids(offline.model, offline.tokenizer))
         want.append(offline.tokenizer.decode(out.tokens, skip_special_tokens=True))
     assert len(set(want)) == len(PROMPTS)  # the texts vary: the check cannot pass idly
 
-    handler = lm_handler(tmp_path / "export", 1,
-                         {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
-                          "cache_len": 48, "compile": "default", "chat_template": False})
+    handler = causal_lm_handler(tmp_path / "export", 1,
+                                {"threads": 1, "max_new_tokens": 8, "default_new_tokens": 8,
+                                 "cache_len": 48, "compile": "default", "chat_template": False})
     assert [d.compiled for d in handler.decoders.values()] == [True]
     for prompt, text in zip(PROMPTS, want, strict=True):
         data, context, _ = handler_batch([{"prompt": prompt, "stream": False}])

@@ -17,8 +17,12 @@ pytest.importorskip("ts")
 
 from ts.context import Context, RequestProcessor  # noqa: E402
 
+import serve  # noqa: E402
+from compress.runfolder.code_digest import shipped_files  # noqa: E402
+from compress.serving.archive import build_mar, model_config  # noqa: E402
 from export.folder import load_export  # noqa: E402
-from serve.handler import BATCH_HEADER, CompressHandler  # noqa: E402
+from serve.classifier.handler import BATCH_HEADER, CompressHandler  # noqa: E402
+from serve.handler_settings import UnknownSetting  # noqa: E402
 
 
 def _manifest(run_dir: Path) -> dict:
@@ -64,6 +68,13 @@ def test_mar_holds_the_file_handler_labels_settings_and_figures(packaged_text_ru
     assert manifest["model"]["modelName"] == "tiny_onnx"
     assert manifest["model"]["serializedFile"] == "model.onnx"
     assert manifest["model"]["handler"] == "handler.py"
+    # its code: serve/'s own modules and serve/classifier/, the folders as they are
+    serve_dir = Path(serve.__file__).parent
+    shipped = {f"serve/{p.relative_to(serve_dir)}"
+               for p in (*(p for p in serve_dir.iterdir() if p.is_file()),
+                         *shipped_files("serve.classifier")) if not p.name.endswith(".pyc")}
+    assert {n for n in names if n.startswith("serve/")} == shipped
+    assert "serve/classifier/handler.py" in shipped and "serve/batching.py" in shipped
     assert {k: config[k] for k in ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay",
                                    "responseTimeout")} == {
         "minWorkers": 1, "maxWorkers": 1, "batchSize": 8, "maxBatchDelay": 50,
@@ -76,6 +87,17 @@ def test_mar_holds_the_file_handler_labels_settings_and_figures(packaged_text_ru
     assert summary["artifact"]["sha256"] == export["outputs"][0]["sha256"]
     assert summary["recipe"]["name"] == "tiny_served"
     assert stages[4]["outputs"][0]["served_format"] == "torchscript"
+
+
+def test_an_unknown_handler_setting_is_refused_naming_it(packaged_text_run,
+                                                        tmp_path: Path) -> None:
+    export_dir = packaged_text_run / _manifest(packaged_text_run)["stages"][1]["outputs"][0][
+        "export_dir"]
+    config = model_config(4, 10, 1, 60, {"threads": 1, "max_lenght": 32})
+    with pytest.raises(UnknownSetting) as refused:
+        build_mar(export_dir, tmp_path, "m", "1.0", config, {})
+    assert str(refused.value).startswith("unknown handler setting 'max_lenght' (known: ")
+    assert "\n" not in str(refused.value) and list(tmp_path.iterdir()) == []
 
 
 def test_package_is_cached_and_rebuilt_when_its_settings_change(packaged_text_run,

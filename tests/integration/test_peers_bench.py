@@ -1,7 +1,7 @@
-"""benchmarks/peers.py on a finished tiny-BERT run shaped like recipes/bert_int8.yaml: every
-artifact gets a row with accuracy and latency figures, the GEMM peaks are measured, and a
-folder that is not a run is refused with one line (exit 2). Optimum is left out
-(--no-peers): the tests need no package index."""
+"""benchmarks/classifier/peers.py on a finished tiny-BERT run shaped like
+recipes/bert_int8.yaml: every artifact gets a row with accuracy and latency figures, the
+GEMM peaks are measured, and a folder that is not a run is refused with one line (exit 2).
+Optimum is left out (--no-peers): the tests need no package index."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from conftest import REPO, run_cli, write_recipe, write_sentiment_tables
 
 pytest.importorskip("onnxruntime")
 
-PEERS = REPO / "benchmarks" / "peers.py"
+PEERS = "benchmarks.classifier.peers"  # python -m PEERS from the repository root
 
 
 def tiny_int8_recipe(model: Path, data: Path, out: Path) -> dict:
@@ -55,7 +55,7 @@ def tiny_int8_run(tiny_bert: Path, tmp_path_factory) -> Path:
 
 
 def _peers(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PEERS), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", PEERS, *args], capture_output=True,
                           text=True, cwd=REPO, timeout=900)
 
 

@@ -43,8 +43,8 @@ def test_two_pipeline_stages_give_the_one_process_logits_and_tokens_with_half_th
     assert all(m[f"pp_generate_tok_s_b8_mb{k}"] > 0 for k in (1, 2, 4))
     assert m["pp_generate_tok_s_b8_one_process"] > 0
     folder = tmp_path / "runs/pp" / stage["outputs"][0]["export_dir"]
-    assert (folder / "causal_lm/pipeline_parallel.py").is_file()
-    assert (folder / "causal_lm/pipeline.py").is_file()
+    assert (folder / "causal_lm/runtime/pipeline_parallel.py").is_file()
+    assert (folder / "causal_lm/runtime/pipeline.py").is_file()
     figures = json.loads((tmp_path / "runs/pp/00-export/pipeline_parallel.json").read_text())
     assert figures["pipeline_parallel"] == 2 and not figures["kv_cache"]
     assert set(figures["generate_tok_s_b8"]) == {"1", "2", "4"}

@@ -1,4 +1,4 @@
-"""The 2:4 sparse kernel (serve/causal_lm/sparse24_kernel.cpp, built with the grouped
+"""The 2:4 sparse kernel (serve/causal_lm/runtime/csrc/sparse24_kernel.cpp, built with the grouped
 kernels, so beside their tests outside the unit tier) and its layout (sparse24.py): at every
 row count the kernel treats apart and both bit widths, the product is the dense masked
 product (the dequantized 2:4 weight times the activations) to float32 rounding."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from serve.causal_lm import sparse24
-from serve.causal_lm.grouped_kernels import _cpu_flags, build_error, grouped_mm_available
+from serve.causal_lm.runtime import sparse24
+from serve.causal_lm.runtime.kernels import _cpu_flags, build_error, grouped_mm_available
 
 AVX512 = "avx512f" in _cpu_flags() and not os.environ.get("COMPRESS_KERNEL_MARCH")
 

@@ -1,4 +1,4 @@
-"""The 2:4 schemes `int8_sparse24` and `int4_sparse24` (serve/causal_lm/sparse24.py) through
+"""The 2:4 schemes `int8_sparse24` and `int4_sparse24` (serve/causal_lm/runtime/sparse24.py) through
 `quantize_weights`, the quantize stage, export and package, on a tiny random Llama whose
 Linears are made 2:4 here (the 2 smallest |w| of every 4 inputs zeroed)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import lm_recipe
+from builders import causal_lm_recipe
 from conftest import cli
 from test_sparse24_kernel import make_24
 from torch import nn
@@ -19,9 +19,9 @@ from torch import nn
 from compress.families.causal_lm.generation import DECISIVE_MARGIN, agreement, reference_margins
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
-from serve.causal_lm import runtime as lm_runtime
-from serve.causal_lm.grouped import GroupedLinear
-from serve.causal_lm.sparse24 import Sparse24Linear
+from serve.causal_lm.runtime import loading
+from serve.causal_lm.runtime.grouped import GroupedLinear
+from serve.causal_lm.runtime.sparse24 import Sparse24Linear
 
 PROMPTS = [[101, 2023, 2003, 1037], [101, 7592, 2088], [101, 1996, 4937, 2001, 2204, 1012]]
 
@@ -52,7 +52,7 @@ def sparse_llama_folder(tmp_path_factory, varied_llama_folder) -> Path:
 
 
 def greedy(model: nn.Module, tokens: int = 16) -> list[list[int]]:
-    decoder = lm_runtime.StaticDecoder(model.eval(), 64)
+    decoder = loading.StaticDecoder(model.eval(), 64)
     return [decoder.generate([ids], tokens).tokens for ids in PROMPTS]
 
 
@@ -61,8 +61,8 @@ def test_int8_sparse24_decodes_int8_grouped_tokens_of_the_same_2_4_model(
     from transformers import AutoModelForCausalLM
 
     masked = AutoModelForCausalLM.from_pretrained(sparse_llama_folder).eval()
-    dense = lm_runtime.quantize_weights(copy.deepcopy(masked), "int8_grouped")
-    sparse = lm_runtime.quantize_weights(copy.deepcopy(masked), "int8_sparse24")
+    dense = loading.quantize_weights(copy.deepcopy(masked), "int8_grouped")
+    sparse = loading.quantize_weights(copy.deepcopy(masked), "int8_sparse24")
     layer = sparse.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, Sparse24Linear)
     assert isinstance(layer.mlp.down_proj, Sparse24Linear)
@@ -78,7 +78,7 @@ def test_int8_sparse24_decodes_int8_grouped_tokens_of_the_same_2_4_model(
     assert found["next_token_agreement_decisive"] == 1.0, found
     assert found["agreement"] == 1.0 or found["divergence_margin_median"] < DECISIVE_MARGIN
     # 4 bits: the kernel's logits are the masked dequantized model's
-    four = lm_runtime.quantize_weights(copy.deepcopy(masked), "int4_sparse24")
+    four = loading.quantize_weights(copy.deepcopy(masked), "int4_sparse24")
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         kernel = four(ids).logits
@@ -94,7 +94,8 @@ def test_the_stage_exports_and_packages_int4_sparse24(tmp_path, sparse_llama_fol
               {"kind": "export", "format": "transformers"},
               {"kind": "package", "model_name": "tiny_lm", "max_new_tokens": 16,
                "batch_size": 4}]
-    recipe = load_recipe(lm_recipe(tmp_path, sparse_llama_folder, stages), check_sources=True)
+    recipe = load_recipe(causal_lm_recipe(tmp_path, sparse_llama_folder, stages),
+                         check_sources=True)
     run_dir = run_recipe(recipe, echo=lambda _: None)
     quant, export, package = json.loads((run_dir / "manifest.json").read_text())["stages"]
     assert quant["metrics"]["scheme"] == "int4_sparse24"
@@ -102,27 +103,28 @@ def test_the_stage_exports_and_packages_int4_sparse24(tmp_path, sparse_llama_fol
     assert quant["metrics"]["activation_dtype"] == "float32"
     assert export["metrics"]["parity_token_agreement"] == 1.0
     folder = run_dir / export["outputs"][0]["export_dir"]
-    assert {"causal_lm/sparse24.py", "causal_lm/sparse24_kernel.cpp"} <= {
+    assert {"causal_lm/runtime/sparse24.py", "causal_lm/runtime/csrc/sparse24_kernel.cpp"} <= {
         str(p.relative_to(folder)) for p in folder.rglob("*")}
-    loaded = lm_runtime.load_folder(folder)
+    loaded = loading.load_folder(folder)
     down = loaded.model.model.layers[1].mlp.down_proj
     assert isinstance(down, Sparse24Linear) and down.packed is not None and down.bits == 4
     assert float((down.dequantize() != 0).float().mean()) <= 0.5  # 2:4 in the exported file
     with zipfile.ZipFile(run_dir / package["outputs"][0]["path"]) as archive:
-        assert {"causal_lm/sparse24.py", "causal_lm/sparse24_kernel.cpp",
+        assert {"serve/causal_lm/runtime/sparse24.py",
+                "serve/causal_lm/runtime/csrc/sparse24_kernel.cpp",
                 "model.pt"} <= set(archive.namelist())
 
 
 def test_a_linear_that_is_not_2_4_is_refused_in_one_line(
         tmp_path, varied_llama_folder, sst2, monkeypatch, capsys) -> None:
-    recipe = lm_recipe(tmp_path, varied_llama_folder,
-                       [{"kind": "quantize", "scheme": "int8_sparse24"}])
+    recipe = causal_lm_recipe(tmp_path, varied_llama_folder,
+                              [{"kind": "quantize", "scheme": "int8_sparse24"}])
     code, _, err = cli(monkeypatch, capsys, "run", str(recipe))
     assert code == 1 and "Traceback" not in err
     line = next(x for x in err.splitlines() if "n:m pattern (2:4)" in x)
     assert "model.layers.0.self_attn.q_proj: " in line
 
-    bad = lm_recipe(tmp_path, varied_llama_folder, [
+    bad = causal_lm_recipe(tmp_path, varied_llama_folder, [
         {"kind": "quantize", "scheme": "int4_sparse24", "activations": "int8"}])
     code, _, err = cli(monkeypatch, capsys, "validate", str(bad))
     assert code == 2 and "stages.0.activations: int4_sparse24 computes in float32" in err
@@ -130,17 +132,13 @@ def test_a_linear_that_is_not_2_4_is_refused_in_one_line(
 
 def test_the_peers_benchmark_counts_the_2_4_records(sparse_llama_folder) -> None:
     """Bytes read per token: each 2:4 Linear its records (0.69 bytes a weight at 8 bits)."""
-    import sys
-
-    from conftest import REPO
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import peers_llm_child as child
+    from benchmarks.causal_lm import child
 
     masked = AutoModelForCausalLM.from_pretrained(sparse_llama_folder).eval()
-    dense = lm_runtime.quantize_weights(copy.deepcopy(masked), "int8_grouped")
-    sparse = lm_runtime.quantize_weights(copy.deepcopy(masked), "int8_sparse24")
+    dense = loading.quantize_weights(copy.deepcopy(masked), "int8_grouped")
+    sparse = loading.quantize_weights(copy.deepcopy(masked), "int8_sparse24")
     layers = sum(m.in_features * m.out_features for m in sparse.modules()
                  if isinstance(m, Sparse24Linear))
     records = sum(m.packed.numel() for m in sparse.model.layers.modules()  # fused groups too

@@ -38,7 +38,7 @@ def test_a_two_way_split_gives_the_one_process_logits_with_half_the_weights_per_
     assert len(m["tp_linear_weight_mb_per_rank"]) == 2
     assert m["tp_decode_tok_s_b1"] > 0 and m["tp_decode_tok_s_b1_one_process"] > 0
     folder = tmp_path / "runs/tp" / stage["outputs"][0]["export_dir"]
-    assert (folder / "causal_lm/tensor_parallel.py").is_file()
+    assert (folder / "causal_lm/runtime/tensor_parallel.py").is_file()
     assert json.loads((tmp_path / "runs/tp/00-export/tensor_parallel.json").read_text())[
         "tensor_parallel"] == 2
 

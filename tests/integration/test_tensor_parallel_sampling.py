@@ -1,5 +1,5 @@
-"""Sampling on a tensor-parallel causal LM (serve/causal_lm/tensor_parallel.py), two gloo ranks
-spawned here (no torchrun, no server): `shared_seeds` gives every rank rank 0's seeds, a seed
+"""Sampling on a tensor-parallel causal LM (serve/causal_lm/runtime/tensor_parallel.py), two gloo
+ranks spawned here (no torchrun, no server): `shared_seeds` gives every rank rank 0's seeds, a seed
 drawn there for each row without one, so the ranks sample the same tokens, as the served
 handler's batch path needs (each rank feeds its own token back into the collectives); and
 they are samples, not the greedy tokens."""
@@ -26,8 +26,8 @@ def _rank(rank: int, port: int, folder: str, out: str, share: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaForCausalLM
 
-    from serve.causal_lm import tensor_parallel as lm_tensor_parallel
-    from serve.causal_lm.decode import Sampling, StaticDecoder
+    from serve.causal_lm.runtime import tensor_parallel
+    from serve.causal_lm.runtime.decode import Sampling, StaticDecoder
 
     torch.set_num_threads(1)
     random.seed(rank)  # each rank would draw its own seeds
@@ -35,9 +35,9 @@ def _rank(rank: int, port: int, folder: str, out: str, share: bool) -> None:
                             world_size=2)
     try:
         model = LlamaForCausalLM.from_pretrained(folder).eval()
-        lm_tensor_parallel.shard_layers(model, init_device_mesh("cpu", (2,)))
+        tensor_parallel.shard_layers(model, init_device_mesh("cpu", (2,)))
         seeds = [None, 11]  # the first row sends no seed
-        seeds = lm_tensor_parallel.shared_seeds(seeds) if share else [
+        seeds = tensor_parallel.shared_seeds(seeds) if share else [
             s if s is not None else random.randrange(2**31) for s in seeds]
         decoder = StaticDecoder(model, 32)
         sampled = decoder.generate(PROMPTS, NEW, sampling=[Sampling(0.9, 1.0, s)

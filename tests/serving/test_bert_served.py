@@ -16,6 +16,7 @@ pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
 from compress.serving.archive import build_mar, model_config  # noqa: E402
+from compress.system import processes  # noqa: E402
 from export.folder import load_export  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.serving]
@@ -39,7 +40,7 @@ def _served_and_offline(mar: Path, export_dir: Path, texts: list[str]):
                 texts))
     finally:
         server.stop(target.serve_dir)
-    assert not server.process_alive(info["pid"])
+    assert not processes.alive(info["pid"])
     assert [status for status, _, _ in answers] == [200] * len(texts)
     offline = load_export(export_dir)
     names = offline.label_names

@@ -11,7 +11,7 @@ name") with its own 500 before any handler runs. That request still fails alone;
 accepts exactly that frontend answer and nothing else.
 
 Examples per engine: COMPRESS_PROPERTY_EXAMPLES (default 25, what CI runs), plus the named
-cases of issue 39; `benchmarks/soak.py` sets it high. Each run prints how many cases it
+cases of issue 39; `benchmarks/soak/run.py` sets it high. Each run prints how many cases it
 sent ("property cases: N on ENGINE")."""
 
 from __future__ import annotations

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import packaged_lm_run, run_cli
+from conftest import packaged_causal_lm_run, run_cli
 from moe_models import tiny_moe_folder
 
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.runtime import loading  # noqa: E402
 
 pytestmark = [pytest.mark.serving,
               pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
@@ -29,9 +29,9 @@ PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky bl
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory, data_dir: Path) -> Path:
     model = tiny_moe_folder("mixtral", tmp_path_factory.mktemp("tiny_mixtral"))
-    return packaged_lm_run(tmp_path_factory.mktemp("ep_served"), "tiny_ep", model,
-                           {"batch_size": 4, "max_batch_delay_ms": 300, "max_new_tokens": 16,
-                            "expert_parallel": 2}, data_dir, 64)
+    return packaged_causal_lm_run(tmp_path_factory.mktemp("ep_served"), "tiny_ep", model,
+                                  {"batch_size": 4, "max_batch_delay_ms": 300,
+                                   "max_new_tokens": 16, "expert_parallel": 2}, data_dir, 64)
 
 
 def test_an_expert_parallel_worker_streams_the_offline_greedy_text_and_batches(
@@ -40,15 +40,16 @@ def test_an_expert_parallel_worker_streams_the_offline_greedy_text_and_batches(
     with zipfile.ZipFile(mar) as archive:
         config = yaml.safe_load(archive.read("model-config.yaml"))
         inside = set(archive.namelist())
-        assert {"causal_lm/expert_parallel.py", "causal_lm/expert_dispatch.py"} <= inside
+        assert {"serve/causal_lm/runtime/expert_parallel.py",
+                "serve/causal_lm/runtime/expert_dispatch.py"} <= inside
     assert config["parallelType"] == "pp" and config["torchrun"] == {"nproc-per-node": 2}
     assert config["handler"]["compile"] == "none"
     assert config["handler"]["expert_parallel"] == 2
 
-    offline = lm_runtime.load_folder(ep_run / "00-export/transformers")
-    decoder = lm_runtime.StaticDecoder(offline.model, 64)
+    offline = loading.load_folder(ep_run / "00-export/transformers")
+    decoder = loading.StaticDecoder(offline.model, 64)
     want = {p: offline.tokenizer.decode(decoder.generate(
-        [lm_runtime.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
+        [loading.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
         skip_special_tokens=True) for p in PROMPTS}
 
     refused = run_cli("serve", str(ep_run), "--engine", "litserve")
@@ -59,7 +60,7 @@ def test_an_expert_parallel_worker_streams_the_offline_greedy_text_and_batches(
     (port,) = server.free_ports(1)
     info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
     try:
-        from test_lm_served import split_model_answers_like_one_process
+        from test_causal_lm_serving import split_model_answers_like_one_process
 
         split_model_answers_like_one_process(info, want)
         log = (target.serve_dir / "logs/model_log.log").read_text()

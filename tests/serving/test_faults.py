@@ -1,22 +1,20 @@
-"""The classifier archive under faults, at CI size (benchmarks/soak.py runs the large ones):
-a load of 600 requests at concurrency 16 with no error and its memory measured; the worker
-SIGKILLed in the middle of a load: no request hangs, each either succeeds or fails, a new
-worker comes by itself and requests succeed again."""
+"""The classifier archive under faults, at CI size (benchmarks/soak/run.py runs the large
+ones): a load of 600 requests at concurrency 16 with no error and its memory measured; the
+worker SIGKILLed in the middle of a load: no request hangs, each either succeeds or fails, a
+new worker comes by itself and requests succeed again."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from conftest import benchmark_module
 
 pytest.importorskip("ts")
 
+from benchmarks.soak import run as soak  # noqa: E402
 from compress.serving import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
-
-soak = benchmark_module("soak")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +30,7 @@ def test_a_load_has_no_error_and_its_memory_is_measured(served: dict) -> None:
     figures = soak.soak(served, requests=600, concurrency=16, warmup=100)
     assert figures["errors"] == 0 and figures["rps"] > 0
     assert 0 < figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
-    # benchmarks/soak.py measured 1.06 after 10,000 requests; 1.5 leaves room for the
+    # benchmarks/soak/run.py measured 1.06 after 10,000 requests; 1.5 leaves room for the
     # allocator's noise and breaks if 600 requests add half the warmed-up memory (a server
     # of 400 MB keeping 0.33 MB a request: each request's tensors or bodies held on to)
     assert figures["rss_warm_mb"] > 50 and figures["rss_ratio"] <= 1.5, figures
@@ -42,8 +40,8 @@ def test_a_load_has_no_error_and_its_memory_is_measured(served: dict) -> None:
 def test_a_killed_worker_fails_requests_without_hanging_and_comes_back(served: dict) -> None:
     """Requests in flight fail (HTTP 507) and the worker comes back by itself. TorchServe
     0.12 loses the requests it was collecting into a batch when the worker dies then (at
-    most a batch, 8 here: see benchmarks/soak.py's `kill_worker`); they end at the client's
-    timeout, and the clients go on."""
+    most a batch, 8 here: see benchmarks/soak/run.py's `kill_worker`); they end at the
+    client's timeout, and the clients go on."""
     before = soak.worker_pids(served["pid"])
     figures = soak.kill_worker(served, seconds=18, kill_at=2, concurrency=4, timeout=6)
     assert figures["hung"] <= 8 and figures["longest_s"] < 7, figures

@@ -10,15 +10,13 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import benchmark_module
 
 pytest.importorskip("litserve")
 
+from benchmarks.soak import run as soak  # noqa: E402
 from compress.serving import server  # noqa: E402
 
 pytestmark = pytest.mark.serving
-
-soak = benchmark_module("soak")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from moe_models import tiny_moe_folder
 
 pytest.importorskip("ts")
 
-from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.runtime import loading  # noqa: E402
 
 pytestmark = [pytest.mark.serving,
               pytest.mark.skipif(bool(serving_missing("litserve")),
@@ -84,12 +84,12 @@ def test_the_chain_keeps_every_greedy_token(moe_run: Path) -> None:
     assert export["metrics"]["parity_token_agreement"] == 1.0
     assert package["metrics"]["continuous_batching"]
     folder = moe_run / export["outputs"][0]["export_dir"]
-    assert (folder / "causal_lm/experts.py").is_file()
+    assert (folder / "causal_lm/runtime/experts.py").is_file()
 
 
 def test_served_answers_are_batched_and_equal_the_offline_text(moe_run: Path, served) -> None:
     manifest = json.loads((moe_run / "manifest.json").read_text())
-    lm = lm_runtime.load_folder(moe_run / manifest["stages"][2]["outputs"][0]["export_dir"])
+    lm = loading.load_folder(moe_run / manifest["stages"][2]["outputs"][0]["export_dir"])
     gate = threading.Barrier(len(PROMPTS))
 
     def ask(prompt: str) -> tuple[int, str, dict]:
@@ -101,7 +101,7 @@ def test_served_answers_are_batched_and_equal_the_offline_text(moe_run: Path, se
     assert [status for status, _, _ in answers] == [200] * len(PROMPTS)
     assert max(int(batch) for _, batch, _ in answers) > 1
     for prompt, (_, _, final) in zip(PROMPTS, answers, strict=True):
-        ids = lm_runtime.prompt_ids(lm.tokenizer, prompt)
-        out = lm_runtime.StaticDecoder(lm.model, 256).generate(
-            [ids], 24, lm_runtime.stop_ids(lm.model, lm.tokenizer))
+        ids = loading.prompt_ids(lm.tokenizer, prompt)
+        out = loading.StaticDecoder(lm.model, 256).generate(
+            [ids], 24, loading.stop_ids(lm.model, lm.tokenizer))
         assert final["text"] == lm.tokenizer.decode(out.tokens, skip_special_tokens=True)

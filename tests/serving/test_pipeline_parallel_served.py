@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import packaged_lm_run
+from conftest import packaged_causal_lm_run
 
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.runtime import loading  # noqa: E402
 
 pytestmark = [pytest.mark.serving,
               pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
@@ -27,9 +27,10 @@ PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky bl
 
 @pytest.fixture(scope="module")
 def pp_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
-    return packaged_lm_run(tmp_path_factory.mktemp("pp_served"), "tiny_pp", varied_llama_folder,
-                           {"batch_size": 4, "max_batch_delay_ms": 300, "max_new_tokens": 16,
-                            "pipeline_parallel": 2}, data_dir, 64)
+    return packaged_causal_lm_run(tmp_path_factory.mktemp("pp_served"), "tiny_pp",
+                                  varied_llama_folder,
+                                  {"batch_size": 4, "max_batch_delay_ms": 300,
+                                   "max_new_tokens": 16, "pipeline_parallel": 2}, data_dir, 64)
 
 
 def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
@@ -38,22 +39,23 @@ def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
     with zipfile.ZipFile(mar) as archive:
         config = yaml.safe_load(archive.read("model-config.yaml"))
         inside = set(archive.namelist())
-        assert {"causal_lm/pipeline.py", "causal_lm/pipeline_parallel.py"} <= inside
+        assert {"serve/causal_lm/runtime/pipeline.py",
+                "serve/causal_lm/runtime/pipeline_parallel.py"} <= inside
     assert config["parallelType"] == "pp" and config["torchrun"] == {"nproc-per-node": 2}
     assert config["handler"]["compile"] == "none"
     assert "asyncCommunication" not in config  # the synchronous batch path
 
-    offline = lm_runtime.load_folder(pp_run / "00-export/transformers")
-    decoder = lm_runtime.StaticDecoder(offline.model, 64)
+    offline = loading.load_folder(pp_run / "00-export/transformers")
+    decoder = loading.StaticDecoder(offline.model, 64)
     want = {p: offline.tokenizer.decode(decoder.generate(
-        [lm_runtime.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
+        [loading.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
         skip_special_tokens=True) for p in PROMPTS}
 
     target = server.resolve_target(pp_run)
     (port,) = server.free_ports(1)
     info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
     try:
-        from test_lm_served import split_model_answers_like_one_process
+        from test_causal_lm_serving import split_model_answers_like_one_process
 
         texts = split_model_answers_like_one_process(info, want)
         assert want[PROMPTS[1]] not in texts  # sampling happened

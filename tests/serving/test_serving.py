@@ -18,6 +18,8 @@ pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
 from compress.serving.litserve import launch as litserve_launch  # noqa: E402
+from compress.serving.torchserve import launch as torchserve_launch  # noqa: E402
+from compress.system import processes  # noqa: E402
 from export.folder import load_export  # noqa: E402
 
 pytestmark = pytest.mark.serving
@@ -26,19 +28,10 @@ pytestmark = pytest.mark.serving
 def _our_processes(info: dict) -> list[int]:
     """Live pids of a server: its process group (java and the Python workers it spawned)
     and anything whose command line names its serve folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            group = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2])
-        except (OSError, ValueError, IndexError):
-            continue
-        ours = group == info["pgid"] or info["serve_dir"] in cmdline
-        if ours and server.process_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+    group = set(processes.group_members(info["pgid"]))
+    return [pid for pid in processes.pids()
+            if (pid in group or info["serve_dir"] in processes.command_line(pid))
+            and processes.alive(pid)]
 
 
 def test_served_predictions_equal_offline_ones(served: dict, packaged_text_run: Path) -> None:
@@ -151,14 +144,15 @@ def test_cli_serves_a_run_folder_and_stops_it(packaged_text_run: Path, state_dir
     assert not Path(info["temp_dir"]).exists()
     assert stopped.returncode == 0
     assert stopped.stdout.split() == ["stopped", "1", "server(s)", str(packaged_text_run / "serve")]
-    assert not server.process_alive(info["pid"]) and not server.port_in_use(port)
+    assert not processes.alive(info["pid"]) and not server.port_in_use(port)
     assert not _our_processes(info)
 
 
 def test_java_missing_is_explained(packaged_text_run: Path) -> None:
     env = {"PATH": "/nonexistent", "JAVA_HOME": ""}
     result = run_cli("serve", str(packaged_text_run), "--port", "1", env=env)
-    assert result.returncode == 2 and result.stderr.strip() == f"error: {server.JAVA_HELP}"
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {torchserve_launch.JAVA_HELP}"
 
 
 def test_litserve_missing_is_explained(packaged_text_run: Path, monkeypatch, capsys) -> None:

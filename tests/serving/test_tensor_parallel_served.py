@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import packaged_lm_run
+from conftest import packaged_causal_lm_run
 
 pytest.importorskip("ts")
 
 from compress.serving import server  # noqa: E402
-from serve.causal_lm import runtime as lm_runtime  # noqa: E402
+from serve.causal_lm.runtime import loading  # noqa: E402
 
 pytestmark = [pytest.mark.serving,
               pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")]
@@ -28,9 +28,10 @@ PROMPTS = ["the film was", "a great movie about", "hi there", "why is the sky bl
 
 @pytest.fixture(scope="module")
 def tp_run(varied_llama_folder: Path, tmp_path_factory, data_dir: Path) -> Path:
-    return packaged_lm_run(tmp_path_factory.mktemp("tp_served"), "tiny_tp", varied_llama_folder,
-                           {"batch_size": 4, "max_batch_delay_ms": 300, "max_new_tokens": 16,
-                            "tensor_parallel": 2}, data_dir, 64)
+    return packaged_causal_lm_run(tmp_path_factory.mktemp("tp_served"), "tiny_tp",
+                                  varied_llama_folder,
+                                  {"batch_size": 4, "max_batch_delay_ms": 300,
+                                   "max_new_tokens": 16, "tensor_parallel": 2}, data_dir, 64)
 
 
 def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(
@@ -38,21 +39,21 @@ def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(
     mar = next((tp_run / "01-package").glob("*.mar"))
     with zipfile.ZipFile(mar) as archive:
         config = yaml.safe_load(archive.read("model-config.yaml"))
-        assert "causal_lm/tensor_parallel.py" in archive.namelist()
+        assert "serve/causal_lm/runtime/tensor_parallel.py" in archive.namelist()
     assert config["parallelType"] == "tp" and config["torchrun"] == {"nproc-per-node": 2}
     assert config["handler"]["compile"] == "none"
 
-    offline = lm_runtime.load_folder(tp_run / "00-export/transformers")
-    decoder = lm_runtime.StaticDecoder(offline.model, 64)
+    offline = loading.load_folder(tp_run / "00-export/transformers")
+    decoder = loading.StaticDecoder(offline.model, 64)
     want = {p: offline.tokenizer.decode(decoder.generate(
-        [lm_runtime.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
+        [loading.prompt_ids(offline.tokenizer, p, True)], 8).tokens,
         skip_special_tokens=True) for p in PROMPTS}
 
     target = server.resolve_target(tp_run)
     (port,) = server.free_ports(1)
     info = server.start(target, port=port, timeout_s=300, echo=lambda _: None)
     try:
-        from test_lm_served import generate
+        from test_causal_lm_serving import generate
 
         status, _, lines = generate(info, {"prompt": PROMPTS[0], "max_new_tokens": 8})
         assert status == 200 and len(lines) > 2  # deltas, then the final answer

@@ -57,7 +57,7 @@ def test_decode_attention_matches_sdpa_over_the_written_positions() -> None:
     first `len(decode_window)` positions changes nothing when the rest are masked."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from serve.causal_lm.attention import decode_attention
+    from serve.causal_lm.runtime.attention import decode_attention
 
     torch.manual_seed(0)
     rows, heads, groups, length, dim = 2, 6, 2, 16, 8
@@ -145,3 +145,15 @@ def test_the_eager_generate_rate_survives_a_pause_in_any_one_call(pause_at: int)
     # 8 tokens in ~8 ms of sleep; the pause kept would give 8e9 (in a 1-token call) or 138
     assert rate is not None and 300 < rate < 1100
     assert eager_generate_rate(model, [torch.ones(1, 4, dtype=torch.long)], 1) is None
+
+
+def test_a_run_folder_written_before_the_rename_keeps_its_reference(tmp_path: Path) -> None:
+    """The float model's reference is `causal_lm_reference.json`; a run folder that has only
+    `lm_reference.json` (its name before) is still compared with it when resumed."""
+    from compress.families.causal_lm.family import OLD_REFERENCE, REFERENCE, reference_file
+
+    assert reference_file(tmp_path) == tmp_path / REFERENCE == tmp_path / "causal_lm_reference.json"
+    (tmp_path / OLD_REFERENCE).write_text("{}")
+    assert reference_file(tmp_path) == tmp_path / "lm_reference.json"
+    (tmp_path / REFERENCE).write_text("{}")
+    assert reference_file(tmp_path) == tmp_path / REFERENCE

@@ -22,7 +22,7 @@ pytest.importorskip("ts")
 from ts.context import Context, RequestProcessor  # noqa: E402
 from ts.protocol.otf_message_handler import _retrieve_input_data  # noqa: E402
 
-from serve.handler import CompressHandler  # noqa: E402
+from serve.classifier.handler import CompressHandler  # noqa: E402
 
 JSON = "application/json"
 ENGINES = ("torchserve", "litserve")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.distributed.comm import KINDS, step_of_record
-from serve.causal_lm.expert_dispatch import CommRecord
-from serve.causal_lm.expert_parallel import split_problem
+from serve.causal_lm.runtime.expert_dispatch import CommRecord
+from serve.causal_lm.runtime.expert_parallel import split_problem
 
 MIXTRAL = {"model_type": "mixtral", "num_local_experts": 4}
 QWEN = {"model_type": "qwen2_moe", "num_experts": 60}

@@ -1,5 +1,6 @@
-"""compress.serving.loadtest against a real local HTTP server: exact counts, bounded concurrency,
-ordered percentiles, batch-size tallies, loopback-only URLs and argument bounds."""
+"""compress.serving.loadtest.predictions against a real local HTTP server: exact counts,
+bounded concurrency, ordered percentiles, batch-size tallies, loopback-only URLs and argument
+bounds."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from compress.errors import UserError
-from compress.serving.loadtest import check_loopback, format_table, run_load, sweep
+from compress.serving.loadtest.arguments import check_loopback
+from compress.serving.loadtest.predictions import format_table, run_load, sweep
 
 GOOD = [b'{"text": "a"}', b'{"text": "b"}', b'{"text": "c"}']
 BAD = b"{not json"

@@ -1,4 +1,4 @@
-"""compress.serving.chat_load against a local HTTP server that streams OpenAI chat
+"""compress.serving.loadtest.chat against a local HTTP server that streams OpenAI chat
 completion chunks as server-sent events on a known schedule: time to first token (a
 role-only first event is no token), inter-token latency percentiles, completion tokens
 from usage (in the last chunk as compress sends it, or in a chunk of its own as
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from compress.errors import UserError
-from compress.serving.chat_load import format_chat_table, is_chat_url, run_chat_load, sweep_chat
-from compress.serving.chat_workload import chat_payloads, shared_prefix_text
+from compress.serving.loadtest.chat import format_chat_table, is_chat_url, run_chat_load, sweep_chat
+from compress.serving.loadtest.chat_workload import chat_payloads, shared_prefix_text
 from tests.conftest import cli
 
 FIRST_S, GAP_S, LONG_S, TOKENS = 0.1, 0.01, 0.15, 10

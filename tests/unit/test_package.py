@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("ts")
 
 
-from serve.handler import worker_threads  # noqa: E402
+from serve.classifier.handler import worker_threads  # noqa: E402
 
 
 def test_worker_threads_never_exceed_the_cores() -> None:

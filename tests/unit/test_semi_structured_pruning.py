@@ -271,8 +271,8 @@ def test_a_bert_run_records_the_pattern_and_the_report_shows_it(
 
 # ---- causal LMs ----------------------------------------------------------------------------------
 
-def lm_context(tmp_path: Path, texts: list[str]) -> StageContext:
-    data = DataBundle("lm", {name: Examples(labels=[], texts=texts)
+def causal_lm_context(tmp_path: Path, texts: list[str]) -> StageContext:
+    data = DataBundle("causal-lm", {name: Examples(labels=[], texts=texts)
                              for name in ("train", "eval", "calibration")}, [], None, 16)
     folder = tmp_path / "00-prune"
     folder.mkdir(parents=True)
@@ -282,23 +282,23 @@ def lm_context(tmp_path: Path, texts: list[str]) -> StageContext:
 @pytest.mark.parametrize("scoring", ["magnitude", "wanda"])
 def test_a_causal_lm_prunes_every_decoder_linear_and_keeps_the_mask_through_recovery(
         tmp_path: Path, tiny_llama_folder: Path, scoring: str) -> None:
-    from compress.families.causal_lm.folder import load_lm, load_recipe_lm
-    from compress.families.causal_lm.stages import prune as lm_prune
+    import compress.families.causal_lm.stages.prune as causal_lm_prune_stage
+    from compress.families.causal_lm.folder import load_causal_lm_folder, load_recipe_causal_lm
 
-    bundle = load_recipe_lm(str(tiny_llama_folder))
+    bundle = load_recipe_causal_lm(str(tiny_llama_folder))
     reference = copy.deepcopy(bundle.model)
-    linears = lm_prune.decoder_linears(bundle.model)
+    linears = causal_lm_prune_stage.decoder_linears(bundle.model)
     assert len(linears) == 14 and "model.layers.1.mlp.down_proj" in linears
     texts = ["a good movie with a warm and happy story that ends well"] * 24
-    ctx = lm_context(tmp_path, texts)
+    ctx = causal_lm_context(tmp_path, texts)
     if scoring == "magnitude":
-        masks, _, _ = prune_n_m(lm_prune.decoder_linears(reference), 2, 4)
+        masks, _, _ = prune_n_m(causal_lm_prune_stage.decoder_linears(reference), 2, 4)
     cfg = PruneConfig(method="semi_structured", scoring=scoring, recovery_distill=True,
                       recovery={"max_steps": 3, "batch_size": 4, "learning_rate": 1e-2,
                                 "warmup_ratio": 0.0})
-    state = lm_prune.run(State(bundle), cfg, ctx)
+    state = causal_lm_prune_stage.run(State(bundle), cfg, ctx)
     model = state.bundle.model
-    for name, layer in lm_prune.decoder_linears(model).items():
+    for name, layer in causal_lm_prune_stage.decoder_linears(model).items():
         assert_exactly(layer, 2, 4)
         if scoring == "magnitude":  # the positions magnitude chose, none refilled in training
             assert torch.equal(layer.weight != 0, masks[name]), name
@@ -308,6 +308,6 @@ def test_a_causal_lm_prunes_every_decoder_linear_and_keeps_the_mask_through_reco
     assert m["pattern"] == "2:4" and m["scoring"] == scoring and m["sparsity_layers"] == 0.5
     assert m["pruned_layers"] == 14 and m["skipped_layers"] == 0
     assert m["perplexity_pruned"] > 0 and m["train_steps"] == 3
-    saved = load_lm(ctx.folder / "model")
-    assert saved.lm["sparsity_pattern"] == "2:4"
+    saved = load_causal_lm_folder(ctx.folder / "model")
+    assert saved.causal_lm_facts["sparsity_pattern"] == "2:4"
     assert check_n_m(saved.model, 2, 4, include=["model.layers.*"]) == []

@@ -12,8 +12,8 @@ import yaml
 from click.testing import CliRunner
 
 from compress.cli.serve import serve
-from compress.serving import server
 from compress.serving.serve_target import ServeTarget, unpack_model
+from compress.serving.torchserve import launch as torchserve_launch
 
 
 def _archive(tmp_path: Path, threads: int = 2, delay: int = 5) -> ServeTarget:
@@ -43,7 +43,7 @@ def test_without_threads_the_archive_keeps_its_own_capped_at_the_cores(tmp_path:
 def test_torchserve_gets_one_ms_for_a_zero_delay(tmp_path: Path) -> None:
     unpack_model(_archive(tmp_path, delay=0), tmp_path / "store", None, None, None)
     said: list[str] = []
-    assert server._no_zero_delay(tmp_path / "store" / "m", said.append) == 1
+    assert torchserve_launch._no_zero_delay(tmp_path / "store" / "m", said.append) == 1
     written = yaml.safe_load((tmp_path / "store" / "m" / "model-config.yaml").read_text())
     assert written["maxBatchDelay"] == 1 and "100 ms" in said[0]
 

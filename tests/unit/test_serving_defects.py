@@ -22,7 +22,8 @@ from compress.errors import UserError
 from compress.runfolder import files
 from compress.runfolder.records import Manifest, StageRecord, artifact_record, write_manifest
 from compress.serving import serve_folder, server
-from serve.causal_lm import requests as lm_requests
+from compress.serving.torchserve import launch as torchserve_launch
+from serve.causal_lm.server import requests as causal_lm_requests
 
 
 def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
@@ -82,8 +83,8 @@ def test_serve_prints_where_the_token_is_not_the_token(tmp_path, monkeypatch, ca
 
 def test_a_long_stop_string_is_a_400() -> None:
     with pytest.raises(ValueError, match="at most 64 characters"):
-        lm_requests.parse({"prompt": "hi", "stop": ["x" * 65]}, lambda p: [1],
-                          lm_requests.Limits())
+        causal_lm_requests.parse({"prompt": "hi", "stop": ["x" * 65]}, lambda p: [1],
+                          causal_lm_requests.Limits())
 
 
 class _Growing:
@@ -100,7 +101,7 @@ class _Growing:
 
 def test_the_stop_check_per_token_does_not_grow_with_the_text() -> None:
     stops = [("ab" * 32)[:63] + str(i) for i in range(8)]  # 8 stops of 64 characters
-    stream = lm_requests.TextStream(_Growing(), stops)
+    stream = causal_lm_requests.TextStream(_Growing(), stops)
     began = time.perf_counter()
     sent = "".join(stream.add(0) for _ in range(8000))
     assert time.perf_counter() - began < 0.5  # 0.04 s; 1.2 s when every token checked it all
@@ -118,11 +119,11 @@ class _Pieces:
 
 
 def test_a_stop_string_split_over_tokens_is_held_back_then_cut_or_released() -> None:
-    stream = lm_requests.TextStream(_Pieces(["the ", "EN", "D", "ENx", "\ufffd", "é"]),
+    stream = causal_lm_requests.TextStream(_Pieces(["the ", "EN", "D", "ENx", "\ufffd", "é"]),
                                     ["END", "xyz"])
     assert [stream.add(t) for t in (0, 1)] == ["the ", ""]
     assert stream.add(2) == "" and stream.stopped and stream.text == "the "
-    stream = lm_requests.TextStream(_Pieces(["the ", "EN", "D", "ENx", "\ufffd", "é"]),
+    stream = causal_lm_requests.TextStream(_Pieces(["the ", "EN", "D", "ENx", "\ufffd", "é"]),
                                     ["END", "xyz"])
     assert [stream.add(t) for t in (0, 3, 4, 5)] == ["the ", "EN", "x", "\ufffdé"]
     assert not stream.stopped
@@ -132,7 +133,7 @@ def test_a_stop_string_split_over_tokens_is_held_back_then_cut_or_released() -> 
 
 def test_too_many_texts_in_one_request_is_a_400() -> None:
     pytest.importorskip("ts")
-    from serve.handler import CompressHandler
+    from serve.classifier.handler import CompressHandler
 
     handler = CompressHandler()
     handler.text, handler.max_chars = True, 100
@@ -145,7 +146,7 @@ def test_too_many_texts_in_one_request_is_a_400() -> None:
 
 def test_deeply_nested_json_is_a_400() -> None:
     with pytest.raises(ValueError, match="nested too deeply"):
-        lm_requests.read_body({"body": b"[" * 100_000 + b"]" * 100_000})
+        causal_lm_requests.read_body({"body": b"[" * 100_000 + b"]" * 100_000})
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -154,9 +155,9 @@ def test_deeply_nested_json_is_a_400() -> None:
 ])
 def test_seeds_and_temperatures_torch_cannot_use_are_a_400(body, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        lm_requests.parse(body, lambda p: [1], lm_requests.Limits())
-    assert lm_requests.parse({"prompt": "hi", "seed": 2**64 - 1, "temperature": 0.001},
-                             lambda p: [1], lm_requests.Limits()).seed == 2**64 - 1
+        causal_lm_requests.parse(body, lambda p: [1], causal_lm_requests.Limits())
+    assert causal_lm_requests.parse({"prompt": "hi", "seed": 2**64 - 1, "temperature": 0.001},
+                             lambda p: [1], causal_lm_requests.Limits()).seed == 2**64 - 1
 
 
 def test_an_error_of_the_chat_template_is_a_400() -> None:
@@ -165,7 +166,7 @@ def test_an_error_of_the_chat_template_is_a_400() -> None:
 
     body = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
     with pytest.raises(ValueError, match="could not be encoded: Conversation roles must"):
-        lm_requests.parse(body, encode, lm_requests.Limits())
+        causal_lm_requests.parse(body, encode, causal_lm_requests.Limits())
 
 
 # 5. --stop signals only the TorchServe it started
@@ -247,7 +248,7 @@ def test_stop_removes_what_the_workers_unpacked(tmp_path: Path, monkeypatch) -> 
 
 def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TS_CONFIG_FILE", str(tmp_path / "evil.properties"))
-    monkeypatch.setattr(server, "check_prerequisites", lambda: None)
+    monkeypatch.setattr(torchserve_launch, "check_installed", lambda: None)
     seen: dict = {}
     java = _sleeper()  # what TorchServe's launcher leaves running, in the launcher's group
 
@@ -260,7 +261,7 @@ def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) 
         def wait(self, timeout=None) -> int:
             return 0
 
-    monkeypatch.setattr(server.subprocess, "Popen", Launcher)
+    monkeypatch.setattr(torchserve_launch.subprocess, "Popen", Launcher)
     target = server.resolve_target(_mar(tmp_path / "tiny.mar"))
     (port,) = server.free_ports(1)
     with pytest.raises(UserError, match="TorchServe did not start"):
@@ -276,7 +277,7 @@ def test_no_auth_with_the_model_api_is_refused(tmp_path: Path, monkeypatch, caps
     def reached() -> None:
         raise UserError("prerequisites reached")
 
-    monkeypatch.setattr(server, "check_prerequisites", reached)
+    monkeypatch.setattr(torchserve_launch, "check_installed", reached)
     code, _, err = cli(monkeypatch, capsys, "serve", str(_mar(tmp_path / "tiny.mar")),
                        "--no-auth", "--enable-model-api")
     assert code == 2 and len(err.strip().splitlines()) == 1

@@ -14,7 +14,7 @@ from conftest import import_alone
 from compress.models.bundle import ModelBundle
 from compress.models.zoo import mlp
 from compress.recipe.kinds.export import ExportConfig
-from compress.serving.archive import HANDLER, HANDLER_MODULES
+from compress.serving.archive import CLASSIFIER, code_tree
 from compress.stages.export import export
 
 pytest.importorskip("onnxruntime")
@@ -29,14 +29,15 @@ def test_the_shipped_handler_runs_an_export_folder_without_compress(fmt: str,
                          factory="compress.models.zoo:mlp", input_shape=[1, 8, 8])
     folder = tmp_path / fmt
     export(bundle, ExportConfig(format=fmt), folder)
-    for module in (HANDLER, *HANDLER_MODULES):  # what the package stage puts in the archive
-        shutil.copy(module, folder / module.name)
+    tree, entry = code_tree(tmp_path / "code", CLASSIFIER)  # what an archive's root holds
+    shutil.copytree(tree, folder, dirs_exist_ok=True)
+    shutil.copy(entry, folder / entry.name)
     x = torch.rand(5, 1, 8, 8, generator=torch.Generator().manual_seed(1))
     (folder / "x.json").write_text(json.dumps(x.tolist()))
     reach, project, shown = import_alone(
-        folder, "handler, runtimes, torch",
+        folder, "handler, serve.runtimes, torch",
         "meta = json.load(open('export.json')); "
-        "run = runtimes.load_runtime('.', meta, 1, spinning=False); "
+        "run = serve.runtimes.load_runtime('.', meta, 1, spinning=False); "
         "out(run(torch.tensor(json.load(open('x.json')))).tolist())")
     assert reach == [] and project == []
     served = torch.tensor(shown[0])

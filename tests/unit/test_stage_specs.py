@@ -22,6 +22,13 @@ def test_every_kind_is_registered_in_listing_order() -> None:
     assert list(stage_configs()) == KINDS
 
 
+def test_the_kind_list_names_every_kind_module() -> None:
+    from compress.recipe.kinds import KINDS as LISTED
+
+    modules = {path.stem for path in (REPO / "compress" / "recipe" / "kinds").glob("*.py")}
+    assert list(LISTED) == KINDS and set(LISTED) == modules - {"__init__"}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_trait_is_declared_and_resolves(kind: str) -> None:
     spec = all_specs()[kind]
@@ -52,14 +59,14 @@ def _required(kind: str) -> dict:
 
 def test_kind_modules_hold_the_kind_names() -> None:
     """`git grep '"package"\\|"export"'` finds kind names only in their own spec modules
-    (and the Python API's `export` function name, and the `export` package that
-    code_digest reads)."""
+    and the list of them (and the Python API's `export` function name, and the `export`
+    package that code_digest reads)."""
     pattern = re.compile(r'"package"|"export"')
     found = [f"{path.relative_to(REPO)}:{n}:{line}"
              for folder in ("compress", "export", "serve", "benchmarks")
              for path in sorted((REPO / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
-    allowed = re.compile(r"^compress/(recipe/kinds/(export|package)\.py|__init__\.py|"
+    allowed = re.compile(r"^compress/(recipe/kinds/(export|package|__init__)\.py|__init__\.py|"
                          r"runfolder/code_digest\.py:\d+:PROJECT = )")
     assert found and all(allowed.match(line) for line in found), found
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from compress.errors import CompressError
-from compress.families.causal_lm.stages.export_tensor_parallel import run_comparison_script
+from compress.families.causal_lm.stages.export_parallel import run_comparison_script
 
 
 def test_a_rank_that_raises_is_named_and_its_output_kept(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from compress.serving.worker_log import PROGRESS, WorkerLog
-from serve import handler
-from serve.causal_lm import handler as lm_handler
+from serve.causal_lm.server import handler as causal_lm_handler
+from serve.classifier import handler as classifier_handler
 
 
 def _lines(worker: str, *messages: str, stream: str = "stdout") -> str:
@@ -55,4 +55,4 @@ def test_a_missing_log_reads_as_nothing_yet(tmp_path: Path) -> None:
 
 
 def test_the_handlers_log_the_prefix_the_watcher_reads() -> None:
-    assert handler.PROGRESS == lm_handler.PROGRESS == PROGRESS
+    assert classifier_handler.PROGRESS == causal_lm_handler.PROGRESS == PROGRESS

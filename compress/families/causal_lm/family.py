@@ -2,8 +2,8 @@
 perplexity, generation speed over a static KV cache, and agreement with the float model.
 
 The float model measured first in a run (the baseline) is the reference: its greedy tokens,
-its `generate` rate and its compiled decode rate go to `<run>/lm_reference.json`, and every
-later measurement is compared with them in the same run.
+its `generate` rate and its compiled decode rate go to `<run>/causal_lm_reference.json`, and
+every later measurement is compared with them in the same run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from compress.data.datasets import DataBundle, Examples, read_hub_split, read_table, seeded_subset
 from compress.errors import CompressError, UserError
-from compress.families.causal_lm.folder import load_recipe_lm, provenance  # noqa: F401  (family function)
+from compress.families.causal_lm.folder import load_recipe_causal_lm, provenance  # noqa: F401  (family function)
 from compress.families.causal_lm.generation import (
     agreement,
     eager_generate_rate,
@@ -28,7 +28,8 @@ from compress.recipe.chain import used_splits
 from compress.recipe.datasets import split_file
 from compress.runfolder.files import atomic_write_text
 
-REFERENCE = "lm_reference.json"
+REFERENCE = "causal_lm_reference.json"
+OLD_REFERENCE = "lm_reference.json"  # its name in run folders written before (still read)
 PPL_BATCH = 8
 
 
@@ -52,7 +53,7 @@ def load_data(recipe, source) -> DataBundle:
         splits[name] = Examples(labels=[], texts=texts)
     prompts = read_prompts(cfg.prompts) if cfg.prompts else splits["eval"].texts
     count = recipe.evaluation.generation.prompts
-    return DataBundle("lm", splits, [], None, cfg.max_length, prompts=prompts[:count])
+    return DataBundle("causal-lm", splits, [], None, cfg.max_length, prompts=prompts[:count])
 
 
 def calibration_blocks(tokenizer, data: DataBundle, need: str) -> Any:
@@ -88,7 +89,7 @@ def read_prompts(path: str) -> list[Any]:
 
 def load_model(recipe, source, data: DataBundle) -> ModelBundle:
     """The recipe's causal LM in float32."""
-    return load_recipe_lm(source.location, recipe.model.checkpoint)
+    return load_recipe_causal_lm(source.location, recipe.model.checkpoint)
 
 
 def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any] | None,
@@ -106,7 +107,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     tokens = figures.pop("tokens")
     if recipe.evaluation.latency.enabled:
         metrics.update(figures)
-    ref_file = run_dir / REFERENCE
+    ref_file = run_dir / REFERENCE if reference else reference_file(run_dir)
     if reference:
         ref = {"tokens": tokens, "perplexity": metrics["perplexity"],
                "decode_tok_s_b1": figures["decode_tok_s_b1"],
@@ -129,9 +130,16 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
                     metrics[f"decode_vs_{name}"] = round(
                         metrics["decode_tok_s_b1"] / ref[key], 3)
     metrics["params"] = count_params(bundle.model)
-    if not (bundle.lm or {}).get("scheme"):  # torchao's int tensors have no `==`
+    if not (bundle.causal_lm_facts or {}).get("scheme"):  # torchao's int tensors have no `==`
         metrics["sparsity"] = round(sparsity(bundle.model), 6)
     return metrics
+
+
+def reference_file(run_dir: Path) -> Path:
+    """The run's reference file: `REFERENCE`, or `OLD_REFERENCE` in a run folder written
+    before the file took the family's name (a resumed run reads it there)."""
+    old = run_dir / OLD_REFERENCE
+    return old if old.is_file() and not (run_dir / REFERENCE).is_file() else run_dir / REFERENCE
 
 
 def latency(bundle: ModelBundle, data: DataBundle, recipe) -> dict[str, Any]:

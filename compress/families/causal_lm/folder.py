@@ -18,10 +18,10 @@ import torch
 
 from compress.errors import UserError
 from compress.models.bundle import ModelBundle
-from serve.causal_lm.runtime import DTYPES, LM_FILE  # noqa: F401  (one definition)
+from serve.causal_lm.runtime.loading import CAUSAL_LM_FILE, DTYPES  # noqa: F401  (one definition)
 
 
-def load_recipe_lm(location: str, checkpoint: str | None = None) -> ModelBundle:
+def load_recipe_causal_lm(location: str, checkpoint: str | None = None) -> ModelBundle:
     """The recipe's causal LM (a GGUF file dequantized to float32, a folder, or an id)."""
     from compress.families.causal_lm.model import load_causal_lm
     from compress.models.loading import load_weights
@@ -39,13 +39,13 @@ def load_recipe_lm(location: str, checkpoint: str | None = None) -> ModelBundle:
     if checkpoint:
         load_weights(lm.model, checkpoint)
     facts = {"scheme": None, "dtype": "float32", "provenance": lm.provenance}
-    return ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=facts)
+    return ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, causal_lm_facts=facts)
 
 
-def save_lm(bundle: ModelBundle, folder: Path) -> Path:
+def save_causal_lm(bundle: ModelBundle, folder: Path) -> Path:
     """Write a causal LM into `folder`; return its weights file."""
     folder.mkdir(parents=True, exist_ok=True)
-    facts = dict(bundle.lm or {})
+    facts = dict(bundle.causal_lm_facts or {})
     bundle.tokenizer.save_pretrained(folder)
     if facts.get("scheme"):
         bundle.model.config.save_pretrained(folder)
@@ -56,19 +56,19 @@ def save_lm(bundle: ModelBundle, folder: Path) -> Path:
     else:
         bundle.model.save_pretrained(folder, safe_serialization=True)
         weights = folder / "model.safetensors"
-    (folder / LM_FILE).write_text(json.dumps(facts, indent=2))
+    (folder / CAUSAL_LM_FILE).write_text(json.dumps(facts, indent=2))
     return weights
 
 
-def load_lm(folder: Path) -> ModelBundle:
-    """Read back a folder written by `save_lm` (through the standalone runtime that exports
+def load_causal_lm_folder(folder: Path) -> ModelBundle:
+    """Read back a folder written by `save_causal_lm` (through the standalone runtime that exports
     and archives ship, so both read a folder the same way)."""
-    from serve.causal_lm.runtime import load_folder
+    from serve.causal_lm.runtime.loading import load_folder
 
     lm = load_folder(folder)
-    return ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, lm=lm.facts)
+    return ModelBundle(lm.model, "causal-lm", [], tokenizer=lm.tokenizer, causal_lm_facts=lm.facts)
 
 
 def provenance(bundle: ModelBundle) -> dict[str, Any]:
     """Where the weights came from (for the manifest)."""
-    return dict((bundle.lm or {}).get("provenance") or {})
+    return dict((bundle.causal_lm_facts or {}).get("provenance") or {})

@@ -13,7 +13,7 @@ from torch import nn
 
 from compress.families.causal_lm.model import StaticDecoder, greedy_agreement
 from compress.measure.memory import peak_rss_mb, reset_peak_rss  # noqa: F401  (measured here)
-from serve.causal_lm.runtime import prompt_ids as runtime_prompt_ids
+from serve.causal_lm.runtime.loading import prompt_ids as runtime_prompt_ids
 
 
 def prompt_ids(tokenizer, prompt: Any, chat_template: bool) -> torch.Tensor:
@@ -32,7 +32,7 @@ def time_generation(bundle, prompts: list[torch.Tensor], gen) -> dict[str, Any]:
     """Greedy tokens of every prompt with time to first token and decode tokens/s at
     batch 1 (medians over prompts), then decode tokens/s at each larger batch size
     (copies of the first prompt), and the peak resident memory while generating."""
-    mode = (bundle.lm or {}).get("compile") or gen.compile
+    mode = (bundle.causal_lm_facts or {}).get("compile") or gen.compile
     reset_peak_rss()
     decoder = decoder_for(bundle, gen.cache_len, mode)
     began = time.perf_counter()

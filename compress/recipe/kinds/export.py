@@ -6,23 +6,27 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-import serve.causal_lm as causal_lm_code
-from compress.recipe.expert_parallel_checks import expert_problems, experts_fit_the_config
 from compress.recipe.options import CalibrationOptions, StageName, StrictModel
-from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
+from compress.recipe.parallel import (
+    PARALLEL,
+    ExpertParallel,
+    Oversubscribe,
+    PipelineParallel,
+    TensorParallel,
+    parallel_fits_the_config,
+    parallel_problems,
+)
 from compress.recipe.registry import StageSpec, register
-from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_problems
 
 ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
 AOTI_ONLY = ("autocast", "attention")
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
-            "tensorrt": "TensorRT", "transformers": "transformers + torchao (lm_runtime)"}
-LM_FORMAT = "transformers"  # the one format of a causal LM
-LM_OPTIONS = ("kind", "name", "format", "source", "min_agreement", "parity_samples",
-              "tensor_parallel", "pipeline_parallel", "expert_parallel", "oversubscribe",
-              "tolerance")
-PARALLEL = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "oversubscribe")
+            "tensorrt": "TensorRT", "transformers": "transformers + torchao (causal_lm.runtime)"}
+CAUSAL_LM_FORMAT = "transformers"  # the one format of a causal LM
+# every option a causal-LM export accepts (the rest are a classifier's)
+CAUSAL_LM_EXPORT_OPTIONS = ("kind", "name", "format", "source", "min_agreement",
+                            "parity_samples", *PARALLEL, "tolerance")
 CLASSIFIER_PARITY = ("min_agreement", "max_accuracy_drop")  # by argmax and accuracy
 
 
@@ -45,7 +49,7 @@ class ExportConfig(StrictModel):
     format: Literal["torchscript", "onnx", "aoti", "tensorrt", "transformers"] = Field(
         description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package), "
         "tensorrt (torch-tensorrt, CUDA only); causal LMs: transformers (the model folder "
-        "that plain transformers + torchao load, with causal_lm/runtime.py to decode it).")
+        "that plain transformers + torchao load, with the causal_lm.runtime package to decode it).")
     source: str | int | None = Field(
         None, description="Export the model of this earlier stage (name, kind or index) "
         "instead of the current one.")
@@ -96,28 +100,10 @@ class ExportConfig(StrictModel):
         "must be quantized packed: the search's pt2e_static_packed_aoti). The package then "
         "needs that operator, which the served archive builds or carries.")
     shapes: TensorRTShapes = Field(default_factory=TensorRTShapes)
-    tensor_parallel: int | None = Field(
-        None, ge=2, le=64, description="Causal LMs: also split the model's decoder layers "
-        "across N torchrun processes (torch DTensor tensor parallelism; "
-        "causal_lm/tensor_parallel.py in the folder) and check its logits against one process "
-        "(tolerance, default 1e-4).")
-    pipeline_parallel: int | None = Field(
-        None, ge=2, le=64, description="Causal LMs: also cut the model's decoder layers into "
-        "N pipeline stages on N torchrun processes (torch.distributed.pipelining, GPipe "
-        "micro-batches; causal_lm/pipeline_parallel.py in the folder), check its logits "
-        "against one process (tolerance, default 1e-4) and its greedy tokens (min_agreement), "
-        "and record "
-        "each rank's weight bytes and tokens/s at batch 8 with 1, 2 and 4 micro-batches.")
-    expert_parallel: int | None = Field(
-        None, ge=2, le=64, description="Mixture-of-experts causal LMs: also give each of N "
-        "torchrun processes 1/N of every layer's experts, tokens sent to them and back with "
-        "all_to_all_single (causal_lm/expert_parallel.py in the folder); check its logits "
-        "against one process (tolerance, default 1e-5) and its greedy tokens (min_agreement), "
-        "and record each rank's expert bytes, tokens/s at batch 8 and the all-to-all share.")
-    oversubscribe: bool = Field(
-        False, description="tensor_parallel, pipeline_parallel, expert_parallel: allow more "
-        "processes than "
-        "this machine has cores (they share them and run slower).")
+    tensor_parallel: TensorParallel = None
+    pipeline_parallel: PipelineParallel = None
+    expert_parallel: ExpertParallel = None
+    oversubscribe: Oversubscribe = False
 
     @property
     def quantizes(self) -> bool:
@@ -174,7 +160,7 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     from compress.recipe.chain import chain_precision, model_chain
 
     stage = recipe.stages[i]
-    if chain_precision(recipe, i) != "int8" or stage.format == LM_FORMAT or any(
+    if chain_precision(recipe, i) != "int8" or stage.format == CAUSAL_LM_FORMAT or any(
             getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)):
         return []  # a causal LM's weight scheme: the family check speaks for it
     if stage.format in ("torchscript", "onnx"):
@@ -196,7 +182,7 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
         if split:
             return [f"{where}.{split[0]}: splits a causal LM's decoder layers across "
                     "processes; this model exports whole"]
-        if cfg.format == LM_FORMAT:
+        if cfg.format == CAUSAL_LM_FORMAT:
             return [f"{where}.format: transformers exports a causal LM (its folder with a "
                     "standalone decoding runtime); this model exports with torchscript, "
                     "onnx, aoti or tensorrt"]
@@ -207,28 +193,25 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
                    "a classifier export is held to tolerance, min_agreement and "
                    "max_accuracy_drop")
                 for o in theirs if o in cfg.model_fields_set]
-    if cfg.format != LM_FORMAT:
+    if cfg.format != CAUSAL_LM_FORMAT:
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
-                f"LM exports with format: {LM_FORMAT} (its folder with causal_lm/runtime.py, which "
-                "decodes it with torch, transformers and torchao alone)"]
+                f"LM exports with format: {CAUSAL_LM_FORMAT} (its folder with the "
+                "causal_lm.runtime package, which decodes it with torch, transformers and "
+                "torchao alone)"]
     return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
             "greedy token agreement on the prompts (min_agreement, parity_samples)"
-            for o in sorted(cfg.model_fields_set - set(LM_OPTIONS))]
+            for o in sorted(cfg.model_fields_set - set(CAUSAL_LM_EXPORT_OPTIONS))]
 
 
 SPEC = register(StageSpec(
     kind="export", config=ExportConfig, runner="compress.stages.export:run", order=60,
     makes_model=False, splits=_splits, runtime=_runtime,
-    check=lambda recipe, i: (_fits_the_model(recipe, i) + split_problems(recipe, i)
-                             + pipeline_problems(recipe, i) + expert_problems(recipe, i)),
-    check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
-                                           + stages_fit_the_config(recipe, i, config)
-                                           + experts_fit_the_config(recipe, i, config)),
+    check=lambda recipe, i: _fits_the_model(recipe, i) + parallel_problems(recipe, i),
+    check_model=parallel_fits_the_config,
     reload="compress.stages.export:reload", precision=_file_precision,
     needs=lambda cfg: ("cuda",) if cfg.format == "tensorrt" else (
         ("bf16_cpu",) if cfg.autocast else ()),
     export_formats=lambda cfg: (cfg.format,),
     check_task=_check_task,
-    runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}"
-                                    for m in causal_lm_code.RUNTIME_MODULES)},
+    shipped_code={"causal-lm": ("serve.causal_lm.runtime",)},  # its folder's `causal_lm/`
 ))

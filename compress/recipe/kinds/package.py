@@ -6,18 +6,24 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-import serve.causal_lm as causal_lm_code
-import serve.embedding as embedding_code
-from compress.recipe.expert_parallel_checks import expert_problems, experts_fit_the_config
 from compress.recipe.options import StageName, StrictModel
-from compress.recipe.pipeline_parallel_checks import pipeline_problems, stages_fit_the_config
+from compress.recipe.parallel import (
+    PARALLEL,
+    ExpertParallel,
+    Oversubscribe,
+    PipelineParallel,
+    TensorParallel,
+    parallel_fits_the_config,
+    parallel_problems,
+)
 from compress.recipe.registry import StageSpec, register, spec_of
-from compress.recipe.tensor_parallel_checks import split_fits_the_config, split_problems
+from serve.handler_settings import HandlerSettings
 
 SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
-LM_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
-              "precompile", "prefill_chunk", "prefill_compile", "prefix_cache",
-              "tensor_parallel", "pipeline_parallel", "expert_parallel", "oversubscribe")
+# the options only a causal LM's archive takes (its generation handler's)
+CAUSAL_LM_ONLY_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
+                          "precompile", "prefill_chunk", "prefill_compile", "prefix_cache",
+                          *PARALLEL)
 
 
 class PackageConfig(StrictModel):
@@ -51,57 +57,51 @@ class PackageConfig(StrictModel):
         "(a causal LM compiles its decode step per batch bucket as it starts: several "
         "minutes for SmolLM2 on 2 cores, where TorchServe's default 120 s kills it).")
     max_text_chars: int = Field(
-        10_000, ge=1, le=10**8, description="Longer texts are refused with a 400 (tokens past "
-        "the recipe's max_length are truncated).")
+        HandlerSettings.max_text_chars, ge=1, le=10**8,
+        description="Longer texts are refused with a 400 (tokens past the recipe's "
+        "max_length are truncated).")
     length_buckets: bool = Field(
-        True, description="Text classifiers and embedding models: run a batch's texts in "
+        HandlerSettings.length_buckets,
+        description="Text classifiers and embedding models: run a batch's texts in "
         "forward passes of similar length (sorted, cut where a pass's fixed cost is worth the "
         "padding it saves), so that a short text is not padded to the batch's longest.")
     max_new_tokens: int | None = Field(
         None, ge=1, le=32_768, description="Causal LMs: the most new tokens a request may ask "
-        "for (more: a 400; default: 256, at most half the cache).")
+        f"for (more: a 400; default: {HandlerSettings.max_new_tokens}, at most half the "
+        "cache).")
     cache_len: int | None = Field(
         None, ge=16, le=131_072, description="Causal LMs: KV cache positions per row, prompt "
         "and new tokens together (a longer request: a 400; default: "
         "evaluation.generation.cache_len).")
-    tensor_parallel: int | None = Field(
-        None, ge=2, le=64, description="Causal LMs: serve each worker as a torchrun job of N "
-        "ranks (TorchServe's parallelType: tp); the handler splits the decoder layers across "
-        "them with torch's tensor parallelism. Takes a float model; no compiled decode.")
-    pipeline_parallel: int | None = Field(
-        None, ge=2, le=64, description="Causal LMs: serve each worker as a torchrun job of N "
-        "ranks (TorchServe's parallelType: pp); the handler cuts the decoder layers into N "
-        "pipeline stages (torch.distributed.pipelining) and recomputes each token through "
-        "them (no KV cache). Takes a float32 model; no compiled decode.")
-    expert_parallel: int | None = Field(
-        None, ge=2, le=64, description="Mixture-of-experts causal LMs: serve each worker as a "
-        "torchrun job of N ranks, each holding 1/N of every layer's experts (tokens sent to "
-        "them with all_to_all_single); rank 0 gets the requests and leads. No compiled "
-        "decode.")
-    oversubscribe: bool = Field(
-        False, description="tensor_parallel, pipeline_parallel, expert_parallel: allow more "
-        "ranks than this machine has cores (they share them and run slower).")
+    tensor_parallel: TensorParallel = None
+    pipeline_parallel: PipelineParallel = None
+    expert_parallel: ExpertParallel = None
+    oversubscribe: Oversubscribe = False
     decode_compile: Literal["none", "default", "max-autotune"] | None = Field(
         None, description="Causal LMs: torch.compile mode of the served decode step, each "
         "batch-size bucket compiled once (default: the model's, set by a compile stage, else "
         "none).")
     decode_cpp_wrapper: bool = Field(
-        True, description="Causal LMs, decode_compile: Inductor writes the step's wrapper in "
-        "C++ (less Python between tokens, as benchmarks/peers_llm.py measures it).")
+        HandlerSettings.cpp_wrapper,
+        description="Causal LMs, decode_compile: Inductor writes the step's wrapper in "
+        "C++ (less Python between tokens, as benchmarks.causal_lm.peers measures it).")
     precompile: bool = Field(
         True, description="Causal LMs, decode_compile, continuous batching: compile the "
         "served graphs here and ship them in the archive, so that a worker on the same CPU "
         "and torch starts in seconds (on another it compiles afresh).")
     prefill_chunk: int = Field(
-        32, ge=1, description="Causal LMs, continuous batching: the most prompt positions "
+        HandlerSettings.prefill_chunk, ge=1,
+        description="Causal LMs, continuous batching: the most prompt positions "
         "prefilled between two decode steps of the running rows, fewer where they would take "
         "longer than a decode step (a long prompt does not freeze them).")
     prefill_compile: bool = Field(
-        False, description="Causal LMs, decode_compile, continuous batching: prefill through "
+        HandlerSettings.prefill_compile,
+        description="Causal LMs, decode_compile, continuous batching: prefill through "
         "compiled graphs too (two more graphs a worker traces as it starts, about 5-8 s "
         "each on 2 cores, even with precompile).")
     prefix_cache: bool | int = Field(
-        True, description="Causal LMs, continuous batching: reuse the keys and values of "
+        HandlerSettings.prefix_cache,
+        description="Causal LMs, continuous batching: reuse the keys and values of "
         "prompt prefixes seen before (true: up to 4 x cache_len positions; a number: that "
         "many; false: off).")
 
@@ -144,9 +144,9 @@ def _servable(recipe: Any, i: int) -> list[str]:
     return []
 
 
-def lm_new_tokens(cfg: PackageConfig, cache_len: int) -> int:
+def causal_lm_max_new_tokens(cfg: PackageConfig, cache_len: int) -> int:
     """The most new tokens a causal LM's request may ask for."""
-    return cfg.max_new_tokens or min(256, cache_len // 2)
+    return cfg.max_new_tokens or min(HandlerSettings.max_new_tokens, cache_len // 2)
 
 
 def _fits_the_cache(recipe: Any, i: int) -> list[str]:
@@ -170,7 +170,7 @@ def _check_task(cfg: PackageConfig, task: str, index: int) -> list[str]:
             return [f"{where}.length_buckets: a text encoder's option; a causal LM batches "
                     "its rows continuously"]
         return []
-    return [f"{where}.{o}: only a causal LM takes this option" for o in LM_OPTIONS
+    return [f"{where}.{o}: only a causal LM takes this option" for o in CAUSAL_LM_ONLY_OPTIONS
             if o in cfg.model_fields_set]
 
 
@@ -184,19 +184,14 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
 SPEC = register(StageSpec(
     kind="package", config=PackageConfig, runner="compress.stages.package:run", order=70,
     makes_model=False, takes_model=False, measured=False,
-    code_modules=("serve.handler", "serve.runtimes", "serve.worker_threads", "serve.batching",
-                  "serve.http_answers", "compress.serving.archive"),
+    code_modules=("compress.serving.archive",),
     runtime=_runtime,
     input_stage=export_stage_index,
     check=lambda recipe, i: (_servable(recipe, i) + _fits_the_cache(recipe, i)
-                             + split_problems(recipe, i) + pipeline_problems(recipe, i)
-                             + expert_problems(recipe, i)),
-    check_model=lambda recipe, i, config: (split_fits_the_config(recipe, i, config)
-                                           + stages_fit_the_config(recipe, i, config)
-                                           + experts_fit_the_config(recipe, i, config)),
+                             + parallel_problems(recipe, i)),
+    check_model=parallel_fits_the_config,
     check_task=_check_task,
-    runner_code={"causal-lm": tuple(f"serve.causal_lm.{m}" for m in (
-        *causal_lm_code.SERVING_MODULES, *causal_lm_code.RUNTIME_MODULES)),
-                 "embedding": tuple(f"serve.embedding.{m}"
-                                    for m in embedding_code.SERVING_MODULES)},
+    # an archive ships serve/'s own modules (compress.serving.archive) and its family's package
+    shipped_code={"classification": ("serve.classifier",), "embedding": ("serve.embedding",),
+                  "causal-lm": ("serve.causal_lm",)},
 ))

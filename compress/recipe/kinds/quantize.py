@@ -14,7 +14,7 @@ WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_
 GROUPED = ("int8_grouped", "int4_grouped")
 SPARSE24 = ("int8_sparse24", "int4_sparse24")  # 2:4 weights, compress's sparse kernel
 PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile", "smoothing")
-LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
+CAUSAL_LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
 
 
 class QuantizeConfig(StrictModel):
@@ -29,13 +29,13 @@ class QuantizeConfig(StrictModel):
         None, description="Causal LMs: weight scheme. torchao's: int8 or int4 weights with "
         "float activations, or int8 weights and per-token int8 activations; compress's "
         "int8_grouped: int8 weights with a float32 scale and offset per group of "
-        "`group_size` inputs and float32 activations (serve/causal_lm/grouped.py), which "
+        "`group_size` inputs and float32 activations (serve/causal_lm/runtime/grouped.py), which "
         "keeps greedy tokens where bfloat16 activations flip near-ties; int4_grouped: the "
         "same with 4-bit codes on 16 affine levels per 32 inputs (a GGUF's Q4_1 exactly); "
         "int8_sparse24 and int4_sparse24: 2:4 sparse weights (every Linear pruned with the "
         "n:m pattern 2:4 first), the 2 kept values of each 4 inputs as int8 or 4-bit codes on "
         "a symmetric grid per 32 inputs plus their 2-bit positions, float32 activations "
-        "(serve/causal_lm/sparse24.py; the output projection int8_grouped).")
+        "(serve/causal_lm/runtime/sparse24.py; the output projection int8_grouped).")
     group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
                             "scale group (int8_grouped: it must divide every Linear's inputs).")
     head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
@@ -126,9 +126,9 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
             problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
                             "128, 256 (torchao's int4 CPU packing)")
         return problems
-    lm_only = [o for o in LM_ONLY_OPTIONS if o in cfg.model_fields_set]
+    causal_lm_only = [o for o in CAUSAL_LM_ONLY_OPTIONS if o in cfg.model_fields_set]
     problems = [f"{where}.{o}: only a causal LM takes this option; this model is "
-                "quantized through PT2E (`mode`: dynamic, static or qat)" for o in lm_only]
+                "quantized through PT2E (`mode`: dynamic, static or qat)" for o in causal_lm_only]
     if cfg.smoothing is not None and cfg.mode != "static":
         problems.append(f"{where}.smoothing: SmoothQuant's scales come from the calibration "
                         f"of static mode, not {cfg.mode}; use `mode: static` or drop "

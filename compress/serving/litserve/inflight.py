@@ -31,12 +31,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
 from compress.serving.litserve.errors import error_body
+from compress.system import processes
 
 logger = logging.getLogger(__name__)
 JSON = "application/json"
@@ -135,34 +135,10 @@ def error_line(media: str | None, status: int, message: str) -> bytes:
     return json.dumps({"error": message, "status": status}).encode() + b"\n"
 
 
-def process_gone(pid: int) -> bool:
-    """Whether process `pid` has ended (a zombie counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state in ("Z", "X")
-    except (OSError, IndexError):
-        if Path("/proc/self").exists():
-            return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
-
-
 def worker_pids(parent: int) -> set[int]:
     """The live inference workers among the children of process `parent`."""
-    found = set()
-    for children in Path(f"/proc/{parent}/task").glob("*/children"):
-        with contextlib.suppress(OSError):
-            for pid in map(int, children.read_text().split()):
-                with contextlib.suppress(OSError):
-                    command = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    if WORKER_MARK.encode() in command and not process_gone(pid):
-                        found.add(pid)
-    return found
+    return {pid for pid in processes.children(parent)
+            if WORKER_MARK in processes.command_line(pid) and processes.alive(pid)}
 
 
 def end(pending: Pending, status: int, message: str) -> None:
@@ -190,7 +166,7 @@ async def watch(buffer: dict[str, Any], hold_s: float) -> None:
             if not isinstance(pending, Pending) or pending.ended:
                 continue
             if pending.pid is not None:
-                lost = pending.pid in dead or process_gone(pending.pid)
+                lost = pending.pid in dead or not processes.alive(pending.pid)
             else:
                 lost = died_at is not None and pending.submitted <= died_at + hold_s
             if lost:

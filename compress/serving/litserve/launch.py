@@ -25,14 +25,9 @@ import yaml
 
 from compress.errors import UserError
 from compress.serving import server_process
-from compress.serving.serve_folder import (
-    KEY_FILE,
-    process_alive,
-    record_server,
-    server_temp,
-    write_info,
-)
+from compress.serving.serve_folder import KEY_FILE, server_temp
 from compress.serving.worker_log import WorkerLog
+from compress.system import processes
 
 ENGINE = "litserve"
 MAIN = "compress.serving.litserve.main"  # in the server's command line (server_process)
@@ -76,16 +71,9 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
             "mar": str(mar), "url": f"http://127.0.0.1:{port}/predictions/{model_name}",
             "port": port, "auth": auth, "model_api": False, "settings": settings,
             "serve_dir": str(serve_dir), "temp_dir": str(temp), "started": time.time()}
-    record_server(serve_dir, info)
-    try:
-        wait_ready(info, serve_dir, timeout_s, echo)
-    except BaseException:
-        server_process.stop(serve_dir)
-        raise
-    if token:
-        info["token"] = token
-        write_info(serve_dir, info)
-    return info
+    return server_process.record_until_ready(
+        serve_dir, info, lambda: wait_ready(info, serve_dir, timeout_s, echo),
+        (lambda: token) if token else None)
 
 
 def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
@@ -102,7 +90,7 @@ def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
             echo(f"  {line}")
         if workers_log.deaths:
             raise UserError(workers_log.failure())
-        if not process_alive(info["pid"]):
+        if not processes.alive(info["pid"]):
             workers_log.read()
             raise UserError(workers_log.failure() if workers_log.deaths else
                             f"LitServe exited while starting: {_log_tail(serve_dir)}")

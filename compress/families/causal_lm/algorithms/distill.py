@@ -80,7 +80,7 @@ def kept_layers(spec, total: int) -> list[int]:
     return evenly_spaced(spec.layers, total)
 
 
-def make_lm_kd_loss_fn(teacher: nn.Module, temperature: float, alpha: float):
+def make_causal_lm_kd_loss_fn(teacher: nn.Module, temperature: float, alpha: float):
     """A `loss_fn(student, ids, _)` for the shared loop: per next-token position,
     alpha * CE + (1 - alpha) * T^2 * KL(teacher || student), averaged over positions."""
     teacher.eval()
@@ -98,7 +98,7 @@ def make_lm_kd_loss_fn(teacher: nn.Module, temperature: float, alpha: float):
     return loss_fn
 
 
-def lm_loss(model: nn.Module, ids: torch.Tensor, _: Any) -> torch.Tensor:
+def causal_lm_loss(model: nn.Module, ids: torch.Tensor, _: Any) -> torch.Tensor:
     """Next-token cross-entropy of a packed block (the fine-tuning loss)."""
     logits = model(input_ids=ids).logits[:, :-1]
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),

@@ -92,7 +92,7 @@ def prune_kv_groups(model: nn.Module, remove: int) -> tuple[int, int]:
     return config.num_attention_heads, config.num_key_value_heads
 
 
-def prune_lm(model: nn.Module, target: str, amount: float) -> dict[str, Any]:
+def prune_causal_lm(model: nn.Module, target: str, amount: float) -> dict[str, Any]:
     """Remove `amount` of the feed-forward neurons and/or key-value groups (`target`: ffn,
     heads or ffn+heads) from every layer in place; the new widths."""
     out: dict[str, Any] = {}

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from serve.causal_lm.grouped import BITS, dequantize_groups, fit_groups
-from serve.causal_lm.runtime import head_scheme_of, untie_head
+from serve.causal_lm.runtime.grouped import BITS, dequantize_groups, fit_groups
+from serve.causal_lm.runtime.loading import head_scheme_of, untie_head
 
 
 def fake_quantize(weight: torch.Tensor, scheme: str, group_size: int) -> torch.Tensor:

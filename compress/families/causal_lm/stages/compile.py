@@ -25,7 +25,7 @@ def run(state: State, cfg: CompileConfig, ctx: StageContext) -> State:
     source = state.bundle
     mode = decode_mode(cfg)
     bundle = ModelBundle(source.model, "causal-lm", [], tokenizer=source.tokenizer,
-                         lm={**(source.lm or {}), "compile": mode})
+                         causal_lm_facts={**(source.causal_lm_facts or {}), "compile": mode})
     prompt = ctx.data.prompts[0] if ctx.data.prompts else ctx.data.splits["eval"].texts[0]
     ids = prompt_ids(source.tokenizer, prompt, ctx.recipe.data.chat_template)
     decoder = decoder_for(bundle, ctx.recipe.evaluation.generation.cache_len, mode)

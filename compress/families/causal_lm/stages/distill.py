@@ -9,12 +9,12 @@ one distilled."""
 from __future__ import annotations
 
 from compress.errors import CompressError
-from compress.families.causal_lm.algorithms import qat as lm_qat
+from compress.families.causal_lm.algorithms import qat
 from compress.families.causal_lm.algorithms.distill import (
     decoder_layers,
     drop_layers,
     kept_layers,
-    make_lm_kd_loss_fn,
+    make_causal_lm_kd_loss_fn,
     packed_examples,
     recovery,
 )
@@ -28,7 +28,7 @@ from compress.stages.context import StageContext, State
 def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
     """Drop layers, measure, distil, measure again; save the student."""
     teacher = state.bundle
-    if (teacher.lm or {}).get("scheme"):
+    if (teacher.causal_lm_facts or {}).get("scheme"):
         raise CompressError("distill needs a float teacher; distil before quantize")
     total = len(decoder_layers(teacher.model))
     try:
@@ -44,14 +44,14 @@ def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
             f"{ppl['dropped']['perplexity']:.2f}")
     grid = cfg.quantization_aware
     if grid is not None:
-        ctx.metrics["qat_linears"] = lm_qat.prepare(student, grid.scheme, grid.group_size,
+        ctx.metrics["qat_linears"] = qat.prepare(student, grid.scheme, grid.group_size,
                                                     "float")
         ctx.metrics["qat_scheme"] = grid.scheme
     setup = ctx.training()
     setup.examples = packed_examples(teacher.tokenizer, setup.examples.texts, length)
     result = setup.run(student, cfg, None,
-                       loss_fn=make_lm_kd_loss_fn(teacher.model, cfg.temperature, cfg.alpha))
-    lm_qat.snap(student)
+                       loss_fn=make_causal_lm_kd_loss_fn(teacher.model, cfg.temperature, cfg.alpha))
+    qat.snap(student)
     after = perplexity(student.eval(), teacher.tokenizer, texts, length, PPL_BATCH)
     ctx.metrics.update({
         "teacher_layers": total, "student_layers": len(keep), "kept_layers": keep,
@@ -64,7 +64,8 @@ def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
     })
     ctx.metrics["recovery"] = recovery(ctx.metrics["perplexity_teacher"],
                                        ctx.metrics["perplexity_dropped"], after["perplexity"])
+    facts = {**(teacher.causal_lm_facts or {}), "scheme": None, "distilled_from": total}
     bundle = ModelBundle(student, "causal-lm", [], tokenizer=teacher.tokenizer,
-                         lm={**(teacher.lm or {}), "scheme": None, "distilled_from": total})
+                         causal_lm_facts=facts)
     ctx.save_model(bundle)
     return State(bundle)

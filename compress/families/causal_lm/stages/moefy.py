@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from compress.data.datasets import Examples
 from compress.errors import CompressError
 from compress.families.causal_lm.algorithms.distill import (
-    lm_loss,
-    make_lm_kd_loss_fn,
+    causal_lm_loss,
+    make_causal_lm_kd_loss_fn,
     packed_examples,
 )
 from compress.families.causal_lm.algorithms.moefy import (
@@ -53,7 +53,7 @@ CURVE_POINTS = 50  # at most this many (step, loss) points of a curve in the met
 def run(state: State, cfg: MoefyConfig, ctx: StageContext) -> State:
     """Split, route, convert, measure, recover, measure; save the MoE model."""
     bundle = state.bundle
-    if (bundle.lm or {}).get("scheme"):
+    if (bundle.causal_lm_facts or {}).get("scheme"):
         raise CompressError("moefy needs a float model; moefy before quantize")
     dense = bundle.model.eval()
     try:
@@ -72,8 +72,9 @@ def run(state: State, cfg: MoefyConfig, ctx: StageContext) -> State:
     ctx.log(f"{ctx.name}: {cfg.experts} experts of {groups[0].shape[1]} neurons, top-"
             f"{cfg.top_k}; perplexity dense {ppl['dense']:.2f}, moefied {ppl['moefied']:.2f}")
     moefied = ModelBundle(moe, "causal-lm", [], tokenizer=bundle.tokenizer,
-                          lm={**(bundle.lm or {}), "scheme": None,
-                              "moefied": {"experts": cfg.experts, "top_k": cfg.top_k}})
+                          causal_lm_facts={**(bundle.causal_lm_facts or {}), "scheme": None,
+                                           "moefied": {"experts": cfg.experts,
+                                                       "top_k": cfg.top_k}})
     if cfg.recovery is not None:
         recover(moefied, dense, cfg, ctx)
     after = perplexity(moe.eval(), bundle.tokenizer, texts, length, PPL_BATCH)
@@ -167,8 +168,8 @@ def recover(moefied: ModelBundle, dense: torch.nn.Module, cfg: MoefyConfig,
     for name, p in moefied.model.named_parameters():
         p.requires_grad_(not name.endswith("mlp.gate.weight"))
     teacher = dense if cfg.recovery_distill else None  # frozen by the loss; not used after
-    loss_fn = lm_loss if teacher is None else make_lm_kd_loss_fn(teacher, cfg.temperature,
-                                                                  cfg.alpha)
+    loss_fn = causal_lm_loss if teacher is None else make_causal_lm_kd_loss_fn(
+        teacher, cfg.temperature, cfg.alpha)
     curve = Curve(ctx.folder, "recovery", ctx.key)
     result = setup.run(moefied.model, cfg.recovery, None, loss_fn=curve.wrap(loss_fn),
                        on_step=curve.on_step)

@@ -1,11 +1,11 @@
 """Stage `package` on a causal LM: a TorchServe `.mar` of a `format: transformers` export
 with the streaming generation handler, ready for `compress serve`.
 
-The archive holds the export folder's `causal_lm/` package (the runtime) with the handler's
-modules added to it (`handler.py`, `requests.py`, `replies.py`, `openai.py`, the batcher), the
-shared serving modules at its root, and a generated root module, `generation_handler.py`,
-that defines the one class TorchServe and LitServe look for there (they import the handler
-by its file name from the archive's root)."""
+The archive holds the export folder's files, the `serve/` package with serve's own modules and
+`serve/causal_lm/` whole (`runtime/`, what the export folder ships too, and `server/`: the
+handler, its requests and answers, the continuous batch), the kernel library built here, and
+a generated root module, `generation_handler.py`, that defines the one class TorchServe and
+LitServe look for there (they import the handler by its file name from the archive's root)."""
 
 from __future__ import annotations
 
@@ -18,42 +18,31 @@ import time
 from collections import deque
 from pathlib import Path
 
-import serve.causal_lm as causal_lm_code
 from compress.errors import CompressError
-from compress.recipe.kinds.package import PackageConfig, lm_new_tokens
-from compress.serving.archive import SERVE
+from compress.recipe.kinds.package import PackageConfig, causal_lm_max_new_tokens
+from compress.serving.archive import code_tree
 from compress.stages.context import StageContext, State
 from compress.stages.package import archive
-from serve.causal_lm import grouped_kernels
-from serve.causal_lm.compiled_graphs import FOLDER
+from serve.causal_lm.runtime import kernels
+from serve.causal_lm.server.compiled_graphs import FOLDER
+from serve.handler_settings import HandlerSettings
 from serve.worker_threads import worker_threads
 
-PACKAGE = SERVE / "causal_lm"  # `causal_lm/` in the archive
-LM_MODULES = tuple(PACKAGE / f"{name}.py"  # the handler's, added to the export's package
-                   for name in causal_lm_code.SERVING_MODULES)
-ENTRY = "generation_handler.py"
-ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):
-TorchServe and LitServe import it by its file name and take the one class defined in it."""
-
-from causal_lm.handler import CausalLMHandler as _Handler
-
-
-class CausalLMHandler(_Handler):
-    """The causal-LM family's handler (`causal_lm/handler.py`)."""
-'''
-DEFAULT_NEW_TOKENS = 64
-LM_SERVED_METRICS = ("perplexity", "perplexity_delta_vs_float_pct", "agreement",
-                     "next_token_agreement", "decode_tok_s_b1", "ttft_ms",
-                     "parity_token_agreement", "scheme", "runtime_threads")
+HANDLER = "serve.causal_lm.server.handler:CausalLMHandler"
+ENTRY = "generation_handler.py"  # the archive's root module that defines the handler's class
+CAUSAL_LM_SERVED_METRICS = ("perplexity", "perplexity_delta_vs_float_pct", "agreement",
+                            "next_token_agreement", "decode_tok_s_b1", "ttft_ms",
+                            "parity_token_agreement", "scheme", "runtime_threads")
 
 
 def handler_settings(cfg: PackageConfig, ctx: StageContext, export_dir: Path) -> dict:
     """model-config.yaml's `handler:` section for the generation handler."""
     facts = json.loads((export_dir / "causal_lm.json").read_text())
     cache_len = cfg.cache_len or ctx.recipe.evaluation.generation.cache_len
-    limit = lm_new_tokens(cfg, cache_len)
+    limit = causal_lm_max_new_tokens(cfg, cache_len)
     return {"task": "causal-lm", "threads": worker_threads(cfg.threads, cfg.workers),
-            "max_new_tokens": limit, "default_new_tokens": min(DEFAULT_NEW_TOKENS, limit),
+            "max_new_tokens": limit,
+            "default_new_tokens": min(HandlerSettings.default_new_tokens, limit),
             "cache_len": cache_len,
             "compile": cfg.decode_compile or facts.get("compile") or "none",
             "cpp_wrapper": cfg.decode_cpp_wrapper, "prefill_chunk": cfg.prefill_chunk,
@@ -87,22 +76,25 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
         ctx.metrics.update(continuous_batching=True)
     ctx.metrics.update(max_new_tokens=handler["max_new_tokens"],
                        cache_len=handler["cache_len"], decode_compile=handler["compile"])
-    tree, entry = archive_tree(export_dir, ctx.folder / ".archive_tree")
+    tree, entry = code_tree(ctx.folder / ".archive_code", HANDLER, ENTRY)
     try:
+        library = kernels.built_library()  # this CPU's build, used where it matches
+        if library is not None:
+            shutil.copy2(library, kernels.shipped_library(tree / "serve" / "causal_lm" / "runtime"))
         if cfg.precompile and handler["compile"] != "none" and "rows" in handler:
             precompile(tree, export_dir, handler, ctx)
-        return archive(state, cfg, ctx, handler, entry, (), LM_SERVED_METRICS, settings,
-                       trees=(tree,))
+        return archive(state, cfg, ctx, handler, HANDLER, CAUSAL_LM_SERVED_METRICS, settings,
+                       code=(tree, entry))
     finally:
         shutil.rmtree(tree.parent, ignore_errors=True)
 
 
 def precompile(tree: Path, export_dir: Path, handler: dict, ctx: StageContext) -> None:
     """Compile the graphs a worker of this archive serves, in a process of its own over the
-    archive's `causal_lm` package and an empty Inductor cache, into the archive's
-    `compiled_graphs/` (serve/causal_lm/compiled_graphs.py); its lines go to the log."""
+    archive's `serve` package and an empty Inductor cache, into the archive's
+    `compiled_graphs/` (serve/causal_lm/server/compiled_graphs.py); its lines go to the log."""
     began = time.perf_counter()
-    command = [sys.executable, "-m", "causal_lm.compiled_graphs", str(export_dir),
+    command = [sys.executable, "-m", "serve.causal_lm.server.compiled_graphs", str(export_dir),
                json.dumps(handler), str(tree / FOLDER)]
     env = os.environ | {"PYTHONPATH": str(tree)}  # the child sets its own Inductor cache
     with subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
@@ -118,21 +110,3 @@ def precompile(tree: Path, export_dir: Path, handler: dict, ctx: StageContext) -
                             "false to compile them as the worker starts):\n"
                             + "\n".join(lines))
     ctx.metrics.update(precompile_s=round(time.perf_counter() - began, 1))
-
-
-def archive_tree(export_dir: Path, folder: Path) -> tuple[Path, Path]:
-    """(a folder holding the archive's `causal_lm/` package: the export's, with the handler's
-    modules added; the generated entry module) under `folder`."""
-    shutil.rmtree(folder, ignore_errors=True)
-    tree = folder / "tree"
-    package = tree / PACKAGE.name
-    shutil.copytree(export_dir / PACKAGE.name, package,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for module in LM_MODULES:
-        shutil.copy2(module, package / module.name)
-    library = grouped_kernels.built_library()  # this CPU's build, used where it matches
-    if library is not None:
-        shutil.copy2(library, grouped_kernels.shipped_library(package))
-    entry = folder / ENTRY
-    entry.write_text(ENTRY_SOURCE)
-    return tree, entry

@@ -18,12 +18,12 @@ from compress.algorithms.pruning import apply_masks
 from compress.algorithms.semi_structured import input_norms, prune_n_m, split_by_group
 from compress.errors import CompressError
 from compress.families.causal_lm.algorithms.distill import (
+    causal_lm_loss,
     decoder_layers,
-    lm_loss,
-    make_lm_kd_loss_fn,
+    make_causal_lm_kd_loss_fn,
     packed_examples,
 )
-from compress.families.causal_lm.algorithms.pruning import prune_lm
+from compress.families.causal_lm.algorithms.pruning import prune_causal_lm
 from compress.families.causal_lm.family import PPL_BATCH, calibration_blocks
 from compress.families.causal_lm.model import perplexity
 from compress.models.bundle import ModelBundle, count_params
@@ -35,14 +35,14 @@ from compress.stages.prune import n_m_figures
 def run(state: State, cfg: PruneConfig, ctx: StageContext) -> State:
     """Prune the current causal LM, recover it if asked, save it, record the figures."""
     bundle = state.bundle
-    if (bundle.lm or {}).get("scheme"):
+    if (bundle.causal_lm_facts or {}).get("scheme"):
         raise CompressError("prune needs a float model; prune before quantize")
     teacher = copy.deepcopy(bundle.model).eval() if cfg.recovery_distill else None
     if cfg.method == "semi_structured":
         return run_semi_structured(bundle, cfg, ctx, teacher)
     before = count_params(bundle.model)
     try:
-        widths = prune_lm(bundle.model, cfg.target, cfg.amount)
+        widths = prune_causal_lm(bundle.model, cfg.target, cfg.amount)
     except ValueError as exc:
         raise CompressError(str(exc)) from None
     after = count_params(bundle.model)
@@ -102,7 +102,7 @@ def run_semi_structured(bundle: ModelBundle, cfg: PruneConfig, ctx: StageContext
         recover(bundle, cfg, ctx, teacher, on_step=lambda step: apply_masks(pruned, masks))
     apply_masks(pruned, masks)  # exact pattern, even if recovery resumed from a checkpoint
     ctx.metrics.update(n_m_figures(cfg, pruned, skipped))
-    bundle.lm = {**(bundle.lm or {}), "sparsity_pattern": cfg.pattern}
+    bundle.causal_lm_facts = {**(bundle.causal_lm_facts or {}), "sparsity_pattern": cfg.pattern}
     ctx.save_model(bundle)
     return State(bundle)
 
@@ -116,7 +116,7 @@ def recover(bundle: ModelBundle, cfg: PruneConfig, ctx: StageContext,
                                      ctx.data.max_length)
     for p in bundle.model.parameters():
         p.requires_grad_(True)
-    loss_fn = lm_loss if teacher is None else make_lm_kd_loss_fn(teacher, cfg.temperature,
-                                                                  cfg.alpha)
+    loss_fn = causal_lm_loss if teacher is None else make_causal_lm_kd_loss_fn(
+        teacher, cfg.temperature, cfg.alpha)
     result = setup.run(bundle.model, cfg.recovery, None, loss_fn=loss_fn, **kwargs)
     ctx.metrics.update({**result.figures(), **result.parallel_metrics()})

@@ -15,14 +15,16 @@ from typing import Any
 from torch import nn
 
 from compress.errors import CompressError
-from compress.families.causal_lm.algorithms import equalize as lm_equalize
-from compress.families.causal_lm.algorithms import qat as lm_qat
-from compress.families.causal_lm.algorithms.distill import make_lm_kd_loss_fn, packed_examples
+from compress.families.causal_lm.algorithms import equalize, qat
+from compress.families.causal_lm.algorithms.distill import (
+    make_causal_lm_kd_loss_fn,
+    packed_examples,
+)
 from compress.families.causal_lm.model import quantize_weights
 from compress.models.bundle import ModelBundle
 from compress.recipe.kinds.quantize import QuantizeConfig
 from compress.stages.context import StageContext, State
-from serve.causal_lm.runtime import DTYPES, head_scheme_of
+from serve.causal_lm.runtime.loading import DTYPES, head_scheme_of
 
 
 def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
@@ -51,7 +53,7 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     model = source.model
     head = head_scheme_of(cfg.scheme, cfg.head_scheme)
     if cfg.equalize:
-        ctx.metrics.update(equalize(model, source.tokenizer, cfg, ctx))
+        ctx.metrics.update(equalize_on_train_text(model, source.tokenizer, cfg, ctx))
     if cfg.mode == "qat":
         train_on_grid(model, source.tokenizer, cfg, head, ctx)
     for parameter in model.parameters():  # buffers (rotary inv_freq) stay float32, as in a
@@ -64,11 +66,12 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     except ValueError as exc:  # a group size that does not divide a Linear's inputs, or
         # a Linear that is not 2:4 under a 2:4 scheme
         raise CompressError(f"{exc}") from None
-    facts = {**(source.lm or {}), "scheme": cfg.scheme, "dtype": dtype,
+    facts = {**(source.causal_lm_facts or {}), "scheme": cfg.scheme, "dtype": dtype,
              "group_size": cfg.group_size, "head_scheme": head}
     if rounded:
         facts["activations"] = rounded
-    bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer, lm=facts)
+    bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer,
+                         causal_lm_facts=facts)
     ctx.metrics.update({"scheme": cfg.scheme, "head_scheme": head,
                         "activation_dtype": rounded or dtype,
                         "quantize_s": round(time.perf_counter() - began, 2)})
@@ -81,11 +84,11 @@ def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig, head: s
     """Quantization-aware training in place: fake-quantized weights, KL against a frozen
     copy of the entering model, then the weights snapped onto the grid."""
     teacher = copy.deepcopy(model)
-    prepared = lm_qat.prepare(model, cfg.scheme, cfg.group_size, head)
+    prepared = qat.prepare(model, cfg.scheme, cfg.group_size, head)
     setup = ctx.training()
     setup.examples = packed_examples(tokenizer, setup.examples.texts, ctx.data.max_length)
-    result = setup.run(model, cfg.qat, None, loss_fn=make_lm_kd_loss_fn(teacher, 1.0, 0.0))
-    lm_qat.snap(model.eval())
+    result = setup.run(model, cfg.qat, None, loss_fn=make_causal_lm_kd_loss_fn(teacher, 1.0, 0.0))
+    qat.snap(model.eval())
     ctx.metrics.update({"qat_linears": prepared, "train_blocks": len(setup.examples),
                         **result.figures()})
 
@@ -94,13 +97,13 @@ EQUALIZE_BLOCKS = 32  # calibration blocks of data.max_length train tokens
 EQUALIZE_TEXTS = 4000  # train texts packed for them (SST-2: about 300 blocks of 128)
 
 
-def equalize(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
-             ctx: StageContext) -> dict[str, Any]:
+def equalize_on_train_text(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig,
+                           ctx: StageContext) -> dict[str, Any]:
     """Activation-aware scaling of `model` in place, calibrated on packed train text."""
     texts = ctx.data.splits["train"].texts[:EQUALIZE_TEXTS]
     blocks = packed_examples(tokenizer, texts, ctx.data.max_length).inputs[:EQUALIZE_BLOCKS]
     began = time.perf_counter()
-    figures = lm_equalize.equalize(model, blocks.split(4), cfg.scheme, cfg.group_size)
+    figures = equalize.equalize(model, blocks.split(4), cfg.scheme, cfg.group_size)
     ctx.log(f"equalize: {figures['equalized_pairs']} of {figures['equalize_pairs_seen']} "
             f"input groups scaled; {cfg.scheme} output error on {len(blocks)} train blocks "
             f"{figures['equalize_error_ratio']}x that of plain rounding")

@@ -3,35 +3,23 @@ ONNX Runtime int8, AOTInductor, TorchScript) with the embedding handler, ready f
 serve`: compress's own route and OpenAI's `v1/embeddings`, one forward pass per batch.
 
 The archive holds the export folder's files (the exported file, `export.json` with its
-`embedding` block, the tokenizer), the `embedding/` package (`serve/embedding`: the handler
-and its requests), the shared serving modules at its root, and a generated root module,
+`embedding` block, the tokenizer), the `serve/` package with serve's own modules and
+`serve/embedding/` (the handler and its requests), and a generated root module,
 `embedding_handler.py`, that defines the one class TorchServe and LitServe look for there
 (they import the handler by its file name from the archive's root)."""
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
-import serve.embedding as embedding_code
 from compress.recipe.kinds.package import PackageConfig
-from compress.serving.archive import SERVE
+from compress.serving.archive import code_tree
 from compress.stages.context import StageContext, State
 from compress.stages.package import archive
 from serve.worker_threads import worker_threads
 
-PACKAGE = SERVE / "embedding"  # `embedding/` in the archive
-MODULES = tuple(PACKAGE / f"{name}.py" for name in ("__init__", *embedding_code.SERVING_MODULES))
-ENTRY = "embedding_handler.py"
-ENTRY_SOURCE = '''"""The archive's handler module (written by compress's package stage):
-TorchServe and LitServe import it by its file name and take the one class defined in it."""
-
-from embedding.handler import EmbeddingHandler as _Handler
-
-
-class EmbeddingHandler(_Handler):
-    """The embedding family's handler (`embedding/handler.py`)."""
-'''
+HANDLER = "serve.embedding.handler:EmbeddingHandler"
+ENTRY = "embedding_handler.py"  # the archive's root module that defines the handler's class
 # what the run measured of the packaged file, copied into the archive's compress.json:
 # how close its embeddings stay to the float model's, and how fast it embeds
 SERVED_METRICS = ("fidelity", "fidelity_p1", "recall_at_10", "knn_accuracy",
@@ -44,21 +32,8 @@ def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the embedding export entering the stage with the embedding handler."""
     handler = {"task": "embedding", "threads": worker_threads(cfg.threads, cfg.workers),
                "max_text_chars": cfg.max_text_chars, "length_buckets": cfg.length_buckets}
-    tree, entry = archive_tree(ctx.folder / ".archive_tree")
+    code = code_tree(ctx.folder / ".archive_code", HANDLER, ENTRY)
     try:
-        return archive(state, cfg, ctx, handler, entry, (), SERVED_METRICS, trees=(tree,))
+        return archive(state, cfg, ctx, handler, HANDLER, SERVED_METRICS, code=code)
     finally:
-        shutil.rmtree(tree.parent, ignore_errors=True)
-
-
-def archive_tree(folder: Path) -> tuple[Path, Path]:
-    """(a folder holding the archive's `embedding/` package, the generated entry module)
-    under `folder`."""
-    shutil.rmtree(folder, ignore_errors=True)
-    package = folder / "tree" / PACKAGE.name
-    package.mkdir(parents=True)
-    for module in MODULES:
-        shutil.copy2(module, package / module.name)
-    entry = folder / ENTRY
-    entry.write_text(ENTRY_SOURCE)
-    return package.parent, entry
+        shutil.rmtree(code[0].parent, ignore_errors=True)

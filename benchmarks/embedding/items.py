@@ -1,0 +1,190 @@
+"""What benchmarks/embedding/peers.py times: compress's embedding exports of a finished run
+(every export whose export.json says `"outputs": ["embedding"]` or has an `embedding`
+block), and the peers a user would run instead on the same source model, their files built
+once per source weights in `<run>/peers/embed/` by the peers' own environments (venvs.py;
+the builds are child.py's build modes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.embedding.venvs import ONNX, OPENVINO
+from benchmarks.harness.machine import cpu_flags
+from benchmarks.harness.rounds import run_module
+from benchmarks.harness.venv import PeerError, Venv, ensure_venv
+from compress.report.rebench import artifacts_of
+from compress.report.runtimes import runtime_label
+from compress.runfolder.records import Manifest
+
+CHILD = "benchmarks.embedding.child"  # run as python -m CHILD
+BUILT = "peers/embed"  # under the run folder
+CALIBRATION_SAMPLES = 300  # OVQuantizationConfig's default
+
+
+def quantize_config(flags: set[str], machine: str) -> str:
+    """sentence-transformers' dynamic int8 config for this CPU: `avx512_vnni` where the CPU
+    has it, `arm64` on ARM, else `avx2`."""
+    if "avx512_vnni" in flags:
+        return "avx512_vnni"
+    return "arm64" if machine.lower() in ("aarch64", "arm64") else "avx2"
+
+
+def is_embedding_export(folder: Path) -> dict[str, Any] | None:
+    """The folder's export.json when it says `"outputs": ["embedding"]` or has an
+    `embedding` block (an AOTInductor package of a PT2E int8 encoder, as compress 8046825
+    writes it, names its output "logits" but carries the block), else None."""
+    try:
+        meta = json.loads((folder / "export.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    said = meta.get("outputs") == ["embedding"] or isinstance(meta.get("embedding"), dict)
+    return meta if said else None
+
+
+def compress_items(run_dir: Path, manifest: Manifest, one_pass: bool = False
+                   ) -> list[dict[str, Any]]:
+    """One row per embedding export of the run, in stage order (its batches in passes of
+    similar length, as the handlers run them, or for a packed file, `aoti_packed`, a batch
+    in one pass of its real tokens); with `one_pass`, each padded file also as `NAME one
+    pass`, a batch in one pass."""
+    items = []
+    for artifact in artifacts_of(run_dir):
+        folder = run_dir / artifact["folder"]
+        meta = is_embedding_export(folder)
+        if meta is None:
+            continue
+        file = folder / meta["file"]
+        packed = bool(meta.get("aoti_packed"))
+        items.append({"name": artifact["name"], "kind": "compress", "folder": str(folder),
+                      "runtime": "compress " + runtime_label(manifest, artifact["index"],
+                                                             artifact["config"]),
+                      "python": None, "size_mb": _mb(file), "peer": False, "rounds": [],
+                      "length_buckets": not packed, "packed": packed})
+        if one_pass and not packed:
+            items.append({**items[-1], "name": f"{artifact['name']} one pass",
+                          "length_buckets": False, "rounds": []})
+    return items
+
+
+def _mb(path: Path) -> float | None:
+    try:
+        return round(path.stat().st_size / 2**20, 3)
+    except OSError:
+        return None
+
+
+def peer_items(run_dir: Path, source: Path, source_sha: str, calibration: dict[str, Any] | None,
+               layout: dict[str, Any], echo: Callable[[str], None], wanted: set[str]
+               ) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:
+    """The `wanted` peers' rows (each built, or carrying why it could not be) and the
+    versions in each environment used. `calibration` ({"dataset": a folder of split files,
+    "split", "column"}) calibrates OpenVINO's int8; None: that row says it has nothing."""
+    isa = quantize_config(cpu_flags(), platform.machine())
+    versions: dict[str, dict[str, str]] = {}
+    onnx_env = _environment(ONNX, versions, echo)  # sentence-transformers fp32 runs there too
+    onnx: Any = onnx_env
+    if onnx_env is True and wanted & {"st_onnx_int8", "fastembed_fp32", "fastembed_int8"}:
+        onnx = _build(ONNX, run_dir, "st_onnx", source, source_sha,
+                      {"mode": "build_onnx", "isa": isa}, echo)
+    openvino: Any = "not wanted"
+    if "st_openvino_int8" in wanted:
+        openvino = _environment(OPENVINO, versions, echo)
+        if openvino is True and calibration is None:
+            openvino = "no local calibration split (set COMPRESS_DATA_DIR)"
+        elif openvino is True:
+            openvino = _build(OPENVINO, run_dir, "st_openvino", source, source_sha, {
+                "mode": "build_openvino",
+                "calibration": {**calibration, "samples": CALIBRATION_SAMPLES}}, echo)
+    st_onnx, st_ov, fastembed = (
+        f"{package} {versions.get(env, {}).get(package, '?')}" for env, package in (
+            ("onnx", "sentence-transformers"), ("openvino", "sentence-transformers"),
+            ("onnx", "fastembed")))
+    st = {"peer": True, **layout, "python": str(ONNX.python()), "kind": "st",
+          "folder": str(source), "size_mb": _mb(source / "model.safetensors")}
+    rows = [{**st, "name": "st_fp32", "runtime": f"{st_onnx} fp32 (torch)",
+             **({} if onnx_env is True else {"error": str(onnx_env)})},
+            _peer(onnx, "int8", {**st, "name": "st_onnx_int8", "kind": "st_onnx",
+                                 "runtime": f"{st_onnx} ONNX int8 dynamic ({isa})"}),
+            _peer(openvino, "int8", {**st, "python": str(OPENVINO.python()),
+                                     "name": "st_openvino_int8", "kind": "st_openvino",
+                                     "runtime": f"{st_ov} OpenVINO int8 static (NNCF)"}),
+            _peer(onnx, "fp32", {**st, "name": "fastembed_fp32", "kind": "fastembed",
+                                 "runtime": f"{fastembed} fp32 (ST's ONNX export)"}),
+            _peer(onnx, "int8", {**st, "name": "fastembed_int8", "kind": "fastembed",
+                                 "runtime": f"{fastembed} int8 (ST's {isa} file)"})]
+    return [{**row, "rounds": []} for row in rows if row["name"] in wanted], versions
+
+
+def st_onnx_build(run_dir: Path, source: Path, echo: Callable[[str], None]
+                  ) -> dict[str, Any] | str:
+    """sentence-transformers' ONNX export and dynamic int8 of `source` for this CPU (the
+    files peers.py times, built in the onnx environment or reused), or why not."""
+    from compress.runfolder.files import sha256_file
+
+    versions: dict[str, dict[str, str]] = {}
+    ready = _environment(ONNX, versions, echo)
+    if ready is not True:
+        return str(ready)
+    isa = quantize_config(cpu_flags(), platform.machine())
+    return _build(ONNX, run_dir, "st_onnx", source, sha256_file(source / "model.safetensors"),
+                  {"mode": "build_onnx", "isa": isa}, echo)
+
+
+def _peer(built: Any, key: str, item: dict[str, Any]) -> dict[str, Any]:
+    """`item` on the built folder's `key` file, or carrying the build's failure."""
+    if not isinstance(built, dict):
+        return {**item, "error": str(built), "size_mb": None}
+    return {**item, "folder": built["folder"], "file": built["files"][key],
+            "size_mb": built["size_mb"][key]}
+
+
+def _environment(venv: Venv, versions: dict[str, dict[str, str]],
+                 echo: Callable[[str], None]) -> bool | str:
+    """True when `venv` is ready (its versions in `versions[venv.name]`), else why not."""
+    try:
+        versions[venv.name] = ensure_venv(venv, echo)
+        return True
+    except PeerError as exc:
+        echo(f"peers_embed: the {venv.name} environment: {exc}")
+        return f"{venv.name} environment: {exc}"
+
+
+def _build(venv: Venv, run_dir: Path, name: str, source: Path, source_sha: str,
+           spec: dict[str, Any], echo: Callable[[str], None]) -> dict[str, Any] | str:
+    """`<run>/peers/embed/<name>/` built by the child in `venv` (kept while the source's
+    weights are unchanged); its build record, or why it could not be made."""
+    folder = run_dir / BUILT / name
+    record = folder / "build.json"
+    try:
+        built = json.loads(record.read_text())
+        if built.get("source_sha256") == source_sha and built.get("spec") == spec:
+            echo(f"peers_embed: {name} up to date (cached)")
+            return {**built, "folder": str(folder)}
+    except (OSError, ValueError):
+        pass
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{name}-", dir=folder.parent))
+    echo(f"peers_embed: building {name} in the {venv.name} environment (once per source)")
+    try:
+        answer = run_module(venv.python(), CHILD,
+                            {**spec, "source": str(source), "folder": str(tmp / "model")})
+        if "error" in answer:
+            echo(f"peers_embed: {name}: {answer['error']}")
+            return f"{name} build: {answer['error']}"
+        built = {**answer, "spec": spec, "source_sha256": source_sha}
+        (tmp / "model" / "build.json").write_text(json.dumps(built, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp / "model", folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {**built, "folder": str(folder)}

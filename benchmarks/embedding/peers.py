@@ -1,0 +1,254 @@
+"""A finished embedding run's exports next to what a user would run instead on the same
+source model, all timed in one invocation on this machine. From the repository root:
+
+    COMPRESS_DATA_DIR=../shared/data python -m benchmarks.embedding.peers runs/embed_int8
+    python -m benchmarks.embedding.peers RUN --rounds 1 --limit 64 --passes 1   # a smoke run
+    python -m benchmarks.embedding.peers RUN --no-peers          # compress's exports alone
+
+Rows: sentence-transformers fp32 (torch; the reference), its ONNX dynamic int8 with this
+CPU's config, its OpenVINO static int8, fastembed on the ONNX export and on the int8 file
+(peers built once per source model, in their own environments: venvs.py, child.py), and
+every export of the run whose export.json says `"outputs": ["embedding"]` (items.py). Each
+row is timed in a fresh process per round (child.py), rounds alternating order: the eval
+texts in order, in batches padded to their longest, texts in and embeddings out. Fidelity
+and recall@10 are against sentence-transformers fp32's embeddings (quality.py); the int8
+GEMM peak is benchmarks/harness/gemm.py's microbenchmark, before and after the rounds.
+Prints the table (table.py), writes Markdown, JSON and a plot. Exit 2: a missing or
+unfinished run, no embedding export, bad arguments; 1: a row, a build or the GEMM benchmark
+failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.embedding import quality
+from benchmarks.embedding.items import CHILD, compress_items, peer_items
+from benchmarks.embedding.table import (
+    plot_rows,
+    render_markdown,
+    render_text,
+    select,
+    table_rows,
+)
+from benchmarks.harness import gemm
+from benchmarks.harness.cli import echo, exit_code
+from benchmarks.harness.paths import RESULTS, default_data_dir
+from benchmarks.harness.rounds import alternating, record, run_module
+from benchmarks.harness.runs import check_finished, eval_recipe
+from compress.errors import UserError
+from compress.runfolder.files import (
+    atomic_write_json,
+    atomic_write_text,
+    environment,
+    now,
+    run_lock,
+    sha256_file,
+)
+
+DEFAULT_MARKDOWN = RESULTS / "peers_embed.md"
+PEERS = ("st_fp32", "st_onnx_int8", "st_openvino_int8", "fastembed_fp32", "fastembed_int8")
+REFERENCE = "st_fp32"  # fidelity and recall@10 are against this row's embeddings
+
+
+# the fixed shape each row is also timed at (batch, tokens), as peers.py times classifiers
+FIXED = (8, 128)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="a finished run of an embedding recipe")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, alternating order (3)")
+    parser.add_argument("--limit", type=int, metavar="N", help="the first N eval texts (all)")
+    parser.add_argument("--passes", type=int, default=3,
+                        help="timed passes over the texts per process; a round is their "
+                             "median (3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches first (3)")
+    parser.add_argument("--batch", type=int, default=32, help="texts per batch (32)")
+    parser.add_argument("--rows", nargs="+", metavar="NAME", help="time only these rows "
+                        f"(peers: {', '.join(PEERS)}; compress's: its artifact names); "
+                        f"{REFERENCE} is always timed with the peers")
+    parser.add_argument("--no-peers", action="store_true", help="compress's exports alone "
+                        "(no environment; fidelity against the run's own reference)")
+    parser.add_argument("--one-pass", action="store_true", help="also time each of "
+                        "compress's exports with a batch in one pass (`NAME one pass`: the "
+                        "handlers' length_buckets off)")
+    parser.add_argument("--no-gemm", action="store_true", help="skip the int8 GEMM peak")
+    parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH",
+                        help="the table as Markdown (benchmarks/results/peers_embed.md)")
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help="every figure (default RUN_DIR/peers_embed.json)")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "limit", "passes", "batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and report; 0, 1 when anything failed, 2 for a user error."""
+    default_data_dir()  # the SST-2 mirror beside the repository, unless one is named
+    return exit_code(lambda: _main(parse_args(argv)))
+
+
+def eval_texts(run_dir: Path, limit: int | None) -> tuple[list[str], Any, Any]:
+    """(the run's eval texts, the first `limit`; its recipe; the resolved data source)."""
+    from compress.data.datasets import load_data
+    from compress.recipe.datasets import resolve_data
+
+    recipe = eval_recipe(run_dir)
+    source = resolve_data(recipe.data.source)
+    texts = load_data(recipe, source, labels_required=False).splits["eval"].texts
+    return list(texts[:limit] if limit else texts), recipe, source
+
+
+def source_model(recipe: Any) -> tuple[Path, dict[str, Any]]:
+    """The recipe's sentence-transformers folder and its layout."""
+    from compress.families.embedding.encoder import read_layout
+    from compress.recipe.sources import resolve_model
+
+    folder = Path(resolve_model(recipe.model.source, None).location)
+    layout = read_layout(folder)
+    width = json.loads((folder / "config.json").read_text()).get("hidden_size")
+    return folder, {"pooling": layout.pooling, "normalize": layout.normalize,
+                    "dimensions": width, "max_seq_length": layout.max_seq_length or 512}
+
+
+def calibration_of(recipe: Any, data_source: Any) -> dict[str, Any] | None:
+    """Where OpenVINO's int8 is calibrated: the run's calibration split (else train) and
+    text column of its data folder, never the eval texts; None without local files."""
+    if data_source.kind != "files":
+        return None
+    split = recipe.data.calibration.split if recipe.data.calibration else "train"
+    return {"dataset": data_source.location, "split": split,
+            "column": recipe.data.text_column}
+
+
+def measure(items: list[dict[str, Any]], texts_file: Path, work: Path,
+            args: argparse.Namespace) -> None:
+    """The rounds: a fresh process per row, alternating order; the first round saves each
+    row's embeddings as `<work>/<name>.npy`."""
+    for r, item in alternating(items, args.rounds):
+        if item.get("error"):
+            continue
+        spec = {k: item.get(k) for k in ("kind", "folder", "file", "pooling", "normalize",
+                                         "dimensions", "length_buckets")}
+        spec.update(mode="measure", texts=str(texts_file), batch=args.batch,
+                    warmup=args.warmup, passes=args.passes, fixed=list(FIXED),
+                    embeddings=str(work / f"{item['name']}.npy") if r == 0 else None)
+        figures = run_module(item.get("python") or sys.executable, CHILD, spec)
+        record(item, figures)
+        echo(f"peers_embed: round {r + 1}/{args.rounds}: {item['name']}: " + (
+            f"failed: {item['error']}" if "error" in figures else
+            f"{figures['items_per_s']} sentences/s (passes {figures['items_per_s_passes']})"))
+
+
+def _main(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir.resolve()
+    check_finished(run_dir)
+    from compress.runfolder.records import require_manifest
+
+    manifest = require_manifest(run_dir)
+    texts, recipe, data_source = eval_texts(run_dir, args.limit)
+    source, layout = source_model(recipe)
+    items = compress_items(run_dir, manifest, args.one_pass)
+    names = [i["name"] for i in items] + ([] if args.no_peers else list(PEERS))
+    picked, unknown = select(names, args.rows)
+    if unknown:
+        raise UserError(f"no row named {', '.join(unknown)} (choices: {', '.join(names)})")
+    items = [i for i in items if i["name"] in picked]
+    if not items and (args.no_peers or not args.rows):
+        raise UserError(f"{run_dir}: no finished export says \"outputs\": [\"embedding\"] "
+                        "(run an embedding recipe, e.g. recipes/embed_int8.yaml)")
+    versions: dict[str, dict[str, str]] = {}
+    with run_lock(run_dir, "a compress run is using this folder; time it when the run "
+                  "has finished"):
+        if not args.no_peers:
+            wanted = {REFERENCE, *(n for n in picked if n in PEERS)}
+            peers, versions = peer_items(run_dir, source, sha256_file(
+                source / "model.safetensors"), calibration_of(recipe, data_source), layout,
+                echo, wanted)
+            items = peers + items
+        work = Path(tempfile.mkdtemp(prefix="peers_embed-"))
+        texts_file = work / "texts.json"
+        texts_file.write_text(json.dumps({"texts": texts}))
+        runs = [] if args.no_gemm else [gemm.run()]
+        measure(items, texts_file, work, args)
+        runs += [] if args.no_gemm else [gemm.run()]
+    reference = work / f"{REFERENCE}.npy"
+    notes = quality.score_rows(items, work, reference if reference.is_file() else None,
+                              run_dir, len(texts))
+    batches = quality.batch_lengths(source, texts, args.batch, layout["max_seq_length"])
+    shapes = quality.pass_shapes(batches)
+    flops, flops_note = quality.pass_flops(source, shapes)
+    bucketed, _ = quality.pass_flops(source, quality.pass_shapes(batches, bucketed=True))
+    packed = None  # a packed file's FLOPs: each text's own
+    if any(item.get("packed") for item in items):
+        packed, _ = quality.pass_flops(source, quality.pass_shapes(batches, packed=True))
+    for item in items:
+        if item.get("packed") and packed:
+            item["flops"] = packed
+        elif item.get("length_buckets") and bucketed:
+            item["flops"] = bucketed
+    if bucketed:
+        notes.append(f"compress's passes of similar length: FLOPs {bucketed / 1e9:.1f} G over "
+                     "the texts")
+    if packed:
+        notes.append(f"a packed file (no padding computed): FLOPs {packed / 1e9:.1f} G over "
+                     "the texts, each text's own")
+    peak = gemm.peaks(runs)["int8_gops"] if runs else None
+    fixed_flops, _ = quality.pass_flops(source, [FIXED])
+    if fixed_flops:
+        notes.append(f"b{FIXED[0]}x{FIXED[1]}: a batch of {FIXED[0]} texts of {FIXED[1]} "
+                     f"tokens each in one call, texts in, embeddings out (15 calls after the "
+                     f"warm-up, the median; FLOPs {fixed_flops / 1e9:.2f} G a call)")
+    rows = table_rows(items, flops, len(texts), peak, fixed_flops)
+    print(render_text(rows), end="")
+    header = _header(args, recipe, source, texts, versions, peak, shapes,
+                     [*notes, flops_note])
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown = render_markdown(rows, header)
+    picture = plot_rows(rows, args.markdown.with_suffix(".png"))
+    if picture is not None:
+        markdown += f"\n![sentences/s against fidelity]({picture.name})\n"
+    atomic_write_text(args.markdown, markdown)
+    json_path = args.json or run_dir / "peers_embed.json"
+    atomic_write_json(json_path, {"header": header, "gemm_runs": runs, "items": items,
+                                  "rows": rows})
+    echo(f"peers_embed: wrote {args.markdown} and {json_path} (embeddings in {work})")
+    failed = [g for g in runs if "error" in g] + [i for i in items if i.get("error")]
+    return 1 if failed else 0
+
+
+def _header(args: argparse.Namespace, recipe: Any, source: Path, texts: list[str],
+            versions: dict[str, dict[str, str]], peak: float | None, shapes: list, notes: list[str]
+            ) -> dict[str, Any]:
+    env = environment()
+    isa = env["cpu"]["isa"]
+    return {"date": now(), "command": shlex.join(["python", "-m", "benchmarks.embedding.peers",
+                                                  *sys.argv[1:]]),
+            "run": str(args.run_dir), "cpu": env["cpu"]["model"], "cores": env["cpu"]["cores"],
+            "isa": {"avx2": isa.get("avx2"), "avx512_vnni": isa.get("avx512_vnni"),
+                    "avx512_bf16": isa.get("avx512_bf16"),
+                    "amx": any(v for k, v in isa.items() if k.startswith("amx"))},
+            "versions": {k: v for k, v in env["libraries"].items()
+                         if k in ("torch", "transformers", "onnxruntime")},
+            "environments": versions,
+            "model": f"{recipe.model.source} ({source})", "texts": len(texts),
+            "source": f"{recipe.data.source}, eval split", "batch": args.batch,
+            "mean_tokens": quality.mean_tokens(shapes), "rounds": args.rounds,
+            "passes": args.passes, "warmup": args.warmup, "int8_gops": peak, "notes": notes}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""The GPU paths: the GPU test tier and 2:4 sparse against dense fp16 (`check.sh`,
+`sparse24`)."""

@@ -1,0 +1,41 @@
+"""This machine as /proc/cpuinfo describes it: the CPU's flags, its model name and its SIMD
+flags (standard library only, so a child in a peer's own environment reads them too)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+SIMD = re.compile(r"^(avx|amx|fma|f16c|sse4|vnni|bf16)")
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def cpu_flags() -> set[str]:
+    """/proc/cpuinfo's first `flags` line (empty where there is none)."""
+    return next((set(ln.split(":", 1)[1].split()) for ln in _cpuinfo()
+                 if ln.startswith("flags")), set())
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name, None where /proc/cpuinfo does not say."""
+    return next((ln.split(":", 1)[1].strip() for ln in _cpuinfo()
+                 if ln.startswith("model name")), None)
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's model name and its SIMD flags, from /proc/cpuinfo."""
+    model, flags = None, []
+    for line in _cpuinfo():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model is None:
+            model = value.strip()
+        if key.strip() == "flags" and not flags:
+            flags = [f for f in value.split() if SIMD.match(f)]
+    return {"cpu": model or "unknown", "flags": " ".join(flags) or "unknown"}

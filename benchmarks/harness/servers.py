@@ -1,0 +1,151 @@
+"""What the served benchmarks share (benchmarks/causal_lm/served*.py, embedding/served*.py):
+a server's launch watched until it answers, its whole process tree's resident memory
+sampled while it runs, the last line of its log, and the served tables' cells and Markdown.
+
+Cold start is the time from launching the command to the first answered request (one
+every quarter second); resident memory is sampled every half second over the server's
+process tree (its root and every descendant: TorchServe's Java frontend and its Python
+workers) and its maximum kept."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.venv import PeerError
+
+READY_GRACE_S = 60  # how long `compress serve` may have said READY before its first answer
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of process `root` and all its descendants (0 when it is gone)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    total, todo, page = 0, [root], os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        pid = todo.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+        except (OSError, IndexError, ValueError):
+            continue
+        todo += children.get(pid, [])
+    return total
+
+
+class RssSampler:
+    """A thread that samples the resident memory of a process tree whose root `root()`
+    names (None: not known yet); `peak` is the largest sum seen."""
+
+    def __init__(self, root: Callable[[], int | None], every_s: float = 0.5):
+        self.root, self.every_s, self.peak = root, every_s, 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            pid = self.root()
+            if pid is not None:
+                self.peak = max(self.peak, tree_rss_bytes(pid))
+            self.stopped.wait(self.every_s)
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join()
+        return self.peak
+
+
+def tail(log: Path) -> str:
+    """The last non-empty line of a server's log (300 characters at most)."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return (lines or ["no output"])[-1][:300]
+
+
+def wait_answered(process: subprocess.Popen, ask: Callable[[], str | None], key: str,
+                  log: Path, timeout_s: float, began: float, exits_when_ready: bool) -> float:
+    """Ask (`ask()`: None once answered, else what came back) every quarter second until
+    the launched server answers; the seconds since `began`. PeerError when the process
+    exits (but with 0 where `exits_when_ready`: `compress serve` returns once READY) or
+    gives no answer within `timeout_s` (or READY_GRACE_S after it said READY)."""
+    ready_at = None
+    while (answer := ask()) is not None:
+        waited = time.monotonic() - began
+        code = process.poll()
+        if code is not None and (code != 0 or not exits_when_ready):
+            raise PeerError(f"{key}: the server exited with {code}: {tail(log)}")
+        if code == 0:
+            ready_at = ready_at or time.monotonic()
+        if waited > timeout_s or (ready_at and time.monotonic() - ready_at > READY_GRACE_S):
+            raise PeerError(f"{key}: no answer {waited:.0f} s after the launch (last: "
+                            f"{answer[:200]}; log: {log})")
+        time.sleep(0.25)
+    return time.monotonic() - began
+
+
+def visit(server: Any, timeout_s: float, load: Callable[[Any, dict[str, Any]], None]
+          ) -> dict[str, Any]:
+    """One round's figures of one server: started (`cold_start_s`), loaded
+    (`load(server, figures)` adds what it measured), always stopped (`rss_peak_bytes`, the
+    peak of its process tree); a failure is the round's `error`, one line."""
+    from compress.errors import one_line
+
+    figures: dict[str, Any] = {}
+    try:
+        figures["cold_start_s"] = round(server.start(timeout_s), 2)
+        load(server, figures)
+    except PeerError as exc:
+        figures["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - this server's round failed; the rest go on
+        figures["error"] = one_line(exc)
+    finally:
+        figures["rss_peak_bytes"] = server.stop()
+    return figures
+
+
+# ------------------------------------------------------------------ the served tables
+
+
+def median(values: list[float | None]) -> float | None:
+    """The median of the values that are there, rounded to 0.01 (None when none are)."""
+    kept = [v for v in values if v is not None]
+    return round(statistics.median(kept), 2) if kept else None
+
+
+def shown(value: float | None) -> str:
+    """A ratio as printed: `1.50x`, or `n/a`."""
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def cells(rows: list[dict[str, Any]], columns: tuple[tuple[str, str], ...]
+          ) -> list[list[str]]:
+    """Each row's cells under `columns` ((heading, key)): '-' where a figure is missing."""
+    return [["-" if row.get(k) is None else str(row[k]) for _, k in columns] for row in rows]
+
+
+def markdown(rows: list[dict[str, Any]], columns: tuple[tuple[str, str], ...], left: int,
+             lines: list[str], header: dict[str, Any]) -> str:
+    """A served table as Markdown under its header (title, date, CPU and its SIMD flags,
+    command, facts; the first `left` columns left-aligned), then the ratio lines and the
+    notes."""
+    out = [f"# {header['title']}", "", f"- date: {header['date']}",
+           f"- CPU: {header['cpu']} ({header['cores']} cores seen by the OS)",
+           f"- CPU flags (SIMD, from /proc/cpuinfo): {header['flags']}",
+           f"- command: `{header['command']}`"]
+    out += [f"- {k}: {v}" for k, v in header["facts"].items()]
+    out += ["", "| " + " | ".join(t for t, _ in columns) + " |",
+            "|" + "|".join("---" if i < left else "---:" for i in range(len(columns))) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in cells(rows, columns)]
+    out += (["", "Ratios:", ""] + [f"- {line}" for line in lines]) if lines else []
+    out += ["", "Notes:", ""] + [f"- {note}" for note in header["notes"]]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,1 @@
+"""Training: activation checkpointing's memory and time, and FSDP killed and resumed."""

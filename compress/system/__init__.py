@@ -1,0 +1,2 @@
+"""What compress reads of the machine it runs on, below every other sub-package (no torch):
+its processes (`processes`)."""

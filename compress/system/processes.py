@@ -1,0 +1,114 @@
+"""This machine's processes as Linux's /proc shows them: every process id, whether one is
+alive, its state, process group and start time (`/proc/<pid>/stat`), its command line,
+environment and children, this boot's id, and this process's peak resident memory.
+
+Where /proc does not say (another OS, a process that ended meanwhile, another user's
+environment) each answers None, "" or nothing rather than raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+ENDED = ("Z", "X")  # a zombie (exited, not reaped yet) and a dead process
+
+
+@dataclass(frozen=True)
+class ProcessStat:
+    """What compress reads of `/proc/<pid>/stat` (fields 3, 5 and 22)."""
+
+    state: str  # R running, S sleeping, Z zombie...
+    pgid: int  # its process group
+    start_ticks: int  # when it started, in clock ticks since boot
+
+
+def boot_id() -> str | None:
+    """This boot's id (None where /proc does not say)."""
+    try:
+        return (PROC / "sys" / "kernel" / "random" / "boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def pids() -> list[int]:
+    """The id of every process on this machine (none where /proc cannot be read)."""
+    try:
+        return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return []
+
+
+def stat(pid: int) -> ProcessStat | None:
+    """Process `pid`'s state, group and start time (None: gone, or no /proc)."""
+    try:
+        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return ProcessStat(state=fields[0], pgid=int(fields[2]), start_ticks=int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def command_line(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ("" where unreadable)."""
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+def environment(pid: int) -> list[bytes]:
+    """Process `pid`'s environment, one `NAME=value` entry each (none where unreadable)."""
+    try:
+        return (PROC / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """The processes that process `pid` (any of its threads) started."""
+    found: list[int] = []
+    for listing in (PROC / str(pid) / "task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(child) for child in listing.read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    found = stat(pid)
+    return found is None or found.state not in ENDED
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes (zombies left out) of process group `pgid`."""
+    return [pid for pid in pids()
+            if (found := stat(pid)) is not None and found.pgid == pgid
+            and found.state not in ENDED]
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak of this process's resident memory (clear_refs 5 resets VmHWM)."""
+    with contextlib.suppress(OSError):
+        (PROC / "self" / "clear_refs").write_text("5")
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident memory of this process since the last reset, in MB (None where /proc
+    does not say)."""
+    try:
+        for line in (PROC / "self" / "status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None

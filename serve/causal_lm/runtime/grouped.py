@@ -1,0 +1,256 @@
+"""Grouped weight schemes: `int8_grouped` (int8 codes) and `int4_grouped` (4-bit codes, two
+a byte), each group of `group_size` input channels with its own float32 scale and offset,
+and float32 activations; the input embedding is stored as int8 groups (shipped beside
+the runtime package; imports torch and `kernels.py` only).
+
+Why they exist: greedy decoding of a small LM sits on near-ties (SmolLM2-135M's top two
+logits are within 0.1 of each other at 3.6% of its greedy steps), so any rounding of the
+activations (bfloat16, or int8 as llama.cpp does) or any weight grid coarser than the
+model's own flips tokens. At 8 bits each group is fitted on two grids and keeps the one
+that reproduces it better: affine (255 steps from the group's minimum to its maximum) or
+symmetric (amax / 127); at 4 bits on the affine grid of 15 steps. A weight that already lies
+on such a grid, as a GGUF's Q8_0 (symmetric int8 per 32) and Q4_1 (16 affine steps per 32)
+groups do, is reproduced to float32 rounding, so the model decodes the float model's tokens.
+
+Speed: with groups of 32, each module keeps its weight also in `grouped_kernels.cpp`'s
+layout (`packed`, rebuilt whenever the weights are set or loaded, not saved) and its
+forward is that file's operator, which dequantizes each group in registers and multiplies
+it with every activation row, reading the weight once per call (compiled graphs call it as
+one extern kernel). Without it (no compiler, or another group size) the module dequantizes
+the weight and calls the float32 product.
+Inductor's freezing would fold the dequantization into float32 constants, so the modules say
+`freeze_weights = False` and `StaticDecoder` compiles such models without freezing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .fused import FusableLinear
+from .kernels import GROUP, grouped_mm_available
+
+BITS = {"int8_grouped": 8, "int4_grouped": 4}  # scheme: bits per code
+SCHEMES = tuple(BITS)
+# activation modes: the exact float32 product, and the opt-in int8 and bf16 ones (`forward`)
+ACTIVATIONS = ("float32", "int8", "bf16")
+
+
+class GroupedLinear(FusableLinear):
+    """A Linear whose weight is `bits`-bit codes in groups along the input:
+    w = code * scale + offset. 8-bit codes are int8, one a byte; 4-bit codes are 0..15, two a
+    byte, laid out per group as a GGUF's Q4 blocks (byte j: code j low, code j + 16 high)."""
+
+    freeze_weights = False  # read by StaticDecoder.compile (see the module docstring)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 bits: int = 8):
+        super().__init__()
+        if in_features % group_size:
+            raise ValueError(f"grouped weights: group_size {group_size} does not divide a "
+                             f"Linear's {in_features} input features; pick a divisor")
+        if bits == 4 and group_size != GROUP:
+            raise ValueError(f"int4_grouped: group_size must be {GROUP} (the 4-bit layout), "
+                             f"not {group_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size, self.bits = group_size, bits
+        groups = in_features // group_size
+        dtype, width = (torch.int8, in_features) if bits == 8 else (torch.uint8, in_features // 2)
+        self.register_buffer("qweight", torch.zeros(out_features, width, dtype=dtype))
+        self.register_buffer("scale", torch.ones(out_features, groups))
+        self.register_buffer("offset", torch.zeros(out_features, groups))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.register_buffer("packed", None, persistent=False)  # the kernel's layout
+        self.half_scales = False  # whether `packed` holds float16 scales and offsets
+        self.activations = "float32"  # one of ACTIVATIONS: see `forward`
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                    group_size: int, bits: int = 8) -> GroupedLinear:
+        """An out x in float weight (and bias) fitted onto per-group grids."""
+        module = cls(weight.shape[1], weight.shape[0], bias is not None, group_size, bits)
+        q, scale, offset = fit_groups(weight.detach().float(), group_size, bits)
+        module.qweight.copy_(q if bits == 8 else pack_nibbles(q))
+        module.scale.copy_(scale)
+        module.offset.copy_(offset)
+        if bias is not None:
+            module.bias.copy_(bias.detach().float())
+        module.pack()
+        return module
+
+    def pack(self) -> None:
+        """Lay the weight out for the kernel (`packed`), where the kernel is at hand, with
+        float16 scales and offsets where they all are float16 values (`half_scales`)."""
+        if self.group_size == GROUP and grouped_mm_available():
+            self.half_scales = all(torch.equal(t.half().float(), t)
+                                   for t in (self.scale, self.offset))
+            self.packed = torch.ops.compress_lm.grouped_pack(
+                self.qweight, self.scale, self.offset, self.bits, self.half_scales)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        self.refuse_when_fused()
+        super()._load_from_state_dict(*args, **kwargs)
+        self.pack()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int, bits: int = 8) -> GroupedLinear:
+        """The Linear's weight fitted onto per-group grids (`fit_groups`)."""
+        return cls.from_weight(linear.weight, linear.bias, group_size, bits)
+
+    def codes(self) -> torch.Tensor:
+        """The codes, out_features x in_features (4-bit ones unpacked, as uint8)."""
+        return self.qweight if self.bits == 8 else unpack_nibbles(self.qweight)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, out_features x in_features."""
+        return dequantize_groups(self.codes(), self.scale, self.offset)
+
+    def fusion_key(self) -> tuple[object, ...]:
+        return GroupedLinear, self.in_features, self.bits, self.half_scales, self.activations
+
+    def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
+                ) -> torch.Tensor:
+        """In the opt-in modes (`activations`), x of two rows or more is first rounded:
+        "int8" to int8 per group of 32, as llama.cpp's Q8_0 blocks are
+        (`grouped_int8_activations.cpp`), "bf16" to bfloat16 (`grouped_bf16_activations.cpp`,
+        AVX512-BF16; exact float32 on a CPU without it)."""
+        return grouped_product(self.activations)(x.float(), packed, out_features, self.bits,
+                                                 self.half_scales)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bits={self.bits}")
+
+
+def grouped_product(activations: str) -> Callable[..., torch.Tensor]:
+    """The kernel operator of records for an activation mode (one of ACTIVATIONS)."""
+    ops = torch.ops.compress_lm
+    return {"float32": ops.grouped_mm, "int8": ops.grouped_mm_int8,
+            "bf16": ops.grouped_mm_bf16}[activations]
+
+
+class GroupedEmbedding(nn.Module):
+    """An embedding table stored as an 8-bit `GroupedLinear` stores a weight: each looked-up
+    row is dequantized (a tied head's table is the same Q8_0 tensor in a GGUF, kept
+    exactly)."""
+
+    def __init__(self, table: GroupedLinear):
+        super().__init__()
+        self.table = table
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group_size: int) -> GroupedEmbedding:
+        return cls(GroupedLinear.from_weight(embedding.weight, None, group_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        return dequantize_groups(table.qweight[ids], table.scale[ids], table.offset[ids])
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """rows x inputs codes 0..15 -> rows x inputs/2 bytes: per group of 32, byte j holds
+    code j in its low nibble and code j + 16 in its high nibble."""
+    rows, cols = codes.shape
+    halves = codes.to(torch.uint8).view(rows, cols // GROUP, 2, GROUP // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`."""
+    rows, width = packed.shape
+    blocks = packed.view(rows, width * 2 // GROUP, GROUP // 2)
+    return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(rows, width * 2)
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                      ) -> torch.Tensor:
+    """float32 values of codes `q` (..., inputs) with a scale and offset per group of inputs
+    (..., groups): q * scale + offset."""
+    grouped = q.view(*scale.shape, -1).float()
+    return (grouped * scale[..., None] + offset[..., None]).view(q.shape)
+
+
+def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scale, offset) of a float32 weight. 8 bits: int8 codes, per group of
+    `group_size` input channels the affine grid (255 steps over [min, max]) or the symmetric
+    one (amax / 127, no offset), whichever has the smaller largest rounding error, except
+    that a group a float16 grid reproduces to float32 rounding keeps that grid (a GGUF's
+    Q4_1 group: 16 steps of a float16 size from a float16 minimum; Q8_0: amax / 127 in
+    float16), so the kernel can hold its scales in float16 (`GroupedLinear.pack`). 4 bits:
+    codes 0..15 (uint8, unpacked) on the affine grid of 15 steps from the group's minimum,
+    step and minimum rounded to float16 first (as a GGUF's Q4_1 stores them, so its groups
+    are kept exactly and the kernel's float16 copy loses nothing)."""
+    rows, cols = weight.shape
+    groups = weight.reshape(rows, cols // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    if bits == 4:
+        low = low.half().float()
+        scale = ((high - low) / 15).clamp_min(2 ** -14).half().float()
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        return q.to(torch.uint8).reshape(rows, cols), scale, low
+    affine_scale = ((high - low) / 255).clamp_min(1e-12)
+    affine_offset = low + 128 * affine_scale
+    affine_q = torch.round((groups - low[..., None]) / affine_scale[..., None]).clamp(0, 255) - 128
+    symmetric_scale = (groups.abs().amax(-1) / 127).clamp_min(1e-12)
+    symmetric_q = torch.round(groups / symmetric_scale[..., None]).clamp(-127, 127)
+
+    zero = torch.zeros_like(low)
+
+    def worst(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        return (q * scale[..., None] + offset[..., None] - groups).abs().amax(-1)
+
+    symmetric = (worst(symmetric_q, symmetric_scale, zero)
+                 < worst(affine_q, affine_scale, affine_offset))
+    q = torch.where(symmetric[..., None], symmetric_q, affine_q)
+    scale = torch.where(symmetric, symmetric_scale, affine_scale)
+    offset = torch.where(symmetric, zero, affine_offset)
+    # float16 grids where they reproduce a group to float32 rounding
+    tolerance = 2 ** -20 * groups.abs().amax(-1)
+    q4, step4, low4 = fit_groups(weight, group_size, 4)
+    q4 = q4.view(groups.shape).float()
+    half_scale = symmetric_scale.half().float().clamp_min(2 ** -24)
+    half_q = torch.round(groups / half_scale[..., None]).clamp(-127, 127)
+    for grid_q, grid_scale, grid_offset in ((half_q, half_scale, zero), (q4, step4, low4)):
+        exact = worst(grid_q, grid_scale, grid_offset) <= tolerance
+        q = torch.where(exact[..., None], grid_q, q)
+        scale = torch.where(exact, grid_scale, scale)
+        offset = torch.where(exact, grid_offset, offset)
+    return q.to(torch.int8).reshape(rows, cols), scale, offset
+
+
+def quantize_grouped(model: nn.Module, group_size: int,
+                     filter_fn: Callable[[nn.Module, str], bool], bits: int = 8,
+                     fit: bool = True, activations: str = "float32") -> int:
+    """Replace the Linears of `model` that `filter_fn(module, name)` picks (torchao
+    `quantize_`'s filter) by `GroupedLinear`s in place; how many were replaced. `fit=False`:
+    empty modules of the same shapes, for weights loaded next from a state dict (fitting
+    weights about to be replaced took 30 of a worker's 42 s start). `activations`: the
+    modules' mode, one of ACTIVATIONS (`GroupedLinear.forward`)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"grouped weights: activations {activations!r} is not one of "
+                         f"{', '.join(ACTIVATIONS)}")
+    chosen = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, nn.Linear) and filter_fn(module, name)]
+    for name, linear in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = (GroupedLinear.from_linear(linear, group_size, bits) if fit else
+                  GroupedLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                                group_size, bits))
+        module.activations = activations
+        setattr(parent, child, module)
+    return len(chosen)
+
+
+def quantize_embedding(model: nn.Module, group_size: int, fit: bool = True) -> None:
+    """The input embedding of a Hugging Face model as a `GroupedEmbedding`, in place
+    (untie the output head from it first; `fit`: as `quantize_grouped`'s)."""
+    table = model.get_input_embeddings()
+    if isinstance(table, nn.Embedding):
+        rows, width = table.weight.shape
+        model.set_input_embeddings(GroupedEmbedding.from_embedding(table, group_size) if fit
+                                   else GroupedEmbedding(GroupedLinear(width, rows, False,
+                                                                       group_size)))

@@ -1,0 +1,211 @@
+"""How the continuous batcher (`batcher.py`) prefills prompts: the requests admitted at one
+step as one batch (left-padded, each row's rotary positions from its own first token), in
+chunks of positions interleaved with the running rows' decode steps, through one compiled
+graph whose rows and chunk length are dynamic (where the decode step is compiled). With a
+prefix cache (`prefix_cache.py`), the positions a prompt shares with one prefilled before
+are copied in once, not computed. Torch and transformers only; shipped in `causal_lm`."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from serve.handler_settings import HandlerSettings
+
+from ..runtime.attention import attention, decode_attention_for
+from ..runtime.decode import left_pad
+from ..runtime.static_cache import empty_cache
+from .prefix_cache import PrefixCache
+from .rows import Row
+
+
+def prefill_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
+                  position_ids: torch.Tensor, mask: torch.Tensor, window: torch.Tensor | None,
+                  last_only: bool) -> torch.Tensor:
+    """The last position's logits (rows x vocab) of a chunk of `ids` (rows x chunk) written
+    to `cache` at `positions` (the cache's write position must be set there), attending to
+    the first `len(window)` cache positions where given (those written once this chunk is;
+    the model runs the decode attention)."""
+    extra: dict[str, Any] = {"decode_window": window} if window is not None else {}
+    if last_only:
+        extra["logits_to_keep"] = 1
+    out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
+                attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
+    return out.logits[:, -1]
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """Rows being prefilled together: their prompts left-padded to one length."""
+
+    rows: list[Row]
+    ids: torch.Tensor  # prompts x length: rows with the same prompt share one
+    pads: list[int]  # per prompt
+    source: list[int]  # per row: its prompt's index (its slot in the prefill's cache)
+    done: int = 0  # positions written so far
+    logits: torch.Tensor | None = None  # the last position's, per prompt, once done
+
+    def row_logits(self, index: int) -> torch.Tensor:
+        """Row `index`'s logits (1 x vocab), a copy (the batcher masks them in place)."""
+        assert self.logits is not None
+        slot = self.source[index]
+        return self.logits[slot:slot + 1].clone()
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.length
+
+
+def _size_oblivious(compiled: bool) -> Any:
+    """Where the graph compiles, sizes of 1 take its general path rather than a graph of
+    their own (a prefill of one row is the common one; Dynamo specializes sizes 0 and 1)."""
+    if not compiled:
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config
+
+    return _config.patch(backed_size_oblivious=True)
+
+
+class Prefiller:
+    """Prefills `PrefillJob`s over caches of its own (one per row count, `cache_len`
+    positions), at most `chunk` positions at a time where others are waiting, and where
+    `budgeted` no more than fit a time budget (`step`); `compiled`: through torch.compile,
+    rows and chunk length dynamic (one graph)."""
+
+    def __init__(self, model: nn.Module, cache_len: int,
+                 chunk: int = HandlerSettings.prefill_chunk,
+                 prefix_cache: PrefixCache | None = None, compiled: bool = False,
+                 last_only: bool = True, budgeted: bool = True):
+        self.model, self.cache_len, self.chunk = model, cache_len, max(1, chunk)
+        self.prefix_cache, self.last_only = prefix_cache, last_only
+        self.caches: dict[int, Any] = {}
+        self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
+        self.compiled = compiled
+        self.windowed = decode_attention_for(model) is not None  # see `prefill_chunk`
+        self.budgeted = budgeted
+        self.position_s: dict[int, float] = {}  # by rows: a row's position, averaged
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Prefill two rows, then one, so that the compiled graphs (rows of 1 have their
+        own) compile now, not on a request (in inference mode, as the batcher runs them);
+        nothing is cached."""
+        with attention(self.model, decode_attention_for(self.model)):  # the batcher's
+            for rows in (2, 1):
+                job = self.start([Row([0, 0, k], 1, lambda token, end: None)
+                                  for k in range(rows)])
+                self.step(job, whole=True)
+        self.position_s.clear()  # a compiling warm-up says nothing of a chunk's time
+
+    def start(self, rows: list[Row]) -> PrefillJob:
+        """A job for `rows`, with the positions their prompts share with cached ones filled;
+        rows with the same prompt (a request's `n` choices) are prefilled once."""
+        prompts: dict[tuple[int, ...], int] = {}
+        source = [prompts.setdefault(tuple(r.ids), len(prompts)) for r in rows]
+        ids, _, pads = left_pad([list(p) for p in prompts])
+        job = PrefillJob(rows, ids, pads.tolist(), source)
+        cache = self._cache(len(prompts))
+        hits = [self.prefix_cache.lookup(list(p)) if self.prefix_cache else None
+                for p in prompts]
+        for slot, (hit, pad) in enumerate(zip(hits, job.pads, strict=True)):
+            if hit is not None:
+                for layer, keys, values in zip(cache.layers, hit.keys, hit.values, strict=True):
+                    layer.keys[slot, :, pad:pad + hit.length] = keys
+                    layer.values[slot, :, pad:pad + hit.length] = values
+        job.done = min(pad + (hit.length if hit else 0)
+                       for pad, hit in zip(job.pads, hits, strict=True))
+        return job
+
+    def chunk_for(self, rows: int, budget_s: float | None) -> int:
+        """Positions of a chunk of `rows` rows that take about `budget_s` (at most `chunk`,
+        at least 2), from the time chunks of as many rows took so far (8 before any)."""
+        if budget_s is None or not self.budgeted:
+            return self.chunk
+        if rows not in self.position_s:
+            return min(self.chunk, 8)
+        return max(2, min(self.chunk, int(budget_s / (self.position_s[rows] * rows))))
+
+    def step(self, job: PrefillJob, whole: bool, budget_s: float | None = None) -> None:
+        """Prefill the job's next chunk (`whole`: every position left, where no row is
+        waiting for a decode step; else about `budget_s` of work where given: a running
+        row's gap between two tokens grows by that much, not by a whole chunk's time)."""
+        rows = job.ids.shape[0]
+        end = job.length if whole else min(job.length,
+                                           job.done + self.chunk_for(rows, budget_s))
+        if end - job.done < 2 <= job.length:  # positions already written are written again:
+            job.done = end - 2  # the graph's chunks are 2 or longer, and a chunk of one
+            # would run the decode attention, whose softmax over a pad's fully masked
+            # positions is NaN (SDPA's is 0), left in the cache for later chunks to read
+        cache = self.caches[rows]
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(job.done)
+        positions = torch.arange(job.done, end)
+        pads = torch.tensor(job.pads)
+        position_ids = (positions[None] - pads[:, None]).clamp(min=0)
+        mask = (torch.arange(self.cache_len)[None] >= pads[:, None]).long()
+        # fresh strides (not `contiguous()`, which keeps a one-row slice's): a graph traced on
+        # a whole prompt guards them, and a chunk's slice would compile another
+        ids = job.ids[:, job.done:end].clone(memory_format=torch.contiguous_format)
+        window = torch.empty(end, dtype=torch.int8) if self.windowed else None
+        if self.compiled:  # rows: one graph for 1, one for more (matmul tells them apart)
+            for tensor in (ids, position_ids, mask):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.mark_dynamic(ids, 1, min=2, max=self.cache_len)
+            torch._dynamo.mark_dynamic(position_ids, 1, min=2, max=self.cache_len)
+            torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.cache_len)
+            if window is not None:  # (a full window slices nothing: a guard of its own)
+                torch._dynamo.maybe_mark_dynamic(window, 0)
+        began = time.perf_counter()
+        with _size_oblivious(self.compiled):
+            job.logits = self.run(self.model, cache, ids, positions, position_ids, mask,
+                                  window, self.last_only)
+        spent = (time.perf_counter() - began) / (rows * (end - job.done))
+        self.position_s[rows] = 0.5 * (self.position_s.get(rows, spent) + spent)
+        job.done = end
+        if job.finished and self.prefix_cache is not None:
+            for index, row in enumerate(job.rows):
+                if job.source.index(job.source[index]) == index:  # a prompt's first row
+                    keys, values = self.keys_values(job, index)
+                    self.prefix_cache.store(row.ids, [k[0] for k in keys],
+                                            [v[0] for v in values])
+
+    def keys_values(self, job: PrefillJob, slot: int
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A finished row's keys and values (row `slot` of the job's rows), per layer
+        1 x heads x prompt x dim (views)."""
+        slot = job.source[slot]
+        pad, cache = job.pads[slot], self.caches[job.ids.shape[0]]
+        return ([layer.keys[slot:slot + 1, :, pad:job.length] for layer in cache.layers],
+                [layer.values[slot:slot + 1, :, pad:job.length] for layer in cache.layers])
+
+    def _cache(self, rows: int) -> Any:
+        """The cache for `rows` rows, zeroed: its tensors plain graph inputs, their rows
+        dynamic, so one compiled graph serves every count (transformers marks them static
+        addresses, which a graph would take for constants)."""
+        if rows not in self.caches:
+            cache = empty_cache(self.model, rows, self.cache_len, dynamic_rows=True)
+            self.caches[rows] = cache
+        return self.caches[rows]
+
+
+def prefiller_of(model: nn.Module, settings: HandlerSettings, cache_len: int,
+                 compiled: bool) -> Prefiller:
+    """The handler's prefiller from model-config's `handler:` settings: `prefill_chunk`
+    (positions a chunk), `prefix_cache` (true, false, or the positions it holds; true:
+    4 x cache_len), `prefill_compile` (true: where the decode step is compiled)."""
+    held = settings.prefix_cache
+    tokens = 4 * cache_len if held is True else int(held or 0)
+    return Prefiller(model, cache_len, settings.prefill_chunk,
+                     PrefixCache(tokens) if tokens else None,
+                     compiled and settings.prefill_compile,
+                     "logits_to_keep" in inspect.signature(model.forward).parameters)

@@ -1,0 +1,242 @@
+"""Requests to a served causal LM: parsing and limits, and the text each answer streams.
+
+Shipped in the causal-LM TorchServe archive beside `handler.py` (which may define only
+one class) and the runtime; imports no compress code, and no torch.
+
+A request is a JSON object: `prompt` (a string) or `messages` (chat messages, through the
+tokenizer's chat template), and optionally `max_new_tokens`, `temperature` (0: greedy),
+`top_p`, `stop` (strings that end the text, not included), `seed` (for sampling),
+`ignore_eos` (true: the end token does not end the text, as vLLM's and llama-server's
+option; on continuous-batching archives) and `stream` (default true: the text comes in
+NDJSON chunks as it is generated). On continuous-batching archives also `n` (answers that
+share one prefill), `logprobs` (0-20: each token's log-probability and that many likeliest
+rivals) and `json_schema` (the answer is JSON valid against it: `grammar.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.handler_settings import HandlerSettings
+
+from . import openai_request
+
+FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "stop", "seed",
+          "ignore_eos", "stream", "n", "logprobs", "json_schema")
+MAX_CHOICES = 8  # `n`: answers to one prompt, each a row of the batch
+MAX_LOGPROBS = 20  # `logprobs`: rivals reported per token
+MAX_STOPS = 8
+MAX_STOP_CHARS = 64  # bounds the text a stop check looks at on every token
+MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow to inf and sampling fails
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for."""
+
+    max_new_tokens: int = HandlerSettings.max_new_tokens
+    default_new_tokens: int = HandlerSettings.default_new_tokens
+    cache_len: int = HandlerSettings.cache_len  # prompt + new tokens per row
+    chat_template: bool = HandlerSettings.chat_template  # a plain `prompt` through it too
+    max_prompt_chars: int = 0  # more characters cannot fit cache_len tokens (0: no bound)
+
+
+@dataclass
+class GenerationRequest:
+    """One parsed request."""
+
+    ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = True
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    json_schema: dict[str, Any] | None = None
+
+
+def read_body(request: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object of a TorchServe request (ValueError: its message goes back as 400)."""
+    body = request.get("body", request.get("data"))
+    if isinstance(body, bytes | bytearray):
+        try:
+            body = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("the body is not UTF-8 text") from None
+    if isinstance(body, str):
+        try:
+            body = json.loads(body) if body.strip() else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("malformed JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise ValueError('send a JSON object: {"prompt": "..."} or {"messages": [{"role": '
+                         '"user", "content": "..."}]}, with optional max_new_tokens, '
+                         "temperature, top_p, stop, seed, stream")
+    return body
+
+
+def parse_request(request: dict[str, Any], route: str | None, encode, limits: Limits
+                  ) -> tuple[GenerationRequest, openai_request.Wanted | None]:
+    """(a TorchServe request parsed, what its OpenAI answer carries beyond the text: None
+    on the native API), on OpenAI's `route` where given. ValueError: a 400 that says why."""
+    body = read_body(request)
+    if route is None:
+        return parse(body, encode, limits), None
+    body, wanted = openai_request.native_body(route, body)
+    return parse(body, encode, limits), wanted
+
+
+def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
+    """Check a request body against `limits`; `encode(prompt or messages)` -> token ids."""
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0]!r} (fields: {', '.join(FIELDS)})")
+    if ("prompt" in body) == ("messages" in body):
+        raise ValueError('give exactly one of "prompt" (a string) and "messages" (a list '
+                         'of {"role", "content"})')
+    prompt = body.get("prompt", body.get("messages"))
+    if "prompt" in body and (not isinstance(prompt, str) or not prompt.strip()):
+        raise ValueError("empty prompt: send a non-empty string")
+    if "messages" in body and (not isinstance(prompt, list) or not prompt or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in prompt)):
+        raise ValueError('messages: a non-empty list of {"role": str, "content": str}')
+    if "messages" in body and not any(m["content"].strip() for m in prompt):
+        raise ValueError("empty prompt: every message is empty")
+    new = _number(body, "max_new_tokens", limits.default_new_tokens, 1,
+                  limits.max_new_tokens, integer=True)
+    temperature = _number(body, "temperature", 0.0, 0.0, 10.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature: 0 (greedy) or from {MIN_TEMPERATURE:g} to 10, got "
+                         f"{temperature!r}")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0:
+        raise ValueError("top_p: must be above 0 (1 keeps every token)")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ValueError(f"stop: a string or a list of at most {MAX_STOPS} non-empty strings "
+                         f"of at most {MAX_STOP_CHARS} characters")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not 0 <= seed < SEED_LIMIT):
+        raise ValueError(f"seed: an integer from 0 to 2**64 - 1, got {seed!r}")
+    for name, default in (("stream", True), ("ignore_eos", False)):
+        if not isinstance(body.get(name, default), bool):
+            raise ValueError(f"{name}: true or false")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        logprobs = _number(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+    schema = body.get("json_schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError("json_schema: a JSON schema (an object)")
+    chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+    if limits.max_prompt_chars and chars > limits.max_prompt_chars:
+        raise ValueError(f"prompt too long: {chars} characters cannot fit the context of "
+                         f"{limits.cache_len} tokens")
+    ids = _encoded(encode, prompt)
+    if len(ids) + new > limits.cache_len:
+        raise ValueError(f"prompt too long: {len(ids)} tokens + max_new_tokens {new} exceed "
+                         f"the context of {limits.cache_len} tokens")
+    return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
+                             seed, body.get("stream", True), body.get("ignore_eos", False),
+                             int(n), logprobs, schema)
+
+
+def prompt_chars_bound(tokenizer: Any, cache_len: int) -> int:
+    """Characters past which a prompt cannot fit `cache_len` tokens, checked before it is
+    tokenized: a token holds at most its vocabulary's longest string (4x leaves room for
+    what a tokenizer's normalization drops); 0 where the vocabulary is unknown."""
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: no bound
+        return 0
+    return 4 * max(longest, 1) * cache_len
+
+
+def _encoded(encode, prompt: str | list[dict[str, str]]) -> list[int]:
+    """`encode(prompt)`; whatever it raises (a chat template's own error, say) is a
+    ValueError, so the request fails alone with a 400."""
+    try:
+        ids = list(encode(prompt))
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's errors are the request's
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ValueError(f"the prompt could not be encoded: {lines[0]}") from None
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    return ids
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float,
+            integer: bool = False) -> Any:
+    value = body.get(name, default)
+    kind = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
+        what = "an integer" if integer else "a number"
+        raise ValueError(f"{name}: {what} from {low:g} to {high:g}, got {value!r}")
+    return value
+
+
+class TextStream:
+    """The text of one row as its tokens come: what may be sent now (never a part that a
+    stop string could still claim, nor half a UTF-8 character), and where it ends.
+
+    Each token's check looks only at the text not yet sent and `longest` characters
+    before it (what could begin a stop string is never sent), so it does not grow with
+    the text."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, list(dict.fromkeys(stop))
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.firsts = {s[0] for s in self.stop}
+        self.tokens: list[int] = []
+        self.text = ""  # all of it so far, cut at a stop string
+        self.sent = 0  # characters of `text` already streamed
+        self.stopped = False  # a stop string was seen
+
+    def add(self, token: int) -> str:
+        """Take one token; the text that may be streamed now ("" when none)."""
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        start = max(0, self.sent - self.longest)
+        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = text[:cut], True
+            return self._take(len(self.text))
+        self.text = text
+        end = len(text) - self._held(text)
+        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete character
+            end -= 1
+        return self._take(end)
+
+    def flush(self) -> str:
+        """The text held back so far (what could have begun a stop string, or half a
+        character): to be sent when generation ends by length or an end token, so that the
+        deltas add up to `text`."""
+        return self._take(len(self.text))
+
+    def _held(self, text: str) -> int:
+        """Length of the longest end of `text` that begins a stop string (shorter than
+        it: a whole one was cut already)."""
+        for i in range(max(len(text) - self.longest + 1, 0), len(text)):
+            if text[i] in self.firsts and any(s.startswith(text[i:]) for s in self.stop):
+                return len(text) - i
+        return 0
+
+    def _take(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent:end], end
+        return piece

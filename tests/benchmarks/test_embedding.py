@@ -1,0 +1,332 @@
+"""benchmarks/embedding/peers.py's and served.py's pure parts: the tables (spread,
+ratios to sentence-transformers' ONNX int8 by median and by best, the int8 peak share; the
+served rows and their ratios to infinity), row selection, which exports are embedding
+exports, the CPU's quantize config, the child's timing loop, the calls' texts and the
+arguments. No environment is built, no server started and nothing timed for real."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.embedding import child
+from benchmarks.embedding import peers as peers_embed
+from benchmarks.embedding import served as serve_peers_embed
+from benchmarks.embedding import served_load as load
+from benchmarks.embedding import served_table as serve_table
+from benchmarks.embedding.items import is_embedding_export, quantize_config
+from benchmarks.embedding.table import (
+    peak_share,
+    render_markdown,
+    render_text,
+    select,
+    table_rows,
+)
+from benchmarks.harness.spread import ratios, spread
+
+
+def _item(name: str, rates: list[float], **extra) -> dict:
+    return {"name": name, "runtime": f"runtime of {name}", "size_mb": 22.5,
+            "rounds": [{"items_per_s": r} for r in rates], **extra}
+
+
+def test_spread_is_min_median_max_of_the_rounds():
+    assert spread([300.0, 100.0, 200.0], "sps") == {"sps_min": 100.0, "sps_median": 200.0,
+                                                   "sps_max": 300.0}
+    assert spread([], "sps") == {"sps_min": None, "sps_median": None, "sps_max": None}
+
+
+def test_a_rate_ratio_is_the_row_over_the_reference_by_median_and_by_max():
+    row, reference = spread([300.0, 330.0, 360.0], "sps"), spread([100.0, 200.0, 400.0], "sps")
+    assert ratios(row, reference, "sps", lower_is_better=False) == (1.65, 0.9)
+    assert ratios(row, {}, "sps", lower_is_better=False) == (None, None)
+
+
+def test_ratios_are_against_the_st_onnx_int8_row_by_median_and_by_best():
+    rows = table_rows([_item("st_onnx_int8", [100.0, 200.0, 400.0]),
+                       _item("int8_aoti", [300.0, 330.0, 360.0],
+                             quality={"fidelity": 0.99, "fidelity_p1": 0.98,
+                                      "recall_at_10": 0.9})])
+    ours = rows[1]
+    assert ours["ratio_median"] == pytest.approx(330 / 200)
+    assert ours["ratio_best"] == pytest.approx(360 / 400)
+    assert rows[0]["ratio_median"] == 1.0
+    assert (ours["fidelity"], ours["fidelity_p1"], ours["recall_at_10"]) == (0.99, 0.98, 0.9)
+
+
+def test_without_the_reference_row_there_are_no_ratios():
+    rows = table_rows([_item("int8_aoti", [300.0])])
+    assert rows[0]["ratio_median"] is None and rows[0]["ratio_best"] is None
+
+
+def test_a_failed_row_keeps_its_place_and_says_why():
+    rows = table_rows([_item("st_onnx_int8", [100.0]),
+                       _item("fastembed_fp32", [], error="cannot load the model")])
+    assert rows[1]["sps_median"] is None and rows[1]["ratio_median"] is None
+    text = render_text(rows)
+    assert "fastembed_fp32: failed: cannot load the model" in text
+    assert text.splitlines()[2].split()[-1] == "-"  # the failed row's cells
+
+
+def test_peak_share_is_the_pass_flops_over_its_time_over_the_peak():
+    # 872 texts at 436 sentences/s take 2 s; 2e12 FLOPs in 2 s is 1e12/s, 10% of 1e4 GOP/s
+    assert peak_share(2e12, 436.0, 872, 1e4) == pytest.approx(10.0)
+    assert peak_share(None, 436.0, 872, 1e4) is None
+    assert peak_share(2e12, 436.0, 872, None) is None
+    rows = table_rows([_item("st_onnx_int8", [436.0])], flops=2e12, count=872, peak_gops=1e4)
+    assert rows[0]["pct_int8_peak"] == pytest.approx(10.0)
+
+
+def test_select_keeps_table_order_and_names_unknown_rows():
+    names = ["st_fp32", "st_onnx_int8", "int8_aoti"]
+    assert select(names, None) == (names, [])
+    assert select(names, ["int8_aoti", "st_fp32"]) == (["st_fp32", "int8_aoti"], [])
+    assert select(names, ["int8_aotl"]) == ([], ["int8_aotl"])
+
+
+def test_markdown_has_the_header_the_table_and_the_failures():
+    rows = table_rows([_item("st_onnx_int8", [100.0, 120.0]),
+                       _item("st_openvino_int8", [], error="no calibration")])
+    text = render_markdown(rows, {"date": "2026-11-26", "cpu": "AMD EPYC", "cores": 2,
+                                  "isa": {"avx512_vnni": True}, "rounds": 2, "passes": 3,
+                                  "warmup": 3, "texts": 872, "batch": 32,
+                                  "versions": {"torch": "2.13.0"}, "notes": ["a note"]})
+    assert "AMD EPYC (2 cores); avx512_vnni yes" in text
+    assert "| st_onnx_int8 | runtime of st_onnx_int8 | - | - | - | 110.0 | 100.0 | 120.0 |" \
+        in text
+    assert "- a note" in text and "- st_openvino_int8: failed: no calibration" in text
+
+
+def test_quantize_config_follows_the_cpu():
+    assert quantize_config({"avx2", "avx512_vnni"}, "x86_64") == "avx512_vnni"
+    assert quantize_config({"avx2"}, "x86_64") == "avx2"
+    assert quantize_config(set(), "aarch64") == "arm64"
+
+
+def test_only_embedding_exports_are_rows(tmp_path):
+    embedding, block, classifier, broken = (tmp_path / n for n in "abcd")
+    for folder, meta in ((embedding, {"outputs": ["embedding"]}),
+                         (block, {"outputs": ["logits"], "embedding": {"pooling": "mean"}}),
+                         (classifier, {"outputs": ["logits"]})):
+        folder.mkdir()
+        (folder / "export.json").write_text(json.dumps({"file": "model.onnx", **meta}))
+    broken.mkdir()
+    (broken / "export.json").write_text("{not json")
+    assert is_embedding_export(embedding)["file"] == "model.onnx"
+    assert is_embedding_export(block) is not None  # an AOTI package naming "logits"
+    assert is_embedding_export(classifier) is None
+    assert is_embedding_export(broken) is None
+    assert is_embedding_export(tmp_path / "missing") is None
+
+
+def test_the_timing_loop_pads_nothing_itself_and_keeps_the_first_pass():
+    seen = []
+
+    def encode(texts):
+        seen.append(len(texts))
+        return np.ones((len(texts), 4), dtype=np.float32) * len(seen)
+
+    figures, first = child.time_passes(encode, [f"t{i}" for i in range(70)], 32, 1, 2)
+    assert seen == [32, 32, 32, 6, 32, 32, 6]  # 1 warm-up batch, then 2 passes of 3
+    assert first.shape == (70, 4) and first[0, 0] == 2.0  # the first timed pass
+    assert len(figures["items_per_s_passes"]) == 2 and figures["items_per_s"] > 0
+
+
+def test_the_fixed_shape_is_timed_on_texts_of_that_many_tokens_and_shared_by_the_peak():
+    from transformers import AutoTokenizer
+
+    from compress.recipe.sources import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model("sentence-transformers/all-MiniLM-L6-v2", None).location)
+    seen = []
+
+    def encode(texts):
+        seen.append(texts)
+        return np.ones((len(texts), 4), dtype=np.float32)
+
+    figures = child.time_fixed(encode, 8, 128, warmup=2, iters=5)
+    assert len(seen) == 7 and all(len(t) == 8 for t in seen)
+    assert len(tokenizer(seen[0][0])["input_ids"]) == 128  # [CLS] 126 words [SEP]
+    assert figures["fixed_shape"] == [8, 128] and figures["fixed_ms"] >= 0
+    # 10 ms a call of 1e10 FLOPs is 1e12/s: 10% of 1e4 GOP/s; the median over the rounds
+    item = _item("search", [900.0, 1000.0, 1100.0])
+    for r, ms in zip(item["rounds"], [12.0, 10.0, 30.0], strict=True):
+        r["fixed_ms"] = ms
+    row = table_rows([item], peak_gops=1e4, fixed_flops=1e10)[0]
+    assert row["fixed_ms"] == 12.0
+    assert row["pct_int8_peak_fixed"] == pytest.approx(100 / 12, abs=0.01)
+    assert row["fixed_model_ms"] is None and row["pct_int8_peak_fixed_model"] is None
+    assert table_rows([_item("st_onnx_int8", [436.0])])[0]["fixed_ms"] is None
+
+
+def test_the_model_alone_is_timed_on_the_fixed_batch_tokenized_once():
+    """Where a row's library can call its model on tokens, the fixed batch is prepared once
+    (`model_call` gets the texts) and only the model's call is timed; its median over the
+    rounds and its share of the peak are columns of their own."""
+    prepared, calls = [], []
+
+    def encode(texts):
+        return np.ones((len(texts), 4), dtype=np.float32)
+
+    def model_call(texts):
+        prepared.append(texts)
+        return lambda: calls.append(len(texts))
+
+    encode.model_call = model_call
+    figures = child.time_fixed(encode, 8, 128, warmup=2, iters=5)
+    assert len(prepared) == 1 and len(prepared[0]) == 8 and calls == [8] * 7
+    assert figures["fixed_model_ms"] >= 0
+    item = _item("search", [900.0, 1000.0, 1100.0])
+    for r, ms, model_ms in zip(item["rounds"], [12.0, 10.0, 30.0], [9.0, 8.0, 20.0],
+                               strict=True):
+        r["fixed_ms"], r["fixed_model_ms"] = ms, model_ms
+    row = table_rows([item], peak_gops=1e4, fixed_flops=1e10)[0]
+    assert row["fixed_model_ms"] == 9.0
+    assert row["pct_int8_peak_fixed_model"] == pytest.approx(100 / 9, abs=0.01)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["RUN", "--rounds", "0"], "--rounds must be at least 1"),
+    (["RUN", "--limit", "0"], "--limit must be at least 1"),
+    (["RUN", "--warmup", "-1"], "--warmup must be at least 0"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        peers_embed.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_run_folder_is_a_user_error(tmp_path, capsys):
+    assert peers_embed.main([str(tmp_path / "nowhere"), "--no-peers"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- served.py
+
+
+def _server(key: str, kind: str, rates: list[float], p50: float = 10.0) -> dict:
+    return {"key": key, "name": key.replace("-", " "), "kind": kind, "rounds": [
+        {"cold_start_s": 5.0 + i, "rss_peak_bytes": (100 + i) * 2**20,
+         "runs": [{"concurrency": 8, "embeddings_per_s": rate, "latency_ms_p50": p50,
+                   "latency_ms_p99": 2 * p50, "errors": 1}]}
+        for i, rate in enumerate(rates)]}
+
+
+def test_serve_rows_are_medians_over_rounds_with_errors_summed():
+    rows = serve_table.table_rows([_server("compress-torchserve", "compress", [90, 110, 100])],
+                                  [8, 32])
+    at8, at32 = rows
+    assert (at8["embeddings_per_s"], at8["errors"], at8["rounds"]) == (100, 3, 3)
+    assert at8["rss_mb"] == 102 and at8["cold_start_s"] == 6.0
+    assert at32["rounds"] == 0 and at32["embeddings_per_s"] is None and at32["errors"] is None
+
+
+def test_serve_ratios_name_the_fastest_infinity_and_divide_by_each():
+    rows = serve_table.table_rows([_server("compress-torchserve", "compress", [300], p50=20),
+                                   _server("infinity-torch", "infinity", [100]),
+                                   _server("infinity-optimum-int8", "infinity", [200], p50=40)],
+                                  [8])
+    lines = serve_table.ratios(rows, [8])
+    assert lines[0] == "c8: the fastest infinity is infinity optimum int8 (200 emb/s)"
+    assert lines[1] == ("c8: compress torchserve emb/s / infinity torch 3.00x, / infinity "
+                        "optimum int8 1.50x, p50 latency / the fastest's 0.50x")
+    text = serve_table.render_text(rows, lines)
+    assert "compress torchserve" in text and lines[1] in text
+
+
+def test_calls_cycle_through_the_texts():
+    assert load.batches_of(["a", "b", "c"], 2, 3) == [["a", "b"], ["c", "a"], ["b", "c"]]
+    assert load.batches_of(["a", "b", "c"], 1, 2, start=2) == [["c"], ["a"]]
+    figures = load.level_figures([10.0, 30.0, 20.0], 3, ["HTTP 500"], 8, 4, 0.5)
+    assert figures["embeddings_per_s"] == 6.0 and figures["latency_ms_p50"] == 20.0
+    assert figures["errors"] == 1 and figures["ok"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["RUN", "--concurrency", "1,x"], "--concurrency"),
+    (["RUN", "--infinity", "tensorrt"], "unknown infinity variant 'tensorrt'"),
+    (["RUN", "--engines", "triton"], "unknown engine 'triton'"),
+    (["RUN", "--no-compress", "--infinity", ""], "no server to measure"),
+    (["RUN", "--batch", "16,x"], "--batch"),
+    (["RUN", "--batch", "0"], "--batch: give sizes of at least 1"),
+])
+def test_serve_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve_peers_embed.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_quick_fills_only_what_was_not_given():
+    args = serve_peers_embed.parse_args(["RUN", "--quick", "--requests", "5"])
+    assert (args.rounds, args.levels, args.requests) == (1, [1, 8], 5)
+    assert serve_peers_embed.parse_args(["RUN"]).levels == [1, 8, 32]
+
+
+def test_serve_several_infinity_batches_are_a_server_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve_peers_embed, "ensure_venv", lambda venv, echo: {})  # no venv built
+    args = serve_peers_embed.parse_args(["RUN", "--infinity", "torch", "--batch", "16,32",
+                                         "--no-compress"])
+    assert args.batches == [16, 32]
+    items, _ = serve_peers_embed.server_items(args, tmp_path, tmp_path)
+    assert [(i["key"], i["name"], i["batch"]) for i in items] == [
+        ("infinity-torch-b16", "infinity torch b16", 16),
+        ("infinity-torch-b32", "infinity torch b32", 32)]
+
+
+def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_path,
+                                                               monkeypatch):
+    """The child times compress's exports as the handlers run them: a batch's texts in
+    passes of similar length, each padded to its longest (one pass with `length_buckets`
+    false), the embeddings in the texts' order either way."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import serve.runtimes
+
+    folder = shutil.copytree(tiny_bert, tmp_path / "export")
+    (folder / "export.json").write_text(json.dumps(
+        {"format": "aoti", "file": "model.pt2", "inputs": ["input_ids", "attention_mask"],
+         "outputs": ["embedding"], "embedding": {"max_seq_length": 64}}))
+    shapes = []
+
+    def fake_runtime(folder, meta, threads, spinning=True):
+        def run(ids, mask):  # each row's embedding: its length
+            shapes.append(tuple(ids.shape))
+            return mask.sum(-1, keepdim=True).float()
+        return run
+
+    monkeypatch.setattr(serve.runtimes, "load_runtime", fake_runtime)
+    texts = ["good", "a long and winding review of a film that goes on and on " * 3,
+             "bad", "fine film", "dull"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+    for buckets, passes in ((True, [(4, 4), (1, max(lengths))]), (False, [(5, max(lengths))])):
+        shapes.clear()
+        spec = {"folder": str(folder), "threads": 1, "length_buckets": buckets}
+        encode = child.load_compress(spec)
+        out = encode(texts)
+        assert out[:, 0].tolist() == lengths  # in the texts' order
+        assert shapes == passes
+    # the model alone: the texts tokenized and padded once, one pass a call
+    shapes.clear()
+    call = encode.model_call(texts)
+    assert shapes == []
+    assert call()[:, 0].tolist() == lengths and call()[:, 0].tolist() == lengths
+    assert shapes == [(5, max(lengths))] * 2
+
+
+def test_a_packed_file_is_one_pass_and_counts_each_texts_own_flops():
+    """Compress's padded rows are cut by length; a packed file's (export.json aoti_packed)
+    batch is one pass of its real tokens, its FLOPs those of each text alone."""
+    from benchmarks.embedding import quality
+
+    batches = [[5, 30, 7], [12]]
+    assert quality.pass_shapes(batches) == [(3, 30), (1, 12)]
+    assert quality.pass_shapes(batches, packed=True) == [(1, 5), (1, 30), (1, 7), (1, 12)]
+    assert len(quality.pass_shapes(batches, bucketed=True)) >= 2

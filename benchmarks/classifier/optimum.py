@@ -64,10 +64,10 @@ def build_peers(run_dir: Path, source: Path, source_sha: str, label_names: list[
         fp32, raw, int8 = tmp / NAMES[0], tmp / "quantized", tmp / NAMES[1]
         echo(f"peers: optimum-cli export onnx {source.relative_to(run_dir)}")
         call([cli, *OPTIMUM_EXPORT.split(), "--model", str(source), str(fp32)],
-              "optimum-cli export onnx", log)
+             "optimum-cli export onnx", log)
         echo(f"peers: optimum-cli onnxruntime quantize {QUANTIZE_ISA}")
         call([cli, "onnxruntime", "quantize", "--onnx_model", str(fp32), QUANTIZE_ISA,
-               "-o", str(raw)], "optimum-cli onnxruntime quantize", log)
+              "-o", str(raw)], "optimum-cli onnxruntime quantize", log)
         quantized = sorted(raw.glob("*.onnx"))
         if len(quantized) != 1:
             raise PeerError(f"optimum-cli onnxruntime quantize wrote {len(quantized)} .onnx "

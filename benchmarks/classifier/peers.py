@@ -90,7 +90,7 @@ def measure(run_dir: Path, items: list[dict[str, Any]], latency: dict[str, Any],
         echo(f"peers: round {r + 1}/{args.rounds}: {item['name']}: " + (
             f"failed: {item['error']}" if "error" in figures else
             ", ".join(f"{k} {figures[k]}" for k in ("latency_ms_b1", "latency_ms_b8",
-                                                     "latency_ms_b8_real") if k in figures)))
+                                                    "latency_ms_b8_real") if k in figures)))
     runs.append(gemm.run())
     echo(f"peers: GEMM peaks (after): {gemm.brief(runs[1])}")
     return runs

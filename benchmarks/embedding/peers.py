@@ -187,7 +187,7 @@ def _main(args: argparse.Namespace) -> int:
         runs += [] if args.no_gemm else [gemm.run()]
     reference = work / f"{REFERENCE}.npy"
     notes = quality.score_rows(items, work, reference if reference.is_file() else None,
-                              run_dir, len(texts))
+                               run_dir, len(texts))
     batches = quality.batch_lengths(source, texts, args.batch, layout["max_seq_length"])
     shapes = quality.pass_shapes(batches)
     flops, flops_note = quality.pass_flops(source, shapes)

@@ -57,7 +57,7 @@ def ratios(rows: list[dict[str, Any]], levels: list[int]) -> list[str]:
                          f"({fastest['embeddings_per_s']} emb/s)")
         for ours in (r for r in here if r["kind"] == "compress"):
             parts = [f"/ {peer['name']} " + shown(_ratio(ours.get("embeddings_per_s"),
-                                                          peer["embeddings_per_s"]))
+                                                         peer["embeddings_per_s"]))
                      for peer in peers]
             if fastest is not None:
                 parts.append("p50 latency / the fastest's " + shown(_ratio(

@@ -44,7 +44,7 @@ from compress.serving import server
 from compress.serving.loadtest.predictions import SAMPLE_TEXTS, run_load
 
 PROPERTY_TESTS = ("tests/serving/test_classifier_property.py",
-                  "tests/serving/test_lm_property.py")
+                  "tests/serving/test_causal_lm_property.py")
 # in the command line of a TorchServe worker, or of a LitServe inference worker (spawned)
 WORKER_MARKS = ("model_service_worker", "multiprocessing.spawn import spawn_main")
 

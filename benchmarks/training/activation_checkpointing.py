@@ -29,7 +29,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 def child(checkpointing: bool, batch: int, length: int, steps: int) -> dict:
     """Train `steps` steps in this process; its peak memory and median step time."""
-    from compress.families.causal_lm.algorithms.distill import lm_loss, packed_examples
+    from compress.families.causal_lm.algorithms.distill import causal_lm_loss, packed_examples
     from compress.families.causal_lm.model import load_causal_lm
     from compress.measure.memory import peak_rss_mb
     from compress.recipe.kinds.finetune import FinetuneConfig
@@ -47,7 +47,7 @@ def child(checkpointing: bool, batch: int, length: int, steps: int) -> dict:
                           warmup_ratio=0.0, activation_checkpointing=checkpointing)
     with tempfile.TemporaryDirectory() as tmp:
         result = train(lm.model, examples, opts, seed=0, checkpoint_dir=Path(tmp), key="b",
-                       loss_fn=lm_loss, desc="ac" if checkpointing else "plain",
+                       loss_fn=causal_lm_loss, desc="ac" if checkpointing else "plain",
                        telemetry_dir=None)
     figures = result.figures()
     return {"checkpointing": checkpointing, "peak_rss_mb": figures["train_peak_rss_mb"],

@@ -10,6 +10,7 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -161,14 +162,22 @@ def _to_id(value: Any, mapping: dict[str, int] | None) -> int:
     return int(value) if mapping is None else mapping[str(value)]
 
 
-def _load_digits(recipe, names: list[str]) -> DataBundle:
+@cache
+def _digits() -> tuple[Any, tuple[int, ...]]:
+    """scikit-learn's digits (pixels, labels), read from its CSV once a process."""
     from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return digits.data, tuple(int(v) for v in digits.target)
+
+
+def _load_digits(recipe, names: list[str]) -> DataBundle:
     from sklearn.model_selection import train_test_split
 
     cfg = recipe.data
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    y = [int(v) for v in digits.target]
+    pixels, labels = _digits()
+    x = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = list(labels)
     train_idx, held_idx = train_test_split(
         list(range(len(y))), test_size=cfg.holdout_fraction, random_state=recipe.seed,
         stratify=y,

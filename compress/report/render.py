@@ -98,7 +98,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
     h = report["header"]
     libs = h["libraries"]
     shown = ", ".join(f"{k} {libs[k]}" for k in ("torch", "torchao", "transformers",
-                                                  "onnxruntime", "torchserve") if k in libs)
+                                                 "onnxruntime", "torchserve") if k in libs)
     lines = [f"run {report['run']} ({report['run_dir']}), recipe {h['recipe']}: "
              + " -> ".join(h["chain"]),
              f"model {h['model']}, data {h['data']} ({h['eval_examples']} eval examples)",

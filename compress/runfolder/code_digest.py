@@ -48,6 +48,14 @@ def module_file(name: str) -> Path | None:
 
 def _imported(name: str, path: Path) -> set[str]:
     """Project modules named by the import statements of one source file."""
+    stat = path.stat()  # a file is parsed once a process until it changes
+    return {m for m in _named_imports(name, path, stat.st_mtime_ns, stat.st_size)
+            if m.split(".")[0] in PROJECT and module_file(m)}
+
+
+@cache
+def _named_imports(name: str, path: Path, mtime_ns: int, size: int) -> frozenset[str]:
+    """Every module the import statements of one source file name (parsed once a version)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -60,7 +68,7 @@ def _imported(name: str, path: Path) -> set[str]:
                 base = f"{parent}.{base}" if base else parent
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)  # submodules
-    return {m for m in found if m.split(".")[0] in PROJECT and module_file(m)}
+    return frozenset(found)
 
 
 def module_closure(roots: Iterable[str]) -> list[str]:

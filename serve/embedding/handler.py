@@ -104,7 +104,7 @@ class EmbeddingHandler(BaseHandler):
                 continue
             try:
                 parsed[i] = self.read(request, route, request_content_type(context, i,
-                                                                            request))
+                                                                           request))
             except Exception as exc:  # noqa: BLE001 (whatever one request raises is its own)
                 results.append((400, refusal(exc)))
                 continue

@@ -34,7 +34,7 @@ def _item(name: str, rates: list[float], **extra) -> dict:
 
 def test_spread_is_min_median_max_of_the_rounds():
     assert spread([300.0, 100.0, 200.0], "sps") == {"sps_min": 100.0, "sps_median": 200.0,
-                                                   "sps_max": 300.0}
+                                                    "sps_max": 300.0}
     assert spread([], "sps") == {"sps_min": None, "sps_median": None, "sps_max": None}
 
 

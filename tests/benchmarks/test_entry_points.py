@@ -88,7 +88,7 @@ def test_a_child_finds_the_package_from_anywhere(tmp_path: Path) -> None:
     answer = run_module(sys.executable, "benchmarks.causal_lm.llama_child", {"mode": "nope"})
     assert answer == {"error": "KeyError: 'nope'"}
     assert child_env(tmp_path)["PYTHONPATH"].split(os.pathsep)[:2] == [str(tmp_path),
-                                                                      str(REPO)]
+                                                                       str(REPO)]
 
 
 FOREIGN_CHILDREN = ("benchmarks.classifier.openvino_child", "benchmarks.embedding.child",

@@ -144,6 +144,16 @@ def test_export_and_package_an_int8_causal_lm(tmp_path, varied_llama_folder, sch
     in_process = loading.load_folder(run_dir / quant["outputs"][0]["model_dir"])
     ids = loading.prompt_ids(in_process.tokenizer, PROMPTS[1], False)
     assert tokens == loading.StaticDecoder(in_process.model, 64).generate([ids], 8).tokens
+    # the shipped command prints the greedy text (runtime/__main__.py), run in the folder
+    shown = subprocess.run([sys.executable, "-m", "causal_lm.runtime", ".", PROMPTS[1],
+                            "--max-new-tokens", "8", "--no-chat-template"],
+                           capture_output=True, text=True, cwd=folder, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    greedy = loading.StaticDecoder(in_process.model, 512).generate(
+        [ids], 8, loading.stop_ids(in_process.model, in_process.tokenizer),
+        [loading.Sampling(0.0)])
+    text = in_process.tokenizer.decode(greedy.tokens, skip_special_tokens=True)
+    assert text.strip() and shown.stdout == text + "\n"
 
     mar = run_dir / package["outputs"][0]["path"]
     assert package["outputs"][0]["served_format"] == "transformers"

@@ -106,7 +106,7 @@ def test_a_llama_on_gguf_grids_decodes_the_float_tokens_compiled(varied_llama_fo
     reference = RuntimeDecoder(model, 64).generate(prompts, 12).rows
     # the C++ wrapper, and guards checked on each generation's first step only
     decoder = RuntimeDecoder(packed, 64).compile(cpp_wrapper=scheme == "int4_grouped",
-                                                skip_guards=True)
+                                                 skip_guards=True)
     assert decoder.inductor["freezing"] is False  # freezing would fold the int8 to float
     assert decoder.generate(prompts, 12).rows == reference
     assert packed.lm_head.qweight.dtype == torch.int8  # the head stays 8-bit (Q8_0)

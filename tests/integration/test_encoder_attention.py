@@ -97,7 +97,7 @@ def test_packed_attention_is_sdpa_within_each_text(head_dim: int) -> None:
     offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     q, k, v = qkv(1, 3, offsets[-1], head_dim, seed=2)
     got = torch.ops.compress_encoder.packed_attention(q, k, v, torch.tensor(offsets),
-                                                       head_dim ** -0.5)
+                                                      head_dim ** -0.5)
     want = per_text_sdpa(q, k, v, offsets)
     assert got.shape == (1, offsets[-1], 3, head_dim)
     assert relative(got, want) < (TOLERANCE if head_dim in (16, 32, 64) else 1e-5)
@@ -258,7 +258,7 @@ def test_an_aoti_package_with_the_kernel_runs_from_an_archive_root(tmp_path: Pat
 
 
 @pytest.mark.parametrize(("name", "attention"), [("pt2e_static_bf16_attention_aoti", "kernel"),
-                                               ("pt2e_static_packed_aoti", "packed")])
+                                                 ("pt2e_static_packed_aoti", "packed")])
 def test_the_search_offers_the_kernel_on_bf16_cpus_only(name: str, attention: str) -> None:
     from compress.recipe.kinds.export import ExportConfig
     from compress.recipe.kinds.search import not_applicable

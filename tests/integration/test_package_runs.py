@@ -90,7 +90,7 @@ def test_mar_holds_the_file_handler_labels_settings_and_figures(packaged_text_ru
 
 
 def test_an_unknown_handler_setting_is_refused_naming_it(packaged_text_run,
-                                                        tmp_path: Path) -> None:
+                                                         tmp_path: Path) -> None:
     export_dir = packaged_text_run / _manifest(packaged_text_run)["stages"][1]["outputs"][0][
         "export_dir"]
     config = model_config(4, 10, 1, 60, {"threads": 1, "max_lenght": 32})

@@ -128,7 +128,7 @@ def test_logprobs_equal_an_offline_log_softmax(client, offline) -> None:
         temperature=0, logprobs=True, stream=True) if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
-                                                         abs=1e-6)
+                                                          abs=1e-6)
     raw_ids = loading.prompt_ids(offline.tokenizer, prompt, chat_template=False)
     completion = client.completions.create(model="smol_lm", prompt=prompt, max_tokens=6,
                                            temperature=0, logprobs=2)

@@ -290,7 +290,7 @@ def test_clients_that_leave_mid_stream_leak_no_row(served: dict, offline, engine
     (json.dumps({"prompt": "hi", "\u00e9\u00ff": 1}, ensure_ascii=False).encode(), 400),
 ])
 def test_named_bad_requests_get_one_4xx_and_the_server_stays(served: dict, body: bytes,
-                                                              status: int, offline) -> None:
+                                                             status: int, offline) -> None:
     parts = urlsplit(served["url"])
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     conn.request("POST", parts.path, body=body, headers={

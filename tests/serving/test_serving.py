@@ -90,14 +90,14 @@ def test_requests_without_the_token_are_refused(served: dict, engine: str) -> No
 
 def test_plain_text_and_lists_of_texts(served: dict) -> None:
     status, _, answer = http_post(served["url"], b"superb brilliant movie", served["token"],
-                              content_type="text/plain")
+                                  content_type="text/plain")
     assert status == 200 and answer["label"] == "positive"
     status, _, answer = http_post(served["url"], json.dumps({"texts": ["good", "bad", "sad"]})
-                              .encode(), served["token"])
+                                  .encode(), served["token"])
     assert status == 200 and [a["label"] for a in answer] == ["positive", "negative",
-                                                               "negative"]
+                                                              "negative"]
     status, _, answer = http_post(served["url"], json.dumps({"text": "y" * 500}).encode(),
-                              served["token"])
+                                  served["token"])
     assert status == 400 and answer["error"] == "text too long: 500 characters, at most 200"
 
 
@@ -194,7 +194,7 @@ class Broken(BaseHandler):
 
 
 def test_serve_stops_within_a_minute_when_the_worker_cannot_start(tmp_path: Path,
-                                                                   state_dir, engine) -> None:
+                                                                  state_dir, engine) -> None:
     """A handler that raises in initialize: TorchServe would restart its worker for the
     whole timeout; `compress serve` stops at the second death with the exception (LitServe:
     at the first)."""

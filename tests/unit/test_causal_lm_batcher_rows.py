@@ -38,7 +38,7 @@ def make_batcher(model, sizes=(1, 2, 4), stop: set[int] | None = None,
         if n == 0:
             shared_caches(decoders)
     return ContinuousBatcher(decoders, Prefiller(model, CACHE, budgeted=False),
-                                        stop=stop or set(), **options)
+                             stop=stop or set(), **options)
 
 
 def alone(model, ids: list[int], new: int) -> list[int]:

@@ -61,7 +61,7 @@ def test_the_target_names_the_vector_flags_that_march_native_uses() -> None:
 
 
 def test_graphs_built_for_another_cache_or_rows_are_refused_in_one_line(shipped,
-                                                                         caplog) -> None:
+                                                                        caplog) -> None:
     built = {"cache_len": 512, "rows": 8, "compile": "max-autotune"}
     (shipped / compiled_graphs.TARGET).write_text(json.dumps(
         compiled_graphs.target() | {"shapes": built}))

@@ -47,7 +47,7 @@ def test_constrained_rows_validate_and_free_rows_decode_as_alone(causal_lm) -> N
     for k, got in enumerate(constrained):
         sampling = Sampling(1.0, 1.0, k) if k else None
         batcher.submit(Row(prompts[0], 56, got.emit, sampling,
-                                      constraint=grammar.Constraint(tokenizer, compiled)))
+                           constraint=grammar.Constraint(tokenizer, compiled)))
     free = [Collect() for _ in prompts[1:]]
     for ids, got in zip(prompts[1:], free, strict=True):
         batcher.submit(Row(ids, 20, got.emit))

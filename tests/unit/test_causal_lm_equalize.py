@@ -52,7 +52,7 @@ def test_scales_never_make_a_pair_worse_than_plain_rounding() -> None:
     inputs = torch.randn(256, 64)
     inputs[:, 9] *= 40.0
     scales, alpha, error, plain = equalize.best_scales(inputs, [linear],
-                                                          "int4_weight_only", 32)
+                                                       "int4_weight_only", 32)
     assert alpha > 0 and error < 0.7 * plain, (alpha, error, plain)
     assert scales.shape == (64,) and scales[9] == scales.max()
     flat = torch.randn(256, 64)

@@ -97,7 +97,7 @@ def test_stop_strings_end_the_text_and_are_never_streamed(handler) -> None:
     full = lm.tokenizer.decode(tokens, skip_special_tokens=True)
     stop = full.split()[3]  # a word in the middle of the greedy text
     data, context, socket = handler_batch([{"prompt": "the film was", "max_new_tokens": 12,
-                                     "stop": [stop]}])
+                                            "stop": [stop]}])
     answer = json.loads(handler.handle(data, context)[0])
     assert answer["text"] == full[:full.index(stop)] and answer["finish_reason"] == "stop"
     assert answer["usage"]["completion_tokens"] < 12
@@ -119,4 +119,4 @@ def test_a_saved_folder_loads_the_same_through_compress_and_the_runtime(
     ours, theirs = load_causal_lm_folder(folder), loading.load_folder(folder)
     assert ours.causal_lm_facts == theirs.facts
     assert all((a == b).all() for a, b in zip(ours.model.state_dict().values(),
-                                               theirs.model.state_dict().values(), strict=True))
+                                              theirs.model.state_dict().values(), strict=True))

@@ -111,7 +111,7 @@ def test_response_format_and_tools_become_the_answers_schema() -> None:
 
 def test_tool_call_answers_are_read_back_as_openai_tool_calls() -> None:
     calls, text = tool_calls.called('{"tool_calls": [{"name": "get_weather", '
-                                  '"arguments": {"city": "Oslo"}}]}')
+                                    '"arguments": {"city": "Oslo"}}]}')
     assert text == "" and calls[0]["type"] == "function"
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert calls[0]["id"].startswith("call_")

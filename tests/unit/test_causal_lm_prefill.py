@@ -31,7 +31,7 @@ class Rows:
         tokens: list[int] = []
         ends: list[str] = []
         row = Row(ids, new, lambda t, e: tokens.append(t) if t is not None
-                             else ends.append(e))
+                  else ends.append(e))
         self.got.append((row, tokens, ends))
         return self.batcher.submit(row)
 

@@ -60,7 +60,7 @@ def test_prune_causal_lm_removes_the_share_asked_for_in_every_layer() -> None:
     model = _llama()
     before = sum(p.numel() for p in model.parameters())
     assert prune_causal_lm(model, "ffn+heads", 0.5) == {"attention_heads": 2, "key_value_heads": 1,
-                                                  "intermediate_size": 32}
+                                                        "intermediate_size": 32}
     for layer in model.model.layers:
         assert layer.mlp.down_proj.weight.shape == (32, 32)
         assert layer.self_attn.v_proj.weight.shape == (8, 32)

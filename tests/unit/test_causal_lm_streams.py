@@ -56,7 +56,7 @@ def test_an_error_after_the_first_chunk_is_framed_for_its_stream(openai) -> None
     context = Context("tiny_lm", "", {}, 1, None, "0.12.0")
     context.request_processor = [RequestProcessor({})]
     body = replies.error(context, 0, "error: RuntimeError: broke", 500, openai=openai,
-                            streamed=True)
+                         streamed=True)
     if openai:
         assert body.startswith("data: ") and body.endswith("\n\n")
         assert json.loads(body[len("data: "):]) == openai_routes.error(

@@ -290,7 +290,7 @@ def test_a_forward_failure_fails_its_request_alone(image_handler, monkeypatch) -
 
 
 def test_a_non_finite_answer_is_a_422_alone_and_strict_json(image_handler,
-                                                           monkeypatch) -> None:
+                                                            monkeypatch) -> None:
     """Finite inputs the model cannot answer with finite numbers (here: rows holding 3e38,
     whose logits overflow) get a 422 each; the others their answer, as strict JSON."""
     forward = image_handler.forward

@@ -35,7 +35,7 @@ class FakeTorchServe:
         self.received = 0
         self.content_types: set[str] = set()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler(keep_alive,
-                                                                           drop_after_each))
+                                                                          drop_after_each))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/predictions/tiny"
         self.thread = threading.Thread(target=self.server.serve_forever,

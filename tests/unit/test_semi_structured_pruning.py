@@ -273,7 +273,7 @@ def test_a_bert_run_records_the_pattern_and_the_report_shows_it(
 
 def causal_lm_context(tmp_path: Path, texts: list[str]) -> StageContext:
     data = DataBundle("causal-lm", {name: Examples(labels=[], texts=texts)
-                             for name in ("train", "eval", "calibration")}, [], None, 16)
+                                    for name in ("train", "eval", "calibration")}, [], None, 16)
     folder = tmp_path / "00-prune"
     folder.mkdir(parents=True)
     return StageContext(0, "prune", folder, tmp_path, None, data, "key", 0, log=lambda _: None)

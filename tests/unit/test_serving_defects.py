@@ -84,7 +84,7 @@ def test_serve_prints_where_the_token_is_not_the_token(tmp_path, monkeypatch, ca
 def test_a_long_stop_string_is_a_400() -> None:
     with pytest.raises(ValueError, match="at most 64 characters"):
         causal_lm_requests.parse({"prompt": "hi", "stop": ["x" * 65]}, lambda p: [1],
-                          causal_lm_requests.Limits())
+                                 causal_lm_requests.Limits())
 
 
 class _Growing:
@@ -120,11 +120,11 @@ class _Pieces:
 
 def test_a_stop_string_split_over_tokens_is_held_back_then_cut_or_released() -> None:
     stream = causal_lm_requests.TextStream(_Pieces(["the ", "EN", "D", "ENx", "\ufffd", "é"]),
-                                    ["END", "xyz"])
+                                           ["END", "xyz"])
     assert [stream.add(t) for t in (0, 1)] == ["the ", ""]
     assert stream.add(2) == "" and stream.stopped and stream.text == "the "
     stream = causal_lm_requests.TextStream(_Pieces(["the ", "EN", "D", "ENx", "\ufffd", "é"]),
-                                    ["END", "xyz"])
+                                           ["END", "xyz"])
     assert [stream.add(t) for t in (0, 3, 4, 5)] == ["the ", "EN", "x", "\ufffdé"]
     assert not stream.stopped
 
@@ -157,7 +157,7 @@ def test_seeds_and_temperatures_torch_cannot_use_are_a_400(body, message) -> Non
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         causal_lm_requests.parse(body, lambda p: [1], causal_lm_requests.Limits())
     assert causal_lm_requests.parse({"prompt": "hi", "seed": 2**64 - 1, "temperature": 0.001},
-                             lambda p: [1], causal_lm_requests.Limits()).seed == 2**64 - 1
+                                    lambda p: [1], causal_lm_requests.Limits()).seed == 2**64 - 1
 
 
 def test_an_error_of_the_chat_template_is_a_400() -> None:

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=int, default=24)
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--compile", default="default", choices=["none", "default",
-                                                                   "max-autotune"])
+                                                                 "max-autotune"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--markdown", type=Path,
                         default=RESULTS / "llm_chunked_prefill.md")

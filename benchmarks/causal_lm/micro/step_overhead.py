@@ -38,7 +38,7 @@ def decoders(model: torch.nn.Module, folder: Path) -> dict[str, StaticDecoder]:
     """The three ways to drive the step, each warmed up (compiled or exported)."""
     made = {"python": StaticDecoder(model, CACHE_LEN).compile("max-autotune"),
             "cpp": StaticDecoder(model, CACHE_LEN).compile("max-autotune", cpp_wrapper=True,
-                                                            skip_guards=True)}
+                                                           skip_guards=True)}
     aot_steps.export_steps(model, 1, CACHE_LEN, "max-autotune", folder)
     made["aoti"] = aot_steps.use_step(StaticDecoder(model, CACHE_LEN, always_mask=True),
                                       aot_steps.load_steps(folder, model)[1])

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed a batch")
     parser.add_argument("--compile", default="default", choices=["none", "default",
-                                                                   "max-autotune"])
+                                                                 "max-autotune"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.name}")
     args = parser.parse_args(argv)

@@ -97,7 +97,7 @@ def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],
     latencies = sorted(ms for w in workers for ms in w.latencies_ms)
     examples = [e for w in workers for e in w.error_examples][:MAX_ERROR_EXAMPLES]
     batch_sizes, batch_mean, batch_max = batch_stats([b for w in workers
-                                                       for b in w.batch_headers])
+                                                      for b in w.batch_headers])
     ok = len(latencies)
     kinds: Counter[str] = sum((w.error_kinds for w in workers), Counter())
     return {

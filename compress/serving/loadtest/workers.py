@@ -20,7 +20,7 @@ BATCH_HEADER = "X-Batch-Size"
 # Failures that mean "the server closed an idle keep-alive connection": on a reused connection
 # the request is sent once more on a fresh one before it counts as an error.
 STALE_CONNECTION_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError,
-                            BrokenPipeError, ConnectionAbortedError)
+                           BrokenPipeError, ConnectionAbortedError)
 
 
 def percentile(sorted_values: list[float], p: float) -> float | None:

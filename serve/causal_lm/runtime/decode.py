@@ -270,7 +270,7 @@ def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],
 
 
 def pick_tokens(logits: torch.Tensor, picks: list[Sampling | None],
-          generators: list[torch.Generator | None]) -> torch.Tensor:
+                generators: list[torch.Generator | None]) -> torch.Tensor:
     """The next token of every row: argmax, or a top-p sample at the row's temperature."""
     greedy = logits.argmax(-1)
     if not any(picks):

@@ -92,7 +92,7 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
     torch.set_num_threads(os.cpu_count() or 1)  # and timed on every core
     alone = timed_batch(one_batched, batch, max_new_tokens)
     diff = max(float((a - b).abs().max()) for a, b in zip(split_logits, whole_logits,
-                                                           strict=True))
+                                                          strict=True))
     a2a = [s.get("all_to_all", {}) for s in steps]
     a2a_s = max(s.get("s_per_step", 0.0) for s in a2a)
     return {"expert_parallel": ranks, "prompts": len(ids), "max_logit_diff": diff,

@@ -136,7 +136,7 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
     """`scheme` on the output projection (`head`) or on every other Linear."""
     def chosen(module: nn.Module, name: str) -> bool:
         return (name == "lm_head") if head else (isinstance(module, nn.Linear)
-                                                  and name != "lm_head")
+                                                 and name != "lm_head")
 
     if scheme in GROUPED_BITS:
         quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations)

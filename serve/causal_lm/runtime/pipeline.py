@@ -159,7 +159,7 @@ class PipelineDecoder:
         ids, mask, _ = decode.left_pad(prompt, always_mask=True)
         rows, length = ids.shape
         limits, picks, generators = decode.plan_rows(rows, length, max_new_tokens,
-                                                        sampling, self.max_cache_len)
+                                                     sampling, self.max_cache_len)
         began = time.perf_counter()
         token = self._next(ids, mask, chunks, picks, generators)
         ttft = time.perf_counter() - began
@@ -182,7 +182,7 @@ class PipelineDecoder:
         spent = time.perf_counter() - began
         later = sum(max(len(r) - 1, 0) for r in out)
         return decode.Generation(out[0], ttft, later / spent if spent and later else 0.0,
-                                    out, [str(f) for f in finish])
+                                 out, [str(f) for f in finish])
 
 
 def follow(decoder: PipelineDecoder) -> threading.Thread:

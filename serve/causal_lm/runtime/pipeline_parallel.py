@@ -88,7 +88,7 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
     rate, rows = _generate_rate(one, batch, max_new_tokens)
     whole_tokens += rows * len(MICROBATCHES)
     diff = max(float((a[0] - b).abs().max()) for a, b in zip(split_logits, whole_logits,
-                                                              strict=True))
+                                                             strict=True))
     # each prompt alone, then the batch of 8 at each micro-batch count
     pairs = [(a, b) for x, y in zip(split_tokens, whole_tokens, strict=True)
              for a, b in zip(x, y, strict=False)]

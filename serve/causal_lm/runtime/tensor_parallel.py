@@ -164,7 +164,7 @@ def compare(folder: str, prompts: list[Any], max_new_tokens: int,
     whole_logits = [logits_of(whole, i) for i in ids]
     whole_tokens, whole_rate = decode(whole, ids, max_new_tokens)
     diff = max(float((a - b).abs().max()) for a, b in zip(split_logits, whole_logits,
-                                                           strict=True))
+                                                          strict=True))
     same = sum(a == b for x, y in zip(split_tokens, whole_tokens, strict=True)
                for a, b in zip(x, y, strict=False))
     total = sum(min(len(x), len(y)) for x, y in zip(split_tokens, whole_tokens, strict=True))

@@ -77,12 +77,12 @@ async def answer_rows(context, i: int, batcher: Any, runs: list[RowRun],
     failure = next((end for end in ends if end), None)
     if failure is not None:
         return replies.error(context, i, failure, 500, openai=answer is not None,
-                                streamed=parsed.stream and any(r.stream.sent for r in runs))
+                             streamed=parsed.stream and any(r.stream.sent for r in runs))
     completion = sum(len(run.stream.tokens) for run in runs)
     if answer is None:
         run = runs[0]
         return json.dumps(replies.native_answer(run.stream.text, len(parsed.ids),
-                                                   completion, run.choice.finish or "stop")
+                                                completion, run.choice.finish or "stop")
                           ) + "\n"
     usage = openai_routes.usage(len(parsed.ids), completion)
     if parsed.stream:
@@ -123,7 +123,7 @@ async def follow(context, i: int, batcher: Any, run: RowRun,
     choice.text, choice.tokens, choice.logprobs = stream.text, stream.tokens, row.token_logprobs
     if parsed.stream and answer is not None:
         replies.send(context, i, answer.last_chunks(choice, "" if answer.holds_text
-                                                       else held))
+                                                    else held))
     elif parsed.stream and held:
         replies.send(context, i, replies.native_chunk(held, len(stream.tokens)))
     return None

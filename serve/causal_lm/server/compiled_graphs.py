@@ -169,7 +169,7 @@ def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
         decoders = build_decoders(lm.model, buckets(rows), cache_len, mode,
                                   settings.cpp_wrapper)
         warm_up(decoders, shared=True, log=lambda line: print(f"precompile: {line}",
-                                                               flush=True))
+                                                              flush=True))
     prefiller_of(lm.model, settings, cache_len, mode != "none").warm_up()
     built = target() | {"shapes": shapes_of(settings)}
     (out / TARGET).write_text(json.dumps(built, indent=1) + "\n")

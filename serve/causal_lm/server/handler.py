@@ -200,14 +200,14 @@ class CausalLMHandler(BaseHandler):
             self.batcher.submit_all([run.row for run in runs])
         except QUEUE_FULL as exc:
             return replies.queue_full(context, i, str(exc), exc.retry_after_s,
-                                         openai=answer is not None)
+                                      openai=answer is not None)
         try:
             return await choices.answer_rows(context, i, self.batcher, runs, parsed, answer,
-                                                began)
+                                             began)
         except Exception as exc:  # noqa: BLE001 (a failed send, say: this request alone)
             return replies.failed(context, i, exc, openai=answer is not None,
-                                     streamed=parsed.stream and any(r.stream.sent
-                                                                    for r in runs))
+                                  streamed=parsed.stream and any(r.stream.sent
+                                                                 for r in runs))
         finally:
             for run in runs:
                 self.batcher.cancel(run.row)
@@ -232,14 +232,14 @@ class CausalLMHandler(BaseHandler):
                     raise LookupError(f"unknown path {path!r}: this model answers POST "
                                       f"/predictions/{self.model_name} only")
                 one = requests.parse(requests.read_body(request), self.encode,
-                                        self.limits)
+                                     self.limits)
                 if one.ignore_eos or one.n > 1 or one.logprobs is not None or one.json_schema:
                     raise ValueError("ignore_eos, n, logprobs and json_schema: only on a "
                                      "continuous-batching archive")
                 parsed[i] = one
             except (ValueError, LookupError) as exc:
                 results[i] = json.loads(replies.error(context, i, str(exc),
-                                                         404 if path else 400, bool(path)))
+                                                      404 if path else 400, bool(path)))
                 continue
             context.set_response_content_type(i, replies.STREAM_TYPE if parsed[i].stream
                                               else "application/json")
@@ -281,8 +281,8 @@ class CausalLMHandler(BaseHandler):
             piece = streams[k].flush()
             if piece and rows[k].stream:
                 replies.send(context, i, replies.native_chunk(piece,
-                                                                    len(streams[k].tokens)))
+                                                              len(streams[k].tokens)))
         return {i: replies.native_answer(streams[k].text, len(rows[k].ids),
-                                            len(out.rows[k]), out.finish[k])
+                                         len(out.rows[k]), out.finish[k])
                 for k, i in enumerate(group)}
 

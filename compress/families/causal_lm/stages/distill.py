@@ -45,7 +45,7 @@ def run(state: State, cfg: DistillConfig, ctx: StageContext) -> State:
     grid = cfg.quantization_aware
     if grid is not None:
         ctx.metrics["qat_linears"] = qat.prepare(student, grid.scheme, grid.group_size,
-                                                    "float")
+                                                 "float")
         ctx.metrics["qat_scheme"] = grid.scheme
     setup = ctx.training()
     setup.examples = packed_examples(teacher.tokenizer, setup.examples.texts, length)

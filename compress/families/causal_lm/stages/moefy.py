@@ -125,7 +125,7 @@ def routing(dense: torch.nn.Module, train: torch.Tensor, held: list[torch.Tensor
             ctx.log(f"{ctx.name}: the split and routers of an earlier try, read back")
             ctx.metrics.update(json.loads((ctx.folder / "routing.json").read_text()))
             return ([tensors[f"groups.{i}"] for i in range(layers)],
-                     [tensors[f"router.{i}"] for i in range(layers)])
+                    [tensors[f"router.{i}"] for i in range(layers)])
     groups = split_neurons(dense, list(train.split(cfg.calibration.batch_size)), cfg.experts,
                            cfg.split, cfg.cluster_tokens, ctx.seed)
     routers = Routers(len(groups), dense.config.hidden_size, cfg.experts, ctx.seed)

@@ -5,12 +5,16 @@ bytes of the kernel's records."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
 
 from serve.causal_lm.runtime import grouped
-from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
+from serve.causal_lm.runtime.kernels import _cpu_flags, build_error, grouped_mm_available
+
+AVX512 = "avx512f" in _cpu_flags() and not os.environ.get("COMPRESS_KERNEL_MARCH")
 
 
 def test_the_kernel_is_built_here() -> None:
@@ -48,7 +52,8 @@ def test_up_to_5_rows_each_row_gets_its_one_row_product_bit_for_bit(bits) -> Non
     alone = torch.cat([module(x[r:r + 1]) for r in range(8)])
     for rows in range(2, 6):
         assert torch.equal(module(x[:rows]), alone[:rows]), rows
-    assert not torch.equal(module(x), alone)  # 6 rows and more: one sum a row, faster
+    if AVX512:  # 6 rows and more: one sum a row, faster (the portable loop sums each row
+        assert not torch.equal(module(x), alone)  # as a lone row at any count)
 
 
 def test_int8_grouped_weights_count_the_kernel_records() -> None:

@@ -305,6 +305,20 @@ SHRUNK_SST2 = ["data.train.max_samples=800", "data.eval.max_samples=200",
                "evaluation.latency.warmup=1", "evaluation.latency.batch_sizes=[8]"]
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's flags, as /proc/cpuinfo lists them (empty where there is none)."""
+    info = Path("/proc/cpuinfo")
+    return set(info.read_text().split()) if info.exists() else set()
+
+
+# Where Inductor's int8 GEMMs answer off the PT2E reference: on a CPU without VNNI (an
+# AVX2-only EPYC, Zen 3) the compiled int8 encoder programs answer about 0.17 off (relative)
+# at 6227179 and after, before any fusion of ours: a defect left open (issue 69's note)
+VNNI = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+needs_vnni = pytest.mark.skipif(not VNNI, reason="Inductor's int8 GEMM is about 0.17 off the "
+                                "PT2E reference on a CPU without VNNI (issue 69's note)")
+
+
 def import_alone(folder: Path, modules: str, then: str = "") -> list:
     """Import `modules` (comma-separated) from `folder` in a fresh Python that cannot reach
     the repository (no path to it, no editable-install finder), run `then`, and return the

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from conftest import needs_vnni
 from test_encoder_attention import TOLERANCE, relative, tiny_encoder
 
 from compress.algorithms.smoothing import SmoothedLinear
@@ -99,6 +100,7 @@ def int8_program(x: torch.Tensor, model: torch.nn.Module | None = None
     return torch.export.export(converted, (x,), dynamic_shapes=dims), converted
 
 
+@needs_vnni
 def test_gelu_and_its_quantize_fuse_into_the_int8_gemm_on_dynamic_3d_inputs(
         tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
@@ -129,6 +131,7 @@ class _SmoothedFeedForward(_FeedForward):
         self.down = SmoothedLinear(self.down, scale)
 
 
+@needs_vnni
 def test_gelu_fuses_into_the_int8_gemm_before_a_smoothing_multiply(tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 

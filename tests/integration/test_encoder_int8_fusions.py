@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_vnni
 from test_encoder_attention import relative
 from test_encoder_graph_passes import int8_program
 
@@ -25,14 +25,6 @@ from export.graph_edits import merge_repeats
 from export.graphs import inductor_freezing
 from serve import encoder_attention
 
-# Inductor's int8 GEMMs against the PT2E reference: on a CPU without VNNI (an AVX2-only
-# EPYC, Zen 3) the compiled int8 program answers 0.17 off (relative) where the tolerance is
-# 0.01, before and after these fusions alike: a defect of that path, left open (issue 69's
-# note), not of the fusions these tests check
-VNNI = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(Path("/proc/cpuinfo").read_text(
-    ).split())) if Path("/proc/cpuinfo").exists() else False
-needs_vnni = pytest.mark.skipif(not VNNI, reason="Inductor's int8 GEMM is 0.17 off the PT2E "
-                                "reference on a CPU without VNNI (issue 69's note)")
 NORM = "compress_encoder.add_layer_norm.default"
 GELU = "compress_encoder.gelu_quantize.default"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import needs_vnni
 from test_encoder_attention import relative
 from test_encoder_graph_passes import int8_program
 from test_encoder_int8_fusions import _compiled
@@ -77,6 +78,7 @@ class _Embeddings(torch.nn.Module):
         return self.proj(self.norm(summed))
 
 
+@needs_vnni
 def test_the_first_norm_gathers_its_embeddings(tmp_path: Path) -> None:
     assert encoder_attention.load(), encoder_attention.error()
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -138,6 +140,7 @@ class _Attention(torch.nn.Module):
         return self.out(answer.transpose(1, 2).reshape(batch, length, 64)) + x
 
 
+@needs_vnni
 def test_the_attention_answer_is_quantized_in_the_kernel(tmp_path: Path) -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,6 @@ none of their own. A key it does not know is refused, in one line that names it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -51,10 +50,6 @@ class HandlerSettings:
             raise UnknownSetting(f"unknown handler setting {unknown[0]!r} (known: "
                                  f"{', '.join(sorted(known))})")
         return cls(**section)
-
-    def to_config(self) -> dict[str, Any]:
-        """The `handler:` section that writes these settings (every field)."""
-        return dataclasses.asdict(self)
 
     def rows_of(self, batch_size: int) -> int:
         """Rows decoded together: `rows`, or TorchServe's batchSize."""

@@ -84,8 +84,7 @@ def measure(run_dir: Path, items: list[dict[str, Any]], latency: dict[str, Any],
             figures = run_child({
                 "mode": "artifact", "run_dir": item.get("run_dir", str(run_dir)),
                 "folder": item["folder"], "kind": item["kind"], "config": item["config"],
-                "latency": latency, "accuracy": r == 0, "real_limit": args.real_limit,
-                "sys_path": [p for p in sys.path if p]})
+                "latency": latency, "accuracy": r == 0, "real_limit": args.real_limit})
         record(item, figures)
         echo(f"peers: round {r + 1}/{args.rounds}: {item['name']}: " + (
             f"failed: {item['error']}" if "error" in figures else

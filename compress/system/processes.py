@@ -96,10 +96,15 @@ def group_members(pgid: int) -> list[int]:
             and found.state not in ENDED]
 
 
-def reset_peak_rss() -> None:
-    """Start a new peak of this process's resident memory (clear_refs 5 resets VmHWM)."""
-    with contextlib.suppress(OSError):
+def reset_peak_rss() -> bool:
+    """Start a new peak of this process's resident memory (clear_refs 5 resets VmHWM).
+    False where the kernel refused (a container without the right to write clear_refs):
+    the peak then still counts from the process's start."""
+    try:
         (PROC / "self" / "clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def peak_rss_mb() -> float | None:

@@ -193,9 +193,16 @@ class TextStream:
     """The text of one row as its tokens come: what may be sent now (never a part that a
     stop string could still claim, nor half a UTF-8 character), and where it ends.
 
-    Each token's check looks only at the text not yet sent and `longest` characters
-    before it (what could begin a stop string is never sent), so it does not grow with
-    the text."""
+    Decoded incrementally, as Hugging Face's TextStreamer and vLLM's detokenizer do: each
+    token decodes a short window, the tokens since `prefix` (those of the last text
+    taken, so that a tokenizer that drops a leading space, or joins a word's pieces, does
+    so the same way with and without the new tokens) with and without the new ones; what
+    the new ones add is the window's text past the prefix's. A window whose text ends in
+    half a character (U+FFFD: a byte-level or byte-fallback token that a later one
+    completes) grows until the character is whole. So `text` is the sum of what the
+    windows added, each token's cost does not grow with the row, and the deltas add up to
+    it. Each token's stop check looks only at the text not yet sent and `longest`
+    characters before it (what could begin a stop string is never sent)."""
 
     def __init__(self, tokenizer: Any, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, list(dict.fromkeys(stop))
@@ -205,11 +212,20 @@ class TextStream:
         self.text = ""  # all of it so far, cut at a stop string
         self.sent = 0  # characters of `text` already streamed
         self.stopped = False  # a stop string was seen
+        self.prefix = self.read = 0  # the window's first token, the first not yet taken
+        self.prefix_text = ""  # the text of tokens[prefix:read], decoded alone
+        self.taken = ""  # the text of tokens[:read]
 
     def add(self, token: int) -> str:
         """Take one token; the text that may be streamed now ("" when none)."""
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        window = self._decode(self.tokens[self.prefix:])
+        text = self.taken + window[len(self.prefix_text):]
+        if len(window) > len(self.prefix_text) and not window.endswith("\ufffd"):
+            # whole characters: the window moves on to the tokens just taken
+            self.prefix, self.read = self.read, len(self.tokens)
+            self.prefix_text = self._decode(self.tokens[self.prefix:self.read])
+            self.taken = text
         start = max(0, self.sent - self.longest)
         cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -220,6 +236,9 @@ class TextStream:
         while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete character
             end -= 1
         return self._take(end)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def flush(self) -> str:
         """The text held back so far (what could have begun a stop string, or half a

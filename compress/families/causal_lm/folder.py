@@ -31,11 +31,6 @@ def load_recipe_causal_lm(location: str, checkpoint: str | None = None) -> Model
     except (OSError, ValueError) as exc:
         raise UserError(f"model.source: cannot load '{location}' as a causal LM: "
                         f"{str(exc).splitlines()[0]}") from None
-    if getattr(lm.model, "hf_quantizer", None) is not None:  # GGUF: already dequantized,
-        lm.model.hf_quantizer = None  # so it saves as the plain float model it now is
-        lm.model.is_quantized = False
-        if hasattr(lm.model.config, "quantization_config"):
-            del lm.model.config.quantization_config
     if checkpoint:
         load_weights(lm.model, checkpoint)
     facts = {"scheme": None, "dtype": "float32", "provenance": lm.provenance}

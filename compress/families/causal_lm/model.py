@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compress.families.causal_lm.gguf_cache import model_folder
 from compress.recipe.sources import shipped_gguf
 from serve.causal_lm.runtime.loading import (  # noqa: F401  (compress's names for the runtime's)
     Generation,
@@ -43,9 +44,10 @@ def load_causal_lm(source: str, dtype: torch.dtype = torch.float32) -> CausalLM:
     path = Path(source).expanduser()
     gguf = path if path.suffix == ".gguf" and path.is_file() else shipped_gguf(source)
     if gguf is not None:
-        folder, name = str(gguf.parent), gguf.name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        folder = model_folder(gguf)  # converted once: reading a GGUF costs tens of seconds
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        name = gguf.name
         quant = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else "unknown"
         provenance = {"source": source, "gguf_file": str(gguf), "gguf_quantization": quant,
                       "weights": f"dequantized from a {quant} GGUF to {dtype}"}

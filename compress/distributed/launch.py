@@ -16,6 +16,13 @@ from compress.system import processes
 # the dead rank's gloo address and fail to connect (pytorch/pytorch#135712). Every torchrun
 # compress starts, or has TorchServe start, gets this.
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The torchrun of a served split model (TorchServe's `parallelType` workers, every rank on
+# this machine, no --rdzv-endpoint): its agent's rendezvous in a FileStore (mkstemp'd in
+# TMPDIR, the server's own folder), not a TCPStore, which listens on every interface whatever
+# address it is given (pytorch/pytorch#173909). TorchServe passes no --rdzv-conf, so it goes
+# by torchrun's environment. With the line above no store is shared with the ranks either:
+# they meet in a FileStore of their own (serve/causal_lm/runtime/process_group.py).
+LOCAL_TORCHRUN_ENV = {**TORCHRUN_ENV, "PET_RDZV_CONF": "store_type=file"}
 
 
 def torchrun(args: list[str], nproc: int, nnodes: int = 1, node_rank: int = 0,

@@ -1,6 +1,7 @@
 """This machine's processes as Linux's /proc shows them: every process id, whether one is
 alive, its state, process group and start time (`/proc/<pid>/stat`), its command line,
-environment and children, this boot's id, and this process's peak resident memory.
+environment, children and whole tree, the TCP sockets a tree listens on, this boot's id,
+and this process's peak resident memory.
 
 Where /proc does not say (another OS, a process that ended meanwhile, another user's
 environment) each answers None, "" or nothing rather than raising.
@@ -9,6 +10,7 @@ environment) each answers None, "" or nothing rather than raising.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +76,83 @@ def children(pid: int) -> list[int]:
     for listing in (PROC / str(pid) / "task").glob("*/children"):
         with contextlib.suppress(OSError, ValueError):
             found += [int(child) for child in listing.read_text().split()]
+    return found
+
+
+def tree(pid: int) -> list[int]:
+    """Process `pid` and every process it started, and they started, down to the leaves."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.append(current)
+            todo += children(current)
+    return found
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A TCP socket in LISTEN state, and one process that holds it."""
+
+    pid: int
+    address: str  # as ipaddress writes it: "127.0.0.1", "::1", "0.0.0.0", "::"
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        """Whether only this machine can reach it (127.0.0.0/8, ::1, ::ffff:127.x.y.z)."""
+        address = ipaddress.ip_address(self.address)
+        mapped = getattr(address, "ipv4_mapped", None)
+        return (mapped or address).is_loopback
+
+    def __str__(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        command = " ".join(command_line(self.pid).split())
+        return f"{host}:{self.port} (pid {self.pid}: {command[:100]})"
+
+
+LISTEN = "0A"  # the TCP state column of /proc/net/tcp{,6}
+
+
+def _address(hex_address: str) -> tuple[str, int]:
+    """An address of /proc/net/tcp{,6} ("0100007F:1F90": 32-bit words in this machine's
+    byte order, then the port) as ("127.0.0.1", 8080)."""
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words)), int(port, 16)
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process `pid` holds open (none where unreadable)."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for fd in (PROC / str(pid) / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    found.add(int(target[8:-1]))
+    return found
+
+
+def listeners(pids: list[int]) -> list[Listener]:
+    """Every TCP socket (IPv4 and IPv6) in LISTEN state that one of `pids` holds open: the
+    socket inodes of /proc/PID/fd looked up in /proc/PID/net/tcp and tcp6 (the process's
+    own network namespace)."""
+    found: list[Listener] = []
+    for pid in pids:
+        inodes = socket_inodes(pid)
+        if not inodes:
+            continue
+        for table in ("tcp", "tcp6"):
+            try:
+                rows = (PROC / str(pid) / "net" / table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                fields = row.split()
+                if len(fields) > 9 and fields[3] == LISTEN and int(fields[9]) in inodes:
+                    found.append(Listener(pid, *_address(fields[1])))
     return found
 
 

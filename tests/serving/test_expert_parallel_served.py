@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import packaged_causal_lm_run, run_cli
+from loopback_checks import assert_only_loopback_listeners
 from moe_models import tiny_moe_folder
 
 pytest.importorskip("ts")
@@ -65,5 +66,6 @@ def test_an_expert_parallel_worker_streams_the_offline_greedy_text_and_batches(
         split_model_answers_like_one_process(info, want)
         log = (target.serve_dir / "logs/model_log.log").read_text()
         assert "compile none, 2 rank(s)" in log
+        assert_only_loopback_listeners(info, 2)
     finally:
         server.stop(target.serve_dir)

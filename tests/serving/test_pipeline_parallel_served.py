@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import packaged_causal_lm_run
+from loopback_checks import assert_only_loopback_listeners
 
 pytest.importorskip("ts")
 
@@ -61,5 +62,6 @@ def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
         assert want[PROMPTS[1]] not in texts  # sampling happened
         log = (target.serve_dir / "logs/model_log.log").read_text()
         assert "compile none, 2 rank(s)" in log
+        assert_only_loopback_listeners(info, 2)
     finally:
         server.stop(target.serve_dir)

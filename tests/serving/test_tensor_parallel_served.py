@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import packaged_causal_lm_run
+from loopback_checks import assert_only_loopback_listeners
 
 pytest.importorskip("ts")
 
@@ -65,7 +66,15 @@ def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(
             assert status == 200
             assert json.loads(lines[-1][1])["text"] == want[prompt]
         assert max(int(h["X-Batch-Size"]) for _, h, _ in answers) > 1
+        body = {"prompt": PROMPTS[1], "max_new_tokens": 8, "stream": False,
+                "temperature": 0.9}  # rank 0's seeds reach the other rank (a tensor)
+        sampled = [generate(info, body | {"seed": 7}) for _ in range(2)] + [
+            generate(info, body | {"seed": 8}), generate(info, body)]
+        assert [status for status, _, _ in sampled] == [200] * 4
+        texts = [json.loads(lines[-1][1])["text"] for _, _, lines in sampled]
+        assert texts[0] == texts[1] != texts[2]
         log = (target.serve_dir / "logs/model_log.log").read_text()
         assert "compile none, 2 rank(s)" in log
+        assert_only_loopback_listeners(info, 2)
     finally:
         server.stop(target.serve_dir)

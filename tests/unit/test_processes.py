@@ -1,6 +1,7 @@
 """compress.system.processes on real processes of this machine: a child's state, group,
 start time, command line, environment and parent; a zombie and a reaped child count as
-ended; this process's peak resident memory."""
+ended; the TCP sockets a process tree listens on, loopback told apart; this process's peak
+resident memory."""
 
 from __future__ import annotations
 
@@ -70,3 +71,57 @@ def test_the_peak_resident_memory_rises_with_what_is_held() -> None:
     before, after = float(answer[1]), float(answer[2])
     assert answer[0] in ("True", "False") and before < 200
     assert after >= before + 50
+
+
+LISTENING = """
+import socket, subprocess, sys, time
+socks = []
+for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"),
+                     (socket.AF_INET6, "::1"), (socket.AF_INET6, "::")):
+    try:
+        s = socket.socket(family)
+        s.bind((host, 0))
+        s.listen()
+        socks.append(s)
+    except OSError:  # no IPv6 here
+        pass
+if sys.argv[1] == "parent":  # a grandchild of the test listens too
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], "leaf", ""])
+print(" ".join(f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in socks), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_tree_s_listeners_are_read_from_proc_net_and_loopback_is_told_apart() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", LISTENING, "parent", LISTENING],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        bound = set(proc.stdout.readline().split())
+        deadline = time.monotonic() + 20
+        while len(processes.tree(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = processes.tree(proc.pid)
+        assert tree[0] == proc.pid and len(tree) == 2
+        while (len(processes.listeners(tree[1:])) < len(bound)
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        mine = processes.listeners([proc.pid])
+        assert {f"{x.address}:{x.port}" for x in mine} == bound
+        assert {x.address: x.loopback for x in mine} == {
+            a: a in ("127.0.0.1", "::1") for a in {b.rsplit(":", 1)[0] for b in bound}}
+        assert len(processes.listeners(tree)) == 2 * len(bound)  # the grandchild's too
+        beyond = next(x for x in mine if not x.loopback)
+        assert str(beyond).startswith(("0.0.0.0:", "[::]:")) and f"pid {proc.pid}:" in str(beyond)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def test_proc_net_addresses_are_decoded_in_this_machine_s_byte_order() -> None:
+    assert processes._address("0100007F:1F90") == ("127.0.0.1", 8080)
+    assert processes._address("00000000000000000000000001000000:0050") == ("::1", 80)
+    mapped = processes._address("0000000000000000FFFF00000100007F:0016")
+    assert mapped == ("::ffff:7f00:1", 22)
+    assert processes.Listener(1, mapped[0], 22).loopback  # ::ffff:127.0.0.1
+    assert not processes.Listener(1, "::", 22).loopback
+    assert not processes.Listener(1, "192.0.2.2", 22).loopback

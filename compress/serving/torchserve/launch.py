@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from compress.distributed.launch import TORCHRUN_ENV
+from compress.distributed.launch import LOCAL_TORCHRUN_ENV
 from compress.errors import UserError
 from compress.serving import server_process
 from compress.serving.metrics_config import metrics_url, write_metrics_config
@@ -95,7 +95,7 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
            "METRICS_LOCATION": str(serve_dir / "logs"),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                     os.environ.get("PATH", "")]),
-           **TORCHRUN_ENV}
+           **LOCAL_TORCHRUN_ENV}
     with open(serve_dir / "logs" / "torchserve.out", "wb") as out:
         launcher = subprocess.Popen(command, cwd=serve_dir, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)

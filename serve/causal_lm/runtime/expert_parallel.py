@@ -7,8 +7,8 @@ attention, norms, embeddings and head stay whole on every rank, which all decode
 rows in step. Tokens reach their experts' ranks by `all_to_all_single` and come back the
 same way (`expert_dispatch.py` says which rank routes which token). Served
 (`parallelType: pp` in TorchServe's terms: rank 0 alone gets the requests), rank 0 leads
-every generation: `LeadingDecoder` broadcasts its arguments and the rows its streams end,
-and the other ranks `follow`.
+every generation: `LeadingDecoder` broadcasts its arguments (as tensors: `leader_call.py`)
+and the rows its streams end, and the other ranks `follow`.
 
     cd FOLDER && torchrun --nproc-per-node 2 -m causal_lm.expert_parallel . \
         --prompts prompts.txt --out ep.json
@@ -20,10 +20,13 @@ at batch 8 with 1 and N ranks, and the share of a decode step spent in all-to-al
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where it is used: checking a config needs none
     from torch import nn
+
+    from .leader_call import LeaderCall
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -42,18 +45,19 @@ def split_problem(config: dict[str, Any], ranks: int) -> str | None:
     return None
 
 
-def join_and_split(model: nn.Module) -> int:
+def join_and_split(model: nn.Module, folder: Path) -> int:
     """In a rank of a torchrun job (TorchServe's torchrun workers, or any other): join the
-    process group (gloo on CPU, NCCL on GPUs) and keep this rank's experts; the rank."""
+    process group (`process_group.join`: on one machine through a FileStore in `folder`, on
+    loopback) and keep this rank's experts; the rank."""
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():  # a follower waits as long as the server idles
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=timedelta(days=365))
+    from . import process_group
     from .expert_dispatch import shard_experts
+
+    process_group.join(folder, timeout=timedelta(days=365))  # a follower waits as long as
+    # the server idles
 
     shard_experts(model, dist.get_rank(), dist.get_world_size())
     return dist.get_rank()
@@ -61,7 +65,8 @@ def join_and_split(model: nn.Module) -> int:
 
 class LeadingDecoder:
     """A decoder (`StaticDecoder`) run in step on every rank: rank 0's arguments (its
-    sampling seeds drawn there) and the rows its `on_tokens` ends are broadcast to all."""
+    sampling seeds drawn there; sent as tensors, `leader_call.py`) and the rows its
+    `on_tokens` ends are broadcast to all."""
 
     def __init__(self, decoder: Any):
         self.decoder = decoder
@@ -76,35 +81,34 @@ class LeadingDecoder:
         import dataclasses
         import random
 
-        import torch
         import torch.distributed as dist
+
+        from . import leader_call
 
         if dist.get_rank() == 0 and sampling:  # every rank samples with rank 0's seeds
             sampling = [dataclasses.replace(p, seed=random.randrange(2**31))
                         if p is not None and p.seed is None and p.temperature > 0 else p
                         for p in sampling]
-        call = [(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt,
-                 max_new_tokens, stop, sampling)]
-        dist.broadcast_object_list(call, src=0)
-        return self.run(call[0], on_tokens)
+        call = leader_call.LeaderCall.of(prompt, max_new_tokens, stop, sampling)
+        return self.run(leader_call.broadcast(call), on_tokens)
 
-    def run(self, call: tuple[Any, ...], on_tokens: Any = None) -> Any:
-        """Decode the generation rank 0 announced (prompts, max_new_tokens, stop, sampling);
-        the rows rank 0's `on_tokens` ends, end on every rank."""
+    def run(self, call: LeaderCall, on_tokens: Any = None) -> Any:
+        """Decode the generation rank 0 announced; the rows rank 0's `on_tokens` ends, end
+        on every rank."""
         import torch
         import torch.distributed as dist
 
-        prompt, max_new_tokens, stop, sampling = call
         lead = dist.get_rank() == 0
 
         def ended(produced: list[int | None]) -> list[int]:
-            flags = torch.zeros(len(prompt), dtype=torch.uint8)
+            flags = torch.zeros(len(call.prompt), dtype=torch.uint8)
             if lead and on_tokens is not None:
                 flags[list(on_tokens(produced) or ())] = 1
             dist.broadcast(flags, src=0)
             return flags.nonzero().flatten().tolist()
 
-        return self.decoder.generate(prompt, max_new_tokens, stop, sampling, ended)
+        return self.decoder.generate(call.prompt, call.max_new_tokens, call.stop,
+                                     call.sampling, ended)
 
 
 def leading_decoders(model: nn.Module, cache_len: int) -> Any:
@@ -118,15 +122,13 @@ def leading_decoders(model: nn.Module, cache_len: int) -> Any:
 def follow(decoders: dict[int, LeadingDecoder]) -> Any:
     """On a rank other than 0 of a served expert-parallel worker: a daemon thread that runs
     every generation rank 0's decoders announce, each through the decoder of its rows."""
-    import torch.distributed as dist
-
+    from . import leader_call
     from .pipeline import follow_leader
 
     def step() -> None:
-        call: list[Any] = [None]
-        dist.broadcast_object_list(call, src=0)
-        rows = len(call[0][0])
-        (decoders.get(rows) or decoders[max(decoders)]).run(call[0])
+        call = leader_call.broadcast(None)
+        rows = len(call.prompt)
+        (decoders.get(rows) or decoders[max(decoders)]).run(call)
 
     return follow_leader(step, "expert-parallel")
 

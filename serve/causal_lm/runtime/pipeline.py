@@ -8,7 +8,8 @@ rank's `PipelineStage` receives the hidden states (float32) and the attention ma
 rank before it, and `ScheduleGPipe` runs a batch through them as micro-batches, forward only.
 No KV cache crosses the stages: each new token recomputes the whole sequence through the
 pipeline; the last rank picks it and `torch.distributed.broadcast` gives it to every rank.
-Served (`parallelType: pp`), rank 0 leads each generation and the others `follow` it;
+Served (`parallelType: pp`), rank 0 leads each generation (its arguments sent as tensors:
+`leader_call.py`) and the others `follow` it;
 `pipeline_parallel.py` compares the pipeline with one process.
 """
 
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from . import decode
+from . import decode, leader_call, process_group
 
 MAX_SCHEDULES = 64  # one a shape (rows, length, micro-batches): dropped all at once past this
 
@@ -151,11 +153,12 @@ class PipelineDecoder:
         """Tokens after each prompt, as `StaticDecoder.generate` gives them (with `lead`,
         rank 0's prompts and settings on every rank)."""
         chunks = self.microbatches
-        if self.lead:
-            call = [(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt,
-                     max_new_tokens, stop, sampling, chunks)]
-            dist.broadcast_object_list(call, src=0)
-            prompt, max_new_tokens, stop, sampling, chunks = call[0]
+        if self.lead:  # as tensors, never a pickle (leader_call.py)
+            call = leader_call.broadcast(leader_call.LeaderCall.of(
+                prompt, max_new_tokens, stop, sampling, chunks) if self.pipe.rank == 0
+                else None)
+            prompt, max_new_tokens, stop = call.prompt, call.max_new_tokens, call.stop
+            sampling, chunks = call.sampling, call.chunks
         ids, mask, _ = decode.left_pad(prompt, always_mask=True)
         rows, length = ids.shape
         limits, picks, generators = decode.plan_rows(rows, length, max_new_tokens,
@@ -210,12 +213,12 @@ def follow_leader(step: Callable[[], None], what: str) -> threading.Thread:
     return thread
 
 
-def join_and_split(model: nn.Module) -> Pipe:
+def join_and_split(model: nn.Module, folder: Path) -> Pipe:
     """In a rank of a torchrun job (TorchServe's `parallelType: pp` workers, or any other):
-    join the process group (gloo on CPU, NCCL on GPUs) and keep this rank's stage of
-    `model` (the other layers are dropped)."""
-    if not dist.is_initialized():  # a follower waits for the next request as long as the
-        # server idles (past the default 30 min timeout, its broadcast would fail)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=timedelta(days=365))
+    join the process group (`process_group.join`: on one machine through a FileStore in
+    `folder`, on loopback) and keep this rank's stage of `model` (the other layers are
+    dropped)."""
+    # a follower waits for the next request as long as the server idles (past the default
+    # 30 min timeout, its broadcast would fail)
+    process_group.join(folder, timeout=timedelta(days=365))
     return Pipe(model, dist.get_rank(), dist.get_world_size())

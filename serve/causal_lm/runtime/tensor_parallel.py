@@ -77,28 +77,34 @@ def shard_layers(model: nn.Module, mesh: Any) -> nn.Module:
     return parallelize_module(model, mesh, plan)
 
 
-def join_and_split(model: nn.Module) -> nn.Module:
+def join_and_split(model: nn.Module, folder: Path) -> nn.Module:
     """In a rank of a torchrun job (TorchServe's `parallelType: tp` workers, or any other):
-    join the process group (gloo on CPU, NCCL on GPUs) and split `model` across it."""
-    import torch
+    join the process group (`process_group.join`: on one machine through a FileStore in
+    `folder`, on loopback) and split `model` across it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    from . import process_group
+
+    process_group.join(folder)
     return shard_layers(model, init_device_mesh("cpu", (dist.get_world_size(),)))
 
 
 def shared_seeds(seeds: list[int | None]) -> list[int | None]:
     """Rank 0's sampling seeds on every rank, a seed drawn there for each row without one:
-    every rank must sample the same tokens, or their caches and collectives part ways."""
+    every rank must sample the same tokens, or their caches and collectives part ways. Sent
+    as one int64 a row (every rank has the same rows), never a pickle."""
     import random
 
+    import torch
     import torch.distributed as dist
 
-    box = [[s if s is not None else random.randrange(2**31) for s in seeds]]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    from .leader_call import seed_bits, seed_of
+
+    drawn = [s if s is not None else random.randrange(2**31) for s in seeds]
+    box = torch.tensor([seed_bits(s) for s in drawn], dtype=torch.int64)
+    dist.broadcast(box, src=0)
+    return [seed_of(s) for s in box.tolist()]
 
 
 def linear_weight_bytes(model: nn.Module) -> int:

@@ -96,12 +96,12 @@ class CausalLMHandler(BaseHandler):
         self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
         # by every rank in step; or, with expert_parallel, this rank's experts, rank 0 leading
         self.leads = self.ranks > 1 and bool(settings.expert_parallel)
-        if self.leads:
-            expert_parallel.join_and_split(self.causal_lm.model)
+        if self.leads:  # the ranks meet in a FileStore in the model folder, on loopback
+            expert_parallel.join_and_split(self.causal_lm.model, model_dir)
         elif self.ranks > 1 and config.get("parallelType") == "pp":
-            self.pipe = pipeline.join_and_split(self.causal_lm.model)
+            self.pipe = pipeline.join_and_split(self.causal_lm.model, model_dir)
         elif self.ranks > 1:
-            tensor_parallel.join_and_split(self.causal_lm.model)
+            tensor_parallel.join_and_split(self.causal_lm.model, model_dir)
         self.stop = loading.stop_ids(self.causal_lm.model, self.causal_lm.tokenizer)
         cache_len = settings.cache_len
         self.limits = requests.Limits(

@@ -40,6 +40,9 @@ class Generation:
     finish: list[str] = field(default_factory=list)  # per row: "stop" or "length"
 
 
+NO_TOKEN = -1  # `pick_tokens`' answer for a row whose logits nothing can be picked from
+UNUSABLE = "error: its logits were not finite: no token could be picked"  # such a row's end
+
 # on_tokens(the token each row just produced, None for rows already finished) -> rows to
 # finish now (a stop string seen, a client gone)
 OnTokens = Callable[[list[int | None]], Iterable[int] | None]
@@ -254,9 +257,14 @@ def plan_rows(rows: int, length: int, max_new_tokens: int | Sequence[int],
 
 def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],
             limits: list[int], stop: set[int]) -> list[int | None]:
-    """Append each unfinished row's token; mark rows that end with it."""
+    """Append each unfinished row's token; mark rows that end with it (a row that got
+    NO_TOKEN ends UNUSABLE, its entry of `token` set to 0, so that it still feeds the next
+    step's shape)."""
     produced: list[int | None] = []
     for row, value in enumerate(token.tolist()):
+        if value == NO_TOKEN:
+            token[row] = 0
+            finish[row] = finish[row] or UNUSABLE
         if finish[row]:
             produced.append(None)
             continue
@@ -271,19 +279,27 @@ def _record(token: torch.Tensor, out: list[list[int]], finish: list[str | None],
 
 def pick_tokens(logits: torch.Tensor, picks: list[Sampling | None],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
-    """The next token of every row: argmax, or a top-p sample at the row's temperature."""
+    """The next token of every row: argmax, or a top-p sample at the row's temperature;
+    NO_TOKEN for a row whose logits no token can be picked from (a NaN or +inf among them,
+    or every one -inf: `torch.multinomial` raised on such a row and failed the others)."""
     greedy = logits.argmax(-1)
-    if not any(picks):
+    unusable = (logits < float("inf")).all(-1).logical_not_() | (
+        logits > float("-inf")).any(-1).logical_not_()
+    if not any(picks) and not unusable.any():
         return greedy
-    chosen = greedy.clone()
+    chosen = greedy.masked_fill(unusable, NO_TOKEN)
     for row, how in enumerate(picks):
-        if how is None:
+        if how is None or unusable[row]:
             continue
         probs = torch.softmax(logits[row].float() / how.temperature, dim=-1)
         ranked, order = probs.sort(descending=True)
         keep = (ranked.cumsum(-1) - ranked) < how.top_p  # the smallest set reaching top_p
         keep[0] = True  # the likeliest token always (a top_p below float32's least: none)
         ranked = ranked * keep
-        index = torch.multinomial(ranked / ranked.sum(), 1, generator=generators[row])
+        total = ranked.sum()
+        if not torch.isfinite(total) or total <= 0:  # overflowed at this temperature
+            chosen[row] = NO_TOKEN
+            continue
+        index = torch.multinomial(ranked / total, 1, generator=generators[row])
         chosen[row] = order[index[0]]
     return chosen

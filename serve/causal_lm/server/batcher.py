@@ -13,7 +13,7 @@ has waited `patience` steps. At most `max_waiting` wait (`submit` raises `QueueF
 Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
 (max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
 prefill failed: that row alone, a batch that failed is tried again row by row; a decode
-step failed: every row in it).
+step failed: every row in it), or UNUSABLE (its logits allowed no token: that row alone).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from serve.handler_settings import HandlerSettings
 
 from ..runtime.attention import attention
-from ..runtime.decode import StaticDecoder
+from ..runtime.decode import NO_TOKEN, UNUSABLE, StaticDecoder
 from .buckets import buckets, fitting_groups, shared_caches  # noqa: F401 (its API)
 from .picking import pick_for_rows
 from .placement import Placement
@@ -267,6 +267,9 @@ class ContinuousBatcher(Placement):
         assert row is not None
         if row.cancelled:
             self._leave(slot, CANCELLED)
+            return
+        if token == NO_TOKEN:  # its logits allowed no token: it alone ends
+            self._leave(slot, UNUSABLE)
             return
         row.tokens.append(token)
         if not send(row, token, None):

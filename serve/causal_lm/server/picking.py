@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..runtime.decode import pick_tokens
+from ..runtime.decode import NO_TOKEN, pick_tokens
 from .rows import Row
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -17,7 +17,8 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 def pick_for_rows(logits: torch.Tensor, rows: Sequence[Row | None]) -> list[int]:
     """The next token of each row of `logits` (rows x vocab; a None row: a free slot, its
-    token ignored). The logits of a row with a grammar are changed in place."""
+    token ignored; NO_TOKEN where a row's logits allow none). The logits of a row with a
+    grammar are changed in place."""
     model_logprobs = {k: torch.log_softmax(logits[k].float(), dim=-1)
                       for k, row in enumerate(rows) if row and row.logprobs is not None}
     for k, row in enumerate(rows):
@@ -26,7 +27,7 @@ def pick_for_rows(logits: torch.Tensor, rows: Sequence[Row | None]) -> list[int]
     picked = pick_tokens(logits, [r.sampling if r else None for r in rows],
                          [r.generator if r else None for r in rows]).tolist()
     for k, row in enumerate(rows):
-        if row is None:
+        if row is None or picked[k] == NO_TOKEN:  # its row ends (`batcher._take`)
             continue
         if k in model_logprobs:
             row.token_logprobs.append(token_logprobs(model_logprobs[k], picked[k],

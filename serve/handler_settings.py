@@ -35,6 +35,9 @@ class HandlerSettings:
     cpp_wrapper: bool = True  # Inductor writes the compiled step's wrapper in C++
     rows: int | None = None  # continuous batching: rows decoded together (None: batchSize)
     max_waiting: int = 64  # continuous batching: rows that may wait (past it: a 503)
+    # a request's JSON schema (response_format, tools), in characters of its JSON text: its
+    # grammar compiles at about 3 us a character (longer: a 400; 0: no bound)
+    max_schema_chars: int = 32_000
     prefill_chunk: int = 32  # prompt tokens prefilled per step
     prefill_compile: bool = False  # the prefill through torch.compile too
     prefix_cache: bool | int = True  # reuse prompt prefixes (a number: positions kept)

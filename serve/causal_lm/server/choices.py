@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,18 +37,24 @@ class RowRun:
 
 
 def parse_choices(request: dict[str, Any], route: str | None, encode,
-                  limits: requests.Limits, tokenizer: Any) -> tuple[Any, ...]:
-    """(the request parsed, what its OpenAI answer carries, a grammar constraint per choice
-    or Nones: the grammar compiled once). ValueError: a 400."""
+                  limits: requests.Limits) -> tuple[Any, ...]:
+    """(the request parsed, what its OpenAI answer carries). ValueError: a 400."""
     parsed, wanted = requests.parse_request(request, route, encode, limits)
     if route is None and (parsed.n > 1 or parsed.logprobs is not None):
         raise ValueError("n and logprobs: on the OpenAI routes (v1/chat/completions, "
                          "v1/completions)")
-    constraints: list[Any] = [None] * parsed.n
-    if parsed.json_schema is not None:
-        grammar = grammars.json_grammar(parsed.json_schema)
-        constraints = [grammars.Constraint(tokenizer, grammar) for _ in range(parsed.n)]
-    return parsed, wanted, constraints
+    return parsed, wanted
+
+
+async def constraints_of(parsed: requests.GenerationRequest, tokenizer: Any,
+                         compiling: Executor) -> list[Any]:
+    """A grammar constraint per choice, or Nones: the request's schema compiled once, on
+    `compiling` (a thread of its own, so that a long compilation holds no plain prompt's
+    parse). GrammarError: a 400."""
+    if parsed.json_schema is None:
+        return [None] * parsed.n
+    return await asyncio.get_running_loop().run_in_executor(
+        compiling, grammars.constraints, tokenizer, parsed.json_schema, parsed.n)
 
 
 def row_run(k: int, parsed: requests.GenerationRequest, loop: asyncio.AbstractEventLoop,

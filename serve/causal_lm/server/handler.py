@@ -107,7 +107,8 @@ class CausalLMHandler(BaseHandler):
         self.limits = requests.Limits(
             settings.max_new_tokens, settings.default_new_tokens, cache_len,
             settings.chat_template,
-            requests.prompt_chars_bound(self.causal_lm.tokenizer, cache_len))
+            requests.prompt_chars_bound(self.causal_lm.tokenizer, cache_len),
+            settings.max_schema_chars)
         mode = settings.compile if self.ranks == 1 else "none"
         steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
         if mode != "none":
@@ -139,6 +140,7 @@ class CausalLMHandler(BaseHandler):
                 max_waiting=settings.max_waiting)
             prefiller.warm_up()
             self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
+            self.compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar")  # beside it
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.causal_lm.facts.get("scheme") or self.causal_lm.facts.get("dtype"),
                     torch.get_num_threads(), list(self.decoders), mode, self.ranks)
@@ -179,13 +181,17 @@ class CausalLMHandler(BaseHandler):
             context.set_response_content_type(i, "application/json")
             return json.dumps(openai_routes.models(self.model_name))
         encode = self.encode if route != openai_routes.COMPLETIONS else self.encode_raw
-        try:  # off the event loop: a body of up to the request limit, a chat template, a
-            # grammar (compiled once a request, its tokenizer view once a worker)
-            parsed, wanted, constraints = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizing, choices.parse_choices, request, route, encode,
-                self.limits, self.causal_lm.tokenizer)
+        try:  # off the event loop: a body of up to the request limit, a chat template; a
+            # grammar on a thread of its own (compiled once a schema, its tokenizer view once
+            # a worker), so that plain prompts keep flowing while it compiles
+            parsed, wanted = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizing, choices.parse_choices, request, route, encode, self.limits)
+            constraints = await choices.constraints_of(parsed, self.causal_lm.tokenizer,
+                                                       self.compiling)
         except ValueError as exc:
             return replies.error(context, i, str(exc), 400, openai=route is not None)
+        except Exception as exc:  # noqa: BLE001 (a bug: this request's 500, in its route's shape)
+            return replies.failed(context, i, exc, openai=route is not None)
         finally:
             request.clear()  # only the parsed request is kept (the engine holds `request`)
         answer = (openai_routes.Answer(route, self.model_name, wanted, self.token_text)

@@ -21,7 +21,7 @@ from typing import Any
 
 from serve.handler_settings import HandlerSettings
 
-from . import openai_request
+from . import openai_request, tools
 
 FIELDS = ("prompt", "messages", "max_new_tokens", "temperature", "top_p", "stop", "seed",
           "ignore_eos", "stream", "n", "logprobs", "json_schema")
@@ -42,6 +42,7 @@ class Limits:
     cache_len: int = HandlerSettings.cache_len  # prompt + new tokens per row
     chat_template: bool = HandlerSettings.chat_template  # a plain `prompt` through it too
     max_prompt_chars: int = 0  # more characters cannot fit cache_len tokens (0: no bound)
+    max_schema_chars: int = HandlerSettings.max_schema_chars  # a json_schema's JSON text
 
 
 @dataclass
@@ -91,11 +92,14 @@ def parse_request(request: dict[str, Any], route: str | None, encode, limits: Li
     if route is None:
         return parse(body, encode, limits), None
     body, wanted = openai_request.native_body(route, body)
-    return parse(body, encode, limits), wanted
+    # a tool's schema is in the prompt already (its instructions): counted there
+    return parse(body, encode, limits, schema_in_prompt=wanted.tools is not None), wanted
 
 
-def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
-    """Check a request body against `limits`; `encode(prompt or messages)` -> token ids."""
+def parse(body: dict[str, Any], encode, limits: Limits,
+          schema_in_prompt: bool = False) -> GenerationRequest:
+    """Check a request body against `limits`; `encode(prompt or messages)` -> token ids.
+    The json_schema's text counts in the prompt's characters unless `schema_in_prompt`."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r} (fields: {', '.join(FIELDS)})")
@@ -138,9 +142,13 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
     if logprobs is not None:
         logprobs = _number(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
     schema = body.get("json_schema")
-    if schema is not None and not isinstance(schema, dict):
-        raise ValueError("json_schema: a JSON schema (an object)")
+    schema_chars = 0 if schema is None else _schema_chars(schema, limits.max_schema_chars)
     chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+    if limits.max_prompt_chars and schema_chars and not schema_in_prompt and (
+            chars + schema_chars > limits.max_prompt_chars):
+        raise ValueError(f"prompt too long: {chars} characters and a JSON schema of "
+                         f"{schema_chars} exceed the {limits.max_prompt_chars} that the "
+                         f"context of {limits.cache_len} tokens takes")
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise ValueError(f"prompt too long: {chars} characters cannot fit the context of "
                          f"{limits.cache_len} tokens")
@@ -151,6 +159,20 @@ def parse(body: dict[str, Any], encode, limits: Limits) -> GenerationRequest:
     return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
                              seed, body.get("stream", True), body.get("ignore_eos", False),
                              int(n), logprobs, schema)
+
+
+def _schema_chars(schema: Any, bound: int) -> int:
+    """The length of `schema`'s JSON text; ValueError where it is no object, is nested past
+    MAX_SCHEMA_DEPTH, or is longer than `bound` (compiling it costs about 3 us a
+    character, on the worker's grammar thread; 0: no bound)."""
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema: a JSON schema (an object)")
+    tools.check_depth(schema, "the JSON schema")
+    chars = len(json.dumps(schema))
+    if bound and chars > bound:
+        raise ValueError(f"the JSON schema is {chars} characters long: this server takes "
+                         f"at most {bound} characters (response_format, tools, json_schema)")
+    return chars
 
 
 def prompt_chars_bound(tokenizer: Any, cache_len: int) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+MAX_SCHEMA_DEPTH = 64  # levels of JSON (objects and lists) in a schema: deeper is a 400
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,13 @@ def tool_use(body: dict[str, Any]) -> ToolUse | None:
         if not isinstance(function.get("parameters", {}), dict):
             raise ValueError(f"tools: the parameters of {function['name']!r} must be a JSON "
                              "schema (an object)")
+        check_depth(function.get("parameters", {}), f"tools: the parameters of "
+                                                    f"{function['name']!r}")
     names = [f["name"] for f in functions]
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or name not in names:
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or name not in names:
             raise ValueError(f"tool_choice: {{\"type\": \"function\", \"function\": "
                              f"{{\"name\": one of {names}}}}}")
         mode = name
@@ -96,6 +100,20 @@ def tool_use(body: dict[str, Any]) -> ToolUse | None:
     if parallel is not None and not isinstance(parallel, bool):
         raise ValueError("parallel_tool_calls: true or false")
     return ToolUse(functions, mode, parallel is True)
+
+
+def check_depth(value: Any, what: str) -> None:
+    """ValueError where `value` nests objects and lists past MAX_SCHEMA_DEPTH levels (walked
+    without recursion: what walks a schema later recurses, and Python's json reads nesting
+    deeper than those walks can go)."""
+    level = [value]  # the containers one level down, each round
+    for _ in range(MAX_SCHEMA_DEPTH):
+        level = [v for item in level
+                 for v in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(v, dict | list)]
+        if not level:
+            return
+    raise ValueError(f"{what}: nested more than {MAX_SCHEMA_DEPTH} levels deep")
 
 
 def closed(schema: Any) -> Any:
@@ -149,12 +167,20 @@ def called(text: str) -> tuple[list[dict[str, Any]] | None, str]:
 def as_text(message: dict[str, Any]) -> str:
     """An assistant message's `tool_calls` written as the model is asked to write them (its
     earlier turn, seen by the chat template)."""
+    shape = ('messages: an assistant\'s tool_calls: a list of {"id", "type": "function", '
+             '"function": {"name": str, "arguments": JSON text}}')
+    listed = message.get("tool_calls") or []
+    if not isinstance(listed, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), str | None) for c in listed):
+        raise ValueError(shape)
     calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {} if isinstance(call, dict) else {}
+    for call in listed:
+        function = call["function"]
         try:
             arguments = json.loads(function.get("arguments") or "{}")
-        except (TypeError, ValueError):
+        except (RecursionError, ValueError):
             raise ValueError("messages: a tool call's arguments must be JSON text") from None
-        calls.append({"name": function.get("name"), "arguments": arguments})
+        calls.append({"name": function["name"], "arguments": arguments})
     return json.dumps({"tool_calls": calls})

@@ -120,3 +120,24 @@ def test_a_saved_folder_loads_the_same_through_compress_and_the_runtime(
     assert ours.causal_lm_facts == theirs.facts
     assert all((a == b).all() for a, b in zip(ours.model.state_dict().values(),
                                               theirs.model.state_dict().values(), strict=True))
+
+
+def test_a_row_whose_logits_allow_no_token_fails_alone_on_the_batch_path(
+        handler, monkeypatch) -> None:
+    """Its request gets a 500 naming its id alone; the other decodes its tokens."""
+    for decoder in handler.decoders.values():
+        def poisoned(*args, step=decoder.decode_step, **kwargs):
+            logits = step(*args, **kwargs)
+            logits[0] = float("nan")
+            return logits
+
+        monkeypatch.setattr(decoder, "decode_step", poisoned)
+    bodies = [{"prompt": "the film was", "max_new_tokens": 6, "temperature": 0.8, "seed": 1,
+               "stream": False},
+              {"prompt": "hi", "max_new_tokens": 6, "stream": False}]
+    data, context, _ = handler_batch(bodies)
+    answers = [json.loads(a) for a in handler.handle(data, context)]
+    assert answers[0]["status"] == 500 and "request-0" in answers[0]["error"]
+    assert context.get_response_status(0)[0] == 500
+    assert answers[1]["finish_reason"] == "length" and answers[1]["usage"][
+        "completion_tokens"] == 6

@@ -219,13 +219,41 @@ def test_an_error_after_the_first_chunk_is_an_event_and_a_line(handler, monkeypa
          "temperature": 0, "stream": True}], ["v1/chat/completions"])
     answer = run(handler, data, context)[0]
     assert chunks[0] and answer.startswith("data: {\"error\": ") and answer.endswith("\n\n")
-    with pytest.raises(openai.APIError, match="the step broke"):
+    with pytest.raises(openai.APIError, match="request-0"):
         through_openai("".join(chunks[0]) + answer)
     calls["n"] = 0
     data, context, chunks = batch([{"prompt": "the film was", "max_new_tokens": 50}])
     answer = run(handler, data, context)[0]
     assert chunks[0] and answer.endswith("\n")
-    assert json.loads(answer)["status"] == 500 and "the step broke" in json.loads(answer)["error"]
+    assert json.loads(answer)["status"] == 500 and "request-0" in json.loads(answer)["error"]
+
+
+def test_a_failed_step_answers_the_request_id_and_logs_the_rest(handler, monkeypatch,
+                                                                  caplog) -> None:
+    """The exception's text (here a file path) goes to the log under the request's id;
+    the client gets the id alone, on both APIs."""
+    secret = "/opt/compress/secret/model_dir/weights.safetensors"
+    broken = {"armed": True}
+    for decoder in handler.decoders.values():
+        def failing(*args, step=decoder.decode_step, **kwargs):
+            if broken["armed"]:
+                raise OSError(f"could not read {secret}")
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(decoder, "decode_step", failing)
+    data, context, _ = batch([
+        {"prompt": "the film was", "max_new_tokens": 8, "stream": False},
+        {"messages": [{"role": "user", "content": "the film was"}], "max_tokens": 8}],
+        [None, "v1/chat/completions"])
+    with caplog.at_level("ERROR"):
+        answers = run(handler, data, context)
+    for i, answer in enumerate(answers):
+        assert context.get_response_status(i)[0] == 500
+        assert secret not in answer and "OSError" not in answer, answer
+        assert f"request-{i}" in answer
+        assert any(f"request-{i}" in r.getMessage() and secret in r.getMessage()
+                   for r in caplog.records)
+    assert secret not in json.dumps(context.get_response_status(0))
 
 
 def test_a_failed_prefill_ends_that_request_alone(handler, monkeypatch) -> None:

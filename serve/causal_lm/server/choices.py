@@ -77,14 +77,14 @@ async def answer_rows(context, i: int, batcher: Any, runs: list[RowRun],
                       parsed: requests.GenerationRequest,
                       answer: openai_routes.Answer | None, began: float) -> str:
     """Request `i`'s last answer once every one of its rows has ended: the native NDJSON
-    line, OpenAI's stream end or whole completion, or the error of the first row that
-    failed."""
+    line, OpenAI's stream end or whole completion, or a 500 naming the request's id where a
+    row failed (what failed goes to the log)."""
     ends = await asyncio.gather(*(follow(context, i, batcher, run, parsed, answer, began)
                                   for run in runs))
     failure = next((end for end in ends if end), None)
     if failure is not None:
-        return replies.error(context, i, failure, 500, openai=answer is not None,
-                             streamed=parsed.stream and any(r.stream.sent for r in runs))
+        return replies.internal(context, i, failure, openai=answer is not None,
+                                streamed=parsed.stream and any(r.stream.sent for r in runs))
     completion = sum(len(run.stream.tokens) for run in runs)
     if answer is None:
         run = runs[0]

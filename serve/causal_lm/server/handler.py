@@ -288,7 +288,10 @@ class CausalLMHandler(BaseHandler):
             if piece and rows[k].stream:
                 replies.send(context, i, replies.native_chunk(piece,
                                                               len(streams[k].tokens)))
-        return {i: replies.native_answer(streams[k].text, len(rows[k].ids),
-                                         len(out.rows[k]), out.finish[k])
+        return {i: json.loads(replies.internal(context, i, out.finish[k], False,
+                                               rows[k].stream and streams[k].sent > 0))
+                if out.finish[k].startswith("error") else  # its logits allowed no token
+                replies.native_answer(streams[k].text, len(rows[k].ids), len(out.rows[k]),
+                                      out.finish[k])
                 for k, i in enumerate(group)}
 

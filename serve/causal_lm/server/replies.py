@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import threading
+import uuid
 from typing import Any
 
 from ts.handler_utils.utils import send_intermediate_predict_response
@@ -87,9 +88,19 @@ def error(context, i: int, message: str, status: int, openai: bool,
 
 def failed(context, i: int, exc: BaseException, openai: bool, streamed: bool = False) -> str:
     """Request `i`'s 500 for an unexpected failure (logged with its traceback)."""
-    logger.error("compress LM handler: request %d failed", i, exc_info=exc)
-    return error(context, i, f"generation failed: {type(exc).__name__}", 500, openai,
-                 streamed)
+    return internal(context, i, f"{type(exc).__name__}: {exc}", openai, streamed, exc)
+
+
+def internal(context, i: int, detail: str, openai: bool, streamed: bool = False,
+             exc: BaseException | None = None) -> str:
+    """Request `i`'s 500 for a failure inside the server: the client gets the request's id
+    alone, `detail` (and the traceback, where given) goes to the log under it, as the
+    LitServe engine answers its own failures (an exception's text can name files)."""
+    error_id = (getattr(context, "request_ids", None) or {}).get(i) or uuid.uuid4().hex[:12]
+    logger.error("compress LM handler: request %s failed: %s", error_id, detail,
+                 exc_info=exc)
+    return error(context, i, f"generation failed (error id {error_id}): the server's log has "
+                             f"the details", 500, openai, streamed)
 
 
 def queue_full(context, i: int, message: str, retry_after_s: int, openai: bool) -> str:

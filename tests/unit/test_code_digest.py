@@ -42,7 +42,8 @@ def test_a_changed_stage_module_runs_the_stage_again(tmp_path: Path, monkeypatch
     assert _statuses(run_dir) == ["done", "done"]
     assert _statuses(run_recipe(recipe, echo=lambda _: None)) == ["cached", "cached"]
 
-    with open(copy / "cli.py", "a") as out:  # not reachable from either stage
+    assert (copy / "cli" / "main.py").is_file() and (copy / "stages" / "prune.py").is_file()
+    with open(copy / "cli" / "main.py", "a") as out:  # not reachable from either stage
         out.write("\n# a comment\n")
     assert _statuses(run_recipe(recipe, echo=lambda _: None)) == ["cached", "cached"]
     with open(copy / "stages" / "prune.py", "a") as out:  # the prune stage's module

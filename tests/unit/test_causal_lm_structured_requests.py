@@ -135,12 +135,12 @@ def test_a_refused_schema_is_refused_once(handler, counting) -> None:
 
 
 def test_a_plain_prompt_flows_while_a_schema_compiles(handler, monkeypatch) -> None:
-    """A schema whose compilation takes 2 s, sent first: a plain chat request's first token
-    comes long before that."""
+    """A schema whose compilation takes 3 s, sent first: a plain chat request's first token
+    comes long before that (it came after 4.7 s when one thread parsed both)."""
     compile_grammar = grammar.json_grammar
 
     def slow(schema: dict[str, Any]) -> str:
-        time.sleep(2.0)
+        time.sleep(3.0)
         return compile_grammar(schema)
 
     monkeypatch.setattr(grammar, "json_grammar", slow)
@@ -150,7 +150,7 @@ def test_a_plain_prompt_flows_while_a_schema_compiles(handler, monkeypatch) -> N
         chat(max_tokens=4, stream=True)], [CHAT, CHAT])
     assert [context.get_response_status(i)[0] for i in (0, 1)] == [200, 200], answers
     first_token_s = seen[1][0] - began
-    assert first_token_s < 1.0, f"the plain request's first chunk came at {first_token_s:.2f} s"
+    assert first_token_s < 1.5, f"the plain request's first chunk came at {first_token_s:.2f} s"
 
 
 def test_a_schema_past_the_bound_is_a_400_that_names_it(handler) -> None:

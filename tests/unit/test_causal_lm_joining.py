@@ -342,3 +342,53 @@ def test_a_full_queue_is_a_503_with_retry_after(varied_llama_folder,
         assert int(context.get_response_headers(i)["Retry-After"]) >= 1
         if routes[i]:
             assert answers[i]["error"]["type"] == "server_error"
+
+
+def test_a_request_past_the_queues_bound_is_refused_before_its_body_is_parsed(
+        varied_llama_folder, tmp_path_factory, monkeypatch) -> None:
+    """One row decoding, two waiting places: of five large bodies arriving together, two
+    are parsed and answered, three get a 503 with Retry-After without being parsed (each
+    held its body, up to the request limit, until the worker's one parse thread reached
+    it: a flood could exhaust the worker's memory before any 503)."""
+    small = build(varied_llama_folder, tmp_path_factory, rows=1, max_waiting=2)
+    parsed: list[int] = []
+    encode = small.encode
+    monkeypatch.setattr(small, "encode", lambda p: parsed.append(1) or encode(p))
+    pad = " " * 1_000_000  # JSON whitespace: a large body, a short prompt
+
+    def bodies(prompt: str, new: int, count: int):
+        body = f'{{"prompt": "{prompt}",{pad}"max_new_tokens": {new}, "stream": false}}'
+        data, context, _ = handler_batch([body.encode()] * count)
+        context.send_chunk = lambda i, chunk: None
+        return data, context
+
+    async def flood() -> tuple[list[str], list[int], list[dict]]:
+        first = asyncio.ensure_future(small.handle(*bodies("the film was", 100, 1)))
+        while not small.batcher.busy():
+            await asyncio.sleep(0.005)
+        data, context = bodies("hi", 4, 5)
+        answers = await small.handle(data, context)
+        await first
+        return answers, [context.get_response_status(i)[0] for i in range(5)], [
+            context.get_response_headers(i) for i in range(5)]
+
+    answers, statuses, headers = asyncio.run(asyncio.wait_for(flood(), 120))
+    assert sorted(statuses) == [200, 200, 503, 503, 503], statuses
+    assert len(parsed) == 1 + 2, f"{len(parsed)} requests parsed, 3 wanted"
+    for answer, status, header in zip(answers, statuses, headers, strict=True):
+        if status == 503:
+            assert int(header["Retry-After"]) >= 1 and "waiting" in json.loads(answer)["error"]
+
+
+def test_torchserves_raw_message_lets_go_of_the_body(handler) -> None:
+    """TorchServe's worker keeps each request's raw message until the request is answered:
+    once the handler's input is built from it, its body is dropped there, so a request
+    that waits or decodes holds no body (the handler clears its own copy once parsed)."""
+    from ts.service import Service
+
+    raw = [{"requestId": b"r-1", "headers": [],
+            "parameters": [{"name": "body", "contentType": "application/json",
+                            "value": b'{"prompt": "hi"}'}]}]
+    _, inputs, ids = Service.retrieve_data_for_inference(raw)
+    assert inputs == [{"body": b'{"prompt": "hi"}'}] and ids == {0: "r-1"}
+    assert raw[0]["parameters"][0]["value"] is None

@@ -109,6 +109,7 @@ class TorchServeRoutes(LitSpec):
         messages = self._messages(pending)
         try:
             self._enqueue((self.response_queue_id, uid, time.monotonic(), (data, headers)))
+            del body, data  # the worker's now: no copy kept here while the answer is awaited
             kind, status, answer_headers, media, first = await _first(request, messages)
         except (ClientLeft, TimeoutError) as exc:
             pending.cancel()

@@ -8,7 +8,10 @@ requests admitted at one turn are prefilled together, in chunks between decode s
 (`prefill.py`), and each row's keys and values end just before the cursor that every row
 writes at next (`placement.py`): its mask opens its own positions, its rotary positions
 count from its first token. The first waiting requests that fit go in, unless the oldest
-has waited `patience` steps. At most `max_waiting` wait (`submit` raises `QueueFull`).
+has waited `patience` steps. At most `max_waiting` wait (`submit` raises `QueueFull`),
+counted from a request's arrival, before its body is parsed (`arrive`, `depart`): an
+engine hands the worker every request at once, each with its body (up to the request
+limit), so the bound must hold before the parse, not after it.
 
 Every row gets exactly one end, `emit(None, reason)`: "stop" (an end token), "length"
 (max_new_tokens), "cancelled" (`cancel`, in any state), or "error: Type: message" (its own
@@ -65,6 +68,7 @@ class ContinuousBatcher(Placement):
         with torch.inference_mode():  # as the warm-up's masks: the graphs' guards match
             self.mask = torch.ones(self.rows, self.cache_len, dtype=torch.long)
         self.waiting: collections.deque[Row] = collections.deque()
+        self.arriving = 0  # requests arrived, not yet submitted (`arrive`)
         self.wake = threading.Condition()
         self.steps = 0
         if own_thread:  # else the caller runs `serve` on the thread that built the model
@@ -89,6 +93,22 @@ class ContinuousBatcher(Placement):
             self.waiting.extend(rows)
             self.wake.notify()
         return rows
+
+    def arrive(self) -> None:
+        """Count a request from its arrival, before its body is parsed; QueueFull where the
+        requests arrived and not yet submitted, and the rows waiting, already fill
+        `max_waiting` (so a flood is refused while each request holds its body alone).
+        Each `arrive` that returns is paired with one `depart`, before its `submit_all`."""
+        with self.wake:
+            held = self.arriving + len(self.waiting)
+            if held >= self.max_waiting:
+                raise QueueFull(held, self._retry_after())
+            self.arriving += 1
+
+    def depart(self) -> None:
+        """A request counted by `arrive` is parsed (or failed): no longer counted."""
+        with self.wake:
+            self.arriving -= 1
 
     def _retry_after(self) -> int:
         """Seconds until the queue has likely moved: the tokens still to decode (rows in

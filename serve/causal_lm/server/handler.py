@@ -57,6 +57,7 @@ class CausalLMHandler(BaseHandler):
         self.batcher = None
         if self.continuous:
             replies.guard_async_worker_socket()
+            replies.drop_raw_bodies()
             self._torch_thread(context)
         else:
             self._prepare(context)
@@ -181,6 +182,13 @@ class CausalLMHandler(BaseHandler):
             context.set_response_content_type(i, "application/json")
             return json.dumps(openai_routes.models(self.model_name))
         encode = self.encode if route != openai_routes.COMPLETIONS else self.encode_raw
+        try:  # counted from its arrival: past the queue's bound, refused before its body
+            # is parsed (each request's body, up to the request limit, waits for the parse)
+            self.batcher.arrive()
+        except QUEUE_FULL as exc:
+            request.clear()
+            return replies.queue_full(context, i, str(exc), exc.retry_after_s,
+                                      openai=route is not None)
         try:  # off the event loop: a body of up to the request limit, a chat template; a
             # grammar on a thread of its own (compiled once a schema, its tokenizer view once
             # a worker), so that plain prompts keep flowing while it compiles
@@ -194,6 +202,7 @@ class CausalLMHandler(BaseHandler):
             return replies.failed(context, i, exc, openai=route is not None)
         finally:
             request.clear()  # only the parsed request is kept (the engine holds `request`)
+            self.batcher.depart()  # submitted below with no await between: always counted
         answer = (openai_routes.Answer(route, self.model_name, wanted, self.token_text)
                   if route else None)
         context.set_response_content_type(

@@ -59,6 +59,29 @@ def guard_async_worker_socket() -> None:
     AsyncService.send_responses = send_responses
 
 
+def drop_raw_bodies() -> None:
+    """Make TorchServe's worker let go of each request's raw message once the handler's
+    input is built from it (TorchServe 0.12's `Service.retrieve_data_for_inference`): its
+    asynchronous `predict` holds the message until the request is answered, so a request
+    waiting or decoding held its body (up to the request limit) though the handler had
+    dropped its own copy once parsed."""
+    from ts.service import Service
+
+    retrieve = Service.retrieve_data_for_inference
+    if getattr(retrieve, "drops_bodies", False):
+        return
+
+    def retrieve_dropping(batch):
+        built = retrieve(batch)
+        for request in batch:
+            for parameter in request.get("parameters") or ():
+                parameter["value"] = None  # the handler's input holds it now
+        return built
+
+    retrieve_dropping.drops_bodies = True
+    Service.retrieve_data_for_inference = staticmethod(retrieve_dropping)
+
+
 def send(context, i: int, chunk: str) -> None:
     """One intermediate response (a streamed chunk) for request `i` alone: through the
     context's `send_chunk(i, chunk)` where the serving engine gives one (compress's second

@@ -12,10 +12,13 @@ run, each served by `compress serve` on this machine (TorchServe, or --engine li
 - leavers and flood (--llm, benchmarks/soak/generation.py): 50 clients all leaving mid-stream, then
   the rows still decoding (0 within one step); more requests at once than rows plus the
   waiting queue: only 200s and 503s, memory within 1.2x warm, the server answers after;
+  then 500 chat requests of 6 MB bodies (JSON whitespace): only 200s and 503s, the
+  model's workers within 1.3x their warmed-up memory;
 - property (--property-examples N): the property tests (tests/serving/test_*_property.py,
   any body among good ones) with N generated examples each (COMPRESS_PROPERTY_EXAMPLES).
 
     python -m benchmarks.soak.run runs/bert_int8 --llm runs/llm_int8 --property-examples 2000
+    python -m benchmarks.soak.run --llm runs/llm_int8      # the causal-LM faults alone
 
 writes benchmarks/results/soak.md (--out); `--requests 2000` for a short run.
 """
@@ -26,7 +29,6 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -37,6 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from benchmarks.harness import machine
 from benchmarks.harness.paths import REPO, RESULTS
 from benchmarks.soak import generation
 from benchmarks.soak.generation import headers
@@ -66,6 +69,19 @@ def rss_mb(pid: int) -> float:
     """Resident memory of `pid`'s process group, MB."""
     total = 0
     for member in group_pids(pid):
+        try:
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total / 1024, 1)
+
+
+def workers_rss_mb(pid: int) -> float:
+    """Resident memory of the model's workers of the server whose group `pid` leads, MB."""
+    total = 0
+    for member in worker_pids(pid):
         try:
             for line in Path(f"/proc/{member}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -184,7 +200,8 @@ def property_tests(examples: int, files: tuple[str, ...] = PROPERTY_TESTS) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="a classifier run folder with a package stage")
+    parser.add_argument("run", type=Path, nargs="?",
+                        help="a classifier run folder with a package stage (none: --llm only)")
     parser.add_argument("--llm", type=Path, help="a causal-LM run folder with a package stage")
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -193,16 +210,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the property tests with this many examples each (0: not)")
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.md")
     args = parser.parse_args(argv)
-    figures: dict = {"cpu": platform.processor() or platform.machine(),
+    facts = machine.cpu_facts()
+    figures: dict = {"cpu": f"{facts['cpu']}; SIMD {facts['flags']}",
                      "cores": os.cpu_count()}
-    target, info = served(args.run, args.engine)
-    try:
-        figures["soak"] = soak(info, args.requests, args.concurrency, warmup=500)
-        print("soak", figures["soak"], flush=True)
-        figures["kill"] = kill_worker(info)
-        print("kill", figures["kill"], flush=True)
-    finally:
-        server.stop(target.serve_dir)
+    if args.run is None and args.llm is None:
+        parser.error("give a classifier run, --llm, or both")
+    if args.run is not None:
+        target, info = served(args.run, args.engine)
+        try:
+            figures["soak"] = soak(info, args.requests, args.concurrency, warmup=500)
+            print("soak", figures["soak"], flush=True)
+            figures["kill"] = kill_worker(info)
+            print("kill", figures["kill"], flush=True)
+        finally:
+            server.stop(target.serve_dir)
     if args.llm:
         prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                    "Name three primary colors.", "Why is the sky blue?"]
@@ -215,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             print("leavers", figures["leavers"], flush=True)
             figures["flood"] = generation.flood(info, prompts, 48, rss=rss_mb)
             print("flood", figures["flood"], flush=True)
+            figures["flood_large"] = generation.flood(
+                info, prompts, 48, requests=500, rss=rss_mb,
+                body_bytes=generation.LARGE_BODY_BYTES, workers_rss=workers_rss_mb)
+            print("flood_large", figures["flood_large"], flush=True)
         finally:
             server.stop(target.serve_dir)
     if args.property_examples:
@@ -225,26 +250,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_table(args: argparse.Namespace, figures: dict) -> None:
-    s, k = figures["soak"], figures["kill"]
     lines = [f"# Serving under load and faults ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
-             f"UTC)", "", f"- command: `python -m benchmarks.soak.run {args.run}"
-             + (f" --llm {args.llm}" if args.llm else "") + "`",
-             f"- machine: {figures['cores']} cores ({figures['cpu']}); {args.engine}", "",
-             "| soak | requests | concurrency | errors | rps | p50 ms | p99 ms | max ms | "
-             "RSS warm MB | RSS after MB | after / warm |", "|" + "---|" * 11,
-             f"| {args.run.name} | {s['requests']} | {s['concurrency']} | {s['errors']} | "
-             f"{s['rps']} | {s['p50_ms']} | {s['p99_ms']} | {s['max_ms']} | "
-             f"{s['rss_warm_mb']} | {s['rss_after_mb']} | {s['rss_ratio']} |", "",
-             "| worker SIGKILLed mid-load | requests | failed | failures | hung | longest s | "
-             "worker back s | success again s |", "|" + "---|" * 8,
-             "| concurrency 8, 30 s, kill at 3 s, client timeout 10 s | "
-             f"{k['requests']} | {k['failed']} | "
-             f"{', '.join(k['failures']) or '-'} | {k['hung']} | {k['longest_s']} | "
-             f"{k['worker_back_s']} | {k['success_again_s']} |", "",
-             "A known TorchServe 0.12 defect, not in this run's figures unless `hung` > 0: a "
-             "worker killed while the frontend collects a batch (within maxBatchDelay) loses "
-             "those requests, which then hang until the client's timeout (2 of 9 kills of the "
-             "tiny classifier in development; `kill_worker`'s docstring)."]
+             f"UTC)", "", "- command: `python -m benchmarks.soak.run"
+             + (f" {args.run}" if args.run else "") + (f" --llm {args.llm}" if args.llm else "")
+             + "`", f"- machine: {figures['cores']} cores ({figures['cpu']}); {args.engine}"]
+    if "soak" in figures:
+        lines += _classifier_lines(args.run, figures["soak"], figures["kill"])
     if "disconnect" in figures:
         d = figures["disconnect"]
         lines += ["", "| LM streaming clients | left mid-stream | stayed | stayed = offline "
@@ -257,6 +268,25 @@ def write_table(args: argparse.Namespace, figures: dict) -> None:
     print(f"wrote {args.out}")
 
 
+def _classifier_lines(run: Path, s: dict, k: dict) -> list[str]:
+    """The table rows of the classifier's soak (`s`) and its worker killed (`k`)."""
+    return ["", "| soak | requests | concurrency | errors | rps | p50 ms | p99 ms | max ms | "
+            "RSS warm MB | RSS after MB | after / warm |", "|" + "---|" * 11,
+            f"| {run.name} | {s['requests']} | {s['concurrency']} | {s['errors']} | "
+            f"{s['rps']} | {s['p50_ms']} | {s['p99_ms']} | {s['max_ms']} | "
+            f"{s['rss_warm_mb']} | {s['rss_after_mb']} | {s['rss_ratio']} |", "",
+            "| worker SIGKILLed mid-load | requests | failed | failures | hung | longest s | "
+            "worker back s | success again s |", "|" + "---|" * 8,
+            "| concurrency 8, 30 s, kill at 3 s, client timeout 10 s | "
+            f"{k['requests']} | {k['failed']} | "
+            f"{', '.join(k['failures']) or '-'} | {k['hung']} | {k['longest_s']} | "
+            f"{k['worker_back_s']} | {k['success_again_s']} |", "",
+            "A known TorchServe 0.12 defect, not in this run's figures unless `hung` > 0: a "
+            "worker killed while the frontend collects a batch (within maxBatchDelay) loses "
+            "those requests, which then hang until the client's timeout (2 of 9 kills of the "
+            "tiny classifier in development; `kill_worker`'s docstring)."]
+
+
 def _lm_lines(figures: dict) -> list[str]:
     """The table rows of the leavers, the flood and the property tests."""
     lines = []
@@ -266,12 +296,16 @@ def _lm_lines(figures: dict) -> list[str]:
                   "first probe | probe's first token after the last left, ms | one step, ms |",
                   "|---|---|---|---|---|", f"| {v['clients']} | {v['statuses']} | "
                   f"{v['rows_at_first_probe']} | {v['first_probe_ms']} | {v['step_ms']} |"]
-    if "flood" in figures:
-        f = figures["flood"]
-        lines += ["", "| LM flood | statuses | RSS warm MB | RSS peak MB | peak / warm | "
-                  "a request after |", "|---|---|---|---|---|---|",
-                  f"| {f['requests']} at once | {f['statuses']} | {f['rss_warm_mb']} | "
-                  f"{f['rss_peak_mb']} | {f['rss_ratio']} | {f['after']} |"]
+    floods = [figures[name] for name in ("flood", "flood_large") if name in figures]
+    if floods:
+        lines += ["", "| LM flood | body bytes | statuses | RSS warm MB | RSS peak MB | "
+                  "peak / warm | workers' RSS warm MB | workers' peak MB | workers' peak / "
+                  "warm | a request after | bound | ok |", "|" + "---|" * 12]
+        lines += [f"| {f['requests']} at once | {f.get('body_bytes') or '-'} | "
+                  f"{f['statuses']} | {f['rss_warm_mb']} | {f['rss_peak_mb']} | "
+                  f"{f['rss_ratio']} | {f.get('workers_rss_warm_mb', '-')} | "
+                  f"{f.get('workers_rss_peak_mb', '-')} | {f.get('workers_rss_ratio', '-')} | "
+                  f"{f['after']} | {f['bound']} | {f['ok']} |" for f in floods]
     if "property" in figures:
         p = figures["property"]
         lines += ["", f"Property tests ({', '.join(p['files'])}) with "

@@ -76,11 +76,13 @@ def read_body(request: dict[str, Any], content_type: str) -> Any:
             body = bytes(body).decode("utf-8")
         except UnicodeDecodeError:
             raise ValueError("the body is not UTF-8 text") from None
-    # TorchServe decodes a JSON body itself: a str it hands over with a JSON content type is
-    # a JSON string, parsed again only where it looks like JSON (as a plain-text body is);
-    # raw bytes are parsed where the content type says JSON
+    # TorchServe's worker decodes an `application/json` body itself: a str it hands over
+    # with that type is a JSON string, the text itself (LitServe hands over the bytes, parsed
+    # here once: the same value); raw bytes are parsed where the content type says JSON, and
+    # other text (plain text) where it looks like JSON
+    decoded = not raw and content_type == "application/json"
     if isinstance(body, str) and ((raw and "json" in content_type)
-                                  or body.lstrip()[:1] in "{["):
+                                  or (not decoded and body.lstrip()[:1] in "{[")):
         body = load_json(body)
     return body
 

@@ -300,3 +300,21 @@ def test_a_non_finite_answer_is_a_422_alone_and_strict_json(image_handler,
     assert [status for status, _ in answers] == [200, 422]
     assert "not a finite number" in answers[1][1]["error"]
     assert all(math.isfinite(p) for p in answers[0][1]["probabilities"].values())
+
+
+@pytest.mark.parametrize("body", [b'"{"', b'"{\\"text\\": \\"a fine film\\"}"',
+                                  b'"[\\"awful\\", \\"superb\\"]"'])
+def test_a_json_string_that_looks_like_json_is_one_text_on_both_engines(
+        text_handler, body: bytes) -> None:
+    """Issue 70 (found by the served property test's oracle): a JSON body that is a string
+    is that string, the text to classify, on both engines. TorchServe's worker hands it over
+    decoded; the handler parsed the decoded string again where it began with `{` or `[`
+    (`"{"` was a 400 on TorchServe and a 200 on LitServe)."""
+    text = json.loads(body)
+    expected = serve_batch(text_handler, [json.dumps({"text": text}).encode()], "litserve")
+    assert expected[0][0] == 200
+    for engine in ENGINES:
+        (status, answer), = serve_batch(text_handler, [body], engine)
+        assert status == 200, (engine, answer)
+        assert _probabilities(answer)[0] == pytest.approx(_probabilities(expected[0][1])[0],
+                                                       abs=1e-6)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from serve import worker_temp
+
 Runner = Callable[..., Any]
 
 
@@ -26,14 +28,17 @@ def load_torchscript(path: Path, meta: dict[str, Any], threads: int, spinning: b
 
 def load_aoti(path: Path, meta: dict[str, Any], threads: int, spinning: bool) -> Runner:
     """The AOTInductor package, callable with the positional input tensors (the operators
-    its export.json names under `aoti_operators` registered first)."""
+    its export.json names under `aoti_operators` registered first), extracted into this
+    process's own temporary folder (`serve.worker_temp`: a killed worker's goes at the next
+    one's start)."""
     if "compress_encoder" in meta.get("aoti_operators", ()):
         from serve import encoder_attention
 
         if not encoder_attention.load(path.parent):  # its library for this CPU may lie beside
             raise RuntimeError(f"{path.name} calls compress's attention kernel, which could "
                                f"not be built here: {encoder_attention.error()}")
-    return torch._inductor.aoti_load_package(str(path))
+    with worker_temp.extracting():  # its library and weights: in this process's own folder
+        return torch._inductor.aoti_load_package(str(path))
 
 
 def load_onnx(path: Path, meta: dict[str, Any], threads: int, spinning: bool) -> Runner:

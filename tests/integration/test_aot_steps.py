@@ -18,6 +18,7 @@ from batcher_checks import (
     varied_model,
 )
 
+from serve import worker_temp
 from serve.causal_lm.runtime.decode import StaticDecoder
 from serve.causal_lm.runtime.kernels import grouped_mm_available
 from serve.causal_lm.runtime.loading import quantize_weights
@@ -53,6 +54,17 @@ def test_the_steps_read_the_workers_own_weights(shipped, model) -> None:
         finally:
             model.lm_head.weight.div_(2)
     assert before.abs().max() > 0 and torch.allclose(after, 2 * before, rtol=1e-5, atol=1e-6)
+
+
+def test_the_packages_extract_into_the_workers_own_folder(shipped, model) -> None:
+    """AOTInductor's loader extracts a package (its C++ library) into TMPDIR as it is when
+    the package loads: a worker's extractions lie in its own folder (serve/worker_temp.py),
+    which the next worker removes where this one was killed (tests/unit/test_worker_temp.py)."""
+    before = set(worker_temp.folder().iterdir())
+    steps = aot_steps.load_steps(shipped, model)
+    extracted = set(worker_temp.folder().iterdir()) - before
+    assert sorted(steps) == [1, 2] and len(extracted) == 2, extracted
+    assert all(any(folder.rglob("*.so")) for folder in extracted), extracted
 
 
 def test_rows_joining_a_batch_of_shipped_steps_decode_their_tokens_alone(

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from serve import worker_temp
+
 from ..runtime.attention import attention
 from ..runtime.decode import StaticDecoder
 
@@ -117,7 +119,8 @@ def load_steps(folder: Path, model: nn.Module) -> dict[int, Any]:
     for fewest, name in ((1, ONE), (2, ROWS)):
         if not (folder / name).is_file():
             continue
-        package = torch._inductor.aoti_load_package(str(folder / name))
+        with worker_temp.extracting():  # its library and weights: in this worker's folder
+            package = torch._inductor.aoti_load_package(str(folder / name))
         names = package.get_constant_fqns()
         missing = [n for n in names if n.removeprefix("model.") not in weights]
         if missing:

@@ -15,7 +15,9 @@ still traces each graph with Dynamo (~10 s each) but compiles nothing. Both are 
 the packager's CPU (-march=native), so on another CPU the worker says so in one line and
 compiles afresh. Measured (2-core Zen 4, llm_int8): `torch.compiler.save_cache_artifacts`
 ships the generated source, not the libraries, and its load compiled them again with g++
-(18.5 s a bucket against 8.2 s)."""
+(18.5 s a bucket against 8.2 s). The cache's copy and the packages' extraction go into the
+worker's own temporary folder (`serve.worker_temp`), removed when the worker ends or, where
+it was killed, by the next worker."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from serve import worker_temp
 from serve.handler_settings import HandlerSettings
 
 from ..runtime.decode import StaticDecoder
@@ -88,8 +91,8 @@ def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None
         logger.warning("compress worker: the shipped compiled graphs were built for %s, this "
                        "worker serves %s: compiling afresh", built_for, shapes_of(settings))
         return {}, "shipped graphs refused: compiling afresh"
-    if (folder / INDUCTOR).is_dir():
-        cache = Path(tempfile.mkdtemp(prefix="compress-inductor-"))
+    if (folder / INDUCTOR).is_dir():  # a copy in this worker's own folder, gone with it
+        cache = Path(tempfile.mkdtemp(prefix="compress-inductor-", dir=worker_temp.folder()))
         shutil.copytree(folder / INDUCTOR, cache, dirs_exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     try:

@@ -114,13 +114,13 @@ def eval_texts(run_dir: Path, limit: int | None) -> tuple[list[str], Any, Any]:
 
 def source_model(recipe: Any) -> tuple[Path, dict[str, Any]]:
     """The recipe's sentence-transformers folder and its layout."""
-    from compress.families.embedding.encoder import read_layout
+    from compress.families.embedding.layout import read_layout
     from compress.recipe.sources import resolve_model
 
     folder = Path(resolve_model(recipe.model.source, None).location)
     layout = read_layout(folder)
     width = json.loads((folder / "config.json").read_text()).get("hidden_size")
-    return folder, {"pooling": layout.pooling, "normalize": layout.normalize,
+    return folder, {"pooling": "+".join(layout.pooling), "normalize": layout.normalize,
                     "dimensions": width, "max_seq_length": layout.max_seq_length or 512}
 
 

@@ -98,7 +98,7 @@ def test_a_stage_model_is_a_sentence_transformers_folder(embedding_run: Path) ->
     texts = ["a good film", "bad bad bad", "an utterly ordinary evening"]
     theirs = torch.as_tensor(st.SentenceTransformer(str(folder), device="cpu").encode(texts))
     encoder, tokenizer, layout = load_encoder(folder)
-    assert (layout.pooling, layout.normalize) == ("cls", False)
+    assert (layout.pooling, layout.normalize) == (("cls",), False)
     assert encoder.config.num_hidden_layers == 1
     with torch.no_grad():
         ours = encoder(**tokenizer(texts, padding=True, return_tensors="pt"))

@@ -50,7 +50,7 @@ def test_packed_minilm_embeds_as_padded_minilm(kernel) -> None:
     the same up to the kernel's bfloat16 products (sdpa's float32 where it has none)."""
     encoder, tokenizer, layout = load_encoder(Path(minilm_folder()))
     packed = encoder.packed()
-    assert packed.pooling == layout.pooling == "mean" and packed.normalize
+    assert packed.modes == layout.pooling == ("mean",) and packed.normalize
     assert encoder.transformer.config._attn_implementation != "compress_packed"  # a copy
     batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
     with torch.inference_mode():

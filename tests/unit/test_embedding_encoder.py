@@ -12,7 +12,8 @@ import torch
 from conftest import minilm_folder
 
 from compress.errors import UserError
-from compress.families.embedding.encoder import load_encoder, read_layout
+from compress.families.embedding.encoder import load_encoder
+from compress.families.embedding.layout import read_layout
 from compress.families.embedding.measures import fidelity, knn_accuracy, recall_at_k
 
 TEXTS = ["the film was wonderful", "a dull, lifeless movie", "hi",
@@ -35,7 +36,7 @@ def sentence_transformers_encode(folder: Path, texts: list[str]) -> torch.Tensor
 def test_the_shipped_minilm_embeds_as_sentence_transformers_does() -> None:
     folder = Path(minilm_folder())
     layout = read_layout(folder)
-    assert (layout.pooling, layout.normalize, layout.max_seq_length) == ("mean", True, 256)
+    assert (layout.pooling, layout.normalize, layout.max_seq_length) == (("mean",), True, 256)
     ours, theirs = embed(folder, TEXTS), sentence_transformers_encode(folder, TEXTS)
     assert ours.shape == (4, 384)
     assert fidelity(ours, theirs)["fidelity_p1"] > 0.99999
@@ -44,7 +45,7 @@ def test_the_shipped_minilm_embeds_as_sentence_transformers_does() -> None:
 
 def test_a_cls_pooled_folder_keeps_its_pooling(cls_bert_folder: Path) -> None:
     layout = read_layout(cls_bert_folder)
-    assert (layout.pooling, layout.normalize) == ("cls", False)
+    assert (layout.pooling, layout.normalize) == (("cls",), False)
     ours = embed(cls_bert_folder, TEXTS)
     theirs = sentence_transformers_encode(cls_bert_folder, TEXTS)
     assert torch.allclose(ours, theirs, atol=1e-5)

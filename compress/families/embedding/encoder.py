@@ -1,86 +1,74 @@
-"""A sentence-transformers model as one torch module: the transformer, its pooling and its
-normalization read from the folder's own files (`modules.json`, the pooling module's
-`config.json`, `sentence_bert_config.json`), so that every stage sees a plain
-`nn.Module` whose output is the embedding (no sentence-transformers import).
+"""A sentence-transformers model as one torch module: the transformer, its pooling, its Dense
+modules and its normalization as the folder's own files say (`layout.py`), so that every stage
+sees a plain `nn.Module` whose output is the embedding (no sentence-transformers import).
 
-Pooling modes: `mean` (over the tokens the attention mask keeps), `cls` (the first token),
-`max` (over kept tokens), `mean_sqrt_len` (the sum over kept tokens / sqrt(their count)),
-`lasttoken` (the last kept token), as sentence-transformers' `Pooling` computes them.
+Pooling modes, as sentence-transformers' `Pooling` computes them on a right-padded batch:
+`mean` (over the tokens the attention mask keeps), `cls` (the first token), `max` (over kept
+tokens), `mean_sqrt_len` (the sum over kept tokens / sqrt(their count)), `weightedmean` (kept
+tokens weighted by their position, 1 for the first), `lasttoken` (the last kept token); several
+modes are concatenated in the folder's order. Prompts, `truncate_dim` and the Matryoshka widths
+ride along as plain attributes: they change the text before tokenizing and the served width,
+not the graph.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from compress.errors import UserError
+from compress.families.embedding.layout import (
+    MODES,
+    WEIGHTS,
+    DenseLayer,
+    EncoderLayout,
+    read_layout,
+)
 from compress.families.embedding.packing import packed_forward, use_packed_attention
 
-MODES = ("cls", "mean", "max", "mean_sqrt_len", "lasttoken")
+
+class Dense(nn.Module):
+    """sentence-transformers' Dense module: activation(linear(x)), plus x (projected where
+    the widths differ) with `residual`; its parameter names are sentence-transformers'."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 activation: str = "Tanh", residual: bool = False):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=bias)
+        self.activation = getattr(nn, activation)()
+        self.use_residual = residual
+        if residual and in_features != out_features:
+            self.residual = nn.Linear(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.activation(self.linear(x))
+        if self.use_residual:
+            out = out + (self.residual(x) if hasattr(self, "residual") else x)
+        return out
 
 
-@dataclass(frozen=True)
-class EncoderLayout:
-    """What a sentence-transformers folder says of its model."""
+def load_dense(layer: DenseLayer) -> Dense:
+    """A Dense module with its folder's weights (safetensors, or a pickle-free torch.load)."""
+    module = Dense(layer.in_features, layer.out_features, layer.bias, layer.activation,
+                   layer.residual)
+    file = next(layer.folder / w for w in WEIGHTS if (layer.folder / w).is_file())
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
 
-    transformer: Path  # the Hugging Face model's folder
-    pooling: str  # one of MODES
-    normalize: bool
-    max_seq_length: int | None
-    matryoshka: bool = False  # trained so that a prefix of the embedding is one too
-
-
-def read_layout(folder: Path) -> EncoderLayout:
-    """The layout of a sentence-transformers folder; UserError says what is missing."""
-    folder = Path(folder)
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
-        raise UserError(f"{folder}: no modules.json; an embedding model is a "
-                        "sentence-transformers folder (modules.json, a Pooling module)")
-    modules = json.loads(modules_file.read_text())
-    kinds = {m["type"].rsplit(".", 1)[-1]: folder / m.get("path", "") for m in modules}
-    unknown = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
-    if unknown:
-        raise UserError(f"{folder}: sentence-transformers module {unknown[0]} is not "
-                        "supported (Transformer, Pooling and Normalize are)")
-    if "Transformer" not in kinds or "Pooling" not in kinds:
-        raise UserError(f"{folder}: modules.json needs a Transformer and a Pooling module")
-    pooling_config = json.loads((kinds["Pooling"] / "config.json").read_text())
-    chosen = [mode for mode in MODES if pooling_config.get(pooling_key(mode))]
-    if len(chosen) != 1:
-        raise UserError(f"{kinds['Pooling']}/config.json: exactly one pooling mode must be "
-                        f"on, found {chosen or 'none'} (one of {', '.join(MODES)})")
-    bert_config = kinds["Transformer"] / "sentence_bert_config.json"
-    length = (json.loads(bert_config.read_text()).get("max_seq_length")
-              if bert_config.is_file() else None)
-    return EncoderLayout(kinds["Transformer"], chosen[0], "Normalize" in kinds, length,
-                         declares_matryoshka(folder))
-
-
-def pooling_key(mode: str) -> str:
-    """The key of `mode` in sentence-transformers' Pooling config."""
-    return {"cls": "pooling_mode_cls_token", "lasttoken": "pooling_mode_lasttoken"}.get(
-        mode, f"pooling_mode_{mode}_tokens")
-
-
-def declares_matryoshka(folder: Path) -> bool:
-    """Whether the folder says its model was trained with sentence-transformers'
-    MatryoshkaLoss (its model card names the loss, or `config_sentence_transformers.json`
-    has `"matryoshka": true`), so that a shorter prefix of an embedding is usable."""
-    config = folder / "config_sentence_transformers.json"
-    if config.is_file() and json.loads(config.read_text()).get("matryoshka") is True:
-        return True
-    card = folder / "README.md"
-    return card.is_file() and "MatryoshkaLoss" in card.read_text(errors="replace")
+        state = load_file(str(file))
+    else:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    module.load_state_dict(state)
+    return module.eval()
 
 
 class SentenceEncoder(nn.Module):
-    """transformer -> pooling -> (normalization): token ids in, one embedding per row.
+    """transformer -> pooling -> Dense modules -> (normalization): token ids in, one
+    embedding per row.
 
     The transformer's own pooler (BERT's dense + tanh over the first token), which
     sentence-transformers never reads, is dropped: a captured graph would otherwise carry
@@ -88,15 +76,27 @@ class SentenceEncoder(nn.Module):
 
     output_name = "embedding"  # the name of an exported graph's output
 
-    def __init__(self, transformer: nn.Module, pooling: str, normalize: bool,
-                 max_seq_length: int | None = None, matryoshka: bool = False):
+    def __init__(self, transformer: nn.Module, pooling: str | Sequence[str], normalize: bool,
+                 max_seq_length: int | None = None, matryoshka: bool = False,
+                 dense: Sequence[nn.Module] = (), prompts: dict[str, str] | None = None,
+                 default_prompt_name: str | None = None, truncate_dim: int | None = None,
+                 matryoshka_dims: Sequence[int] = ()):
         super().__init__()
-        if pooling not in MODES:
-            raise ValueError(f"pooling {pooling!r}: one of {', '.join(MODES)}")
+        modes = (pooling,) if isinstance(pooling, str) else tuple(pooling)
+        if not modes or any(mode not in MODES for mode in modes):
+            raise ValueError(f"pooling {pooling!r}: one or several of {', '.join(MODES)}")
         if getattr(transformer, "pooler", None) is not None:
             transformer.pooler = None
-        self.transformer, self.pooling, self.normalize = transformer, pooling, normalize
+        self.transformer, self.modes, self.normalize = transformer, modes, normalize
+        self.dense = nn.Sequential(*dense)
         self.max_seq_length, self.matryoshka = max_seq_length, matryoshka
+        self.prompts, self.default_prompt_name = dict(prompts or {}), default_prompt_name
+        self.truncate_dim, self.matryoshka_dims = truncate_dim, tuple(matryoshka_dims)
+
+    @property
+    def pooling(self) -> str:
+        """The pooling modes as one name (`mean`, or `mean+max` for a concatenation)."""
+        return "+".join(self.modes)
 
     @property
     def config(self):
@@ -108,22 +108,47 @@ class SentenceEncoder(nn.Module):
         """The transformer (where layer-level code finds `encoder.layer`)."""
         return self.transformer
 
+    @property
+    def dimensions(self) -> int:
+        """The width of the embedding: the last Dense module's, else the pooled width."""
+        for module in reversed(self.dense):
+            return module.linear.out_features
+        return len(self.modes) * self.config.hidden_size
+
+    def settings(self) -> dict[str, Any]:
+        """Every constructor argument but the transformer (to build a sibling encoder)."""
+        return {"pooling": self.modes, "normalize": self.normalize,
+                "max_seq_length": self.max_seq_length, "matryoshka": self.matryoshka,
+                "dense": list(self.dense), "prompts": self.prompts,
+                "default_prompt_name": self.default_prompt_name,
+                "truncate_dim": self.truncate_dim, "matryoshka_dims": self.matryoshka_dims}
+
+    def prompt(self, name: str | None = None) -> str:
+        """The text put before each text: prompt `name`'s, else the default prompt's, else
+        none (sentence-transformers' encode); KeyError for a name the model lacks."""
+        name = name or self.default_prompt_name
+        return self.prompts[name] if name else ""
+
     def packed(self) -> PackedEncoder:
         """A copy of this encoder (weights copied) that computes the real tokens of its
         batch only, in one sequence (`PackedEncoder`); CompressError where compress's
         attention kernel cannot be built here."""
         source = copy.deepcopy(self)
         use_packed_attention(source.transformer)
-        return PackedEncoder(source.transformer, source.pooling, source.normalize,
-                             source.max_seq_length, source.matryoshka).eval()
+        return PackedEncoder(source.transformer, **source.settings()).eval()
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The embedding from the pooled vector: the Dense modules, then the normalization."""
+        out = self.dense(pooled)
+        return nn.functional.normalize(out, p=2, dim=-1) if self.normalize else out
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         tokens = self.transformer(input_ids=input_ids, attention_mask=attention_mask,
                                   **extra).last_hidden_state
-        pooled = pool(tokens, attention_mask, self.pooling)
-        return nn.functional.normalize(pooled, p=2, dim=-1) if self.normalize else pooled
+        return self.head(torch.cat([pool(tokens, attention_mask, mode) for mode in self.modes],
+                                   dim=-1))
 
 
 class PackedEncoder(SentenceEncoder):
@@ -136,7 +161,8 @@ class PackedEncoder(SentenceEncoder):
 
 
 def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """One vector per row of `tokens` (rows x length x width) over the kept positions."""
+    """One vector per row of `tokens` (rows x length x width) over the kept positions of a
+    right-padded batch, by one pooling mode."""
     keep = mask.unsqueeze(-1).to(tokens.dtype)
     if mode == "cls":
         return tokens[:, 0]
@@ -145,9 +171,22 @@ def pool(tokens: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "lasttoken":
         last = mask.sum(1).long() - 1  # right-padded rows: the last kept position
         return tokens[torch.arange(tokens.shape[0]), last]
+    if mode == "weightedmean":
+        positions = torch.arange(1, tokens.shape[1] + 1, dtype=tokens.dtype,
+                                 device=tokens.device).view(1, -1, 1)
+        weights = keep * positions
+        return (tokens * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
     total = (tokens * keep).sum(1)
     count = keep.sum(1).clamp_min(1e-9)
     return total / (count.sqrt() if mode == "mean_sqrt_len" else count)
+
+
+def build_encoder(transformer: nn.Module, layout: EncoderLayout) -> SentenceEncoder:
+    """The encoder of `layout` around a loaded transformer, in eval mode."""
+    return SentenceEncoder(
+        transformer, layout.pooling, layout.normalize, layout.max_seq_length,
+        layout.matryoshka, [load_dense(layer) for layer in layout.dense], layout.prompts,
+        layout.default_prompt_name, layout.truncate_dim, layout.matryoshka_dims).eval()
 
 
 def load_encoder(folder: Path) -> tuple[SentenceEncoder, object, EncoderLayout]:
@@ -164,6 +203,4 @@ def load_encoder(folder: Path) -> tuple[SentenceEncoder, object, EncoderLayout]:
     finally:
         logging.set_verbosity(quiet)
     tokenizer = AutoTokenizer.from_pretrained(layout.transformer)
-    encoder = SentenceEncoder(transformer, layout.pooling, layout.normalize,
-                              layout.max_seq_length, layout.matryoshka)
-    return encoder.eval(), tokenizer, layout
+    return build_encoder(transformer, layout), tokenizer, layout

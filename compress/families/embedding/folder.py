@@ -1,7 +1,8 @@
 """Embedding models as pipeline models: the recipe's sentence-transformers folder read into a
 `ModelBundle` (kind "embedding"), and a stage's model written back as a sentence-transformers
-folder (`modules.json`, `1_Pooling/config.json`, `2_Normalize` when it normalizes), so that
-sentence-transformers itself loads what any stage made."""
+folder (`modules.json`, `1_Pooling/config.json`, its Dense modules, `Normalize` when it
+normalizes, and `config_sentence_transformers.json` with its prompts, truncate_dim and
+Matryoshka widths), so that sentence-transformers itself loads what any stage made."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from compress.errors import UserError
-from compress.families.embedding.encoder import (
-    MODES,
-    SentenceEncoder,
-    load_encoder,
-    pooling_key,
-)
+from compress.families.embedding.encoder import SentenceEncoder, build_encoder, load_encoder
+from compress.families.embedding.layout import CONFIG, LEGACY, read_layout
 from compress.models.bundle import ModelBundle
 
 KIND = "embedding"  # ModelBundle.kind of a float sentence encoder
@@ -47,29 +46,59 @@ def save_encoder(bundle: ModelBundle, folder: Path) -> Path:
     bundle.tokenizer.save_pretrained(folder)
     if bundle.structure is not None:
         (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
-    modules = [{"idx": 0, "name": "0", "path": "", "type": f"{_ST}.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": f"{_ST}.Pooling"}]
+    modules = [{"path": "", "type": f"{_ST}.Transformer"},
+               {"path": "1_Pooling", "type": f"{_ST}.Pooling"}]
+    write_module(folder / "1_Pooling", pooling_config(encoder.modes, encoder.config.hidden_size))
+    for dense in encoder.dense:
+        path = f"{len(modules)}_Dense"
+        modules.append({"path": path, "type": f"{_ST}.Dense"})
+        write_dense(dense, folder / path)
     if encoder.normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": f"{_ST}.Normalize"})
-        (folder / "2_Normalize").mkdir(exist_ok=True)
-    (folder / MODULES).write_text(json.dumps(modules, indent=2))
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        pooling_config(encoder.pooling, encoder.config.hidden_size), indent=2))
+        modules.append({"path": f"{len(modules)}_Normalize", "type": f"{_ST}.Normalize"})
+        (folder / modules[-1]["path"]).mkdir(exist_ok=True)
+    (folder / MODULES).write_text(json.dumps(
+        [{"idx": i, "name": str(i), **m} for i, m in enumerate(modules)], indent=2))
     (folder / "sentence_bert_config.json").write_text(json.dumps(
         {"max_seq_length": encoder.max_seq_length or encoder.config.max_position_embeddings,
          "do_lower_case": False}, indent=2))
-    if encoder.matryoshka:
-        (folder / "config_sentence_transformers.json").write_text(
-            json.dumps({"matryoshka": True}, indent=2))
+    config = {"prompts": encoder.prompts, "default_prompt_name": encoder.default_prompt_name,
+              "truncate_dim": encoder.truncate_dim, "matryoshka": encoder.matryoshka or None,
+              "matryoshka_dims": list(encoder.matryoshka_dims) or None}
+    config = {key: value for key, value in config.items() if value}
+    if config:
+        (folder / CONFIG).write_text(json.dumps(config, indent=2))
     return folder / "model.safetensors"
 
 
-def pooling_config(mode: str, width: int) -> dict[str, Any]:
-    """sentence-transformers' Pooling config with exactly `mode` on."""
-    flags = {pooling_key(m): m == mode for m in MODES}
-    return {"word_embedding_dimension": width, **flags}
+def pooling_config(modes: tuple[str, ...], width: int) -> dict[str, Any]:
+    """sentence-transformers' Pooling config for `modes`: one flag per mode, as every version
+    reads it, where the flags' fixed order concatenates them in this order; else (several
+    modes in another order) v6's `pooling_mode` list."""
+    legacy = [mode for mode in LEGACY.values() if mode in modes]
+    if legacy == list(modes):
+        return {"word_embedding_dimension": width,
+                **{key: mode in modes for key, mode in LEGACY.items()}}
+    return {"embedding_dimension": width, "include_prompt": True,
+            "pooling_mode": [{"mean_sqrt_len": "mean_sqrt_len_tokens"}.get(m, m)
+                             for m in modes]}
+
+
+def write_module(folder: Path, config: dict[str, Any]) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_dense(dense: torch.nn.Module, folder: Path) -> None:
+    """A Dense module's folder as sentence-transformers writes it (config and weights)."""
+    from safetensors.torch import save_file
+
+    linear = dense.linear
+    write_module(folder, {
+        "in_features": linear.in_features, "out_features": linear.out_features,
+        "bias": linear.bias is not None, "use_residual": dense.use_residual,
+        "activation_function": f"torch.nn.{type(dense.activation).__name__}"})
+    save_file({k: v.contiguous() for k, v in dense.state_dict().items()},
+              str(folder / "model.safetensors"))
 
 
 def load_encoder_folder(folder: Path) -> ModelBundle:
@@ -81,15 +110,13 @@ def load_encoder_folder(folder: Path) -> ModelBundle:
         return ModelBundle(encoder, KIND, [], tokenizer=tokenizer)
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from compress.families.embedding.encoder import read_layout
     from compress.models.loading import load_weights
     from compress.models.structure import apply_structure
 
     layout = read_layout(folder)
     structure = json.loads(structure_file.read_text())
     transformer = AutoModel.from_config(AutoConfig.from_pretrained(folder))
-    encoder = SentenceEncoder(transformer, layout.pooling, layout.normalize,
-                              layout.max_seq_length, layout.matryoshka).eval()
+    encoder = build_encoder(transformer, layout)
     apply_structure(encoder, structure)  # its names are the encoder's (transformer.*)
     load_weights(transformer, str(folder / "model.safetensors"))
     return ModelBundle(encoder, KIND, [], tokenizer=AutoTokenizer.from_pretrained(folder),
@@ -98,9 +125,15 @@ def load_encoder_folder(folder: Path) -> ModelBundle:
 
 def provenance(bundle: ModelBundle) -> dict[str, Any]:
     """What the manifest keeps of the model, and a server of it needs: pooling,
-    normalization, width, longest input, and whether it declares Matryoshka training."""
-    encoder = bundle.model
-    return {"pooling": encoder.pooling, "normalize": encoder.normalize,
-            "dimensions": encoder.config.hidden_size,
-            "max_seq_length": encoder.max_seq_length or encoder.config.max_position_embeddings,
-            "matryoshka": encoder.matryoshka}
+    normalization, width, longest input, whether it declares Matryoshka training, and
+    (where the folder has them) its prompts, default prompt, truncate_dim and Matryoshka
+    widths."""
+    encoder: SentenceEncoder = bundle.model
+    facts = {"pooling": encoder.pooling, "normalize": encoder.normalize,
+             "dimensions": encoder.dimensions,
+             "max_seq_length": encoder.max_seq_length or encoder.config.max_position_embeddings,
+             "matryoshka": encoder.matryoshka}
+    optional = {"prompts": encoder.prompts, "default_prompt_name": encoder.default_prompt_name,
+                "truncate_dim": encoder.truncate_dim,
+                "matryoshka_dims": list(encoder.matryoshka_dims)}
+    return {**facts, **{key: value for key, value in optional.items() if value}}

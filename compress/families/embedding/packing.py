@@ -40,7 +40,7 @@ def packed_forward(encoder: nn.Module, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor,
                    token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
     """A sentence encoder's embeddings of a right-padded batch from its real tokens only
-    (`encoder`: its transformer, pooling and normalize, as `SentenceEncoder` holds them)."""
+    (`encoder`: its transformer, pooling modes and head, as `SentenceEncoder` holds them)."""
     if encoder.training:
         raise CompressError("a packed encoder runs in eval mode only (its attention "
                             "kernel has no backward)")
@@ -56,8 +56,8 @@ def packed_forward(encoder: nn.Module, input_ids: torch.Tensor,
         token_type_ids=types.reshape(-1)[kept][None],
         position_ids=(kept - row * width)[None],
         cu_seq_lens_q=offsets, cu_seq_lens_k=offsets).last_hidden_state[0]
-    pooled = pool_packed(tokens, row, offsets, rows, encoder.pooling)
-    return nn.functional.normalize(pooled, p=2, dim=-1) if encoder.normalize else pooled
+    return encoder.head(torch.cat([pool_packed(tokens, row, offsets, rows, mode)
+                                   for mode in encoder.modes], dim=-1))
 
 
 def pool_packed(tokens: torch.Tensor, row: torch.Tensor, offsets: torch.Tensor, rows: int,
@@ -76,6 +76,10 @@ def pool_packed(tokens: torch.Tensor, row: torch.Tensor, offsets: torch.Tensor, 
     # each text's sum as one product with its tokens' membership (texts x tokens, 0 or 1):
     # a GEMM, where index_add compiles to an atomic add per element (~2 ms at 8 x 128)
     member = (row[None, :] == torch.arange(rows, device=row.device)[:, None]).to(tokens.dtype)
+    if mode == "weightedmean":  # each token weighted by its position in its text, from 1
+        position = torch.arange(tokens.shape[0], device=row.device) - offsets[row] + 1
+        member = member * position.to(tokens.dtype)[None, :]
+        return (member @ tokens) / member.sum(1, keepdim=True).clamp_min(1e-9)
     total = member @ tokens
     count = (offsets[1:] - offsets[:-1]).to(tokens.dtype).clamp_min(1e-9)[:, None]
     return total / (count.sqrt() if mode == "mean_sqrt_len" else count)

@@ -1,6 +1,7 @@
 """Stage `export` on an embedding model: the shared formats (ONNX, ONNX Runtime int8, AOTI,
 TorchScript), with `export.json` saying what a server of the file must know (pooling,
-normalization, width, longest input), held to fidelity: the mean cosine between the file's
+normalization, width, longest input, and prompts and truncate_dim where the model has
+them), held to fidelity: the mean cosine between the file's
 embeddings and its source model's on the eval texts (`min_fidelity`), and for a lossless
 export the largest absolute difference too (`tolerance`)."""
 
@@ -22,6 +23,8 @@ from compress.stages.export import bounds, export, float_dtype
 
 LOSSLESS_FIDELITY = 0.99999
 ROUNDED_FIDELITY = 0.99  # int8 weights or activations, or bf16
+# what the server reads where the model's folder had it (serve/embedding/requests.py)
+SERVED_IF_SET = ("prompts", "default_prompt_name", "truncate_dim")
 
 
 def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
@@ -80,6 +83,7 @@ def served_facts(ctx: StageContext) -> dict[str, Any]:
     """What the server of the file must know of the model (from the run's manifest: the
     recipe's model as loaded)."""
     model = (ctx.manifest.model if ctx.manifest else None) or {}
-    return {key: model.get(key) for key in ("pooling", "normalize", "dimensions",
-                                            "max_seq_length", "matryoshka")}
+    facts = {key: model.get(key) for key in ("pooling", "normalize", "dimensions",
+                                             "max_seq_length", "matryoshka")}
+    return {**facts, **{key: model[key] for key in SERVED_IF_SET if model.get(key)}}
 

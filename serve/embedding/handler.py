@@ -4,7 +4,8 @@ TorchServe batch is a row, and the rows run in forward passes of similar length.
 Packed into an embedding `.mar` by the package stage as `serve/embedding/`, with serve's own
 modules beside it (`serve/`, what every handler shares); imports nothing from compress. The
 exported file (`export.json` names it; its `embedding` block says the pooling, normalization,
-width, max_seq_length and Matryoshka training) returns each row's embedding already pooled
+width, max_seq_length and Matryoshka training, and where the model's folder set them its
+prompts, default prompt and truncate_dim: `requests.py`) returns each row's embedding already pooled
 and normalized. `model-config.yaml`'s `handler:` section (`HandlerSettings`) holds threads,
 max_items (inputs in one request), max_text_chars and length_buckets (rows in passes of
 similar length, `batching.by_length`; a packed file, which computes the real tokens only,
@@ -77,7 +78,9 @@ class EmbeddingHandler(BaseHandler):
         limits = embedding_requests.Limits(
             settings.max_items, settings.max_text_chars,
             int(facts.get("max_seq_length") or self.tokenizer.model_max_length),
-            int(facts["dimensions"]), bool(facts.get("matryoshka")))
+            int(facts["dimensions"]), bool(facts.get("matryoshka")),
+            dict(facts.get("prompts") or {}), facts.get("default_prompt_name"),
+            facts.get("truncate_dim"))
         self.reader = embedding_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
         self.initialized = True
         logger.info("compress embedding handler: %s %s, %d threads, %d dimensions, %s "
@@ -147,9 +150,9 @@ class EmbeddingHandler(BaseHandler):
         if not torch.isfinite(matrix).all():
             return (422, "the model's embedding of this input is not a finite number (NaN "
                          "or infinity)")
+        matrix = narrowed(matrix, one.dimensions, self.normalize)
         if not one.openai:
             return native_answer(matrix, one.many)
-        matrix = narrowed(matrix, one.dimensions, self.normalize)
         return openai_answer(matrix, self.model_name, one.tokens, one.base64)
 
 

@@ -1,10 +1,15 @@
 """Requests to a served embedding model, read into token rows (shipped in the embedding
 archive's `embedding` package; no compress imports).
 
-The native route takes `{"text": s}`, `{"texts": [s, ...]}` or a plain-text body. OpenAI's
-`v1/embeddings` takes `input` (a string, a list of strings, a token array or a list of token
-arrays), `encoding_format` (float or base64), `dimensions` (only for a model trained for
-shorter embeddings: Matryoshka), `model` (any name) and `user` (ignored); `null` is absent.
+The native route takes `{"text": s}`, `{"texts": [s, ...]}` or a plain-text body, and
+`prompt_name` (one of the model's prompts). OpenAI's `v1/embeddings` takes `input` (a string,
+a list of strings, a token array or a list of token arrays), `encoding_format` (float or
+base64), `dimensions` (only for a model trained for shorter embeddings: Matryoshka, or one
+whose folder sets `truncate_dim`), `input_type` (`query` or `document`, as Voyage and Jina
+name it: the model's prompt of that kind), `model` (any name) and `user` (ignored); `null` is
+absent. With neither `prompt_name` nor `input_type`, a text gets the model's default prompt,
+as sentence-transformers' encode does; the prompt is put before the text, then tokenized.
+Without `dimensions`, an embedding is cut at the folder's `truncate_dim` where it has one.
 Texts are truncated at the export's `max_seq_length` tokens, as sentence-transformers does;
 a token array is the text's tokens without the special ones, which are added around it as
 the tokenizer adds them around a text (so that a text and its tokens embed alike). Every
@@ -13,12 +18,15 @@ limit passed is a ValueError, a 400 for that request alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve.batching import Row, check_texts, complete_row, text_items, token_rows
 
-FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
+FIELDS = ("input", "model", "encoding_format", "dimensions", "input_type", "user")
+# OpenAI-route input_type -> the model's prompt names that serve it, first found wins
+INPUT_TYPES = {"query": ("query", "search_query", "queries"),
+               "document": ("document", "passage", "search_document", "corpus", "documents")}
 FORMATS = ("float", "base64")
 INPUT_HELP = ("input: a string, a list of strings, a token array (a list of token ids) or a "
               "list of token arrays")
@@ -34,6 +42,15 @@ class Limits:
     max_tokens: int  # the export's max_seq_length: longer inputs are truncated
     width: int  # the export's dimensions
     matryoshka: bool = False  # a prefix of an embedding is an embedding too
+    prompts: dict[str, str] = field(default_factory=dict)  # name -> text put before a text
+    default_prompt_name: str | None = None  # the prompt of a request that names none
+    truncate_dim: int | None = None  # the width of an answer that asks for none
+
+    @property
+    def default_width(self) -> int | None:
+        """The width of an answer that asks for none (None: the whole embedding)."""
+        cut = self.truncate_dim
+        return cut if cut and cut < self.width else None
 
 
 @dataclass(frozen=True)
@@ -43,7 +60,7 @@ class EmbeddingRequest:
     rows: list[Row]
     many: bool = False  # native: a list of embeddings was asked for
     openai: bool = False
-    dimensions: int | None = None  # OpenAI: the width asked for (None: the model's)
+    dimensions: int | None = None  # the width answered (None: the model's whole width)
     base64: bool = False  # OpenAI: embeddings as base64 of little-endian float32
 
     @property
@@ -68,7 +85,9 @@ class Reader:
     def native(self, body: Any) -> EmbeddingRequest:
         """`{"text": s}`, `{"texts": [s, ...]}` or a plain string."""
         texts, many = text_items(body, self.limits.max_items, self.limits.max_chars)
-        return EmbeddingRequest(self.text_rows(texts), many)
+        name = body.get("prompt_name") if isinstance(body, dict) else None
+        return EmbeddingRequest(self.text_rows(texts, self.named_prompt(name)), many,
+                                dimensions=self.limits.default_width)
 
     def openai(self, body: Any) -> EmbeddingRequest:
         """An OpenAI `v1/embeddings` body."""
@@ -88,11 +107,12 @@ class Reader:
             raise ValueError("input is required")
         texts, arrays = _inputs(body["input"])
         limits = self.limits
+        prompt = self.typed_prompt(body.get("input_type"))
         if texts:
             check_texts(texts, limits.max_items, limits.max_chars, "inputs")
-            rows = self.text_rows(texts)
+            rows = self.text_rows(texts, prompt)
         else:
-            rows = self.array_rows(arrays)
+            rows = self.array_rows(arrays, prompt)
         return EmbeddingRequest(rows, openai=True, dimensions=self.width(body),
                                 base64=fmt == "base64")
 
@@ -100,10 +120,10 @@ class Reader:
         """The `dimensions` asked for: None for the model's own width."""
         wanted, width = body.get("dimensions"), self.limits.width
         if wanted is None:
-            return None
+            return self.limits.default_width
         if isinstance(wanted, bool) or not isinstance(wanted, int):
             raise ValueError(f"dimensions: an integer, got {wanted!r}")
-        if not self.limits.matryoshka:
+        if not (self.limits.matryoshka or self.limits.truncate_dim):
             if wanted == width:
                 return None
             raise ValueError(f"dimensions: this model's embeddings have {width} dimensions "
@@ -113,13 +133,38 @@ class Reader:
             raise ValueError(f"dimensions: from 1 to {width}, got {wanted}")
         return None if wanted == width else wanted
 
-    def text_rows(self, texts: list[str]) -> list[Row]:
-        """Each text's token row, truncated at max_seq_length tokens."""
-        return token_rows(self.tokenizer, texts, self.limits.max_tokens, self.names)
+    def named_prompt(self, name: Any) -> str:
+        """The prompt `prompt_name` names (None: the default prompt, else none)."""
+        prompts = self.limits.prompts
+        if name is None:
+            return prompts.get(self.limits.default_prompt_name or "", "")
+        if not isinstance(name, str) or name not in prompts:
+            choices = ", ".join(sorted(prompts)) or "none: this model has no prompts"
+            raise ValueError(f"prompt_name: one of this model's prompts ({choices}), "
+                             f"got {name!r}")
+        return prompts[name]
 
-    def array_rows(self, arrays: list[list[int]]) -> list[Row]:
-        """Each token array's row: truncated so that with the special tokens around it it
-        fits max_seq_length, as a text's tokens are."""
+    def typed_prompt(self, input_type: Any) -> str:
+        """The prompt of OpenAI-route `input_type` (None: the default prompt): the model's
+        prompt of that kind, or none where it has no such prompt."""
+        if input_type is None:
+            return self.named_prompt(None)
+        if input_type not in INPUT_TYPES:
+            raise ValueError(f"input_type: {' or '.join(INPUT_TYPES)}, got {input_type!r}")
+        names = [n for n in INPUT_TYPES[input_type] if n in self.limits.prompts]
+        return self.limits.prompts[names[0]] if names else ""
+
+    def text_rows(self, texts: list[str], prompt: str = "") -> list[Row]:
+        """Each text's token row, the prompt put before it, truncated at max_seq_length
+        tokens."""
+        return token_rows(self.tokenizer, [prompt + text for text in texts],
+                          self.limits.max_tokens, self.names)
+
+    def array_rows(self, arrays: list[list[int]], prompt: str = "") -> list[Row]:
+        """Each token array's row, the prompt's tokens before it: truncated so that with the
+        special tokens around it it fits max_seq_length, as a text's tokens are."""
+        lead = (self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                if prompt else [])
         limits = self.limits
         if len(arrays) > limits.max_items:
             raise ValueError(f"too many inputs: {len(arrays)}, at most {limits.max_items} in "
@@ -134,7 +179,7 @@ class Reader:
             if not all(0 <= t < self.vocab for t in ids):
                 raise ValueError(f"token ids: from 0 to {self.vocab - 1} (this model's "
                                  "vocabulary)")
-            ids = ids[:room]
+            ids = (lead + ids)[:room]
             tokens = {name: self.prefix[name] + ([self.inner[name]] * len(ids)
                                                  if name != "input_ids" else ids)
                       + self.suffix[name] for name in self.prefix}

@@ -70,3 +70,19 @@ def test_the_measures_on_known_cases() -> None:
     labels = torch.arange(4).repeat_interleave(10)
     assert knn_accuracy(points, labels, k=5) == 1.0
     assert knn_accuracy(points, labels[torch.randperm(40)], k=5) < 0.6
+
+
+def test_a_matryoshka_model_is_measured_at_each_width() -> None:
+    from compress.families.embedding.measures import quality_at_widths, widths_to_measure
+
+    assert widths_to_measure(768, (768, 512, 256, 128, 64), True) == [512, 256, 128, 64]
+    assert widths_to_measure(384, (), True) == [192, 96, 48]  # none declared: halvings
+    assert widths_to_measure(384, (128,), False) == []
+    torch.manual_seed(0)
+    reference = torch.randn(40, 64)
+    figures = quality_at_widths(reference, reference, [32, 16])
+    assert set(figures) == {"fidelity_d32", "recall_at_10_d32", "fidelity_d16",
+                            "recall_at_10_d16"}
+    assert figures["fidelity_d32"] == 1.0
+    # cutting a random (not Matryoshka-trained) embedding loses neighbours, more when shorter
+    assert figures["recall_at_10_d16"] < figures["recall_at_10_d32"] < 1.0

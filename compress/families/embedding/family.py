@@ -3,13 +3,19 @@ models scored by how close their embeddings stay to the float model's.
 
 The model measured first in a run (the baseline) is the reference: its embeddings of the
 eval texts go to `<run>/embedding_reference.safetensors`, and every later model is compared
-with them (fidelity, recall@10). Labels, where the data has them, give k-NN accuracy.
+with them (fidelity, recall@10). A model with prompts is measured as encode uses it: each
+text with the default prompt (none where it has no default) for the headline figures, and
+with each other prompt for `fidelity_<name>` / `recall_at_10_<name>`; the reference file
+keeps the prompts it was made with (its metadata), so every later model reads the same
+texts. A Matryoshka model adds `fidelity_d<N>` / `recall_at_10_d<N>` at each declared width
+(`measures.widths_to_measure`). Labels, where the data has them, give k-NN accuracy.
 Speed is the recipe's latency sweep plus the eval texts at their real lengths
 (`real_items_per_s_bN`: sentences per second at batch N).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +23,13 @@ import torch
 
 from compress.data.datasets import DataBundle, Examples, iterate
 from compress.families.embedding.folder import load_recipe_encoder, provenance  # noqa: F401
-from compress.families.embedding.measures import fidelity, knn_accuracy, recall_at_k
+from compress.families.embedding.measures import (
+    fidelity,
+    knn_accuracy,
+    quality_at_widths,
+    recall_at_k,
+    widths_to_measure,
+)
 from compress.measure.evaluate import logits_of
 from compress.measure.figures import compare_to_input, latency_of, real_latency
 from compress.models.bundle import ModelBundle, count_params, sparsity
@@ -65,23 +77,46 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
             run_dir: Path, reference: bool = False) -> dict[str, Any]:
     """Fidelity, recall@10 and k-NN accuracy on the eval split, latency (swept and at real
     lengths, with sentences/s), params and sparsity. The reference writes its embeddings."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     cfg = recipe.evaluation
     examples = data.splits["eval"]
-    embeddings = embed(bundle.model, examples, cfg.batch_size, bundle.tokenizer,
-                       data.max_length)
     ref_file = run_dir / REFERENCE
+    facts = model_facts(bundle.model) if reference else (
+        reference_facts(ref_file, safe_open) if ref_file.is_file() else {})
+    prompts = facts.get("prompts") or {}
+    default = prompts.get(facts.get("default_prompt_name") or "", "")
+
+    def embed_with(prompt: str) -> torch.Tensor:
+        texts = Examples(labels=examples.labels, texts=[prompt + t for t in examples.texts])
+        return embed(bundle.model, texts, cfg.batch_size, bundle.tokenizer, data.max_length)
+
+    embeddings = embed_with(default)
+    others = {name: embed_with(text) for name, text in prompts.items()
+              if name != facts.get("default_prompt_name")}
     if reference:
         tmp = ref_file.with_name(f".{ref_file.name}.tmp")
-        save_file({"embeddings": embeddings.contiguous()}, str(tmp))
+        tensors = {"embeddings": embeddings, **{f"prompt.{n}": e for n, e in others.items()}}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"facts": json.dumps(facts)})
         tmp.replace(ref_file)
-        ref = embeddings
+        refs = tensors
     else:
-        ref = load_file(str(ref_file))["embeddings"] if ref_file.is_file() else None
+        refs = load_file(str(ref_file)) if ref_file.is_file() else {}
+    ref = refs.get("embeddings")
     metrics: dict[str, Any] = {**(known or {}),
                                **quality(embeddings, ref, examples.labels),
                                "dimensions": int(embeddings.shape[1])}
+    for name, other in others.items():
+        if f"prompt.{name}" in refs:
+            figures = quality(other, refs[f"prompt.{name}"], [])
+            metrics.update({f"{key}_{name}": value for key, value in figures.items()
+                            if not key.endswith("_p1")})
+    widths = widths_to_measure(int(embeddings.shape[1]), facts.get("matryoshka_dims") or [],
+                               bool(facts.get("matryoshka")))
+    if ref is not None and widths:
+        metrics.update(quality_at_widths(embeddings, ref, widths, RECALL_K))
     if cfg.latency.enabled:
         metrics.update(latency_of(bundle, recipe))
         if cfg.latency.real_lengths:
@@ -91,6 +126,22 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     metrics["params"] = count_params(bundle.model)
     metrics["sparsity"] = round(sparsity(bundle.model), 6)
     return metrics
+
+
+def model_facts(model: torch.nn.Module) -> dict[str, Any]:
+    """What the reference keeps of its model for every later measure: prompts, default
+    prompt, Matryoshka training and widths (a model that is no SentenceEncoder: none)."""
+    return {"prompts": dict(getattr(model, "prompts", {}) or {}),
+            "default_prompt_name": getattr(model, "default_prompt_name", None),
+            "matryoshka": bool(getattr(model, "matryoshka", False)),
+            "matryoshka_dims": list(getattr(model, "matryoshka_dims", ()) or ())}
+
+
+def reference_facts(ref_file: Path, safe_open: Any) -> dict[str, Any]:
+    """The facts the reference file was made with (its metadata; {} for an older file)."""
+    with safe_open(str(ref_file), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    return json.loads(metadata.get("facts", "{}"))
 
 
 def latency(bundle: ModelBundle, data: DataBundle, recipe) -> dict[str, Any]:

@@ -43,3 +43,32 @@ def knn_accuracy(embeddings: torch.Tensor, labels: torch.Tensor, k: int = 5) -> 
         best = counts.max()
         picked.append(next(int(v) for v in row if counts[v] == best))  # nearest of the tied
     return round(float((torch.tensor(picked) == labels).float().mean()), 6)
+
+
+def widths_to_measure(width: int, declared: tuple[int, ...] | list[int], matryoshka: bool
+                      ) -> list[int]:
+    """The shorter widths a Matryoshka model is measured at: its declared widths below
+    `width`, else (declared Matryoshka, no widths said) halvings of the width down to 32;
+    [] for a model not trained to be cut."""
+    if not matryoshka:
+        return []
+    if declared:
+        return sorted({d for d in declared if 0 < d < width}, reverse=True)
+    halves, d = [], width // 2
+    while d >= 32:
+        halves.append(d)
+        d //= 2
+    return halves
+
+
+def quality_at_widths(embeddings: torch.Tensor, reference: torch.Tensor, widths: list[int],
+                      k: int = 10) -> dict[str, float]:
+    """Each width's fidelity (cosine between the cut embedding and the reference cut alike)
+    and recall@k (each text's neighbours under the cut embedding among its neighbours under
+    the whole reference: what cutting costs, measured on the reference model itself too)."""
+    out: dict[str, float] = {}
+    for width in widths:
+        out[f"fidelity_d{width}"] = fidelity(embeddings[:, :width],
+                                             reference[:, :width])["fidelity"]
+        out[f"recall_at_{k}_d{width}"] = recall_at_k(embeddings[:, :width], reference, k)
+    return out

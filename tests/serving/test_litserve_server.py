@@ -5,11 +5,11 @@ and requests succeed again."""
 
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 
 import pytest
+from conftest import unix_sockets
 
 pytest.importorskip("litserve")
 
@@ -29,26 +29,6 @@ def served(packaged_text_run: Path, state_dir) -> dict:
     server.stop(target.serve_dir)
 
 
-def _unix_sockets(pids: list[int]) -> set[str]:
-    """The paths of the Unix sockets that processes `pids` hold open."""
-    inodes = set()
-    for pid in pids:
-        fds = Path(f"/proc/{pid}/fd")
-        for fd in fds.iterdir() if fds.is_dir() else []:
-            try:
-                link = os.readlink(fd)
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    paths = set()
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        fields = line.split()
-        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
-            paths.add(fields[7])
-    return paths
-
-
 def _private(path: Path) -> bool:
     """Nobody but the user can reach `path`: it, or the folder it is in, grants nothing to
     group or others."""
@@ -61,7 +41,7 @@ def test_the_servers_processes_and_sockets_are_private_to_the_user(served: dict)
     masks = {pid: next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
                        .splitlines() if line.startswith("Umask:")) for pid in pids}
     assert set(masks.values()) == {"0077"}, masks
-    sockets = _unix_sockets(pids)
+    sockets = unix_sockets(pids)
     assert sockets, "LitServe's queues use no Unix socket?"
     assert all(_private(Path(p)) for p in sockets), {
         p: oct(stat.S_IMODE(Path(p).stat().st_mode)) for p in sockets}

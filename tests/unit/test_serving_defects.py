@@ -265,6 +265,7 @@ def test_an_inherited_ts_config_file_is_overridden(tmp_path: Path, monkeypatch) 
                                                            "config.properties"))
     temp = Path(seen["env"]["TMPDIR"])  # short: LitServe's sockets are made there
     assert temp.parent == Path(tempfile.gettempdir()) and not temp.exists()
+    assert seen["env"]["TEMP"] == str(temp)  # java.io.tmpdir: where the workers' sockets go
     assert java.wait(timeout=10) == -signal.SIGKILL  # a failed start leaves nothing running
 
 

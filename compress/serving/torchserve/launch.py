@@ -5,8 +5,10 @@ model is READY: what `compress serve` (`--engine torchserve`, the default) does 
 The serve folder holds `config.properties` (every listener on 127.0.0.1, the inference port
 the user's, the others free ones), `model-store/MODEL/`, `logs/` (`torchserve.out`,
 `model_log.log`), `key_file.json` (tokens) and `server.json`. TorchServe's launcher writes
-its pid file into the server's own TMPDIR (`serve_folder.server_temp`); a launcher that
-leaves none did not start, and its process group is killed before the error is raised.
+its pid file into the server's own TMPDIR (`serve_folder.server_temp`), and the frontend
+its workers' Unix sockets (`.ts.sock.9000`, ...) into the same folder (its `TEMP`); a
+launcher that leaves no pid file did not start, and its process group is killed before the
+error is raised.
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
     if model_api:
         command.append("--enable-model-api")
     # TorchServe starts a tensor-parallel worker with `torchrun` from PATH: this Python's;
-    # an inherited TS_CONFIG_FILE would replace `config` (addresses, auth): ours wins
+    # an inherited TS_CONFIG_FILE would replace `config` (addresses, auth): ours wins.
+    # TEMP becomes the frontend's java.io.tmpdir (ts.model_server), where it names each
+    # worker's Unix socket: Java ignores TMPDIR, and /tmp/.ts.sock.9000 is every server's
     temp = server_temp()
-    env = {**os.environ, "TMPDIR": str(temp),
+    env = {**os.environ, "TMPDIR": str(temp), "TEMP": str(temp),
            "LOG_LOCATION": str(serve_dir / "logs"),
            "TS_CONFIG_FILE": str(config), server_process.SERVE_DIR_ENV: str(serve_dir),
            "METRICS_LOCATION": str(serve_dir / "logs"),

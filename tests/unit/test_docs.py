@@ -228,3 +228,18 @@ def test_every_path_the_docs_name_exists() -> None:
 
 def test_the_readme_stays_short() -> None:
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_serving_page_says_an_archive_is_code() -> None:
+    """Serving a .mar runs its handler, its .pt2 libraries and its Inductor cache (issue 70,
+    item 11): docs/serving.md says so in a section of its own, says to serve only archives
+    one built or trusts, and why the weights are safe."""
+    page = (REPO / "docs" / "serving.md").read_text()
+    assert "\n## An archive is code\n" in page, "docs/serving.md: no 'An archive is code'"
+    section = " ".join(page.split("\n## An archive is code\n", 1)[1].split("\n## ", 1)[0]
+                       .split())
+    for said in ("the handler file", "`serve/` package", "AOTInductor packages (`.pt2`)",
+                 "shared library", "Inductor cache", "`pickle`", "TorchScript",
+                 "serve only archives you built or whose builder you trust",
+                 "weights_only=True", "safetensors", "never passes `trust_remote_code`"):
+        assert said in section, said

@@ -35,6 +35,9 @@ def streamed(text: str | bytes, stop: list[str]) -> tuple[str, causal_lm_request
     ("caf\u00e9", [], "caf\u00e9"),
     (b"caf\xc3", [], "caf\ufffd"),  # ended by length mid-character: the text has U+FFFD
     ("x" * 70 + "ST", ["STOP"], "x" * 70 + "ST"),
+    # "b" was sent while the snowman's first bytes came (half a character hid that "b"
+    # could begin the stop string), then the text was cut before it: deltas "\u00e9b"
+    ("\u00e9b\u2603 x", ["b\u2603 "], "\u00e9"),
 ])
 def test_the_deltas_add_up_to_the_final_text(text, stop, want) -> None:
     deltas, stream = streamed(text, stop)

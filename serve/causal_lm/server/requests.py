@@ -31,6 +31,7 @@ MAX_STOPS = 8
 MAX_STOP_CHARS = 64  # bounds the text a stop check looks at on every token
 MIN_TEMPERATURE = 1e-3  # below it logits / temperature overflow to inf and sampling fails
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
+FROZEN_CHARS = 1024  # TextStream: text sent is set aside in pieces of at least this much
 
 
 @dataclass(frozen=True)
@@ -222,62 +223,88 @@ class TextStream:
     the new ones add is the window's text past the prefix's. A window whose text ends in
     half a character (U+FFFD: a byte-level or byte-fallback token that a later one
     completes) grows until the character is whole. So `text` is the sum of what the
-    windows added, each token's cost does not grow with the row, and the deltas add up to
-    it. Each token's stop check looks only at the text not yet sent and `longest`
-    characters before it (what could begin a stop string is never sent)."""
+    windows added, and the deltas add up to it.
+
+    No token's work grows with the row: each stop check looks only at the text not yet
+    sent and `longest` characters before it (what could begin a stop string is never
+    sent), and text sent long ago is set aside (`frozen`), never copied again."""
 
     def __init__(self, tokenizer: Any, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, list(dict.fromkeys(stop))
         self.longest = max((len(s) for s in self.stop), default=0)
         self.firsts = {s[0] for s in self.stop}
         self.tokens: list[int] = []
-        self.text = ""  # all of it so far, cut at a stop string
-        self.sent = 0  # characters of `text` already streamed
+        self.sent = 0  # characters of the text already streamed
         self.stopped = False  # a stop string was seen
         self.prefix = self.read = 0  # the window's first token, the first not yet taken
         self.prefix_text = ""  # the text of tokens[prefix:read], decoded alone
-        self.taken = ""  # the text of tokens[:read]
+        self.frozen: list[str] = []  # the text's start: sent, past every stop check
+        self.base = 0  # its length
+        self.live = ""  # the text of tokens[:read] after `frozen`
+        self.shown = ""  # `live` and what the tokens after `read` add (half a character),
+        # cut at a stop string
+
+    @property
+    def text(self) -> str:
+        """All of it so far, cut at a stop string."""
+        return "".join(self.frozen) + self.shown
 
     def add(self, token: int) -> str:
         """Take one token; the text that may be streamed now ("" when none)."""
         self.tokens.append(token)
+        if self.stopped:
+            return ""
         window = self._decode(self.tokens[self.prefix:])
-        text = self.taken + window[len(self.prefix_text):]
+        shown = self.live + window[len(self.prefix_text):]
         if len(window) > len(self.prefix_text) and not window.endswith("\ufffd"):
             # whole characters: the window moves on to the tokens just taken
             self.prefix, self.read = self.read, len(self.tokens)
             self.prefix_text = self._decode(self.tokens[self.prefix:self.read])
-            self.taken = text
-        start = max(0, self.sent - self.longest)
-        cut = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = text[:cut], True
-            return self._take(len(self.text))
-        self.text = text
-        end = len(text) - self._held(text)
-        while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete character
+            self.live = shown
+        start = max(0, self.sent - self.base - self.longest)
+        cut = min((i for i in (shown.find(s, start) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:  # (never before what was sent: the deltas add up to the text)
+            cut = max(cut, self.sent - self.base)
+            self.shown, self.stopped = shown[:cut], True
+            return self._take(self.base + cut)
+        self.shown = shown
+        end = len(shown)
+        while end > self.sent - self.base and shown[end - 1] == "\ufffd":  # half a character
             end -= 1
-        return self._take(end)
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        piece = self._take(self.base + end - self._held(shown, end))
+        self._freeze()
+        return piece
 
     def flush(self) -> str:
         """The text held back so far (what could have begun a stop string, or half a
         character): to be sent when generation ends by length or an end token, so that the
         deltas add up to `text`."""
-        return self._take(len(self.text))
+        return self._take(self.base + len(self.shown))
 
-    def _held(self, text: str) -> int:
-        """Length of the longest end of `text` that begins a stop string (shorter than
-        it: a whole one was cut already)."""
-        for i in range(max(len(text) - self.longest + 1, 0), len(text)):
-            if text[i] in self.firsts and any(s.startswith(text[i:]) for s in self.stop):
-                return len(text) - i
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _freeze(self) -> None:
+        """Set aside the text sent but its last `longest` characters, once there is much
+        of it (only what whole tokens made: `live`)."""
+        done = min(self.sent - self.base - self.longest, len(self.live))
+        if done >= FROZEN_CHARS:
+            self.frozen.append(self.live[:done])
+            self.base += done
+            self.live, self.shown = self.live[done:], self.shown[done:]
+
+    def _held(self, text: str, end: int) -> int:
+        """Length of the longest end of `text[:end]` that begins a stop string (shorter
+        than it: a whole one was cut already)."""
+        for i in range(max(end - self.longest + 1, 0), end):
+            if text[i] in self.firsts and any(s.startswith(text[i:end]) for s in self.stop):
+                return end - i
         return 0
 
     def _take(self, end: int) -> str:
+        """Send the text up to `end` (counted from its start)."""
         if end <= self.sent:
             return ""
-        piece, self.sent = self.text[self.sent:end], end
+        piece = self.shown[self.sent - self.base:end - self.base]
+        self.sent = end
         return piece

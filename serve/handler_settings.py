@@ -34,7 +34,8 @@ class HandlerSettings:
     compile: str = "none"  # the decode step: none, default or max-autotune
     cpp_wrapper: bool = True  # Inductor writes the compiled step's wrapper in C++
     rows: int | None = None  # continuous batching: rows decoded together (None: batchSize)
-    max_waiting: int = 64  # continuous batching: rows that may wait (past it: a 503)
+    max_waiting: int = 64  # continuous batching: rows that may wait, a request counted
+    # from its arrival, before its body is parsed (past it: a 503 with Retry-After)
     # a request's JSON schema (response_format, tools), in characters of its JSON text: its
     # grammar compiles at about 3 us a character (longer: a 400; 0: no bound)
     max_schema_chars: int = 32_000

@@ -1,27 +1,33 @@
-"""Issue 39's property for the classifier, on TorchServe and LitServe: any request body (any
-bytes, any JSON value at any nesting, any Unicode including lone surrogates, NaN, numbers
-past float, empty strings; under any of four content types), sent at the same moment as
-three good requests so that they share a batch (tiny_onnx: batch size 8, 50 ms delay), gets
-a 2xx or a 4xx, never a 5xx or no answer; each good request gets exactly the answer it gets
-alone (probabilities within 1e-5).
+"""Issues 39 and 70: the classifier's property, on TorchServe and LitServe (tiny_onnx: batch
+size 8, 50 ms delay, 200 characters a text, 64 texts a request). Two strategies:
+
+- *valid but odd* requests: any valid Unicode text (control characters, emoji, right to
+  left, 200 characters), as `{"text"}`, `{"texts": [1..64]}`, a JSON string, a plain-text or
+  octet-stream body, a form field. Each gets 200 and exactly the answer it gets alone
+  (probabilities within 1e-5).
+- *arbitrary* bodies (any bytes, any JSON value at any nesting, lone surrogates, NaN,
+  numbers past float; under any of four content types). `text_body_valid`, a small oracle
+  written from the handler's documented contract, says which of them happen to be valid:
+  those get 200 and their alone answer, all others a 4xx.
+
+Each case is sent at the same moment as three good requests; the round is sent again until
+the generated request's `X-Batch-Size` shows that it shared a batch (`served_property`).
+Every good request gets exactly the answer it gets alone. A probe thread sends a plain
+request every 0.25 s throughout: each answered 200 within 1 s.
 
 One exception, outside the handler: TorchServe's Java frontend decodes form-urlencoded bodies
 itself (Netty's HttpPostRequestDecoder) and answers a malformed one (`{"&&": 1}`: "empty
 name") with its own 500 before any handler runs. That request still fails alone; the test
 accepts exactly that frontend answer and nothing else.
 
-Examples per engine: COMPRESS_PROPERTY_EXAMPLES (default 25, what CI runs), plus the named
-cases of issue 39; `benchmarks/soak/run.py` sets it high. Each run prints how many cases it
-sent ("property cases: N on ENGINE")."""
+Generated cases per engine: COMPRESS_PROPERTY_EXAMPLES (default 25, what CI runs), asserted
+apart from the named @examples; `benchmarks/soak/run.py --property-examples` sets it high.
+Each run prints its tally ("property cases (classifier, ENGINE): ...")."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from urllib.parse import urlsplit
+from urllib.parse import quote
 
 import pytest
 
@@ -30,14 +36,26 @@ pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from served_property import (  # noqa: E402
+    Answer,
+    Probe,
+    Tally,
+    check_run,
+    examples,
+    post,
+    text_body_valid,
+    together,
+    until_shared,
+)
 
 pytestmark = pytest.mark.serving
 
-EXAMPLES = int(os.environ.get("COMPRESS_PROPERTY_EXAMPLES", "25"))
-TIMEOUT_S = 60.0  # an answer later than this is a hang
+EXAMPLES = examples(25)
+MAX_CHARS, MAX_ITEMS = 200, 64  # the archive's limits (conftest's packaged_text_run)
 JSON = "application/json"
+PLAIN, OCTETS = "text/plain", "application/octet-stream"
 FORM = "application/x-www-form-urlencoded"
-CONTENT_TYPES = (JSON, "text/plain", "application/octet-stream", FORM)
+CONTENT_TYPES = (JSON, PLAIN, OCTETS, FORM)
 GOOD = [b'{"text": "great lovely movie"}', b'{"texts": ["awful dull film", "superb"]}',
         b'{"text": "the plot is poor but the actors are warm"}']
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -70,22 +88,33 @@ RAW = st.one_of(  # bodies no JSON writer makes
     st.integers(1, 6000).map(lambda n: b'{"text": ' + b"9" * n + b"}"),
     st.sampled_from([b"", b" ", b"NaN", b'{"text": NaN}', b'{"text": -Infinity}', b"{",
                      b'{"text": "\\ud83d"}', b'"\\ude00"', b"text=\xff", b"text=%ED%A0%80"]))
-BODIES = st.tuples(st.one_of(st.builds(_as_json, SHAPED, st.booleans()), RAW),
-                   st.sampled_from(CONTENT_TYPES))
+ARBITRARY = st.tuples(st.one_of(st.builds(_as_json, SHAPED, st.booleans()), RAW),
+                      st.sampled_from(CONTENT_TYPES))
+
+# valid Unicode text that is not blank: controls, emoji, combining marks, right to left
+ODD_CHARACTERS = st.characters(exclude_categories=["Cs"])
+ODD_TEXT = st.one_of(
+    st.text(ODD_CHARACTERS, min_size=1, max_size=MAX_CHARS),
+    st.sampled_from(["\x00a", " \t x \n", "é" * MAX_CHARS, "😀" * 50, "שלום עולם",
+                     "e\u0301\u0302\u0303", "\u200b\u200d x", "a" * MAX_CHARS, "{", "[1]"]),
+).filter(str.strip)
 
 
-def post(info: dict, body: bytes, content_type: str = JSON) -> tuple[int, bytes, int]:
-    """(status, body, X-Batch-Size or 0) of one POST, with the server's token; a socket
-    timeout is a hang."""
-    url = urlsplit(info["url"])
-    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=TIMEOUT_S)
-    headers = {"Content-Type": content_type, "Authorization": f"Bearer {info['token']}"}
-    try:
-        connection.request("POST", url.path, body=body, headers=headers)
-        answer = connection.getresponse()
-        return answer.status, answer.read(), int(answer.headers.get("X-Batch-Size") or 0)
-    finally:
-        connection.close()
+def _plain(text: str) -> bool:
+    """Whether a plain-text body reads as that text (one that looks like JSON is parsed)."""
+    return text.lstrip()[:1] not in ("{", "[")
+
+
+ODD = st.one_of(
+    st.builds(lambda t, a: (_as_json({"text": t}, a), JSON), ODD_TEXT, st.booleans()),
+    st.builds(lambda ts, a: (_as_json({"texts": ts}, a), JSON),
+              st.lists(ODD_TEXT, min_size=1, max_size=MAX_ITEMS), st.booleans()),
+    st.builds(lambda t, a: (_as_json(t, a), JSON), ODD_TEXT, st.booleans()),
+    st.builds(lambda t, kind: (t.encode(), kind), ODD_TEXT.filter(_plain),
+              st.sampled_from([PLAIN, OCTETS])),
+    st.builds(lambda t: (b"text=" + quote(t).encode(), FORM), ODD_TEXT),
+)
+CASES = st.one_of(st.tuples(ODD, st.just("odd")), st.tuples(ARBITRARY, st.just("arbitrary")))
 
 
 def _probabilities(answer: bytes) -> list[list[float]]:
@@ -94,14 +123,21 @@ def _probabilities(answer: bytes) -> list[list[float]]:
     return [list(row["probabilities"].values()) for row in rows]
 
 
-def _frontend_form_refusal(engine: str, case: tuple[bytes, str],
-                           answer: tuple[int, bytes, int]) -> bool:
+def same(got: bytes, want: list[list[float]]) -> bool:
+    """Whether an answer's probabilities are `want`'s (within 1e-5, row for row)."""
+    rows = _probabilities(got)
+    return [len(r) for r in rows] == [len(r) for r in want] and all(
+        abs(g - w) <= 1e-5 for gr, wr in zip(rows, want, strict=True)
+        for g, w in zip(gr, wr, strict=True))
+
+
+def _frontend_form_refusal(engine: str, content_type: str, answer: Answer) -> bool:
     """Whether `answer` is TorchServe's frontend refusing a form body it cannot decode (a
     500 that no handler code produces; see the module docstring)."""
-    if engine != "torchserve" or case[1] != FORM or answer[0] != 500:
+    if engine != "torchserve" or content_type != FORM or answer.status != 500:
         return False
     try:
-        return json.loads(answer[1]).get("type") == "ErrorDataDecoderException"
+        return json.loads(answer.body).get("type") == "ErrorDataDecoderException"
     except ValueError:
         return False
 
@@ -111,57 +147,72 @@ def alone(served: dict) -> list[list[list[float]]]:
     """Each good request's probabilities when it is sent alone."""
     answers = []
     for body in GOOD:
-        status, answer, _ = post(served, body)
-        assert status == 200, answer
-        answers.append(_probabilities(answer))
+        answer = post(served, "", body)
+        assert answer.status == 200, answer.body
+        answers.append(_probabilities(answer.body))
     return answers
 
 
-def test_any_body_fails_alone(served: dict, alone: list, engine: str) -> None:
-    sent, batches = [], []
+def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(
+        served: dict, alone: list, engine: str) -> None:
+    tally = Tally()
+    plain = Probe(lambda: post(served, "", b'{"text": "a fine film"}'))
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(case=BODIES)
-    @example(case=(b'{"text": "\\ud800"}', JSON))
-    @example(case=(b'{"texts": ["good \\ud83d", "\\ude00 movie"]}', JSON))
-    @example(case=(b'{"text": "\\ude00\\ud83d"}', JSON))
-    @example(case=(DEEP, JSON))
-    @example(case=(b'{"text": ' + DEEP + b"}", JSON))
-    @example(case=(b'{"text": NaN}', JSON))
-    @example(case=(b'{"input": [[NaN, Infinity]]}', JSON))
-    @example(case=(b'{"text": "\xff\xfe"}', JSON))
-    @example(case=(b'{"text": ' + b"9" * 5000 + b"}", JSON))
-    @example(case=(b"", JSON))
-    @example(case=(b'{"text": ""}', JSON))
-    @example(case=(b'{"text": {"&&": null}}', FORM))
-    def check(case: tuple[bytes, str]) -> None:
-        body, content_type = case
-        sent.append(case)
-        gate = threading.Barrier(len(GOOD) + 1)
+    @given(case=CASES, generated=st.just(True))
+    @example(case=((b'{"text": "\\ud800"}', JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"texts": ["good \\ud83d", "\\ude00 movie"]}', JSON), "arbitrary"),
+             generated=False)
+    @example(case=((b'{"text": "\\ude00\\ud83d"}', JSON), "arbitrary"), generated=False)
+    @example(case=((DEEP, JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"text": ' + DEEP + b"}", JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"text": NaN}', JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"input": [[NaN, Infinity]]}', JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"text": "\xff\xfe"}', JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"text": ' + b"9" * 5000 + b"}", JSON), "arbitrary"), generated=False)
+    @example(case=((b"", JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"text": ""}', JSON), "arbitrary"), generated=False)
+    @example(case=((b"{}", JSON), "arbitrary"), generated=False)
+    @example(case=((b'{"text": {"&&": null}}', FORM), "arbitrary"), generated=False)
+    @example(case=((b'"{"', JSON), "odd"), generated=False)  # a JSON string: that text
+    @example(case=((b"text=%F0%9F%98%80", FORM), "odd"), generated=False)
+    def check(case: tuple[tuple[bytes, str], str], generated: bool) -> None:
+        (body, content_type), kind = case
+        valid = text_body_valid(body, content_type, MAX_CHARS, MAX_ITEMS)
+        assert valid or kind != "odd", ("the odd strategy drew an invalid body", body[:200])
+        want = None
+        if valid:  # its answer alone
+            first = post(served, "", body, content_type)
+            assert first.status == 200, (body[:200], first.status, first.body[:300])
+            want = _probabilities(first.body)
+        place = (tally.generated + tally.named) % (len(GOOD) + 1)  # first, second, ...
 
-        def ask(job: tuple[bytes, str]) -> tuple[int, bytes, int]:
-            gate.wait()
-            return post(served, *job)
+        def round_once() -> tuple[tuple[Answer, list[Answer]], bool]:
+            calls = [lambda good=good: post(served, "", good) for good in GOOD]
+            calls.insert(place, lambda: post(served, "", body, content_type))
+            answers = together(calls)
+            mine = answers.pop(place)
+            refused = _frontend_form_refusal(engine, content_type, mine)
+            return (mine, answers), refused or mine.batch > 1
 
-        jobs = [(good, JSON) for good in GOOD]
-        place = len(sent) % (len(GOOD) + 1)  # the generated one goes first, second, ...
-        jobs.insert(place, (body, content_type))
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            answers = list(pool.map(ask, jobs))
-        generated = answers.pop(place)
-        assert 200 <= generated[0] < 500 or _frontend_form_refusal(engine, case, generated), (
-            case, generated[0], generated[1][:300])
-        for (status, answer, batch), expected in zip(answers, alone, strict=True):
-            assert status == 200, (case, status, answer[:300])
-            batches.append(batch)
-            got = _probabilities(answer)
-            assert [len(row) for row in got] == [len(row) for row in expected]
-            assert max(abs(g - e) for gr, er in zip(got, expected, strict=True)
-                       for g, e in zip(gr, er, strict=True)) <= 1e-5, case
+        mine, goods = until_shared(round_once, tally)
+        verdict = "valid" if valid else "invalid"
+        tally.count(generated, kind if kind == "odd" else f"arbitrary {verdict}", mine.status)
+        if valid:
+            assert mine.status == 200, (body[:200], content_type, mine.status, mine.body[:300])
+            assert same(mine.body, want), (body[:200], content_type)
+            tally.compared += 1
+        else:
+            assert 400 <= mine.status < 500 or _frontend_form_refusal(
+                engine, content_type, mine), (body[:200], content_type, mine.status,
+                                              mine.body[:300])
+        for answer, expected in zip(goods, alone, strict=True):
+            assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
+            assert same(answer.body, expected), body[:200]
 
-    check()
-    shared = sum(size > 1 for size in batches) / len(batches)
-    print(f"property cases: {len(sent)} on {engine}; good answers from shared batches: "
-          f"{shared:.0%}")
-    assert len(sent) >= 11 and shared > 0.25  # else the property says nothing of batches
+    with plain:
+        check()
+    print(tally.line("classifier", engine, plain))
+    check_run(tally, plain, EXAMPLES)
+    assert tally.kinds["odd"] and tally.compared  # both strategies ran

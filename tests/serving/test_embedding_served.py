@@ -332,3 +332,203 @@ def test_a_batch_of_mixed_lengths_runs_in_passes_of_similar_length(local_handler
             assert padded_tokens < 4 * longest
         else:
             assert padded_tokens == 4 * longest
+
+
+# ---- issue 70: the property, beside the good requests of a batch ------------------------------
+
+VOCAB, WIDTH = 30522, 32  # cls_bert_folder: MiniLM's tokenizer, 32 wide
+EMBEDDINGS = "/1.0/v1/embeddings"
+PROPERTY_GOOD = [(b'{"text": "the film was wonderful"}', ""),
+                 (b'{"texts": ["a dull, lifeless movie", "hi"]}', ""),
+                 (b'{"input": "one of the best performances", "encoding_format": "float"}',
+                  EMBEDDINGS)]
+
+
+def _property_strategies():
+    """(valid-but-odd cases, arbitrary cases): each a ((body, content type), route)."""
+    from hypothesis import strategies as st
+    from test_classifier_property import ARBITRARY, JSON, ODD, ODD_TEXT, VALUES
+
+    ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_CHARS)
+    optional = {"encoding_format": st.sampled_from([None, "float", "base64"]),
+                "dimensions": st.sampled_from([None, WIDTH]),
+                "model": st.none() | st.text(st.characters(exclude_categories=["Cs"]),
+                                             max_size=20),
+                "user": st.none() | st.text(max_size=20).filter(
+                    lambda t: not any(0xD800 <= ord(c) <= 0xDFFF for c in t))}
+    odd_input = st.one_of(ODD_TEXT, st.lists(ODD_TEXT, min_size=1, max_size=MAX_ITEMS), ids,
+                          st.lists(ids, min_size=1, max_size=8))
+    odd_openai = st.builds(lambda body, ascii_only: (json.dumps(body, ensure_ascii=ascii_only)
+                                                     .encode(), JSON),
+                           st.fixed_dictionaries({"input": odd_input}, optional=optional),
+                           st.booleans())
+    odd = st.one_of(st.tuples(ODD, st.just("")), st.tuples(odd_openai, st.just(EMBEDDINGS)))
+    arbitrary_fields = st.fixed_dictionaries({}, optional={
+        "input": VALUES | st.lists(st.integers(-5, VOCAB + 5), max_size=5),
+        "encoding_format": VALUES, "dimensions": VALUES | st.integers(-1, 64),
+        "model": VALUES, "user": VALUES, "temperature": VALUES, "extra": VALUES})
+    arbitrary_openai = st.builds(lambda body, ascii_only: (json.dumps(
+        body, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass"), JSON),
+        arbitrary_fields | VALUES, st.booleans())
+    arbitrary = st.one_of(st.tuples(ARBITRARY, st.just("")),
+                          st.tuples(arbitrary_openai | ARBITRARY.filter(
+                              lambda case: case[1] == JSON), st.just(EMBEDDINGS)))
+    return odd, arbitrary
+
+
+def openai_body_valid(body: bytes) -> bool:
+    """The oracle of `v1/embeddings` (requests.py's contract): a JSON object of input,
+    encoding_format (float, base64), dimensions (the model's own width: no Matryoshka),
+    model (a string) and user (ignored), `null` as absent; input a non-blank string, 1-64
+    of them, a token array or 1-64 non-empty token arrays (ids in the vocabulary, at most
+    200 a row); texts of at most 200 characters of valid Unicode."""
+    from served_property import json_value, text_items_valid
+
+    reads, value = json_value(body, "application/json")
+    if not reads or not isinstance(value, dict):
+        return False
+    value = {k: v for k, v in value.items() if v is not None}
+    if set(value) - {"input", "model", "encoding_format", "dimensions", "user"}:
+        return False
+    if "model" in value and not isinstance(value["model"], str):
+        return False
+    if value.get("encoding_format", "float") not in ("float", "base64"):
+        return False
+    dimensions = value.get("dimensions", WIDTH)
+    if isinstance(dimensions, bool) or dimensions != WIDTH or not isinstance(dimensions, int):
+        return False
+    given = value.get("input")
+    given = [given] if isinstance(given, str) else given
+    if not isinstance(given, list) or not given:
+        return False
+
+    def is_id(t: object) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
+
+    if all(is_id(t) for t in given):
+        arrays = [given]
+    elif all(isinstance(t, str) for t in given):
+        return text_items_valid({"texts": given}, MAX_CHARS, MAX_ITEMS)
+    elif all(isinstance(a, list) and a and all(is_id(t) for t in a) for a in given):
+        arrays = given
+    else:
+        return False
+    return len(arrays) <= MAX_ITEMS and all(
+        len(a) <= MAX_CHARS and all(0 <= t < VOCAB for t in a) for a in arrays)
+
+
+def embedding_rows(answer: bytes) -> tuple[list[list[float]], object]:
+    """(the embeddings of an answer, native or OpenAI's (base64 decoded), everything else
+    in it)."""
+    value = json.loads(answer)
+    if "data" not in value:
+        rows = value.get("embeddings") or [value["embedding"]]
+        return rows, sorted(value)
+    rows = []
+    for entry in value["data"]:
+        vector = entry["embedding"]
+        if isinstance(vector, str):
+            vector = torch.frombuffer(bytearray(base64.b64decode(vector)),
+                                      dtype=torch.float32).tolist()
+        rows.append(vector)
+    rest = {k: v for k, v in value.items() if k != "data"}
+    return rows, (rest, [(e["object"], e["index"], type(e["embedding"]).__name__)
+                         for e in value["data"]])
+
+
+def same_embeddings(got: bytes, want: tuple[list[list[float]], object]) -> bool:
+    rows, rest = embedding_rows(got)
+    return rest == want[1] and [len(r) for r in rows] == [len(r) for r in want[0]] and all(
+        abs(g - w) <= 1e-5 for gr, wr in zip(rows, want[0], strict=True)
+        for g, w in zip(gr, wr, strict=True))
+
+
+def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine) -> None:
+    """Issue 70's property for the embedding archive (batch size 8, 50 ms delay) on both
+    routes: valid-but-odd requests (any valid Unicode text, texts, token arrays, base64,
+    `dimensions` at the model's width, any model and user names, nulls) get 200 and exactly
+    the answer they get alone (within 1e-5); arbitrary bodies get a 4xx unless the oracle
+    (`served_property.text_body_valid`, `openai_body_valid`) finds them valid, then 200 and
+    their alone answer. Each shared a batch with three good requests (X-Batch-Size), whose
+    answers are their alone answers; a plain request answered 200 within 1 s throughout.
+    COMPRESS_PROPERTY_EXAMPLES generated cases (default 20), counted apart from the named
+    ones."""
+    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import strategies as st
+    from served_property import (
+        Answer,
+        Probe,
+        Tally,
+        check_run,
+        examples,
+        text_body_valid,
+        together,
+        until_shared,
+    )
+    from served_property import post as send
+
+    wanted = examples(20)
+    odd, arbitrary = _property_strategies()
+    alone = []
+    for body, path in PROPERTY_GOOD:
+        answer = send(served, path, body)
+        assert answer.status == 200, answer.body
+        alone.append(embedding_rows(answer.body))
+    tally = Tally()
+    plain = Probe(lambda: send(served, "", b'{"text": "a fine film"}'))
+    json_type = "application/json"
+
+    @settings(max_examples=wanted, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=st.one_of(st.tuples(odd, st.just("odd")),
+                          st.tuples(arbitrary, st.just("arbitrary"))), generated=st.just(True))
+    @example(case=(((b'{"input": [[5, 10]], "dimensions": 32, "encoding_format": "base64", '
+                     b'"model": null, "user": "\\u00e9"}', json_type), EMBEDDINGS), "odd"),
+             generated=False)
+    @example(case=(((b'{"input": ["\\u0000x", "\\ud83d\\ude00"]}', json_type), EMBEDDINGS),
+                   "odd"), generated=False)
+    @example(case=(((b"{}", json_type), EMBEDDINGS), "arbitrary"), generated=False)
+    @example(case=(((b'{"input": "x", "dimensions": 32.0}', json_type), EMBEDDINGS),
+                   "arbitrary"), generated=False)
+    @example(case=(((b'{"input": [true, 5]}', json_type), EMBEDDINGS), "arbitrary"),
+             generated=False)
+    @example(case=(((b'"{\\"input\\": \\"x\\"}"', json_type), EMBEDDINGS), "arbitrary"),
+             generated=False)
+    def check(case: tuple[tuple[tuple[bytes, str], str], str], generated: bool) -> None:
+        ((body, content_type), path), kind = case
+        valid = (openai_body_valid(body) if path else
+                 text_body_valid(body, content_type, MAX_CHARS, MAX_ITEMS))
+        assert valid or kind != "odd", ("the odd strategy drew an invalid body", body[:200])
+        want = None
+        if valid:
+            first = send(served, path, body, content_type)
+            assert first.status == 200, (path, body[:200], first.status, first.body[:300])
+            want = embedding_rows(first.body)
+        place = (tally.generated + tally.named) % (len(PROPERTY_GOOD) + 1)
+
+        def round_once() -> tuple[tuple[Answer, list[Answer]], bool]:
+            calls = [lambda good=good, at=at: send(served, at, good)
+                     for good, at in PROPERTY_GOOD]
+            calls.insert(place, lambda: send(served, path, body, content_type))
+            answers = together(calls)
+            mine = answers.pop(place)
+            return (mine, answers), mine.batch > 1
+
+        mine, goods = until_shared(round_once, tally)
+        verdict = "valid" if valid else "invalid"
+        tally.count(generated, kind if kind == "odd" else f"arbitrary {verdict}", mine.status)
+        if valid:
+            assert mine.status == 200, (path, body[:200], mine.status, mine.body[:300])
+            assert same_embeddings(mine.body, want), (path, body[:200])
+            tally.compared += 1
+        else:
+            assert 400 <= mine.status < 500, (path, body[:200], mine.status, mine.body[:300])
+        for answer, expected in zip(goods, alone, strict=True):
+            assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
+            assert same_embeddings(answer.body, expected), body[:200]
+
+    with plain:
+        check()
+    print(tally.line("embedding", engine, plain))
+    check_run(tally, plain, wanted)
+    assert tally.kinds["odd"] and tally.compared

@@ -46,8 +46,12 @@ from benchmarks.soak.generation import headers
 from compress.serving import server
 from compress.serving.loadtest.predictions import SAMPLE_TEXTS, run_load
 
-PROPERTY_TESTS = ("tests/serving/test_classifier_property.py",
-                  "tests/serving/test_causal_lm_property.py")
+# issue 70's property test of each served family (the embedding's shares its module's server)
+PROPERTY_TESTS = {
+    "classifier": "tests/serving/test_classifier_property.py",
+    "embedding": "tests/serving/test_embedding_served.py::"
+                 "test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone",
+    "causal_lm": "tests/serving/test_causal_lm_property.py"}
 # in the command line of a TorchServe worker, or of a LitServe inference worker (spawned)
 WORKER_MARKS = ("model_service_worker", "multiprocessing.spawn import spawn_main")
 
@@ -185,17 +189,26 @@ def served(run: Path, engine: str = "torchserve"):
                                 engine=engine)
 
 
-def property_tests(examples: int, files: tuple[str, ...] = PROPERTY_TESTS) -> dict:
-    """pytest on the property tests with `examples` generated bodies each: its counts."""
+def property_tests(examples: int, families: list[str] | None = None,
+                   engine: str | None = None) -> dict:
+    """pytest on the property tests of `families` (all three by default) on `engine` (both
+    by default) with `examples` generated cases each: its counts, each run's tally line
+    ("property cases (FAMILY, ENGINE): ..."), and how long it took."""
     env = {**os.environ, "COMPRESS_PROPERTY_EXAMPLES": str(examples)}
-    present = [f for f in files if (REPO / f).is_file()]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    present = [PROPERTY_TESTS[f] for f in families or PROPERTY_TESTS
+               if (REPO / PROPERTY_TESTS[f].split("::")[0]).is_file()]
+    began = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p",
+                             "no:cacheprovider", *(["-k", engine] if engine else []),
                              *present], cwd=REPO, env=env, capture_output=True, text=True)
     summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|skipped)",
                                                summary)}
-    return {"examples": examples, "files": present, "summary": summary,
-            "returncode": result.returncode, **counts}
+    tallies = [line.strip() for line in result.stdout.splitlines()
+               if line.strip().startswith("property cases (")]
+    return {"examples": examples, "files": present, "engine": engine or "both",
+            "summary": summary, "returncode": result.returncode, "tallies": tallies,
+            "seconds": round(time.perf_counter() - began), **counts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("torchserve", "litserve"), default="torchserve")
     parser.add_argument("--property-examples", type=int, default=0,
                         help="run the property tests with this many examples each (0: not)")
+    parser.add_argument("--property-family", action="append", choices=sorted(PROPERTY_TESTS),
+                        help="the property tests of this family only (again for more; "
+                             "default: all three)")
+    parser.add_argument("--property-engine", choices=("torchserve", "litserve"),
+                        help="the property tests on this engine only (default: both)")
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.md")
     args = parser.parse_args(argv)
     facts = machine.cpu_facts()
     figures: dict = {"cpu": f"{facts['cpu']}; SIMD {facts['flags']}",
                      "cores": os.cpu_count()}
-    if args.run is None and args.llm is None:
-        parser.error("give a classifier run, --llm, or both")
+    if args.run is None and args.llm is None and not args.property_examples:
+        parser.error("give a classifier run, --llm, --property-examples, or more of them")
     if args.run is not None:
         target, info = served(args.run, args.engine)
         try:
@@ -243,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop(target.serve_dir)
     if args.property_examples:
-        figures["property"] = property_tests(args.property_examples)
+        figures["property"] = property_tests(args.property_examples, args.property_family,
+                                             args.property_engine)
         print("property", figures["property"], flush=True)
     write_table(args, figures)
     return 0
@@ -308,8 +327,9 @@ def _lm_lines(figures: dict) -> list[str]:
                   f"{f['after']} | {f['bound']} | {f['ok']} |" for f in floods]
     if "property" in figures:
         p = figures["property"]
-        lines += ["", f"Property tests ({', '.join(p['files'])}) with "
-                  f"COMPRESS_PROPERTY_EXAMPLES={p['examples']}: `{p['summary']}`."]
+        lines += ["", f"Property tests ({', '.join(p['files'])}; engine {p['engine']}) with "
+                  f"COMPRESS_PROPERTY_EXAMPLES={p['examples']}: `{p['summary']}` in "
+                  f"{p['seconds']} s.", ""] + [f"- {line}" for line in p["tallies"]]
     return lines
 
 

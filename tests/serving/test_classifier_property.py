@@ -211,8 +211,10 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(
             assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
             assert same(answer.body, expected), body[:200]
 
-    with plain:
-        check()
-    print(tally.line("classifier", engine, plain))
+    try:
+        with plain:
+            check()
+    finally:
+        print(tally.line("classifier", engine, plain))
     check_run(tally, plain, EXAMPLES)
     assert tally.kinds["odd"] and tally.compared  # both strategies ran

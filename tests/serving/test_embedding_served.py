@@ -527,8 +527,10 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
             assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
             assert same_embeddings(answer.body, expected), body[:200]
 
-    with plain:
-        check()
-    print(tally.line("embedding", engine, plain))
+    try:
+        with plain:
+            check()
+    finally:
+        print(tally.line("embedding", engine, plain))
     check_run(tally, plain, wanted)
     assert tally.kinds["odd"] and tally.compared

@@ -245,8 +245,8 @@ def native_valid(body: dict) -> bool:
                 isinstance(m, dict) and _text(m.get("role")) and _text(m.get("content"))
                 for m in listed) and any(m["content"].strip() for m in listed)):
             return False
-    stop = body.get("stop") or []  # a falsy stop (0, false, {}) reads as none: see the report
-    stop = [stop] if isinstance(stop, str) else stop
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     temperature = body.get("temperature", 0)
     return (_integer(body.get("max_new_tokens", DEFAULT_NEW), 1, MAX_NEW)
             and _number(temperature, 0, 10) and not 0 < temperature < 1e-3

@@ -81,6 +81,9 @@ def test_a_batch_streams_each_answer_and_refuses_the_bad_one_alone(handler) -> N
     ({"prompt": "x", "messages": []}, 'give exactly one of "prompt"'),
     ({"prompt": "x", "top_p": 0}, "top_p: must be above 0"),
     ({"prompt": "x", "temprature": 1}, "unknown field 'temprature'"),
+    ({"prompt": "x", "stop": 0}, "stop: a string or a list"),  # was read as no stop
+    ({"prompt": "x", "stop": False}, "stop: a string or a list"),
+    ({"prompt": "x", "stop": ""}, "stop: a string or a list"),
 ])
 def test_bad_requests_get_a_400_that_says_why(handler, body, message) -> None:
     data, context, _ = handler_batch([body, {"prompt": "fine"}])
@@ -88,6 +91,26 @@ def test_bad_requests_get_a_400_that_says_why(handler, body, message) -> None:
     assert context.get_response_status(0)[0] == 400
     assert answers[0]["error"].startswith(message), answers[0]
     assert context.get_response_status(1)[0] == 200 and answers[1]["text"]
+
+
+def test_a_json_string_body_is_a_400_as_on_litserve(handler) -> None:
+    """TorchServe's worker hands over an application/json body decoded: a JSON string
+    holding an object's text is that string (LitServe parses the bytes once and refuses
+    it), not the object parsed a second time."""
+    from ts.context import RequestProcessor
+
+    data, context, _ = handler_batch([b"", {"prompt": "fine"}])
+    data[0]["body"] = json.dumps({"prompt": "hi"})  # what json.loads of '"{\"prompt..."' gave
+    context.request_processor[0] = RequestProcessor({"body": {"content-type": "application/json"}})
+    answers = [json.loads(a) for a in handler.handle(data, context)]
+    assert context.get_response_status(0)[0] == 400
+    assert answers[0]["error"].startswith("send a JSON object"), answers[0]
+    assert context.get_response_status(1)[0] == 200 and answers[1]["text"]
+    data, context, _ = handler_batch([b""])  # the same text as a plain-text body: parsed
+    data[0]["body"] = json.dumps({"prompt": "hi"})
+    context.request_processor[0] = RequestProcessor({"body": {"content-type": "text/plain"}})
+    handler.handle(data, context)
+    assert context.get_response_status(0)[0] == 200
 
 
 def test_stop_strings_end_the_text_and_are_never_streamed(handler) -> None:

@@ -37,9 +37,9 @@ class RowRun:
 
 
 def parse_choices(request: dict[str, Any], route: str | None, encode,
-                  limits: requests.Limits) -> tuple[Any, ...]:
+                  limits: requests.Limits, content_type: str = "") -> tuple[Any, ...]:
     """(the request parsed, what its OpenAI answer carries). ValueError: a 400."""
-    parsed, wanted = requests.parse_request(request, route, encode, limits)
+    parsed, wanted = requests.parse_request(request, route, encode, limits, content_type)
     if route is None and (parsed.n > 1 or parsed.logprobs is not None):
         raise ValueError("n and logprobs: on the OpenAI routes (v1/chat/completions, "
                          "v1/completions)")

@@ -28,6 +28,7 @@ import torch
 from ts.torch_handler.base_handler import BaseHandler
 
 from serve.handler_settings import HandlerSettings
+from serve.http_answers import request_content_type
 from serve.worker_threads import worker_threads
 
 from ..runtime import expert_parallel, loading, pipeline, tensor_parallel
@@ -193,7 +194,8 @@ class CausalLMHandler(BaseHandler):
             # grammar on a thread of its own (compiled once a schema, its tokenizer view once
             # a worker), so that plain prompts keep flowing while it compiles
             parsed, wanted = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizing, choices.parse_choices, request, route, encode, self.limits)
+                self.tokenizing, choices.parse_choices, request, route, encode, self.limits,
+                request_content_type(context, i, request))
             constraints = await choices.constraints_of(parsed, self.causal_lm.tokenizer,
                                                        self.compiling)
         except ValueError as exc:
@@ -246,8 +248,9 @@ class CausalLMHandler(BaseHandler):
                 if path:
                     raise LookupError(f"unknown path {path!r}: this model answers POST "
                                       f"/predictions/{self.model_name} only")
-                one = requests.parse(requests.read_body(request), self.encode,
-                                     self.limits)
+                one = requests.parse(requests.read_body(
+                    request, request_content_type(context, i, request)), self.encode,
+                    self.limits)
                 if one.ignore_eos or one.n > 1 or one.logprobs is not None or one.json_schema:
                     raise ValueError("ignore_eos, n, logprobs and json_schema: only on a "
                                      "continuous-batching archive")

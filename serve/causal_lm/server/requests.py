@@ -63,9 +63,14 @@ class GenerationRequest:
     json_schema: dict[str, Any] | None = None
 
 
-def read_body(request: dict[str, Any]) -> dict[str, Any]:
-    """The JSON object of a TorchServe request (ValueError: its message goes back as 400)."""
+def read_body(request: dict[str, Any], content_type: str = "") -> dict[str, Any]:
+    """The JSON object of a TorchServe request (ValueError: its message goes back as 400).
+    TorchServe's worker decodes an `application/json` body itself: a str it hands over
+    with that `content_type` is a JSON string, not an object (LitServe hands over the bytes,
+    parsed here once: the same answer on both engines)."""
     body = request.get("body", request.get("data"))
+    if isinstance(body, str) and content_type == "application/json":
+        body = None  # a JSON string: refused below, as LitServe's bytes of it are
     if isinstance(body, bytes | bytearray):
         try:
             body = body.decode("utf-8")
@@ -85,11 +90,11 @@ def read_body(request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def parse_request(request: dict[str, Any], route: str | None, encode, limits: Limits
-                  ) -> tuple[GenerationRequest, openai_request.Wanted | None]:
+def parse_request(request: dict[str, Any], route: str | None, encode, limits: Limits,
+                  content_type: str = "") -> tuple[GenerationRequest, openai_request.Wanted | None]:
     """(a TorchServe request parsed, what its OpenAI answer carries beyond the text: None
     on the native API), on OpenAI's `route` where given. ValueError: a 400 that says why."""
-    body = read_body(request)
+    body = read_body(request, content_type)
     if route is None:
         return parse(body, encode, limits), None
     body, wanted = openai_request.native_body(route, body)
@@ -125,8 +130,8 @@ def parse(body: dict[str, Any], encode, limits: Limits,
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p <= 0:
         raise ValueError("top_p: must be above 0 (1 keeps every token)")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
+    stop = body.get("stop")  # a falsy stop that is no string or list (0, false, {}) is a 400
+    stop = [] if stop is None else [stop] if isinstance(stop, str) and stop else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(
             isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise ValueError(f"stop: a string or a list of at most {MAX_STOPS} non-empty strings "

@@ -98,8 +98,9 @@ class Reader:
         if unknown:
             raise ValueError(f"unsupported field {unknown[0]!r}: this server answers "
                              f"{', '.join(FIELDS)}")
-        if "model" in body and not isinstance(body["model"], str):
-            raise ValueError("model: a string")
+        for name in ("model", "user"):
+            if name in body and not isinstance(body[name], str):
+                raise ValueError(f"{name}: a string")
         fmt = body.get("encoding_format", "float")
         if fmt not in FORMATS:
             raise ValueError(f"encoding_format: float or base64, not {fmt!r}")

@@ -390,7 +390,7 @@ def openai_body_valid(body: bytes) -> bool:
     value = {k: v for k, v in value.items() if v is not None}
     if set(value) - {"input", "model", "encoding_format", "dimensions", "user"}:
         return False
-    if "model" in value and not isinstance(value["model"], str):
+    if any(k in value and not isinstance(value[k], str) for k in ("model", "user")):
         return False
     if value.get("encoding_format", "float") not in ("float", "base64"):
         return False

@@ -126,3 +126,12 @@ def test_an_unknown_prompt_is_a_400_naming_the_choices(served) -> None:
         answer["error"]["message"]
     status, answer = post(handler, {"text": "hi", "prompt_name": "search"}, path="")
     assert status == 400 and "one of this model's prompts (document, query)" in json.dumps(answer)
+
+
+def test_model_and_user_are_strings_or_a_400(served) -> None:
+    handler, _ = served
+    for field in ("model", "user"):
+        status, answer = post(handler, {"input": "hi", field: [1]})
+        assert status == 400 and answer["error"]["message"] == f"{field}: a string"
+    status, _ = post(handler, {"input": "hi", "model": "m", "user": "someone"})
+    assert status == 200

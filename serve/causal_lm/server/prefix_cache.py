@@ -37,14 +37,15 @@ class Prefix:
 
 
 class _Node:
-    """A trie node: the next token's nodes, the entries whose ids pass through it (in the
-    order they were stored) and the one that ends at it."""
+    """A trie node: the next token's nodes, the entries whose ids pass through it (by
+    their serial numbers, in the order they were stored: a long tuple's hash is not cached)
+    and the one that ends at it."""
 
     __slots__ = ("children", "entries", "ends")
 
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
-        self.entries: dict[tuple[int, ...], None] = {}
+        self.entries: dict[int, tuple[int, ...]] = {}
         self.ends: tuple[int, ...] | None = None
 
 
@@ -57,6 +58,8 @@ class PrefixCache:
         self.entries: collections.OrderedDict[tuple[int, ...], Prefix] = \
             collections.OrderedDict()
         self.root = _Node()  # the entries' ids, one node a position
+        self.serials: dict[tuple[int, ...], int] = {}  # each entry's number in the trie
+        self.stored = 0  # entries stored so far (the next serial number)
         self.tokens = 0  # positions held
         self.hits = self.misses = self.reused = 0  # lookups, and positions not computed
         self.last_visited = 0  # trie nodes the last lookup visited
@@ -72,7 +75,7 @@ class PrefixCache:
                 break
             node, best = child, best + 1
         self.last_visited = best
-        best_key = next(iter(node.entries), None) if best else None
+        best_key = next(iter(node.entries.values()), None) if best else None
         if best_key is None or best < MIN_REUSE:
             self.misses += 1
             return None
@@ -93,12 +96,14 @@ class PrefixCache:
         if key in self.entries:
             self.entries.move_to_end(key)
             return
+        serial, self.stored = self.stored, self.stored + 1
+        self.serials[key] = serial
         node, extended = self.root, []
         for token in key:
             node = node.children.setdefault(token, _Node())
             if node.ends is not None:  # an entry it extends
                 extended.append(node.ends)
-            node.entries[key] = None
+            node.entries[serial] = key
         node.ends = key
         for other in extended:
             self._drop(other)
@@ -111,10 +116,11 @@ class PrefixCache:
     def _drop(self, key: tuple[int, ...]) -> None:
         """Remove an entry, and the trie nodes only it passed through."""
         self.tokens -= self.entries.pop(key).length
+        serial = self.serials.pop(key)
         node = self.root
         for token in key:
             child = node.children[token]
-            del child.entries[key]
+            del child.entries[serial]
             if not child.entries:  # nothing else passes here: the rest of the path goes
                 del node.children[token]
                 return

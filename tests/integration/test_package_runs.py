@@ -168,9 +168,10 @@ def test_handler_takes_nested_arrays_for_image_models(tmp_path: Path) -> None:
         ({"input": arrays[0]}, "application/json"),
         ({"inputs": arrays[1:]}, "application/json"),
         ({"input": [[1.0, 2.0]]}, "application/json"),
-        (json.dumps(arrays[0]), "application/json"),
+        (json.dumps(arrays[0]).encode(), "application/json"),  # bytes, as LitServe hands
+        (arrays[0], "application/json"),  # decoded, as TorchServe's worker hands it over
     ])
-    assert [status for status, _, _ in answers] == [200, 200, 400, 200]
+    assert [status for status, _, _ in answers] == [200, 200, 400, 200, 200]
     assert "nested array of shape" in answers[2][2]["error"]
     offline = load_export(run_dir / "01-export/torchscript", threads=1)
     expected = offline.model(torch.tensor(images).reshape(3, *shape)).argmax(-1).tolist()
@@ -178,6 +179,9 @@ def test_handler_takes_nested_arrays_for_image_models(tmp_path: Path) -> None:
     got = [answers[0][2]["label"], *(a["label"] for a in answers[1][2])]
     assert got == [names[i] for i in expected]
     assert answers[3][2] == answers[0][2]
+    assert answers[4][2]["label"] == answers[0][2]["label"]
+    assert answers[4][2]["probabilities"] == pytest.approx(answers[0][2]["probabilities"],
+                                                          abs=1e-6)
 
 
 @pytest.mark.parametrize("stages,message", [

@@ -69,10 +69,10 @@ def group_pids(pid: int) -> list[int]:
     return found
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of `pid`'s process group, MB."""
+def resident_mb(pids: list[int]) -> float:
+    """Resident memory of the processes `pids` together, MB (a gone one counts 0)."""
     total = 0
-    for member in group_pids(pid):
+    for member in pids:
         try:
             for line in Path(f"/proc/{member}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -80,19 +80,16 @@ def rss_mb(pid: int) -> float:
         except OSError:
             continue
     return round(total / 1024, 1)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of `pid`'s process group, MB."""
+    return resident_mb(group_pids(pid))
 
 
 def workers_rss_mb(pid: int) -> float:
     """Resident memory of the model's workers of the server whose group `pid` leads, MB."""
-    total = 0
-    for member in worker_pids(pid):
-        try:
-            for line in Path(f"/proc/{member}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total / 1024, 1)
+    return resident_mb(worker_pids(pid))
 
 
 def worker_pids(pid: int) -> list[int]:

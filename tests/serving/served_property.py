@@ -161,6 +161,20 @@ def check_run(tally: Tally, probe: Probe, wanted: int) -> None:
     assert probe.worst() <= PLAIN_LIMIT_S, sorted(probe.times)[-5:]
 
 
+def run_property(check: Callable[[], None], tally: Tally, probe: Probe, family: str,
+                 engine: str, wanted: int) -> None:
+    """Run the hypothesis `check` with the plain probe going, print its tally however it
+    ends, then hold the run to its claims: `check_run`, and both strategies ran with at
+    least one answer compared with its alone answer."""
+    try:
+        with probe:
+            check()
+    finally:
+        print(tally.line(family, engine, probe))
+    check_run(tally, probe, wanted)
+    assert tally.kinds["odd"] and tally.compared  # both strategies ran
+
+
 def text_items_valid(value: Any, max_chars: int, max_items: int) -> bool:
     """The text handlers' contract (classifier, embedding's native route) for a body's
     value: `{"texts": [1..max_items texts]}`, `{"text": text}` or a text; a text is a

@@ -56,9 +56,9 @@ from served_property import (  # noqa: E402
     Answer,
     Probe,
     Tally,
-    check_run,
     examples,
     post,
+    run_property,
 )
 from test_causal_lm_serving import PROMPTS, offline_text  # noqa: E402
 
@@ -508,13 +508,7 @@ def test_odd_valid_requests_answer_as_alone_and_any_body_fails_alone(
             assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
             assert native_summary(answer.body) == expected, (route, body[:300])
 
-    try:
-        with plain:
-            check()
-    finally:
-        print(tally.line("causal LM", engine, plain))
-    check_run(tally, plain, EXAMPLES)
-    assert tally.kinds["odd"] and tally.compared
+    run_property(check, tally, plain, "causal LM", engine, EXAMPLES)
 
 
 def test_the_good_answers_are_the_offline_text(alone, offline) -> None:

@@ -40,9 +40,9 @@ from served_property import (  # noqa: E402
     Answer,
     Probe,
     Tally,
-    check_run,
     examples,
     post,
+    run_property,
     text_body_valid,
     together,
     until_shared,
@@ -211,10 +211,4 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(
             assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
             assert same(answer.body, expected), body[:200]
 
-    try:
-        with plain:
-            check()
-    finally:
-        print(tally.line("classifier", engine, plain))
-    check_run(tally, plain, EXAMPLES)
-    assert tally.kinds["odd"] and tally.compared  # both strategies ran
+    run_property(check, tally, plain, "classifier", engine, EXAMPLES)

@@ -459,8 +459,8 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
         Answer,
         Probe,
         Tally,
-        check_run,
         examples,
+        run_property,
         text_body_valid,
         together,
         until_shared,
@@ -527,10 +527,4 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
             assert answer.status == 200, (body[:200], answer.status, answer.body[:300])
             assert same_embeddings(answer.body, expected), body[:200]
 
-    try:
-        with plain:
-            check()
-    finally:
-        print(tally.line("embedding", engine, plain))
-    check_run(tally, plain, wanted)
-    assert tally.kinds["odd"] and tally.compared
+    run_property(check, tally, plain, "embedding", engine, wanted)

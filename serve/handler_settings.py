@@ -39,6 +39,9 @@ class HandlerSettings:
     # a request's JSON schema (response_format, tools), in characters of its JSON text: its
     # grammar compiles at about 3 us a character (longer: a 400; 0: no bound)
     max_schema_chars: int = 32_000
+    # schemas waiting for (or in) compilation, on a thread at the lowest CPU priority: past
+    # it, a request with a schema not yet compiled gets a 503 with Retry-After (0: no bound)
+    max_schema_waiting: int = 2
     prefill_chunk: int = 32  # prompt tokens prefilled per step
     prefill_compile: bool = False  # the prefill through torch.compile too
     prefix_cache: bool | int = True  # reuse prompt prefixes (a number: positions kept)

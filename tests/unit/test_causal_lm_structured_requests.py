@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 import time
 from typing import Any
 
@@ -208,3 +210,35 @@ def test_a_malformed_tool_request_is_an_openai_400(handler, case) -> None:
     assert set(answers[0]) == {"error"} and isinstance(error, dict), answers
     assert error["type"] == "invalid_request_error" and error["message"], error
     assert "\n" not in error["message"] and {"param", "code"} <= set(error)
+
+
+def test_schemas_past_the_compile_bound_get_a_503_and_compile_at_the_lowest_priority(
+        handler, monkeypatch) -> None:
+    """Four new schemas sent at once, each taking 1.5 s to compile, beside a schema compiled
+    before and a plain request: two wait for the compiling thread (max_schema_waiting), the
+    other two get a 503 with Retry-After at once; the compiled schema and the plain prompt
+    pass the bound. The compiling thread runs at nice 19. (Before: all six waited, every
+    new schema held a row of the batcher's queue while it did, at the decode's priority.)"""
+    compile_grammar, niceness = grammar.json_grammar, []
+
+    def slow(schema: dict[str, Any]) -> str:
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        time.sleep(1.5)
+        return compile_grammar(schema)
+
+    compiled = {**SCHEMA, "title": "compiled before"}
+    assert run(handler, [chat(max_tokens=2, response_format=response_format(compiled))],
+               [CHAT])[1].get_response_status(0)[0] == 200
+    monkeypatch.setattr(grammar, "json_grammar", slow)
+    assert handler.compiling.bound == 2  # the default of HandlerSettings.max_schema_waiting
+    news = [chat(max_tokens=2, response_format=response_format({**SCHEMA, "title": f"new {k}"}))
+            for k in range(4)]
+    answers, context, _ = run(handler, [*news, chat(max_tokens=2, response_format=
+                                                    response_format(compiled)),
+                                        chat(max_tokens=2)], [CHAT] * 6)
+    statuses = [context.get_response_status(i)[0] for i in range(6)]
+    assert statuses == [200, 200, 503, 503, 200, 200], answers
+    for refused in answers[2:4]:
+        assert "2 JSON schemas are compiling: try again in" in refused["error"]["message"]
+    assert int(context.get_response_headers(2)["Retry-After"]) >= 1
+    assert niceness == [19, 19]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,14 +46,14 @@ def parse_choices(request: dict[str, Any], route: str | None, encode,
 
 
 async def constraints_of(parsed: requests.GenerationRequest, tokenizer: Any,
-                         compiling: Executor) -> list[Any]:
+                         compiling: grammars.CompileQueue) -> list[Any]:
     """A grammar constraint per choice, or Nones: the request's schema compiled once, on
-    `compiling` (a thread of its own, so that a long compilation holds no plain prompt's
-    parse). GrammarError: a 400."""
+    `compiling` (a thread of its own at the lowest priority, so that a long compilation
+    holds no plain prompt's parse, nor its decode). GrammarError: a 400; QueueFull (too
+    many schemas waiting to compile): a 503."""
     if parsed.json_schema is None:
         return [None] * parsed.n
-    return await asyncio.get_running_loop().run_in_executor(
-        compiling, grammars.constraints, tokenizer, parsed.json_schema, parsed.n)
+    return await compiling.constraints(tokenizer, parsed.json_schema, parsed.n)
 
 
 def row_run(k: int, parsed: requests.GenerationRequest, loop: asyncio.AbstractEventLoop,

@@ -16,17 +16,30 @@ Compiling a schema costs about as much as building a matcher for it (1.5 s and 1
 one: `constraints` compiles a schema once and gives each of a request's choices a
 `deep_copy()` of its matcher (milliseconds), and keeps the last COMPILED_KEPT schemas'
 matchers, or their refusals, for the requests that send the same text again.
+
+`CompileQueue` runs those compilations on one thread of the lowest CPU priority, so that
+under load the decode loop and the prompts' parse keep the cores and schemas compile in
+what is left; at most `bound` schemas wait for it (past that, a 503 with Retry-After), so
+structured-output requests never fill the batcher's queue while they wait.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
+import math
+import os
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from .rows import QueueFull
 
 # JSON's layout inside a grammar: compact, readable, and never an endless run of spaces
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -107,6 +120,51 @@ def constraints(tokenizer: Any, schema: dict[str, Any], n: int) -> list[Constrai
     if isinstance(held, str):
         raise GrammarError(held)
     return [held.copy() for _ in range(n)]
+
+
+def is_compiled(tokenizer: Any, schema: dict[str, Any]) -> bool:
+    """Whether `constraints` has this schema's matcher (or refusal) at hand: no compiling."""
+    key = (id(engine_tokenizer(tokenizer)), json.dumps(schema))
+    with _compiled_lock:
+        return key in _compiled
+
+
+def _lowest_priority() -> None:
+    """The calling thread at nice 19 (Linux takes a thread's id here; elsewhere, as it was)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+class CompileQueue:
+    """Schemas compiled on one thread at the lowest CPU priority, at most `bound` of them
+    waiting or compiling (0: no bound); a schema already compiled skips the bound."""
+
+    def __init__(self, bound: int):
+        self.bound, self.waiting = bound, 0
+        self.last_s = 0.1  # the last compilation's seconds (`Retry-After`)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar",
+                                           initializer=_lowest_priority)
+
+    async def constraints(self, tokenizer: Any, schema: dict[str, Any], n: int
+                          ) -> list[Constraint]:
+        """`constraints(tokenizer, schema, n)` off the event loop; QueueFull when `bound`
+        schemas wait already, GrammarError when the engine refuses it."""
+        if self.bound and self.waiting >= self.bound and not is_compiled(tokenizer, schema):
+            retry = max(1, min(60, math.ceil(self.waiting * self.last_s)))
+            raise QueueFull(self.waiting, retry, what="JSON schemas are compiling")
+        self.waiting += 1  # on the event loop's thread only: no lock
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._timed, tokenizer, schema, n)
+        finally:
+            self.waiting -= 1
+
+    def _timed(self, tokenizer: Any, schema: dict[str, Any], n: int) -> list[Constraint]:
+        began = time.perf_counter()
+        try:
+            return constraints(tokenizer, schema, n)
+        finally:
+            self.last_s = time.perf_counter() - began
 
 
 def _first_line(message: object) -> str:

@@ -32,7 +32,7 @@ from serve.http_answers import request_content_type
 from serve.worker_threads import worker_threads
 
 from ..runtime import expert_parallel, loading, pipeline, tensor_parallel
-from . import batcher, choices, compiled_graphs, prefill, replies, requests
+from . import batcher, choices, compiled_graphs, grammar, prefill, replies, requests
 from . import openai as openai_routes
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class CausalLMHandler(BaseHandler):
                 max_waiting=settings.max_waiting)
             prefiller.warm_up()
             self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
-            self.compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar")  # beside it
+            self.compiling = grammar.CompileQueue(settings.max_schema_waiting)  # beside it
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",
                     self.causal_lm.facts.get("scheme") or self.causal_lm.facts.get("dtype"),
                     torch.get_num_threads(), list(self.decoders), mode, self.ranks)
@@ -200,6 +200,9 @@ class CausalLMHandler(BaseHandler):
                                                        self.compiling)
         except ValueError as exc:
             return replies.error(context, i, str(exc), 400, openai=route is not None)
+        except QUEUE_FULL as exc:  # schemas waiting to compile, past the bound
+            return replies.queue_full(context, i, str(exc), exc.retry_after_s,
+                                      openai=route is not None)
         except Exception as exc:  # noqa: BLE001 (a bug: this request's 500, in its route's shape)
             return replies.failed(context, i, exc, openai=route is not None)
         finally:

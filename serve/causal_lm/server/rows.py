@@ -23,8 +23,8 @@ CANCELLED = "cancelled"
 class QueueFull(RuntimeError):
     """`submit` past `max_waiting` waiting rows; `retry_after_s`: when to try again."""
 
-    def __init__(self, waiting: int, retry_after_s: int):
-        super().__init__(f"{waiting} requests are waiting: try again in {retry_after_s} s")
+    def __init__(self, waiting: int, retry_after_s: int, what: str = "requests are waiting"):
+        super().__init__(f"{waiting} {what}: try again in {retry_after_s} s")
         self.retry_after_s = retry_after_s
 
 

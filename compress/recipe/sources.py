@@ -66,7 +66,9 @@ def resolve_model(source: str, checkpoint: str | None = None) -> ModelSource:
         return ModelSource("factory", source)
     path = Path(source).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        # a sentence-transformers folder of versions before 6 keeps its transformer in a
+        # subfolder (modules.json names it): no config.json of its own
+        if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
             raise UserError(
                 f"model.source: folder '{source}' has no config.json (not a Hugging Face model)"
             )

@@ -8,6 +8,7 @@ with the best value of each column marked.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
         _derive(row, ref, batches)
         if task == "causal-lm":
             derive_causal_lm(row, ref, decode_batches)
+        if task == "embedding":
+            derive_embedding(row)
         figures = ((fresh or {}).get("artifacts") or {}).get(row["name"]) or {}
         for b in batches:
             if figures.get(f"latency_ms_b{b}"):
@@ -135,6 +138,18 @@ def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list
             row[f"decode_tok_s_b{b}"] = m[f"decode_tok_s_b{b}"]
     if m.get("decode_tok_s_b1") and r.get("decode_tok_s_b1"):
         row["decode_speedup_b1"] = round(m["decode_tok_s_b1"] / r["decode_tok_s_b1"], 2)
+
+
+EMBEDDING_QUALITY = re.compile(r"(fidelity|fidelity_p1|recall_at_\d+|knn_accuracy)(_\w+)?")
+
+
+def derive_embedding(row: dict[str, Any]) -> None:
+    """An embedding model's quality columns as measured: fidelity (mean cosine with the
+    reference, and its 1st percentile), recall@k, k-NN accuracy, and the same at each
+    Matryoshka width (`_d<N>`) and with each other prompt (`_<name>`)."""
+    for key, value in row["metrics"].items():
+        if value is not None and EMBEDDING_QUALITY.fullmatch(key):
+            row[key] = value
 
 
 def _header(manifest: Manifest) -> dict[str, Any]:

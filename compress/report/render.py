@@ -3,6 +3,7 @@ Markdown, and the load test's served figures."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # (row key, header, digits, which way is better)
@@ -40,12 +41,36 @@ def causal_lm_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str |
     return cols + [c for c in SIZE_COLUMNS if c[0] != "sparsity"]
 
 
+EMBEDDING_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
+    ("fidelity", "cosine", 4, "high"),
+    ("fidelity_p1", "cosine p1", 4, "high"),
+    ("recall_at_10", "recall@10", 3, "high"),
+    ("knn_accuracy", "k-NN acc", 4, "high"),
+)
+
+
+def embedding_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
+    """An embedding model's quality columns: cosine with the reference, recall@10, k-NN
+    accuracy; then recall@10 (and cosine) at each Matryoshka width, widest first, and with
+    each other prompt, where a row has them."""
+    keys = {k for row in report["rows"] for k in row}
+    found = [re.fullmatch(r"recall_at_10_(?:d(\d+)|(\w+))", k) for k in keys]
+    widths = sorted({int(m[1]) for m in found if m and m[1]}, reverse=True)
+    prompted = sorted(m[2] for m in found if m and m[2])
+    cols = list(EMBEDDING_COLUMNS)
+    for width in widths:
+        cols += [(f"fidelity_d{width}", f"cosine d{width}", 4, "high"),
+                 (f"recall_at_10_d{width}", f"recall@10 d{width}", 3, "high")]
+    cols += [(f"recall_at_10_{name}", f"recall@10 {name}", 3, "high") for name in prompted]
+    return cols
+
+
 def columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
     """The table's columns for this report's batch sizes: (row key, header, digits, which
     way is better). Latency cells show p50 / p90; the best mark goes by p50."""
     if report.get("task") == "causal-lm":
         return causal_lm_columns(report)
-    cols = list(COLUMNS)
+    cols = embedding_columns(report) if report.get("task") == "embedding" else list(COLUMNS)
     for b in report["batch_sizes"]:
         cols.append((f"p50_ms_b{b}", f"b{b} ms p50/p90", 2, "low"))
     for b in report["batch_sizes"]:  # the eval split's own sentences, padded per batch

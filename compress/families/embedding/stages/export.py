@@ -2,7 +2,8 @@
 TorchScript), with `export.json` saying what a server of the file must know (pooling,
 normalization, width, longest input, and prompts and truncate_dim where the model has
 them), held to fidelity: the mean cosine between the file's
-embeddings and its source model's on the eval texts (`min_fidelity`), and for a lossless
+embeddings and its source model's on the eval texts, with the model's default prompt as
+encode and the server put it (`min_fidelity`), and for a lossless
 export the largest absolute difference too (`tolerance`)."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 
 import torch
 
+from compress.data.datasets import Examples
 from compress.errors import ParityError
-from compress.families.embedding.family import RECALL_K, embed, quality
+from compress.families.embedding.family import RECALL_K, embed, model_facts, quality
 from compress.models.folders import load_export
 from compress.recipe.kinds.export import ExportConfig
 from compress.runfolder.records import artifact_record
@@ -38,7 +40,7 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     ctx.metrics.update(made)
     threads = cfg.threads or ctx.recipe.evaluation.latency.threads or os.cpu_count() or 1
     exported = load_export(final, threads)
-    examples = ctx.data.splits["eval"]
+    examples = prompted(ctx.data.splits["eval"], bundle.model)
     if cfg.parity_samples:
         examples = examples.head(cfg.parity_samples)
     batch, length = ctx.recipe.evaluation.batch_size, ctx.data.max_length
@@ -66,6 +68,16 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     ctx.add_output(artifact_record(path, ctx.run_dir, cfg.format,
                                    export_dir=str(final.relative_to(ctx.run_dir))))
     return State(exported)
+
+
+def prompted(examples: Examples, model: torch.nn.Module) -> Examples:
+    """The texts as the model embeds them by default: with its default prompt (e5's
+    `query: `), as sentence-transformers' encode and the served archive put it."""
+    facts = model_facts(model)
+    prompt = (facts["prompts"] or {}).get(facts["default_prompt_name"] or "", "")
+    if not prompt or examples.texts is None:
+        return examples
+    return Examples(labels=examples.labels, texts=[prompt + t for t in examples.texts])
 
 
 def parity(want: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:

@@ -1,15 +1,14 @@
 """A worker's own temporary folder (serve/worker_temp.py, issue 70, item 10): what a worker
 unpacks (AOTInductor's extraction of a `.pt2`, the copy of a shipped Inductor cache) lies in
 a folder named for its pid and start time, removed at its exit, and, where it was killed,
-by the next worker; a live worker's folder is never touched."""
+by the next worker; a live worker's folder is never touched. The restart itself (two real
+workers, one killed) is tests/integration/test_worker_temp_restart.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +18,6 @@ import torch
 
 from serve import runtimes, worker_temp
 from serve.causal_lm.server import aot_steps, compiled_graphs
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -110,38 +107,6 @@ def test_the_shipped_inductor_cache_is_copied_into_the_workers_folder(temp: Path
     assert compiled_graphs.use_shipped(shipped, None)[1] == "shipped compiled graphs used"
     cache = Path(os.environ.pop("TORCHINDUCTOR_CACHE_DIR"))
     assert cache.parent == worker_temp.folder() and (cache / "fxgraph" / "entry").is_file()
-
-
-WORKER = """
-import os, signal, sys
-from pathlib import Path
-from serve.causal_lm.server import compiled_graphs
-said = compiled_graphs.use_shipped(Path(sys.argv[1]), None)[1]
-print(said, os.environ["TORCHINDUCTOR_CACHE_DIR"], flush=True)
-if sys.argv[2] == "killed":
-    os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
-def test_a_killed_workers_copy_goes_at_the_next_start_and_each_at_its_exit(tmp_path) -> None:
-    """As TorchServe restarts a worker: the first is SIGKILLed after it copied the shipped
-    cache, the next one starts in the same server folder and then exits normally; nothing
-    of either is left."""
-    shipped, temp = _shipped_graphs(tmp_path), tmp_path / "server-temp"
-    temp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env |= {"TMPDIR": str(temp), "PYTHONPATH": str(REPO)}
-    copies = []
-    for end in ("killed", "exits"):
-        done = subprocess.run([sys.executable, "-c", WORKER, str(shipped), end], env=env,
-                              capture_output=True, text=True, timeout=300, cwd=REPO)
-        assert done.returncode == (-signal.SIGKILL if end == "killed" else 0), done.stderr
-        said, _, copy = done.stdout.strip().rpartition(" ")
-        assert said == "shipped compiled graphs used", done.stdout
-        copies.append(Path(copy))
-    assert all(copy.is_relative_to(temp) for copy in copies), copies  # in the server's folder
-    left = sorted(str(p.relative_to(temp)) for p in temp.rglob("*"))
-    assert left == [], left
 
 
 def _shipped_graphs(tmp_path: Path) -> Path:

@@ -1,6 +1,10 @@
 """Datasets: text tables (TSV/CSV/JSONL, the hub) and scikit-learn digits, split and batched.
 
 Text batches are tokenized per batch and padded to their longest item, not to a fixed length.
+Text pairs (a reranker's query and document) are tokenized as one input each,
+`tokenizer(texts, pairs)`: the first text's tokens, then the second's (token types 0 and 1
+where the model has them), cut longest-first at the split's max length, as
+sentence-transformers' CrossEncoder tokenizes them.
 """
 
 from __future__ import annotations
@@ -23,20 +27,31 @@ from compress.recipe.datasets import DataSource, split_file
 
 @dataclass
 class Examples:
-    """One split: texts (text tasks) or a tensor of inputs (image tasks), and label ids."""
+    """One split: texts (text tasks) or a tensor of inputs (image tasks), and label ids.
+    `pairs`, where given, is the second text of each example (a reranker's document to the
+    query in `texts`): every batch then holds both texts of each pair."""
 
     labels: list[int]
     texts: list[str] | None = None
     inputs: torch.Tensor | None = None
+    pairs: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.texts) if self.texts is not None else len(self.labels)
 
     def head(self, n: int) -> Examples:
         """The first `n` examples."""
-        return Examples(labels=self.labels[:n],
-                        texts=None if self.texts is None else self.texts[:n],
-                        inputs=None if self.inputs is None else self.inputs[:n])
+        return self.subset(list(range(min(n, len(self)))))
+
+    def subset(self, idx: list[int]) -> Examples:
+        """The examples at `idx`, in that order."""
+        def pick(values):
+            return None if values is None else [values[i] for i in idx]
+
+        return Examples(labels=[self.labels[i] for i in idx] if self.labels else [],
+                        texts=pick(self.texts),
+                        inputs=None if self.inputs is None else self.inputs[idx],
+                        pairs=pick(self.pairs))
 
 
 @dataclass
@@ -199,14 +214,15 @@ def _load_digits(recipe, names: list[str]) -> DataBundle:
 
 
 def collate(examples: Examples, idx: list[int], tokenizer, max_length: int) -> tuple[Any, Any]:
-    """Inputs and label tensor for the examples at `idx` (text padded to the batch's longest;
-    an empty tensor for unlabelled text)."""
+    """Inputs and label tensor for the examples at `idx` (text padded to the batch's longest,
+    each pair as one input; an empty tensor for unlabelled text)."""
     labels = torch.tensor([examples.labels[i] for i in idx] if examples.labels else [],
                           dtype=torch.long)
     if examples.texts is None:
         return examples.inputs[idx], labels
+    second = None if examples.pairs is None else [examples.pairs[i] for i in idx]
     encoded = tokenizer(
-        [examples.texts[i] for i in idx], padding=True, truncation=True,
+        [examples.texts[i] for i in idx], second, padding=True, truncation=True,
         max_length=max_length, return_tensors="pt",
     )
     return dict(encoded), labels

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchao.quantization.pt2e import move_exported_model_to_eval, move_exported_model_to_train
 
 from compress.models.attention_dropout import switch_attention_dropout
 from compress.models.bundle import ModelBundle
+from compress.models.exported_mode import move_to_eval, move_to_train
 from export.graphs import dynamic_shapes, export_inputs, inductor_freezing, positional_inputs
 from export.random_ops import fx_random_nodes, refuse_random_ops
 
@@ -26,10 +26,11 @@ class GraphModel(nn.Module):
     """An exported graph called like the original model (`logits_of` works on it).
 
     Text graphs take (input_ids, attention_mask, token_type_ids); missing masks and token
-    types are filled in. `train()`/`eval()` switch a prepared (QAT) graph with torchao's
-    helpers and `switch_attention_dropout`; a converted graph has no train mode and only
-    records the flag. `compiled` (when set) runs the forward; `graph` stays the plain module
-    that can be re-exported.
+    types are filled in. `train()`/`eval()` switch a prepared (QAT) graph with
+    `exported_mode` (torchao's helpers, their patterns exported once) and
+    `switch_attention_dropout`; a converted graph has no train mode and only records the flag.
+    `compiled` (when set) runs the forward; `graph` stays the plain module that can be
+    re-exported.
     """
 
     def __init__(self, graph: nn.Module, text: bool, max_seq: int = 512,
@@ -51,7 +52,7 @@ class GraphModel(nn.Module):
 
     def train(self, mode: bool = True) -> GraphModel:
         if self.trainable and mode != self.training:
-            (move_exported_model_to_train if mode else move_exported_model_to_eval)(self.graph)
+            (move_to_train if mode else move_to_eval)(self.graph)
             switch_attention_dropout(self.graph, mode)
         self.training = mode
         return self

@@ -71,7 +71,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
 def measure(run_dir: Path, items: list[dict[str, Any]], latency: dict[str, Any],
             args: argparse.Namespace) -> list[dict[str, Any]]:
     """GEMM, the rounds (alternating order, a fresh process per artifact), GEMM again."""
-    runs = [gemm.run()]
+    runs = [gemm.run(args.gemm_shape)]
     echo(f"peers: GEMM peaks (before): {gemm.brief(runs[0])}")
     for r, item in alternating(items, args.rounds):
         if item.get("error"):
@@ -90,9 +90,20 @@ def measure(run_dir: Path, items: list[dict[str, Any]], latency: dict[str, Any],
             f"failed: {item['error']}" if "error" in figures else
             ", ".join(f"{k} {figures[k]}" for k in ("latency_ms_b1", "latency_ms_b8",
                                                     "latency_ms_b8_real") if k in figures)))
-    runs.append(gemm.run())
+    runs.append(gemm.run(args.gemm_shape))
     echo(f"peers: GEMM peaks (after): {gemm.brief(runs[1])}")
     return runs
+
+
+def gemm_shape(text: str) -> tuple[int, int, int]:
+    """`MxKxN` as (m, k, n), each at least 1."""
+    try:
+        m, k, n = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not MxKxN (such as 256x384x384)") from None
+    if min(m, k, n) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': every size must be at least 1")
+    return m, k, n
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -113,6 +124,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed iterations (default: the recipe's)")
     parser.add_argument("--real-limit", type=int, metavar="N",
                         help="time real lengths on the first N eval sentences (default all)")
+    parser.add_argument("--gemm-shape", type=gemm_shape, action="append", metavar="MxKxN",
+                        help="a GEMM microbenchmark shape (repeatable; default "
+                        "1024x1024x1024 and MiniLM's 1024x384x1536, where an emulated bf16 "
+                        "or int8 product can take seconds a call)")
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH",
                         help="the table as Markdown (default benchmarks/results/peers.md)")
     parser.add_argument("--json", type=Path, metavar="PATH",

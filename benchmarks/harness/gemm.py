@@ -25,12 +25,15 @@ GEMM_SHAPES = ((1024, 1024, 1024), (1024, 384, 1536))
 KEYS = ("fp32_gflops", "bf16_gflops", "int8_torch_gops", "int8_ort_gops", "int8_gops")
 
 
-def run() -> dict[str, Any]:
-    """One GEMM run in a fresh process of compress's environment: its figures, or
-    {"error": one line}."""
+def run(shapes: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+    """One GEMM run in a fresh process of compress's environment (on `shapes`, default
+    GEMM_SHAPES): its figures, or {"error": one line}."""
     from benchmarks.harness.rounds import run_module
 
-    return run_module(sys.executable, "benchmarks.harness.gemm", {"mode": "gemm"})
+    spec: dict[str, Any] = {"mode": "gemm"}
+    if shapes:
+        spec["shapes"] = [list(shape) for shape in shapes]
+    return run_module(sys.executable, "benchmarks.harness.gemm", spec)
 
 
 def peaks(runs: list[dict[str, Any]]) -> dict[str, Any]:

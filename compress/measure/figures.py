@@ -30,6 +30,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe,
         if bundle.is_text and cfg.latency.real_lengths:
             metrics.update(real_latency(bundle, data.splits["eval"], cfg.latency.batch_sizes,
                                         data.max_length, cfg.latency.threads,
+                                        limit=cfg.latency.real_limit,
                                         warmup=cfg.latency.warmup))
     metrics["params"] = count_params(bundle.model)
     metrics["sparsity"] = round(sparsity(bundle.model), 6)

@@ -107,6 +107,9 @@ class LatencyConfig(StrictModel):
     real_lengths: bool = Field(
         True, description="Also time text models on the eval split's own sentences, in "
         "batches of each batch size padded per batch (latency_ms_bN_real).")
+    real_limit: int | None = Field(
+        None, ge=1, le=10_000_000, description="Time real lengths on the eval split's first "
+        "N sentences only (default: all of them).")
 
     @model_serializer(mode="wrap")
     def _drop_unset_seq_lens(self, handler) -> dict[str, Any]:
@@ -116,6 +119,8 @@ class LatencyConfig(StrictModel):
             data.pop("seq_lens", None)
         if isinstance(data, dict) and data.get("real_lengths") is True:
             data.pop("real_lengths", None)  # the default: earlier cache keys stay valid
+        if isinstance(data, dict) and data.get("real_limit") is None:
+            data.pop("real_limit", None)
         return data
 
 

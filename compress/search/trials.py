@@ -57,7 +57,8 @@ class Measurer:
         `latency_ms_bN_real`) of `bundle`, in ms."""
         if (batch := real_batch(metric)) is not None:
             real = real_latency(bundle, self.data.splits["eval"], [batch],
-                                self.data.max_length, self.threads, warmup=self.latency.warmup)
+                                self.data.max_length, self.threads,
+                                limit=self.latency.real_limit, warmup=self.latency.warmup)
             return real[metric]
         batch = int(metric.removeprefix("latency_ms_b"))
         single = self.latency.model_copy(update={"batch_sizes": [batch]})
@@ -73,7 +74,8 @@ class Measurer:
                                                 "latency_ms_b1_p90", "latency_ms_b8_p90")})
         if bundle.is_text:
             real = real_latency(bundle, self.data.splits["eval"], self.real_batches,
-                                self.data.max_length, self.threads, warmup=self.latency.warmup)
+                                self.data.max_length, self.threads,
+                                limit=self.latency.real_limit, warmup=self.latency.warmup)
             figures.update({k: v for k, v in real.items() if not k.endswith("_p90")})
         return figures
 

@@ -77,7 +77,8 @@ def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
     args = ["run", str(recipe), f"output_dir={tmp_path}", *SHRUNK_SST2,
             f"stages.0.candidates={candidates}", "stages.0.calibration.samples=64",
             "stages.0.sensitivity_samples=32", "stages.0.max_fallback_layers=2",
-            "stages.0.max_trials=5", "stages.0.final_rounds=2"]
+            "stages.0.max_trials=5", "stages.0.final_rounds=2",
+            "evaluation.latency.real_limit=64"]  # each trial's real lengths: 64 sentences
     result = run_cli(*args, env={"COMPRESS_DATA_DIR": str(data_dir)})
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "bert_search"

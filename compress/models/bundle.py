@@ -15,7 +15,7 @@ class ModelBundle:
     """The current model with what it needs to run: tokenizer, labels, input shape."""
 
     model: nn.Module
-    kind: str  # "hf", "factory", "pt2e", "runtime", "causal-lm" or "embedding"
+    kind: str  # "hf", "factory", "pt2e", "runtime", "causal-lm", "embedding" or "reranker"
     label_names: list[str]
     tokenizer: Any = None
     factory: str | None = None

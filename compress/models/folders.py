@@ -1,7 +1,7 @@
 """A stage's model folder: `save_model` writes every model form (a Hugging Face classifier,
 a `module:factory` model, a pruned one at its new shapes, a PT2E int8 program, a causal
-LM, a sentence encoder) and `load_saved` reads any of them back; `load_export` reads an
-export folder."""
+LM, a sentence encoder, a cross-encoder) and `load_saved` reads any of them back;
+`load_export` reads an export folder."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def save_model(bundle: ModelBundle, folder: Path) -> Path:
         from compress.recipe.family_specs import part
 
         return part("embedding", "folder").save_encoder(bundle, folder)
+    if bundle.kind == "reranker":  # a sentence-transformers CrossEncoder folder
+        from compress.recipe.family_specs import part
+
+        return part("reranking", "folder").save_cross_encoder(bundle, folder)
     if bundle.structure is not None:
         (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
     if bundle.kind == "hf":
@@ -56,6 +60,10 @@ def load_saved(folder: Path) -> ModelBundle:
         from compress.recipe.family_specs import part
 
         return part("causal-lm", "folder").load_causal_lm_folder(folder)
+    if _is_cross_encoder(folder):  # before modules.json: v6 writes one for it too
+        from compress.recipe.family_specs import part
+
+        return part("reranking", "folder").load_reranker_folder(folder)
     if (folder / "modules.json").is_file():  # a sentence-transformers folder
         from compress.recipe.family_specs import part
 
@@ -83,6 +91,15 @@ def load_saved(folder: Path) -> ModelBundle:
     elif bundle.kind == "factory":
         load_weights(bundle.model, str(folder / "model.safetensors"))
     return bundle
+
+
+def _is_cross_encoder(folder: Path) -> bool:
+    """Whether `folder` holds a CrossEncoder as sentence-transformers 6 writes it."""
+    try:
+        marker = json.loads((folder / "config_sentence_transformers.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(marker, dict) and marker.get("model_type") == "CrossEncoder"
 
 
 def load_export(folder: str | Path, threads: int | None = None) -> ModelBundle:

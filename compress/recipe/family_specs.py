@@ -48,6 +48,7 @@ class Family:
 
 CAUSAL_LM = "compress.families.causal_lm"
 EMBEDDING = "compress.families.embedding"
+RERANKER = "compress.families.reranker"
 
 FAMILIES = {
     "classification": Family(
@@ -75,6 +76,16 @@ FAMILIES = {
         # save_encoder(bundle, folder), load_encoder_folder(folder)
         parts={"folder": f"{EMBEDDING}.folder"},
         shares=("data.label_column", "data.label_names"),  # labels give k-NN accuracy
+    ),
+    "reranking": Family(
+        "reranking", "a reranker", f"{RERANKER}.family",
+        ("ndcg_at_10", "mrr_at_10", "kendall_tau", "score_max_abs_diff", "latency_ms_b1",
+         "real_items_per_s_b32", "latency_ratio_b32", "size_mb"),
+        ("data.pair_column",),
+        stages=f"{RERANKER}.stages",
+        # save_cross_encoder(bundle, folder), load_reranker_folder(folder)
+        parts={"folder": f"{RERANKER}.folder"},
+        shares=("data.label_column",),  # a pair table's relevance
     ),
 }
 

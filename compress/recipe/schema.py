@@ -42,10 +42,13 @@ class ModelConfig(StrictModel):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of a `module:factory` source."
     )
-    task: Literal["classification", "causal-lm", "embedding"] | None = Field(
+    task: Literal["classification", "causal-lm", "embedding", "reranking"] | None = Field(
         None, description="Model family (default: `causal-lm` for a GGUF file or a "
-        "`*ForCausalLM` config, else `classification`; `embedding`: a sentence-transformers "
-        "model, scored by how close its embeddings stay to the float model's)."
+        "`*ForCausalLM` config, `reranking` for a sentence-transformers CrossEncoder folder, "
+        "else `classification`; `embedding`: a sentence-transformers model, scored by how "
+        "close its embeddings stay to the float model's; `reranking`: a cross-encoder, "
+        "scored by nDCG@10 and MRR@10 on query-document pairs and by Kendall's tau against "
+        "the float model's scores)."
     )
 
 
@@ -68,6 +71,12 @@ class DataConfig(StrictModel):
     )
     text_column: str = Field("text", description="Column holding the text (text datasets).")
     label_column: str = Field("label", description="Column holding the label.")
+    pair_column: str | None = Field(
+        None, description="Rerankers: the column holding each pair's document (the query "
+        "in text_column, its relevance in label_column; rows with the same query are its "
+        "documents). Unset: known-item pairs built from text_column's sentences (a few "
+        "words of a sentence as the query; the sentence and those sharing the most words "
+        "with it as documents).")
     label_names: list[str] | None = Field(
         None, description="Names of the label ids 0..N-1 (default: from the data)."
     )

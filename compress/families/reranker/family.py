@@ -84,6 +84,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
         if cfg.latency.real_lengths:
             metrics.update(real_latency(bundle, examples, cfg.latency.batch_sizes,
                                         data.max_length, cfg.latency.threads,
+                                        limit=cfg.latency.real_limit,
                                         warmup=cfg.latency.warmup))
     metrics["params"] = count_params(bundle.model)
     metrics["sparsity"] = round(sparsity(bundle.model), 6)

@@ -50,6 +50,9 @@ def build_report(run_dir: str | Path, reference: str | None = None) -> dict[str,
             derive_causal_lm(row, ref, decode_batches)
         if task == "embedding":
             derive_embedding(row)
+        if task == "reranking":  # its ranking figures, as measured
+            row.update({key: row["metrics"][key] for key in RERANKER_QUALITY
+                        if row["metrics"].get(key) is not None})
         figures = ((fresh or {}).get("artifacts") or {}).get(row["name"]) or {}
         for b in batches:
             if figures.get(f"latency_ms_b{b}"):
@@ -140,6 +143,7 @@ def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list
         row["decode_speedup_b1"] = round(m["decode_tok_s_b1"] / r["decode_tok_s_b1"], 2)
 
 
+RERANKER_QUALITY = ("ndcg_at_10", "mrr_at_10", "kendall_tau", "score_max_abs_diff")
 EMBEDDING_QUALITY = re.compile(r"(fidelity|fidelity_p1|recall_at_\d+|knn_accuracy)(_\w+)?")
 
 

@@ -65,12 +65,21 @@ def embedding_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str |
     return cols
 
 
+RERANKER_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
+    ("ndcg_at_10", "nDCG@10", 4, "high"),
+    ("mrr_at_10", "MRR@10", 4, "high"),
+    ("kendall_tau", "Kendall τ", 4, "high"),
+    ("score_max_abs_diff", "max Δ score", 4, "low"),
+)
+
+
 def columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
     """The table's columns for this report's batch sizes: (row key, header, digits, which
     way is better). Latency cells show p50 / p90; the best mark goes by p50."""
     if report.get("task") == "causal-lm":
         return causal_lm_columns(report)
-    cols = embedding_columns(report) if report.get("task") == "embedding" else list(COLUMNS)
+    cols = (embedding_columns(report) if report.get("task") == "embedding"
+            else list(RERANKER_COLUMNS) if report.get("task") == "reranking" else list(COLUMNS))
     for b in report["batch_sizes"]:
         cols.append((f"p50_ms_b{b}", f"b{b} ms p50/p90", 2, "low"))
     for b in report["batch_sizes"]:  # the eval split's own sentences, padded per batch

@@ -115,6 +115,8 @@ def curl_example(info: dict[str, Any], text: str = "a gripping, beautiful film")
         return (f"curl -sN {auth}-H 'Content-Type: application/json' -d '{body}' "
                 f"{info['url']}")
     body = json.dumps({"text": text})
+    if (info.get("settings") or {}).get("task") == "reranking":
+        body = json.dumps({"query": "a gripping film", "documents": [text, "a dull movie"]})
     return (f"curl -s {auth}-H 'Content-Type: application/json' -d '{body}' "
             f"{info['url']}")
 

@@ -159,3 +159,11 @@ def test_int8_keeps_kendall_tau_against_fp32(run, state_dir) -> None:
     for name in ("fp32_onnx", "int8_onnx"):
         assert 0 < stages[name]["ndcg_at_10"] <= 1 and 0 < stages[name]["mrr_at_10"] <= 1
     assert stages["fp32_onnx"]["kendall_tau"] == 1.0
+    from compress.report.build import build_report, render_markdown
+
+    report = build_report(run["run_dir"])
+    rows = {row["name"]: row for row in report["rows"]}
+    assert rows["int8_onnx"]["kendall_tau"] == stages["int8_onnx"]["kendall_tau"]
+    markdown = render_markdown(report)
+    for header in ("nDCG@10", "MRR@10", "Kendall τ", "max Δ score"):
+        assert header in markdown

@@ -16,12 +16,13 @@ pytestmark = pytest.mark.integration
 SHAPES = [{"layers": 1}, {"layers": 1, "teacher": False}, {"ffn": 0.5}]
 
 
-def _recipe(tmp_path: Path, model: Path, steps: int = 6, **search) -> Path:
+def _recipe(tmp_path: Path, model: Path, steps: int = 6, checkpoint_every: int = 2,
+            **search) -> Path:
     data = write_sentiment_tables(tmp_path / "data")
     stage = {"kind": "search", "max_accuracy_drop": 50.0, "final_rounds": 0,
              "candidates": ["onnx_fp32", "ort_dynamic_int8"], "shapes": SHAPES,
              "shape_training": {"max_steps": steps, "batch_size": 8, "learning_rate": 1e-3,
-                                "checkpoint_every": 2,
+                                "checkpoint_every": checkpoint_every,
                                 "recovery": {"max_steps": 4, "batch_size": 8}},
              **search}
     return write_recipe(tmp_path / "r.yaml", {
@@ -84,7 +85,9 @@ def test_every_candidate_is_tried_on_every_shape_and_all_is_cached_after(
 
 def test_a_shape_killed_while_it_trains_resumes_from_its_checkpoint(
         tiny_bert: Path, tmp_path: Path) -> None:
-    path = _recipe(tmp_path, tiny_bert, steps=400, shapes=[{"layers": 1}])
+    # a checkpoint every 25 steps, not 2: 200 saved (and synced) checkpoints were most of
+    # the 400 steps' time; the run is killed at its first
+    path = _recipe(tmp_path, tiny_bert, steps=400, checkpoint_every=25, shapes=[{"layers": 1}])
     shapes = tmp_path / "runs/shapes/00-search/shapes"
     start_and_kill(path, lambda: bool(list(shapes.glob("*/checkpoints/distill/*.pt"))),
                    timeout=300)

@@ -7,6 +7,7 @@ alone, the limits)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -270,3 +271,76 @@ def test_a_bad_request_fails_alone_naming_its_field(folders, handler) -> None:
         assert field in answer["error"]["message"], answer
     [(status, _)] = post(handler, [good], path="v1/other")
     assert status == 404
+
+
+def test_static_int8_calibrates_on_pairs(folders) -> None:
+    """PT2E static int8 (uncompiled) of the v6 folder through the shared runner: every
+    calibration batch is tokenized as pairs (query, document), and the int8 scores stay
+    near fp32's. (A 32-wide random model keeps tau 0.85 here; the >= 0.9 bound is held by
+    the serving tier, ONNX Runtime int8 of a 64-wide model, and by rerank_int8.yaml's run on
+    MiniLM: 0.978 for this static int8.)"""
+    from compress.algorithms.quantization import quantize
+    from compress.families.reranker.family import score
+    from compress.recipe.kinds.quantize import QuantizeConfig
+
+    bundle = load_cross_encoder(folders["v6"])
+    sentences = [f"so the {a} {b} {c} was" for a in ("film", "cast", "plot")
+                 for b in ("score", "script") for c in ("gripping", "dull", "sharp", "flat")]
+    pairs = known_item_pairs(sentences)  # 24 queries ("the film score gripping") x 5
+    assert len(pairs) == 120
+    calls: list[bool] = []
+    tokenizer = bundle.tokenizer
+
+    class Recording:  # the tokenizer, noting whether each batch came as pairs
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+        def __call__(self, texts, second=None, **options):
+            calls.append(second is not None and len(second) == len(texts))
+            return tokenizer(texts, second, **options)
+
+    recording = dataclasses.replace(bundle, tokenizer=Recording())
+    cfg = QuantizeConfig(mode="static", compile=False,
+                         calibration={"samples": 40, "batch_size": 20})
+    int8, figures = quantize(recording, cfg, pairs, max_length=64)
+    assert figures["calibration_samples"] == 40
+    assert calls and all(calls), calls  # every calibration batch: pairs
+    want = score(bundle.model, pairs, 16, tokenizer, 64)
+    got = score(int8.model, pairs, 16, tokenizer, 64)
+    assert got.shape == want.shape and not torch.equal(got, want)  # int8 indeed
+    figures = agreement(got, want, groups_of(pairs))
+    assert figures["score_max_abs_diff"] <= 0.05 and figures["kendall_tau"] >= 0.75, figures
+
+
+def test_a_reranking_recipe_is_checked_before_any_work(folders, tmp_path) -> None:
+    """The task is found from the folder; a pair table's columns, and options of other
+    families, are refused by validation, each in one line."""
+    from conftest import write_recipe
+
+    from compress.errors import UserError
+    from compress.recipe.schema import load_recipe
+    from compress.recipe.sources import check_recipe_sources
+
+    table = tmp_path / "pairs"
+    table.mkdir()
+    (table / "validation.jsonl").write_text(json.dumps(
+        {"query": "q", "document": "d", "relevance": 1}) + "\n")
+    recipe = {"name": "r", "model": {"source": str(folders["v6"])},
+              "data": {"source": str(table), "text_column": "query", "pair_column": "passage",
+                       "label_column": "relevance", "eval": {"split": "validation"}},
+              "stages": [{"kind": "export", "format": "onnx", "min_fidelity": 0.9},
+                         {"kind": "quantize", "mode": "qat"}],
+              "output_dir": str(tmp_path / "runs")}
+    with pytest.raises(UserError) as info:
+        check_recipe_sources(load_recipe(write_recipe(tmp_path / "r.yaml", recipe)))
+    problems = "\n".join(info.value.messages)
+    assert "data.pair_column: column 'passage' not in" in problems
+    assert "stages.0.min_fidelity: not a parity bound of this model (model.task: " \
+           "reranking)" in problems
+    assert "stages.1.mode: a reranker is quantized after training" in problems
+    recipe["data"]["pair_column"] = "document"
+    recipe["stages"] = [{"kind": "export", "format": "onnx", "min_kendall_tau": 0.95}]
+    model, _ = check_recipe_sources(load_recipe(write_recipe(tmp_path / "r.yaml", recipe)))
+    from compress.recipe.sources import model_task
+
+    assert model_task(None, model) == "reranking"

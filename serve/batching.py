@@ -18,10 +18,20 @@ import numpy
 import torch
 
 from serve.handler_metrics import record
-from serve.http_answers import check_unicode, json_answer, openai_error, reason_phrase
+from serve.http_answers import (
+    check_unicode,
+    json_answer,
+    openai_error,
+    openai_models,
+    read_body,
+    reason_phrase,
+    refusal,
+    request_content_type,
+)
 
 logger = logging.getLogger(__name__)
 BATCH_HEADER = "X-Batch-Size"  # every answer says how many requests shared its batch
+MODELS = "v1/models"  # OpenAI's model list, answered by every archive
 Refusal = tuple[int, str]  # (status, message): a request's error answer
 NO_TEXT = 'no text: send {"text": "..."}, {"texts": ["...", ...]} or a plain-text body'
 # one text's tokens: per input of the model (input_ids, attention_mask, token_type_ids), a list
@@ -191,3 +201,46 @@ def write_answer(context: Any, i: int, result: Any, openai: bool = False) -> str
     record(context, "CompressBadRequests" if status < 500 else "CompressFailedRequests", 1)
     return json_answer(openai_error(message, status) if openai
                        else {"error": message, "status": status})
+
+
+def answer_batch(data: list[dict[str, Any]], context: Any, model_name: str,
+                 route_of: Callable[[str | None], str | None],
+                 read: Callable[[Any, str | None], Any],
+                 run: Callable[[list[Row]], list[Any]],
+                 answer: Callable[[Any, list[Any] | Exception], Any]) -> list[str]:
+    """The answers of a batch of requests that each read into token rows (`read(body,
+    route)` gives an object with `.rows`, or raises: that request's 400), all requests'
+    rows run together (`answer_rows`), each request answered from its rows' results
+    (`answer`). `route_of(url_path)`: None for the native route, a route's name, or
+    LookupError (a 404); MODELS is answered here. Errors on an OpenAI-style route are in
+    OpenAI's shape."""
+    results: list[Any] = []
+    on_route = [False] * len(data)
+    parsed: dict[int, Any] = {}
+    for i, request in enumerate(data):
+        context.set_response_header(i, BATCH_HEADER, str(len(data)))
+        context.set_response_content_type(i, "application/json")
+        try:
+            route = route_of(context.get_request_header(i, "url_path"))
+        except LookupError as exc:
+            results.append((404, str(exc)))
+            on_route[i] = True
+            continue
+        on_route[i] = route is not None
+        if route == MODELS:
+            results.append(openai_models(model_name))
+            continue
+        try:
+            parsed[i] = read(read_body(request, request_content_type(context, i, request)),
+                             route)
+        except Exception as exc:  # noqa: BLE001 (whatever one request raises is its own)
+            results.append((400, refusal(exc)))
+            continue
+        results.append(None)
+    items = [row for i in parsed for row in parsed[i].rows]
+    owners = [i for i in parsed for _ in parsed[i].rows]
+    rows = answer_rows(items, owners, run)
+    for i, one in parsed.items():
+        results[i] = answer(one, rows.get(i, []))
+    record(context, "CompressBatchRows", len(data))
+    return [write_answer(context, i, result, on_route[i]) for i, result in enumerate(results)]

@@ -38,10 +38,8 @@ from typing import Any
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
-from serve.batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
-from serve.handler_metrics import record
+from serve.batching import MODELS, answer_batch, by_length, padded
 from serve.handler_settings import HandlerSettings
-from serve.http_answers import openai_models, read_body, refusal, request_content_type
 from serve.runtimes import load_runtime
 from serve.worker_threads import worker_threads
 
@@ -49,7 +47,7 @@ from . import requests as embedding_requests
 
 logger = logging.getLogger(__name__)
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
-EMBEDDINGS, MODELS = "v1/embeddings", "v1/models"
+EMBEDDINGS = "v1/embeddings"
 ROUTES = (EMBEDDINGS, MODELS)
 
 
@@ -89,42 +87,11 @@ class EmbeddingHandler(BaseHandler):
 
     def handle(self, data: list[dict[str, Any]], context) -> list[str]:
         """Answer every request of the batch: forward passes over all good inputs."""
-        results: list[Any] = []
-        openai = [False] * len(data)
-        parsed: dict[int, embedding_requests.EmbeddingRequest] = {}
-        for i, request in enumerate(data):
-            context.set_response_header(i, BATCH_HEADER, str(len(data)))
-            context.set_response_content_type(i, "application/json")
-            try:
-                route = route_of(context.get_request_header(i, "url_path"))
-            except LookupError as exc:
-                results.append((404, str(exc)))
-                openai[i] = True
-                continue
-            openai[i] = route is not None
-            if route == MODELS:
-                results.append(openai_models(self.model_name))
-                continue
-            try:
-                parsed[i] = self.read(request, route, request_content_type(context, i,
-                                                                           request))
-            except Exception as exc:  # noqa: BLE001 (whatever one request raises is its own)
-                results.append((400, refusal(exc)))
-                continue
-            results.append(None)
-        items = [row for i in parsed for row in parsed[i].rows]
-        owners = [i for i in parsed for _ in parsed[i].rows]
-        rows = answer_rows(items, owners, self.embed_rows)
-        for i, one in parsed.items():
-            results[i] = self.answer(one, rows.get(i, []))
-        record(context, "CompressBatchRows", len(data))
-        return [write_answer(context, i, result, openai[i])
-                for i, result in enumerate(results)]
+        return answer_batch(data, context, self.model_name, route_of, self.read,
+                            self.embed_rows, self.answer)
 
-    def read(self, request: dict[str, Any], route: str | None,
-             content_type: str) -> embedding_requests.EmbeddingRequest:
+    def read(self, body: Any, route: str | None) -> embedding_requests.EmbeddingRequest:
         """One request's body read into token rows (ValueError: a 400 that says why)."""
-        body = read_body(request, content_type)
         return self.reader.native(body) if route is None else self.reader.openai(body)
 
     def embed_rows(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:

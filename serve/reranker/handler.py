@@ -34,10 +34,8 @@ from typing import Any
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
-from serve.batching import BATCH_HEADER, answer_rows, by_length, padded, write_answer
-from serve.handler_metrics import record
+from serve.batching import MODELS, answer_batch, by_length, padded
 from serve.handler_settings import HandlerSettings
-from serve.http_answers import openai_models, read_body, refusal, request_content_type
 from serve.runtimes import load_runtime
 from serve.worker_threads import worker_threads
 
@@ -45,7 +43,7 @@ from . import requests as rerank_requests
 
 logger = logging.getLogger(__name__)
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
-RERANK, MODELS = "v1/rerank", "v1/models"
+RERANK = "v1/rerank"
 ROUTES = {RERANK: RERANK, "rerank": RERANK, MODELS: MODELS}
 
 
@@ -80,38 +78,12 @@ class RerankerHandler(BaseHandler):
 
     def handle(self, data: list[dict[str, Any]], context) -> list[str]:
         """Answer every request of the batch: forward passes over all good pairs."""
-        results: list[Any] = []
-        on_route = [False] * len(data)
-        parsed: dict[int, rerank_requests.RerankRequest] = {}
-        for i, request in enumerate(data):
-            context.set_response_header(i, BATCH_HEADER, str(len(data)))
-            context.set_response_content_type(i, "application/json")
-            try:
-                route = route_of(context.get_request_header(i, "url_path"))
-            except LookupError as exc:
-                results.append((404, str(exc)))
-                on_route[i] = True
-                continue
-            on_route[i] = route is not None
-            if route == MODELS:
-                results.append(openai_models(self.model_name))
-                continue
-            try:
-                body = read_body(request, request_content_type(context, i, request))
-                parsed[i] = (self.reader.native(body) if route is None
-                             else self.reader.rerank(body))
-            except Exception as exc:  # noqa: BLE001 (whatever one request raises is its own)
-                results.append((400, refusal(exc)))
-                continue
-            results.append(None)
-        items = [row for i in parsed for row in parsed[i].rows]
-        owners = [i for i in parsed for _ in parsed[i].rows]
-        rows = answer_rows(items, owners, self.score_rows)
-        for i, one in parsed.items():
-            results[i] = self.answer(one, rows.get(i, []))
-        record(context, "CompressBatchRows", len(data))
-        return [write_answer(context, i, result, on_route[i])
-                for i, result in enumerate(results)]
+        return answer_batch(data, context, self.model_name, route_of, self.read,
+                            self.score_rows, self.answer)
+
+    def read(self, body: Any, route: str | None) -> rerank_requests.RerankRequest:
+        """One request's body read into pair rows (ValueError: a 400 that says why)."""
+        return self.reader.native(body) if route is None else self.reader.rerank(body)
 
     def score_rows(self, rows: list[list[list[int]]]) -> list[float]:
         """The scores of these pair rows, in passes of similar length unless the archive's

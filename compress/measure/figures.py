@@ -25,16 +25,25 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe,
     else:
         metrics = evaluate(bundle.model, data.splits["eval"], cfg.batch_size, bundle.tokenizer,
                            data.max_length, data.num_labels)
-    if cfg.latency.enabled:
-        metrics.update(latency_of(bundle, recipe))
-        if bundle.is_text and cfg.latency.real_lengths:
-            metrics.update(real_latency(bundle, data.splits["eval"], cfg.latency.batch_sizes,
-                                        data.max_length, cfg.latency.threads,
-                                        limit=cfg.latency.real_limit,
-                                        warmup=cfg.latency.warmup))
-    metrics["params"] = count_params(bundle.model)
-    metrics["sparsity"] = round(sparsity(bundle.model), 6)
-    return metrics
+    return {**metrics, **speed_and_size(bundle, data.splits["eval"], recipe, data.max_length)}
+
+
+def speed_and_size(bundle: ModelBundle, examples: Examples, recipe,
+                   max_length: int) -> dict[str, Any]:
+    """What every family measures beside its quality: the recipe's latency sweep and, for
+    text, `examples` at their real lengths (where the recipe asks for them); params and
+    sparsity."""
+    latency = recipe.evaluation.latency
+    out: dict[str, Any] = {}
+    if latency.enabled:
+        out.update(latency_of(bundle, recipe))
+        if bundle.is_text and latency.real_lengths:
+            out.update(real_latency(bundle, examples, latency.batch_sizes, max_length,
+                                    latency.threads, limit=latency.real_limit,
+                                    warmup=latency.warmup))
+    out["params"] = count_params(bundle.model)
+    out["sparsity"] = round(sparsity(bundle.model), 6)
+    return out
 
 
 def latency_of(bundle: ModelBundle, recipe) -> dict[str, Any]:

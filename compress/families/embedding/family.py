@@ -31,8 +31,8 @@ from compress.families.embedding.measures import (
     widths_to_measure,
 )
 from compress.measure.evaluate import logits_of
-from compress.measure.figures import compare_to_input, latency_of, real_latency
-from compress.models.bundle import ModelBundle, count_params, sparsity
+from compress.measure.figures import compare_to_input, latency_of, speed_and_size
+from compress.models.bundle import ModelBundle
 
 REFERENCE = "embedding_reference.safetensors"
 RECALL_K = 10
@@ -117,16 +117,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
                                bool(facts.get("matryoshka")))
     if ref is not None and widths:
         metrics.update(quality_at_widths(embeddings, ref, widths, RECALL_K))
-    if cfg.latency.enabled:
-        metrics.update(latency_of(bundle, recipe))
-        if cfg.latency.real_lengths:
-            metrics.update(real_latency(bundle, examples, cfg.latency.batch_sizes,
-                                        data.max_length, cfg.latency.threads,
-                                        limit=cfg.latency.real_limit,
-                                        warmup=cfg.latency.warmup))
-    metrics["params"] = count_params(bundle.model)
-    metrics["sparsity"] = round(sparsity(bundle.model), 6)
-    return metrics
+    return {**metrics, **speed_and_size(bundle, examples, recipe, data.max_length)}
 
 
 def model_facts(model: torch.nn.Module) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from compress.families.reranker.folder import load_cross_encoder, provenance  # 
 from compress.families.reranker.measures import TIE_MARGIN, agreement, ranking_quality
 from compress.families.reranker.pairs import groups_of, load_pairs
 from compress.measure.evaluate import logits_of
-from compress.measure.figures import compare_to_input, latency_of, real_latency
-from compress.models.bundle import ModelBundle, count_params, sparsity
+from compress.measure.figures import compare_to_input, latency_of, speed_and_size
+from compress.models.bundle import ModelBundle
 
 REFERENCE = "reranker_reference.safetensors"
 RANK_K = 10
@@ -79,16 +79,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     metrics: dict[str, Any] = {**(known or {}), **quality(scores, ref, examples),
                                "pairs": len(examples), "queries": len(set(examples.texts)),
                                "kendall_tie_margin": TIE_MARGIN}
-    if cfg.latency.enabled:
-        metrics.update(latency_of(bundle, recipe))
-        if cfg.latency.real_lengths:
-            metrics.update(real_latency(bundle, examples, cfg.latency.batch_sizes,
-                                        data.max_length, cfg.latency.threads,
-                                        limit=cfg.latency.real_limit,
-                                        warmup=cfg.latency.warmup))
-    metrics["params"] = count_params(bundle.model)
-    metrics["sparsity"] = round(sparsity(bundle.model), 6)
-    return metrics
+    return {**metrics, **speed_and_size(bundle, examples, recipe, data.max_length)}
 
 
 def latency(bundle: ModelBundle, data: DataBundle, recipe) -> dict[str, Any]:

@@ -30,83 +30,46 @@ the same batch.
 from __future__ import annotations
 
 import base64
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
-from ts.torch_handler.base_handler import BaseHandler
 
-from serve.batching import MODELS, answer_batch, by_length, padded
-from serve.handler_settings import HandlerSettings
-from serve.runtimes import load_runtime
-from serve.worker_threads import worker_threads
+from serve.batching import MODELS
+from serve.exported_encoder import ExportedEncoderHandler
 
 from . import requests as embedding_requests
 
 logger = logging.getLogger(__name__)
-PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 EMBEDDINGS = "v1/embeddings"
 ROUTES = (EMBEDDINGS, MODELS)
 
 
-class EmbeddingHandler(BaseHandler):
+class EmbeddingHandler(ExportedEncoderHandler):
     """Loads an exported sentence encoder and answers each TorchServe batch in passes of
     similar length."""
 
-    def initialize(self, context) -> None:
-        """Load the exported file with a fixed intra-op thread count, and the tokenizer."""
-        from transformers import AutoTokenizer
+    facts_key = "embedding"
 
-        model_dir = Path(context.system_properties["model_dir"])
-        config = context.model_yaml_config or {}
-        settings = HandlerSettings.from_config(config.get("handler"))
-        logger.info("%sloading %s", PROGRESS, model_dir.name)
-        self.meta = json.loads((model_dir / "export.json").read_text())
-        facts = self.meta["embedding"]
-        threads = worker_threads(settings.threads, config.get("maxWorkers", 1))
-        torch.set_num_threads(threads)
-        self.forward = load_runtime(model_dir, self.meta, threads, spinning=False)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    def make_reader(self) -> embedding_requests.Reader:
+        facts = self.facts
         self.normalize = bool(facts.get("normalize"))
-        self.model_name = context.model_name
-        # a packed file (export.json's aoti_packed) computes no padding: a batch is one pass
-        self.length_buckets = settings.length_buckets and not self.meta.get("aoti_packed")
         limits = embedding_requests.Limits(
-            settings.max_items, settings.max_text_chars,
-            int(facts.get("max_seq_length") or self.tokenizer.model_max_length),
+            self.settings.max_items, self.settings.max_text_chars, self.max_tokens,
             int(facts["dimensions"]), bool(facts.get("matryoshka")),
             dict(facts.get("prompts") or {}), facts.get("default_prompt_name"),
             facts.get("truncate_dim"))
-        self.reader = embedding_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
-        self.initialized = True
         logger.info("compress embedding handler: %s %s, %d threads, %d dimensions, %s "
                     "pooling, max_seq_length %d", self.meta["format"], self.meta["file"],
-                    threads, limits.width, facts.get("pooling"), limits.max_tokens)
+                    self.threads, limits.width, facts.get("pooling"), limits.max_tokens)
+        return embedding_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
 
-    def handle(self, data: list[dict[str, Any]], context) -> list[str]:
-        """Answer every request of the batch: forward passes over all good inputs."""
-        return answer_batch(data, context, self.model_name, route_of, self.read,
-                            self.embed_rows, self.answer)
+    def route_of(self, url_path: str | None) -> str | None:
+        return route_of(url_path)
 
     def read(self, body: Any, route: str | None) -> embedding_requests.EmbeddingRequest:
         """One request's body read into token rows (ValueError: a 400 that says why)."""
         return self.reader.native(body) if route is None else self.reader.openai(body)
-
-    def embed_rows(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
-        """The embeddings of these token rows, in passes of similar length unless the
-        archive's `length_buckets` is false."""
-        return by_length(rows, self.embed, self.length_buckets)
-
-    def embed(self, rows: list[list[list[int]]]) -> list[torch.Tensor]:
-        """The embeddings of these token rows (right-padded, as the export's pooling reads
-        them), one float32 vector a row."""
-        inputs = padded(rows, self.tokenizer.pad_token_id or 0, self.meta["inputs"])
-        with torch.inference_mode():
-            out = self.forward(*inputs)
-        out = out[0] if isinstance(out, list | tuple) else out
-        return list(out.float())
 
     def answer(self, one: embedding_requests.EmbeddingRequest,
                vectors: list[torch.Tensor] | Exception) -> Any:

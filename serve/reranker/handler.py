@@ -25,84 +25,47 @@ answer carries `X-Batch-Size`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
-import torch
-from ts.torch_handler.base_handler import BaseHandler
-
-from serve.batching import MODELS, answer_batch, by_length, padded
-from serve.handler_settings import HandlerSettings
-from serve.runtimes import load_runtime
-from serve.worker_threads import worker_threads
+from serve.batching import MODELS
+from serve.exported_encoder import ExportedEncoderHandler
 
 from . import requests as rerank_requests
 
 logger = logging.getLogger(__name__)
-PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 RERANK = "v1/rerank"
 ROUTES = {RERANK: RERANK, "rerank": RERANK, MODELS: MODELS}
 
 
-class RerankerHandler(BaseHandler):
+class RerankerHandler(ExportedEncoderHandler):
     """Loads an exported cross-encoder and answers each TorchServe batch's pairs in passes of
     similar length."""
 
-    def initialize(self, context) -> None:
-        """Load the exported file with a fixed intra-op thread count, and the tokenizer."""
-        from transformers import AutoTokenizer
+    facts_key = "reranker"
 
-        model_dir = Path(context.system_properties["model_dir"])
-        config = context.model_yaml_config or {}
-        settings = HandlerSettings.from_config(config.get("handler"))
-        logger.info("%sloading %s", PROGRESS, model_dir.name)
-        self.meta = json.loads((model_dir / "export.json").read_text())
-        facts = self.meta.get("reranker") or {}
-        threads = worker_threads(settings.threads, config.get("maxWorkers", 1))
-        torch.set_num_threads(threads)
-        self.forward = load_runtime(model_dir, self.meta, threads, spinning=False)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model_name = context.model_name
-        self.length_buckets = settings.length_buckets and not self.meta.get("aoti_packed")
-        limits = rerank_requests.Limits(
-            settings.max_items, settings.max_text_chars,
-            int(facts.get("max_seq_length") or self.tokenizer.model_max_length))
-        self.reader = rerank_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
-        self.initialized = True
+    def make_reader(self) -> rerank_requests.Reader:
+        limits = rerank_requests.Limits(self.settings.max_items, self.settings.max_text_chars,
+                                        self.max_tokens)
         logger.info("compress reranker handler: %s %s, %d threads, %s activation, "
-                    "max_seq_length %d", self.meta["format"], self.meta["file"], threads,
-                    facts.get("activation"), limits.max_tokens)
+                    "max_seq_length %d", self.meta["format"], self.meta["file"],
+                    self.threads, self.facts.get("activation"), limits.max_tokens)
+        return rerank_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
 
-    def handle(self, data: list[dict[str, Any]], context) -> list[str]:
-        """Answer every request of the batch: forward passes over all good pairs."""
-        return answer_batch(data, context, self.model_name, route_of, self.read,
-                            self.score_rows, self.answer)
+    def route_of(self, url_path: str | None) -> str | None:
+        return route_of(url_path)
 
     def read(self, body: Any, route: str | None) -> rerank_requests.RerankRequest:
         """One request's body read into pair rows (ValueError: a 400 that says why)."""
         return self.reader.native(body) if route is None else self.reader.rerank(body)
 
-    def score_rows(self, rows: list[list[list[int]]]) -> list[float]:
-        """The scores of these pair rows, in passes of similar length unless the archive's
-        `length_buckets` is false."""
-        return by_length(rows, self.score, self.length_buckets)
-
-    def score(self, rows: list[list[list[int]]]) -> list[float]:
-        """The scores of these pair rows (right-padded), one float a row."""
-        inputs = padded(rows, self.tokenizer.pad_token_id or 0, self.meta["inputs"])
-        with torch.inference_mode():
-            out = self.forward(*inputs)
-        out = out[0] if isinstance(out, list | tuple) else out
-        return out.float().reshape(-1).tolist()
-
     def answer(self, one: rerank_requests.RerankRequest,
-               scores: list[float] | Exception) -> Any:
+               outputs: list[Any] | Exception) -> Any:
         """The answer to one request from its pairs' scores, or its error."""
-        if isinstance(scores, Exception):
+        if isinstance(outputs, Exception):
             return (500, "scoring failed")
+        scores = [float(s.reshape(-1)[0]) for s in outputs]
         if not all(math.isfinite(s) for s in scores):
             return (422, "the model's score of a pair is not a finite number (NaN or "
                          "infinity)")

@@ -112,7 +112,7 @@ def test_a_packed_aoti_package_is_served_in_one_pass(kernel, tmp_path: Path) -> 
     passes = []
     forward = handler.forward
     handler.forward = lambda *inputs: passes.append(inputs[0].shape) or forward(*inputs)
-    served = torch.stack(handler.embed_rows(rows))
+    served = torch.stack(handler.run_rows(rows))
     assert passes == [padded(rows, 0, names)[0].shape]
     assert torch.nn.functional.cosine_similarity(served, want).min() > 0.999
 

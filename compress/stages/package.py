@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,13 @@ from typing import Any
 from compress.errors import CompressError
 from compress.recipe.kinds.package import PackageConfig
 from compress.runfolder.records import Manifest, StageRecord, artifact_record
-from compress.serving.archive import CLASSIFIER, SERVED_METRICS, build_mar, model_config
+from compress.serving.archive import (
+    CLASSIFIER,
+    SERVED_METRICS,
+    build_mar,
+    code_tree,
+    model_config,
+)
 from compress.stages.context import StageContext, State
 from serve.handler_settings import UnknownSetting
 from serve.worker_threads import worker_threads
@@ -62,6 +69,21 @@ def archive(state: State, cfg: PackageConfig, ctx: StageContext, handler: dict[s
     ctx.log(f"package: {path.relative_to(ctx.run_dir)} ({record.bytes / 1e6:.1f} MB); "
             f"serve it with: compress serve {ctx.run_dir}")
     return State(None)
+
+
+
+def encoder_archive(state: State, cfg: PackageConfig, ctx: StageContext, task: str,
+                    handler_class: str, entry: str, served_metrics: tuple[str, ...]) -> State:
+    """An embedding or reranker archive: the export entering the stage with `handler_class`
+    (a `serve.exported_encoder` handler), whose code tree is written here with `entry` as
+    its root module, and the encoder handlers' settings."""
+    handler = {"task": task, "threads": worker_threads(cfg.threads, cfg.workers),
+               "max_text_chars": cfg.max_text_chars, "length_buckets": cfg.length_buckets}
+    code = code_tree(ctx.folder / ".archive_code", handler_class, entry)
+    try:
+        return archive(state, cfg, ctx, handler, handler_class, served_metrics, code=code)
+    finally:
+        shutil.rmtree(code[0].parent, ignore_errors=True)
 
 
 def _summary(manifest: Manifest, export: StageRecord, name: str, version: str,

@@ -10,13 +10,9 @@ The archive holds the export folder's files (the exported file, `export.json` wi
 
 from __future__ import annotations
 
-import shutil
-
 from compress.recipe.kinds.package import PackageConfig
-from compress.serving.archive import code_tree
 from compress.stages.context import StageContext, State
-from compress.stages.package import archive
-from serve.worker_threads import worker_threads
+from compress.stages.package import encoder_archive
 
 HANDLER = "serve.embedding.handler:EmbeddingHandler"
 ENTRY = "embedding_handler.py"  # the archive's root module that defines the handler's class
@@ -30,10 +26,4 @@ SERVED_METRICS = ("fidelity", "fidelity_p1", "recall_at_10", "knn_accuracy",
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the embedding export entering the stage with the embedding handler."""
-    handler = {"task": "embedding", "threads": worker_threads(cfg.threads, cfg.workers),
-               "max_text_chars": cfg.max_text_chars, "length_buckets": cfg.length_buckets}
-    code = code_tree(ctx.folder / ".archive_code", HANDLER, ENTRY)
-    try:
-        return archive(state, cfg, ctx, handler, HANDLER, SERVED_METRICS, code=code)
-    finally:
-        shutil.rmtree(code[0].parent, ignore_errors=True)
+    return encoder_archive(state, cfg, ctx, "embedding", HANDLER, ENTRY, SERVED_METRICS)

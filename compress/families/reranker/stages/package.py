@@ -10,13 +10,9 @@ The archive holds the export folder's files (the exported file, `export.json` wi
 
 from __future__ import annotations
 
-import shutil
-
 from compress.recipe.kinds.package import PackageConfig
-from compress.serving.archive import code_tree
 from compress.stages.context import StageContext, State
-from compress.stages.package import archive
-from serve.worker_threads import worker_threads
+from compress.stages.package import encoder_archive
 
 HANDLER = "serve.reranker.handler:RerankerHandler"
 ENTRY = "reranker_handler.py"  # the archive's root module that defines the handler's class
@@ -29,10 +25,4 @@ SERVED_METRICS = ("ndcg_at_10", "mrr_at_10", "kendall_tau", "score_max_abs_diff"
 
 def run(state: State, cfg: PackageConfig, ctx: StageContext) -> State:
     """Archive the reranker export entering the stage with the reranker handler."""
-    handler = {"task": "reranking", "threads": worker_threads(cfg.threads, cfg.workers),
-               "max_text_chars": cfg.max_text_chars, "length_buckets": cfg.length_buckets}
-    code = code_tree(ctx.folder / ".archive_code", HANDLER, ENTRY)
-    try:
-        return archive(state, cfg, ctx, handler, HANDLER, SERVED_METRICS, code=code)
-    finally:
-        shutil.rmtree(code[0].parent, ignore_errors=True)
+    return encoder_archive(state, cfg, ctx, "reranking", HANDLER, ENTRY, SERVED_METRICS)

@@ -22,7 +22,10 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 TIMEOUT_S = 60.0  # an answer later than this is a hang
-PLAIN_LIMIT_S = 1.0  # a plain request's answer, throughout a property run
+# a plain request's answer, throughout a property run: seconds, where a request held
+# behind an odd one (a parse, a compile) waited for it; not a latency figure (a CI run on
+# a loaded 2-core machine saw 1.19 s)
+PLAIN_LIMIT_S = 3.0
 JSON, FORM = "application/json", "application/x-www-form-urlencoded"
 ROUNDS = 3  # a case sent again until its request shared a batch with good ones
 

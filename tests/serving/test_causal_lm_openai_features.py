@@ -8,6 +8,7 @@ unchanged (invoke, stream, with_structured_output both ways, bind_tools)."""
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def client(served: dict):
 
 def valid(schema: dict, text: str) -> bool:
     try:
-        jsonschema_rs.validate(schema, json.loads(text))
+        jsonschema_rs.validate(schema, json.loads(text, parse_float=Decimal))
     except (ValueError, jsonschema_rs.ValidationError):
         return False
     return True

@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -118,7 +119,7 @@ def test_a_schema_is_compiled_once_for_its_n_choices_and_its_repeats(handler,
     texts = [c["message"]["content"] for c in answers[0]["choices"]]
     assert len(texts) == 8
     for text in texts:
-        jsonschema_rs.validate(schema, json.loads(text))
+        jsonschema_rs.validate(schema, json.loads(text, parse_float=Decimal))
     assert (counting.schemas, counting.matchers) == (1, 1)
     answers, context, _ = run(handler, [body, body], [CHAT, CHAT])
     assert [context.get_response_status(i)[0] for i in (0, 1)] == [200, 200]

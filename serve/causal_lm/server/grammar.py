@@ -123,10 +123,14 @@ def constraints(tokenizer: Any, schema: dict[str, Any], n: int) -> list[Constrai
 
 
 def is_compiled(tokenizer: Any, schema: dict[str, Any]) -> bool:
-    """Whether `constraints` has this schema's matcher (or refusal) at hand: no compiling."""
-    key = (id(engine_tokenizer(tokenizer)), json.dumps(schema))
+    """Whether `constraints` has this schema's matcher (or refusal) at hand: no compiling.
+    Cheap enough for the event loop: it never builds llguidance's view of the tokenizer
+    (0.3 s), and a tokenizer without one has compiled nothing."""
+    held = _tokenizers.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        return False
     with _compiled_lock:
-        return key in _compiled
+        return (id(held[1]), json.dumps(schema)) in _compiled
 
 
 def _lowest_priority() -> None:

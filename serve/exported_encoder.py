@@ -4,10 +4,11 @@ runtime) loaded with a fixed intra-op thread count, with its tokenizer; each Tor
 batch's requests read into token rows, all rows run together in passes of similar length
 (unless the archive's `length_buckets` is false, or the file is packed), each request
 answered or failed alone (`serve.batching.answer_batch`). A subclass says how a body reads
-(`read`), where its routes go (`route_of`) and how its rows' outputs answer (`answer`)."""
+(`read`), which paths it answers (`routes`) and how its rows' outputs answer (`answer`)."""
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 from pathlib import Path
@@ -25,10 +26,11 @@ logger = logging.getLogger(__name__)
 PROGRESS = "compress worker: "  # what `compress serve` echoes while the worker starts
 
 
-class ExportedEncoderHandler(BaseHandler):
+class ExportedEncoderHandler(BaseHandler, abc.ABC):
     """Loads an exported encoder and answers each batch's rows together."""
 
     facts_key = ""  # export.json's block of what a server of the file must know
+    routes: dict[str, str] = {}  # path under the model's URL -> its route's name
 
     def initialize(self, context) -> None:
         """Load the exported file with a fixed intra-op thread count, the tokenizer, and
@@ -54,21 +56,28 @@ class ExportedEncoderHandler(BaseHandler):
         self.reader = self.make_reader()
         self.initialized = True
 
+    @abc.abstractmethod
     def make_reader(self) -> Any:
         """The subclass's reader of request bodies (after the file and tokenizer load)."""
-        raise NotImplementedError
 
-    def route_of(self, url_path: str | None) -> str | None:
-        """The route of a request's `url_path`: None for the native one; LookupError (404)."""
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def read(self, body: Any, route: str | None) -> Any:
         """One request's body read (`.rows`); ValueError: a 400 that says why."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def answer(self, one: Any, outputs: list[Any] | Exception) -> Any:
         """One request's answer from its rows' outputs, or its error `(status, message)`."""
-        raise NotImplementedError
+
+    def route_of(self, url_path: str | None) -> str | None:
+        """The route of a request's `url_path` header (`routes`), None for the native
+        route; LookupError (a 404) for another path."""
+        path = (url_path or "").strip("/")
+        if not path:
+            return None
+        if path not in self.routes:
+            raise LookupError(f"unknown path {path!r}: this model answers "
+                              f"{', '.join(self.routes)} and POST on its own URL")
+        return self.routes[path]
 
     def handle(self, data: list[dict[str, Any]], context) -> list[str]:
         """Answer every request of the batch: forward passes over all good rows."""

@@ -42,7 +42,6 @@ from . import requests as embedding_requests
 
 logger = logging.getLogger(__name__)
 EMBEDDINGS = "v1/embeddings"
-ROUTES = (EMBEDDINGS, MODELS)
 
 
 class EmbeddingHandler(ExportedEncoderHandler):
@@ -50,6 +49,7 @@ class EmbeddingHandler(ExportedEncoderHandler):
     similar length."""
 
     facts_key = "embedding"
+    routes = {EMBEDDINGS: EMBEDDINGS, MODELS: MODELS}
 
     def make_reader(self) -> embedding_requests.Reader:
         facts = self.facts
@@ -63,9 +63,6 @@ class EmbeddingHandler(ExportedEncoderHandler):
                     "pooling, max_seq_length %d", self.meta["format"], self.meta["file"],
                     self.threads, limits.width, facts.get("pooling"), limits.max_tokens)
         return embedding_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
-
-    def route_of(self, url_path: str | None) -> str | None:
-        return route_of(url_path)
 
     def read(self, body: Any, route: str | None) -> embedding_requests.EmbeddingRequest:
         """One request's body read into token rows (ValueError: a 400 that says why)."""
@@ -85,17 +82,6 @@ class EmbeddingHandler(ExportedEncoderHandler):
             return native_answer(matrix, one.many)
         return openai_answer(matrix, self.model_name, one.tokens, one.base64)
 
-
-def route_of(url_path: str | None) -> str | None:
-    """The OpenAI route of a request's `url_path` header, None for the native route;
-    LookupError (a 404) for another path."""
-    path = (url_path or "").strip("/")
-    if not path:
-        return None
-    if path not in ROUTES:
-        raise LookupError(f"unknown path {path!r}: this model answers {', '.join(ROUTES)} "
-                          "and POST on its own URL")
-    return path
 
 
 def narrowed(vectors: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:

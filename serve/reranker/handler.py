@@ -36,7 +36,6 @@ from . import requests as rerank_requests
 
 logger = logging.getLogger(__name__)
 RERANK = "v1/rerank"
-ROUTES = {RERANK: RERANK, "rerank": RERANK, MODELS: MODELS}
 
 
 class RerankerHandler(ExportedEncoderHandler):
@@ -44,6 +43,7 @@ class RerankerHandler(ExportedEncoderHandler):
     similar length."""
 
     facts_key = "reranker"
+    routes = {RERANK: RERANK, "rerank": RERANK, MODELS: MODELS}  # llama-server's alias
 
     def make_reader(self) -> rerank_requests.Reader:
         limits = rerank_requests.Limits(self.settings.max_items, self.settings.max_text_chars,
@@ -52,9 +52,6 @@ class RerankerHandler(ExportedEncoderHandler):
                     "max_seq_length %d", self.meta["format"], self.meta["file"],
                     self.threads, self.facts.get("activation"), limits.max_tokens)
         return rerank_requests.Reader(self.tokenizer, self.meta["inputs"], limits)
-
-    def route_of(self, url_path: str | None) -> str | None:
-        return route_of(url_path)
 
     def read(self, body: Any, route: str | None) -> rerank_requests.RerankRequest:
         """One request's body read into pair rows (ValueError: a 400 that says why)."""
@@ -73,17 +70,6 @@ class RerankerHandler(ExportedEncoderHandler):
             return {"scores": scores}
         return rerank_answer(scores, one, self.model_name)
 
-
-def route_of(url_path: str | None) -> str | None:
-    """The route of a request's `url_path` header, None for the native route; LookupError
-    (a 404) for another path."""
-    path = (url_path or "").strip("/")
-    if not path:
-        return None
-    if path not in ROUTES:
-        raise LookupError(f"unknown path {path!r}: this model answers {', '.join(ROUTES)} "
-                          "and POST on its own URL")
-    return ROUTES[path]
 
 
 def rerank_answer(scores: list[float], one: rerank_requests.RerankRequest,

@@ -253,3 +253,49 @@ def embedding_recipe(model: Path, data: Path, out: Path, stages: list[dict]) -> 
                            "latency": {"batch_sizes": [1, 4], "seq_len": 16, "iters": 2,
                                        "warmup": 1}},
             "output_dir": str(out), "seed": 0}
+
+
+def tiny_bert_folder(folder: Path, width: int = 32, positions: int = 128) -> Path:
+    """A 2-layer random BertModel of `width` with MiniLM's tokenizer (a Hugging Face folder),
+    seeded: the transformer of the sentence-transformers layout tests."""
+    from conftest import minilm_folder
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=width,
+                         num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=positions)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def legacy_st_folder(folder: Path, bert: Path, width: int, dense_out: int,
+                     max_seq_length: int, bias_scale: float = 1.0) -> Path:
+    """A sentence-transformers folder as version 2 wrote it around `bert`: a
+    `0_Transformer` subfolder with its sentence_bert_config.json, pooling flags (mean and
+    max on), a Tanh Dense to `dense_out` in pytorch_model.bin (seeded), Normalize."""
+    import shutil
+
+    shutil.copytree(bert, folder / "0_Transformer")
+    (folder / "0_Transformer/sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+    kinds = ["Transformer", "Pooling", "Dense", "Normalize"]
+    paths = ["0_Transformer", "1_Pooling", "2_Dense", "3_Normalize"]
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{k}"}
+        for i, (k, p) in enumerate(zip(kinds, paths, strict=True))]))
+    for path in paths[1:]:
+        (folder / path).mkdir()
+    (folder / "1_Pooling/config.json").write_text(json.dumps(
+        {"word_embedding_dimension": width, "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True,
+         "pooling_mode_mean_sqrt_len_tokens": False}))
+    (folder / "2_Dense/config.json").write_text(json.dumps(
+        {"in_features": 2 * width, "out_features": dense_out, "bias": True,
+         "activation_function": "torch.nn.modules.activation.Tanh"}))
+    torch.manual_seed(2)
+    torch.save({"linear.weight": torch.randn(dense_out, 2 * width) / 8,
+                "linear.bias": torch.randn(dense_out) * bias_scale},
+               folder / "2_Dense/pytorch_model.bin")
+    return folder

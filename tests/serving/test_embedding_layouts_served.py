@@ -18,14 +18,13 @@ both engines serve both layouts' halves.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, http_post, minilm_folder, serving, write_recipe, write_sentiment_tables
+from conftest import REPO, http_post, serving, write_recipe, write_sentiment_tables
 
 pytest.importorskip("ts")
 pytest.importorskip("litserve")
@@ -39,19 +38,6 @@ PROMPTS = {"query": "query: ", "document": "passage: "}
 WIDTH = 32
 # (folder kind, engine of its fp32 archive, engine of its int8 archive)
 CASES = [("v6", "torchserve", "litserve"), ("legacy", "litserve", "torchserve")]
-
-
-def tiny_bert(folder: Path) -> Path:
-    """A 2-layer, 32-wide random BertModel with MiniLM's tokenizer (a Hugging Face folder)."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=WIDTH,
-                         num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                         max_position_embeddings=128)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def v6_folder(folder: Path, bert: Path) -> Path:
@@ -71,32 +57,6 @@ def v6_folder(folder: Path, bert: Path) -> Path:
     return folder
 
 
-def legacy_folder(folder: Path, bert: Path) -> Path:
-    """As sentence-transformers 2 wrote it: 0_Transformer, pooling flags (mean and max on),
-    a Tanh Dense to 48 in pytorch_model.bin, Normalize."""
-    shutil.copytree(bert, folder / "0_Transformer")
-    (folder / "0_Transformer/sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": 64, "do_lower_case": False}))
-    kinds = ["Transformer", "Pooling", "Dense", "Normalize"]
-    paths = ["0_Transformer", "1_Pooling", "2_Dense", "3_Normalize"]
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{k}"}
-        for i, (k, p) in enumerate(zip(kinds, paths, strict=True))]))
-    for path in paths[1:]:
-        (folder / path).mkdir()
-    (folder / "1_Pooling/config.json").write_text(json.dumps(
-        {"word_embedding_dimension": WIDTH, "pooling_mode_cls_token": False,
-         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True,
-         "pooling_mode_mean_sqrt_len_tokens": False}))
-    (folder / "2_Dense/config.json").write_text(json.dumps(
-        {"in_features": 2 * WIDTH, "out_features": 48, "bias": True,
-         "activation_function": "torch.nn.modules.activation.Tanh"}))
-    torch.manual_seed(2)
-    torch.save({"linear.weight": torch.randn(48, 2 * WIDTH) / 8,
-                "linear.bias": torch.randn(48) / 8}, folder / "2_Dense/pytorch_model.bin")
-    return folder
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[case[0] for case in CASES])
 def case(request) -> tuple[str, str, str]:
     return request.param
@@ -106,12 +66,13 @@ def case(request) -> tuple[str, str, str]:
 def run(case, tmp_path_factory) -> dict[str, Any]:
     """The folder through embed_int8.yaml shrunk: {"folder", "run_dir", "mars": {"fp32",
     "int8"}, "encode"}: encode(texts, **options) is sentence-transformers' own."""
-    from builders import run_in_process
+    from builders import legacy_st_folder, run_in_process, tiny_bert_folder
 
     kind = case[0]
     tmp = tmp_path_factory.mktemp(f"layout_{kind}")
-    bert = tiny_bert(tmp / "bert")
-    folder = (v6_folder if kind == "v6" else legacy_folder)(tmp / "st", bert)
+    bert = tiny_bert_folder(tmp / "bert", WIDTH)
+    folder = (v6_folder(tmp / "st", bert) if kind == "v6"
+              else legacy_st_folder(tmp / "st", bert, WIDTH, 48, 64, bias_scale=1 / 8))
     raw = yaml.safe_load((REPO / "recipes/embed_int8.yaml").read_text())
     raw["name"] = f"layout_{kind}"
     raw["model"]["source"] = str(folder)

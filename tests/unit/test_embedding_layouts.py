@@ -32,16 +32,9 @@ WIDTH = 32
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer, 32-wide random BertModel with MiniLM's tokenizer (a Hugging Face folder)."""
-    from conftest import minilm_folder
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from builders import tiny_bert_folder
 
-    folder = tmp_path_factory.mktemp("tiny_bert_model")
-    tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=WIDTH,
-                         num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                         max_position_embeddings=128)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert_model"), WIDTH)
     return folder
 
 
@@ -143,27 +136,9 @@ def test_a_legacy_folder_with_a_transformer_subfolder(tiny_model: Path, tmp_path
                                                       ) -> None:
     """As sentence-transformers 2 wrote it: 0_Transformer, pooling flags (mean and max on:
     concatenated cls, max, mean order), a Dense in pytorch_model.bin, Normalize."""
-    folder = tmp_path / "legacy"
-    shutil.copytree(tiny_model, folder / "0_Transformer")
-    (folder / "0_Transformer/sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": 16, "do_lower_case": False}))
-    kinds = ["Transformer", "Pooling", "Dense", "Normalize"]
-    paths = ["0_Transformer", "1_Pooling", "2_Dense", "3_Normalize"]
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{k}"}
-        for i, (k, p) in enumerate(zip(kinds, paths, strict=True))]))
-    for path in paths[1:]:
-        (folder / path).mkdir()
-    (folder / "1_Pooling/config.json").write_text(json.dumps(
-        {"word_embedding_dimension": WIDTH, "pooling_mode_cls_token": False,
-         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True,
-         "pooling_mode_mean_sqrt_len_tokens": False}))
-    (folder / "2_Dense/config.json").write_text(json.dumps(
-        {"in_features": 2 * WIDTH, "out_features": 8, "bias": True,
-         "activation_function": "torch.nn.modules.activation.Tanh"}))
-    torch.manual_seed(2)
-    torch.save({"linear.weight": torch.randn(8, 2 * WIDTH) / 8, "linear.bias": torch.randn(8)},
-               folder / "2_Dense/pytorch_model.bin")
+    from builders import legacy_st_folder
+
+    folder = legacy_st_folder(tmp_path / "legacy", tiny_model, WIDTH, 8, 16)
     layout = read_layout(folder)
     assert layout.pooling == ("max", "mean") and layout.max_seq_length == 16
     assert layout.transformer == folder / "0_Transformer"

@@ -299,3 +299,14 @@ def legacy_st_folder(folder: Path, bert: Path, width: int, dense_out: int,
                 "linear.bias": torch.randn(dense_out) * bias_scale},
                folder / "2_Dense/pytorch_model.bin")
     return folder
+
+
+def shipped_graphs(tmp_path: Path) -> Path:
+    """An archive's compiled_graphs/ folder with an Inductor cache, built for this CPU."""
+    from serve.causal_lm.server import compiled_graphs
+
+    folder = tmp_path / compiled_graphs.FOLDER
+    (folder / compiled_graphs.INDUCTOR / "fxgraph").mkdir(parents=True)
+    (folder / compiled_graphs.INDUCTOR / "fxgraph" / "entry").write_text("a graph")
+    (folder / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
+    return folder

@@ -5,14 +5,13 @@ are in tests/unit/test_worker_temp.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from serve.causal_lm.server import compiled_graphs
+from builders import shipped_graphs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +31,7 @@ def test_a_killed_workers_copy_goes_at_the_next_start_and_each_at_its_exit(tmp_p
     """As TorchServe restarts a worker: the first is SIGKILLed after it copied the shipped
     cache, the next one starts in the same server folder and then exits normally; nothing
     of either is left."""
-    shipped, temp = _shipped_graphs(tmp_path), tmp_path / "server-temp"
+    shipped, temp = shipped_graphs(tmp_path), tmp_path / "server-temp"
     temp.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env |= {"TMPDIR": str(temp), "PYTHONPATH": str(REPO)}
@@ -47,13 +46,3 @@ def test_a_killed_workers_copy_goes_at_the_next_start_and_each_at_its_exit(tmp_p
     assert all(copy.is_relative_to(temp) for copy in copies), copies  # in the server's folder
     left = sorted(str(p.relative_to(temp)) for p in temp.rglob("*"))
     assert left == [], left
-
-
-
-def _shipped_graphs(tmp_path: Path) -> Path:
-    """An archive's compiled_graphs/ folder with an Inductor cache, built for this CPU."""
-    folder = tmp_path / compiled_graphs.FOLDER
-    (folder / compiled_graphs.INDUCTOR / "fxgraph").mkdir(parents=True)
-    (folder / compiled_graphs.INDUCTOR / "fxgraph" / "entry").write_text("a graph")
-    (folder / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
-    return folder

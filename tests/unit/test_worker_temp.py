@@ -6,7 +6,6 @@ workers, one killed) is tests/integration/test_worker_temp_restart.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import shipped_graphs
 
 from serve import runtimes, worker_temp
 from serve.causal_lm.server import aot_steps, compiled_graphs
@@ -103,16 +103,7 @@ def test_packages_extract_into_the_workers_folder(temp: Path, tmp_path, monkeypa
 
 def test_the_shipped_inductor_cache_is_copied_into_the_workers_folder(temp: Path,
                                                                      tmp_path) -> None:
-    shipped = _shipped_graphs(tmp_path)
+    shipped = shipped_graphs(tmp_path)
     assert compiled_graphs.use_shipped(shipped, None)[1] == "shipped compiled graphs used"
     cache = Path(os.environ.pop("TORCHINDUCTOR_CACHE_DIR"))
     assert cache.parent == worker_temp.folder() and (cache / "fxgraph" / "entry").is_file()
-
-
-def _shipped_graphs(tmp_path: Path) -> Path:
-    """An archive's compiled_graphs/ folder with an Inductor cache, built for this CPU."""
-    folder = tmp_path / compiled_graphs.FOLDER
-    (folder / compiled_graphs.INDUCTOR / "fxgraph").mkdir(parents=True)
-    (folder / compiled_graphs.INDUCTOR / "fxgraph" / "entry").write_text("a graph")
-    (folder / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
-    return folder

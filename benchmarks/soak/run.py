@@ -46,12 +46,15 @@ from benchmarks.soak.generation import headers
 from compress.serving import server
 from compress.serving.loadtest.predictions import SAMPLE_TEXTS, run_load
 
-# issue 70's property test of each served family (the embedding's shares its module's server)
+# issue 70's property test of each served family (the embedding's and the reranker's share
+# their module's server)
 PROPERTY_TESTS = {
     "classifier": "tests/serving/test_classifier_property.py",
     "embedding": "tests/serving/test_embedding_served.py::"
                  "test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone",
-    "causal_lm": "tests/serving/test_causal_lm_property.py"}
+    "causal_lm": "tests/serving/test_causal_lm_property.py",
+    "reranker": "tests/serving/test_reranker_served.py::"
+                "test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone"}
 # in the command line of a TorchServe worker, or of a LitServe inference worker (spawned)
 WORKER_MARKS = ("model_service_worker", "multiprocessing.spawn import spawn_main")
 
@@ -188,7 +191,7 @@ def served(run: Path, engine: str = "torchserve"):
 
 def property_tests(examples: int, families: list[str] | None = None,
                    engine: str | None = None) -> dict:
-    """pytest on the property tests of `families` (all three by default) on `engine` (both
+    """pytest on the property tests of `families` (every one by default) on `engine` (both
     by default) with `examples` generated cases each: its counts, each run's tally line
     ("property cases (FAMILY, ENGINE): ..."), and how long it took."""
     env = {**os.environ, "COMPRESS_PROPERTY_EXAMPLES": str(examples)}
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the property tests with this many examples each (0: not)")
     parser.add_argument("--property-family", action="append", choices=sorted(PROPERTY_TESTS),
                         help="the property tests of this family only (again for more; "
-                             "default: all three)")
+                             "default: every one)")
     parser.add_argument("--property-engine", choices=("torchserve", "litserve"),
                         help="the property tests on this engine only (default: both)")
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.md")

@@ -120,31 +120,34 @@ def test_agreement_tells_near_ties_from_decisive_steps() -> None:
 
 class _PausingModel(torch.nn.Module):
     """`generate` takes 1 ms per new token, plus one 50 ms pause on the call numbered
-    `pause_at` (a noisy neighbour); records the lengths it was asked for."""
+    `pause_at` (a noisy neighbour), on its own clock (`now`: no sleeping, so a loaded
+    machine cannot move the figure); records the lengths it was asked for."""
 
     def __init__(self, pause_at: int):
         super().__init__()
-        self.calls, self.pause_at = [], pause_at
+        self.calls, self.pause_at, self.now = [], pause_at, 0.0
 
     def generate(self, ids, attention_mask, max_new_tokens, min_new_tokens, do_sample):
-        import time
-
         self.calls.append(max_new_tokens)
-        time.sleep(0.001 * max_new_tokens + (0.05 if len(self.calls) == self.pause_at else 0))
+        self.now += 0.001 * max_new_tokens + (0.05 if len(self.calls) == self.pause_at else 0)
 
 
 @pytest.mark.parametrize("pause_at", [2, 3, 4, 5])
-def test_the_eager_generate_rate_survives_a_pause_in_any_one_call(pause_at: int) -> None:
+def test_the_eager_generate_rate_survives_a_pause_in_any_one_call(pause_at: int,
+                                                                  monkeypatch) -> None:
     """A pause in the timed 1-token call once made the difference negative, and the report
     printed 5.5e9 tok/s: each length is now timed twice, alternating, and the fastest kept."""
-    from compress.families.causal_lm.generation import eager_generate_rate
+    from types import SimpleNamespace
+
+    from compress.families.causal_lm import generation
 
     model = _PausingModel(pause_at)
-    rate = eager_generate_rate(model, [torch.ones(1, 4, dtype=torch.long)], 9)
+    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=lambda: model.now))
+    rate = generation.eager_generate_rate(model, [torch.ones(1, 4, dtype=torch.long)], 9)
     assert model.calls == [1, 1, 9, 1, 9]  # a warm-up, then two alternating rounds
-    # 8 tokens in ~8 ms of sleep; the pause kept would give 8e9 (in a 1-token call) or 138
-    assert rate is not None and 300 < rate < 1100
-    assert eager_generate_rate(model, [torch.ones(1, 4, dtype=torch.long)], 1) is None
+    # 8 tokens in 8 ms; the pause kept would give 8e9 (in a 1-token call) or 138
+    assert rate == pytest.approx(1000.0)
+    assert generation.eager_generate_rate(model, [torch.ones(1, 4, dtype=torch.long)], 1) is None
 
 
 def test_a_run_folder_written_before_the_rename_keeps_its_reference(tmp_path: Path) -> None:

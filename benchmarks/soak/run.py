@@ -55,6 +55,7 @@ PROPERTY_TESTS = {
     "causal_lm": "tests/serving/test_causal_lm_property.py",
     "reranker": "tests/serving/test_reranker_served.py::"
                 "test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone"}
+TALLY = "property cases ("  # how each property run's tally line begins
 # in the command line of a TorchServe worker, or of a LitServe inference worker (spawned)
 WORKER_MARKS = ("model_service_worker", "multiprocessing.spawn import spawn_main")
 
@@ -190,10 +191,11 @@ def served(run: Path, engine: str = "torchserve"):
 
 
 def property_tests(examples: int, families: list[str] | None = None,
-                   engine: str | None = None) -> dict:
+                   engine: str | None = None, log: Path | None = None) -> dict:
     """pytest on the property tests of `families` (every one by default) on `engine` (both
     by default) with `examples` generated cases each: its counts, each run's tally line
-    ("property cases (FAMILY, ENGINE): ..."), and how long it took."""
+    ("property cases (FAMILY, ENGINE): ..."), the tests that failed, and how long it took.
+    pytest's whole output goes to `log` (where given), so that a failure can be read."""
     env = {**os.environ, "COMPRESS_PROPERTY_EXAMPLES": str(examples)}
     present = [PROPERTY_TESTS[f] for f in families or PROPERTY_TESTS
                if (REPO / PROPERTY_TESTS[f].split("::")[0]).is_file()]
@@ -201,13 +203,19 @@ def property_tests(examples: int, families: list[str] | None = None,
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p",
                              "no:cacheprovider", *(["-k", engine] if engine else []),
                              *present], cwd=REPO, env=env, capture_output=True, text=True)
+    if log is not None:
+        log.write_text(result.stdout + result.stderr)
     summary = (result.stdout.strip().splitlines() or ["no output"])[-1]
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in result.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|skipped)",
                                                summary)}
-    tallies = [line.strip() for line in result.stdout.splitlines()
-               if line.strip().startswith("property cases (")]
+    # a tally line may follow pytest's progress marks on the same line (".", "F")
+    tallies = [line[line.index(TALLY):].strip() for line in result.stdout.splitlines()
+               if TALLY in line]
     return {"examples": examples, "files": present, "engine": engine or "both",
             "summary": summary, "returncode": result.returncode, "tallies": tallies,
+            "failed_tests": failed, "log": str(log) if log else None,
             "seconds": round(time.perf_counter() - began), **counts}
 
 
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop(target.serve_dir)
     if args.property_examples:
         figures["property"] = property_tests(args.property_examples, args.property_family,
-                                             args.property_engine)
+                                             args.property_engine,
+                                             args.out.with_suffix(".property.log"))
         print("property", figures["property"], flush=True)
     write_table(args, figures)
     return 0
@@ -329,7 +338,10 @@ def _lm_lines(figures: dict) -> list[str]:
         p = figures["property"]
         lines += ["", f"Property tests ({', '.join(p['files'])}; engine {p['engine']}) with "
                   f"COMPRESS_PROPERTY_EXAMPLES={p['examples']}: `{p['summary']}` in "
-                  f"{p['seconds']} s.", ""] + [f"- {line}" for line in p["tallies"]]
+                  f"{p['seconds']} s" + (f" (pytest's output: `{p['log']}`)" if p.get("log")
+                                         else "") + ".", ""]
+        lines += [f"- {line}" for line in p["tallies"]]
+        lines += [f"- failed: `{name}`" for name in p.get("failed_tests", [])]
     return lines
 
 

@@ -95,9 +95,11 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
 @click.option("--token", help="Bearer token (default: the one in --run's serve folder).")
 @click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False),
               help="Run folder: its server's token is used and loadtest.json written there.")
-@click.option("--task", type=click.Choice(["auto", "classification", "causal-lm"]),
+@click.option("--task", type=click.Choice(["auto", "classification", "embedding",
+                                           "reranking", "causal-lm"]),
               default="auto", show_default=True, help="What the endpoint serves (auto: the "
-              "--run server's archive says, else classification).")
+              "--run server's archive says, else classification). A reranker gets each text "
+              "line as a query with the 8 lines after it as its documents.")
 @click.option("--max-new-tokens", default=32, show_default=True,
               type=click.IntRange(1, 32_768), help="Causal LMs: tokens each request asks for.")
 @click.option("--api", type=click.Choice(["auto", "native", "openai"]), default="auto",
@@ -123,12 +125,19 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
       compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --run runs/bert_int8
       compress loadtest http://127.0.0.1:8080/predictions/bert_int8 --concurrency 1,32 \\
           --requests 500 --token TOKEN
+      compress loadtest http://127.0.0.1:8080/predictions/rerank_int8/1.0/v1/rerank \\
+          --run runs/rerank_int8
       compress loadtest http://127.0.0.1:8080/predictions/llm_int8 --run runs/llm_int8 \\
           --concurrency 1,4,8 --requests 32 --max-new-tokens 64
       compress loadtest http://127.0.0.1:8080/predictions/llm_int8/v1/chat/completions \\
           --run runs/llm_int8 --concurrency 1,8 --requests 32 --shared-prefix 512
     """
-    from compress.serving.loadtest.predictions import format_table, load_payloads, sweep
+    from compress.serving.loadtest.predictions import (
+        format_table,
+        load_payloads,
+        rerank_payloads,
+        sweep,
+    )
     from compress.serving.loadtest.report import failure_summary, record_result
     from compress.serving.server import served_task, token_of
 
@@ -172,8 +181,8 @@ def loadtest(url: str, concurrency: str, n_requests: int, warmup: int, texts: st
                                   headers=headers, warmup=warmup)
         click.echo(format_generation_table(result))
     else:
-        result = sweep(url, levels, n_requests, load_payloads(texts), headers=headers,
-                       warmup=warmup)
+        payloads = rerank_payloads(texts) if task == "reranking" else load_payloads(texts)
+        result = sweep(url, levels, n_requests, payloads, headers=headers, warmup=warmup)
         click.echo(format_table(result))
     if run_dir:
         click.echo(f"written: {record_result(run_dir, result)}")

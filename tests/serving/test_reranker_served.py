@@ -361,3 +361,22 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
             assert same_answer(answer.body, expected, at), body[:200]
 
     run_property(check, tally, plain, "reranker", engine, wanted)
+
+
+def test_loadtest_sends_queries_with_documents_to_the_rerank_route(served) -> None:
+    """`compress loadtest URL/v1/rerank --task reranking`: every request a query with 8
+    documents, all answered (a classifier's `{"text"}` bodies would all be 400s)."""
+    from click.testing import CliRunner
+
+    from compress.cli.serve import loadtest
+
+    args = [f"{served['url']}{RERANK}", "--task", "reranking", "--concurrency", "1,4",
+            "--requests", "12", "--warmup", "2"]
+    if served.get("token"):
+        args += ["--token", served["token"]]
+    result = CliRunner().invoke(loadtest, args)
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines()
+            if line.split()[:1] and line.split()[0].isdigit()]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("1", "12", "12", "0"),
+                                                        ("4", "12", "12", "0")], result.output

@@ -16,7 +16,12 @@ import pytest
 
 from compress.errors import UserError
 from compress.serving.loadtest.arguments import check_loopback
-from compress.serving.loadtest.predictions import format_table, run_load, sweep
+from compress.serving.loadtest.predictions import (
+    format_table,
+    rerank_payloads,
+    run_load,
+    sweep,
+)
 
 GOOD = [b'{"text": "a"}', b'{"text": "b"}', b'{"text": "c"}']
 BAD = b"{not json"
@@ -246,3 +251,15 @@ def test_sweep_checks_every_concurrency_and_url() -> None:
         sweep("http://example.com/x", [1], requests=1, payloads=GOOD)
     with pytest.raises(UserError, match="concurrencies"):
         sweep("http://127.0.0.1:1/x", [], requests=1, payloads=GOOD)
+
+
+def test_rerank_payloads_send_each_line_as_a_query_with_the_lines_after_it(tmp_path) -> None:
+    lines = tmp_path / "texts.txt"
+    lines.write_text("q0\n\nq1\nq2\n")
+    bodies = [json.loads(b) for b in rerank_payloads(str(lines), documents=4)]
+    assert bodies == [{"query": "q0", "documents": ["q1", "q2", "q0", "q1"]},
+                      {"query": "q1", "documents": ["q2", "q0", "q1", "q2"]},
+                      {"query": "q2", "documents": ["q0", "q1", "q2", "q0"]}]
+    (tmp_path / "blank.txt").write_text("\n \n")
+    with pytest.raises(UserError, match="no text lines"):
+        rerank_payloads(str(tmp_path / "blank.txt"))

@@ -1,5 +1,5 @@
 """A bounded HTTP load test of a TorchServe prediction endpoint on this machine (a
-classifier's or an embedding model's JSON bodies).
+classifier's or an embedding model's JSON bodies, or a reranker's query and documents).
 
 Standard library only: a pool of threads, each holding its own persistent
 ``http.client.HTTPConnection``, keeps exactly ``concurrency`` POSTs in flight until ``requests``
@@ -45,13 +45,31 @@ SAMPLE_TEXTS = (
 
 def load_payloads(texts_file: str | None) -> list[bytes]:
     """JSON request bodies: one per non-empty line of `texts_file`, or SAMPLE_TEXTS."""
-    texts = SAMPLE_TEXTS
-    if texts_file:
-        texts = tuple(line.strip() for line in Path(texts_file).read_text().splitlines()
-                      if line.strip())
-        if not texts:
-            raise UserError(f"{texts_file}: no text lines to send")
-    return [json.dumps({"text": t}).encode() for t in texts]
+    return [json.dumps({"text": t}).encode() for t in read_texts(texts_file)]
+
+
+RERANK_DOCUMENTS = 8  # documents a reranker's load-test request sends with its query
+
+
+def read_texts(texts_file: str | None) -> tuple[str, ...]:
+    """The non-empty lines of `texts_file`, or SAMPLE_TEXTS."""
+    if not texts_file:
+        return SAMPLE_TEXTS
+    texts = tuple(line.strip() for line in Path(texts_file).read_text().splitlines()
+                  if line.strip())
+    if not texts:
+        raise UserError(f"{texts_file}: no text lines to send")
+    return texts
+
+
+def rerank_payloads(texts_file: str | None, documents: int = RERANK_DOCUMENTS) -> list[bytes]:
+    """A reranker's request bodies (its native route's, which `v1/rerank` also takes): one
+    per text line, that line as the query and the `documents` lines after it (cycling) as
+    the documents."""
+    texts = read_texts(texts_file)
+    return [json.dumps({"query": query, "documents": [
+        texts[(i + 1 + k) % len(texts)] for k in range(documents)]}).encode()
+        for i, query in enumerate(texts)]
 
 
 def run_load(url: str, concurrency: int, requests: int, payloads: list[bytes],

@@ -145,12 +145,14 @@ def cls_bert_folder(folder: Path) -> Path:
 # ---- causal LMs ------------------------------------------------------------------------------
 
 def causal_lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,
-                     **extra) -> Path:
+                     calibration_samples: int = 0, **extra) -> Path:
     """A recipe of `stages` on a tiny causal LM and SST-2 text (with `train_samples` train
-    sentences if any)."""
+    sentences and `calibration_samples` calibration ones, from the train split, if any)."""
     from conftest import write_recipe
 
     train = {"train": {"split": "train", "max_samples": train_samples}} if train_samples else {}
+    if calibration_samples:
+        train["calibration"] = {"split": "train", "max_samples": calibration_samples}
     raw = {"name": "tiny_lm", "model": {"source": str(model)},
            "data": {"source": SST2, "text_column": "sentence", "max_length": 32, **train,
                     "eval": {"split": "validation", "max_samples": 12}},

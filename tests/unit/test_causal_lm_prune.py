@@ -71,10 +71,7 @@ def test_a_pruned_causal_lm_runs_through_the_pipeline_and_reloads(
         tmp_path: Path, tiny_llama_folder: Path) -> None:
     stages = [{"kind": "prune", "method": "structured", "target": "ffn+heads", "amount": 0.5,
                "recovery": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-3}}]
-    path = causal_lm_recipe(tmp_path, tiny_llama_folder, stages)
-    text = path.read_text().replace("    eval:", "    train: {split: train, max_samples: 64}\n"
-                                    "    eval:")
-    path.write_text(text)
+    path = causal_lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=64)
     run_dir = run_recipe(load_recipe(path), echo=lambda _: None)
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
     m = stage["metrics"]

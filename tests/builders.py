@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from compress.algorithms.pruning import select_layers
-from compress.algorithms.quantization import quantize
 from compress.data.datasets import DataBundle, Examples
 from compress.models.bundle import ModelBundle
 from compress.pipeline.loop import run_recipe
@@ -50,7 +49,10 @@ def export_text_recipe(model: Path, sentiment_dir: Path, out: Path, exports: lis
 # ---- quantization ----------------------------------------------------------------------------
 
 def stage_quantize(bundle: ModelBundle, cfg, ctx: StageContext):
-    """The library call as the quantize stage makes it, from a stage context."""
+    """The library call as the quantize stage makes it, from a stage context (torchao
+    imported here, not by every test that loads this module)."""
+    from compress.algorithms.quantization import quantize
+
     return quantize(bundle, cfg, ctx.data.splits.get("calibration"),
                     setup=ctx.training() if cfg.mode == "qat" else None,
                     max_length=ctx.data.max_length)

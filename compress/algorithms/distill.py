@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,14 +33,22 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 
 def make_kd_loss_fn(teacher: nn.Module, temperature: float, alpha: float):
     """A `loss_fn(student, inputs, labels)` for the shared training loop (teacher frozen)."""
+    return teacher_loss_fn(teacher, lambda student, target, labels: kd_loss(
+        student, target, labels, temperature, alpha))
+
+
+def teacher_loss_fn(teacher: nn.Module, loss: Callable[..., torch.Tensor]):
+    """A `loss_fn(student, inputs, labels)` for the shared training loop giving
+    `loss(student's outputs, teacher's outputs, labels)`, `teacher` frozen (eval mode, no
+    gradients): what every distillation loss, whatever it compares, trains with."""
     teacher.eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
 
     def loss_fn(student: nn.Module, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            teacher_logits = logits_of(teacher, inputs)
-        return kd_loss(logits_of(student, inputs), teacher_logits, labels, temperature, alpha)
+            target = logits_of(teacher, inputs)
+        return loss(logits_of(student, inputs), target, labels)
 
     return loss_fn
 

@@ -67,10 +67,12 @@ def prune_steps(spec: ShapeSpec, recovery: TrainOptions) -> list[PruneConfig]:
 
 
 def train_shape(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining,
-                setup: Setup, folder: Path, log: Callable[[str], None]
+                setup: Setup, folder: Path, log: Callable[[str], None],
+                loss_fn: Callable[..., Any] | None = None
                 ) -> tuple[ModelBundle, dict[str, Any]]:
-    """Build the shape from `teacher` (which it leaves alone) and train it; the student and
-    its figures."""
+    """Build the shape from `teacher` (which it leaves alone) and train it, distilling and
+    recovering by a family's `loss_fn` where given (default: the KD loss, and the labels
+    after pruning); the student and its figures."""
     options = training.model_dump(exclude={"temperature", "alpha", "layerwise", "recovery"})
     figures: dict[str, Any] = {"teacher_layers": len(encoder_layers(teacher.model))}
     student = teacher
@@ -80,7 +82,7 @@ def train_shape(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining,
                             temperature=training.temperature, alpha=training.alpha,
                             layerwise=training.layerwise)
         student, metrics = distill(teacher, cfg, setup(folder / "checkpoints" / "distill",
-                                                       f"{spec.label} distill"))
+                                                       f"{spec.label} distill"), loss_fn)
         figures.update(distill_steps=metrics["train_steps"], distill_loss=metrics["train_loss"])
     elif spec.layers is not None:
         log(f"fine-tuning {spec.layers} of {figures['teacher_layers']} layers on the labels")
@@ -91,7 +93,8 @@ def train_shape(teacher: ModelBundle, spec: ShapeSpec, training: ShapeTraining,
     else:
         student = build_student(teacher, StudentSpec(
             layers=figures["teacher_layers"]))  # a copy: pruning works in place
-    return student, prune_shape(student, spec, training, setup, folder, log, figures)
+    return student, prune_shape(student, spec, training, setup, folder, log, figures,
+                                loss_fn)
 
 
 def prune_shape(student: ModelBundle, spec: ShapeSpec, training: ShapeTraining, setup: Setup,

@@ -65,7 +65,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
             run_dir: Path, reference: bool = False) -> dict[str, Any]:
     """The ranking figures on the eval pairs, latency (swept and at real lengths, with
     pairs/s), params and sparsity. The reference writes its scores."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     cfg = recipe.evaluation
     examples = data.splits["eval"]
@@ -75,11 +75,19 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
         tmp = ref_file.with_name(f".{ref_file.name}.tmp")
         save_file({"scores": scores.contiguous()}, str(tmp))
         tmp.replace(ref_file)
-    ref = load_file(str(ref_file))["scores"] if ref_file.is_file() else None
+    ref = reference_scores(run_dir)
     metrics: dict[str, Any] = {**(known or {}), **quality(scores, ref, examples),
                                "pairs": len(examples), "queries": len(set(examples.texts)),
                                "kendall_tie_margin": TIE_MARGIN}
     return {**metrics, **speed_and_size(bundle, examples, recipe, data.max_length)}
+
+
+def reference_scores(run_dir: Path) -> torch.Tensor | None:
+    """The baseline's scores of the eval pairs (`REFERENCE`), None before it is measured."""
+    from safetensors.torch import load_file
+
+    path = run_dir / REFERENCE
+    return load_file(str(path))["scores"] if path.is_file() else None
 
 
 def latency(bundle: ModelBundle, data: DataBundle, recipe) -> dict[str, Any]:

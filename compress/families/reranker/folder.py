@@ -19,6 +19,10 @@ several labels, an activation outside `torch.nn`, or prompts (put before the que
 this family does not do yet) is refused in one line. A bare encoder (no classification head,
 e.g. all-MiniLM-L6-v2) gets a new one-label head, as `CrossEncoder(encoder)` gives it:
 untrained, seeded by the caller, for trying the chain offline.
+
+A structurally pruned model's folder also holds `structure.json`, its new shapes (names
+relative to the sequence classifier; its config.json keeps the unpruned widths, so only
+compress reads such a folder back, as with a pruned classifier or sentence encoder).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ ST_CONFIG = "config_sentence_transformers.json"
 MODEL_TYPE = "CrossEncoder"
 DEFAULT_ACTIVATION = "Sigmoid"  # sentence-transformers' for a one-label model
 HUGE = 1_000_000  # a tokenizer's model_max_length past this is "no limit said"
+STRUCTURE = "structure.json"  # shapes after structured pruning (compress.models.structure)
 
 
 class CrossEncoderScorer(nn.Module):
@@ -57,6 +62,11 @@ class CrossEncoderScorer(nn.Module):
         # DistilBERT and ModernBERT take no token types: they are not passed to them
         self.takes_token_types = "token_type_ids" in inspect.signature(
             classifier.forward).parameters
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The classifier's encoder (where layer-level code finds `encoder.layer`)."""
+        return self.classifier.base_model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,9 +140,13 @@ def load_cross_encoder(location: str | Path, checkpoint: str | None = None) -> M
                         "not put before the query yet; remove them from "
                         f"{ST_CONFIG} to score without them")
     hf_logging.set_verbosity_error()
+    structure = read_structure(folder)
     try:
-        classifier = AutoModelForSequenceClassification.from_pretrained(
-            folder, dtype=torch.float32, **({} if headed else {"num_labels": 1})).eval()
+        if structure is None:
+            classifier = AutoModelForSequenceClassification.from_pretrained(
+                folder, dtype=torch.float32, **({} if headed else {"num_labels": 1})).eval()
+        else:
+            classifier = pruned_classifier(folder, structure)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise UserError(f"model.source: cannot load '{location}' as a cross-encoder: "
@@ -143,7 +157,29 @@ def load_cross_encoder(location: str | Path, checkpoint: str | None = None) -> M
         load_weights(classifier, checkpoint)
     scorer = CrossEncoderScorer(classifier, facts["activation"],
                                 max_length_of(facts, tokenizer, classifier.config))
-    return ModelBundle(scorer.eval(), KIND, ["score"], tokenizer=tokenizer)
+    return ModelBundle(scorer.eval(), KIND, ["score"], tokenizer=tokenizer, structure=structure)
+
+
+def read_structure(folder: Path) -> dict[str, Any] | None:
+    """The shapes a structured prune left (`STRUCTURE`, written beside the weights), else
+    None."""
+    path = folder / STRUCTURE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def pruned_classifier(folder: Path, structure: dict[str, Any]) -> nn.Module:
+    """The folder's sequence classifier built from its config, shrunk to the pruned shapes
+    (names relative to the classifier), then its weights loaded."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from compress.models.loading import load_weights
+    from compress.models.structure import apply_structure
+
+    classifier = AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(folder))
+    apply_structure(classifier, structure)
+    load_weights(classifier, str(folder / "model.safetensors"))
+    return classifier.float().eval()
 
 
 def max_length_of(facts: dict[str, Any], tokenizer: Any, config: Any) -> int:
@@ -163,6 +199,8 @@ def save_cross_encoder(bundle: ModelBundle, folder: Path) -> Path:
     scorer: CrossEncoderScorer = bundle.model
     folder.mkdir(parents=True, exist_ok=True)
     scorer.classifier.save_pretrained(folder, safe_serialization=True)
+    if bundle.structure is not None:  # config.json keeps the unpruned widths
+        (folder / STRUCTURE).write_text(json.dumps(bundle.structure, indent=2))
     bundle.tokenizer.model_max_length = scorer.max_length  # where v6 keeps it
     bundle.tokenizer.save_pretrained(folder)
     (folder / ST_CONFIG).write_text(json.dumps(
@@ -179,7 +217,8 @@ def save_cross_encoder(bundle: ModelBundle, folder: Path) -> Path:
 
 
 def load_reranker_folder(folder: Path) -> ModelBundle:
-    """Read back a folder written by `save_cross_encoder`."""
+    """Read back a folder written by `save_cross_encoder` (at its pruned shapes, where it
+    was pruned)."""
     return load_cross_encoder(folder)
 
 

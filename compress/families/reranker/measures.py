@@ -96,3 +96,13 @@ def agreement(scores: torch.Tensor, reference: torch.Tensor, groups: Sequence[in
     if tau is not None:
         out["kendall_tau"] = tau
     return out
+
+
+def pearson(scores: torch.Tensor, reference: torch.Tensor) -> float | None:
+    """Pearson's correlation of all the pairs' scores with the reference's (across queries:
+    a student that keeps the teacher's scale as well as its order gets near 1); None when
+    either side is constant."""
+    ours, theirs = scores.double().flatten(), reference.double().flatten()
+    ours, theirs = ours - ours.mean(), theirs - theirs.mean()
+    norm = float(ours.norm() * theirs.norm())
+    return None if norm == 0 else round(float((ours * theirs).sum()) / norm, 6)

@@ -118,8 +118,17 @@ def _teacher_has_the_layers(recipe: Any, i: int, model_config: dict[str, Any]) -
 
 
 def _check_task(cfg: DistillConfig, task: str, index: int) -> list[str]:
-    """A causal LM's or an embedding model's student keeps some of its teacher's layers."""
+    """A causal LM's or an embedding model's student keeps some of its teacher's layers; a
+    reranker's is a Hugging Face classifier (kept layers or hf_config) fitting its teacher's
+    score logits."""
     where = f"stages.{index}"
+    if task == "reranking":
+        options = [o for o in ("temperature", "alpha", "layerwise", "quantization_aware")
+                   if o in cfg.model_fields_set]
+        options += ["student.factory"] if cfg.student.factory is not None else []
+        return [f"{where}.{o}: not an option of a reranker's distillation, whose student "
+                "(student.layers, student.layer_indices or student.hf_config) learns the "
+                "teacher's score logits by MSE" for o in options]
     if task == "embedding":
         options = [o for o in ("temperature", "alpha", "layerwise", "quantization_aware")
                    if o in cfg.model_fields_set]

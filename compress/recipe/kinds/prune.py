@@ -131,13 +131,18 @@ def _splits(cfg: PruneConfig) -> tuple[str, ...]:
 def _check_task(cfg: PruneConfig, task: str, index: int) -> list[str]:
     """A causal LM is pruned structurally, by neurons and key-value groups, in every layer,
     or n:m in every decoder Linear; an embedding model's prune has no scoring or
-    recovery_distill."""
+    recovery_distill, a reranker's no recovery_distill."""
     where = f"stages.{index}"
     if task == "embedding":  # its prune stage always recovers towards the entering model
         wrong = {"scoring": cfg.scoring == "wanda", "recovery_distill": cfg.recovery_distill}
         return [f"{where}.{o}: not an option of an embedding model's prune (its recovery "
                 "always distils the entering model's embeddings; scoring is magnitude)"
                 for o, bad in wrong.items() if bad]
+    if task == "reranking":  # the same: its recovery learns the entering model's scores
+        return [f"{where}.{o}: not an option of a reranker's prune (its recovery always "
+                "learns the entering model's score logits by MSE)"
+                for o in ("recovery_distill", "temperature", "alpha")
+                if o in cfg.model_fields_set]
     if task != "causal-lm":
         return []
     problems = []

@@ -46,7 +46,9 @@ Candidate = Literal["pt2e_static_aoti", "pt2e_dynamic_aoti", "pt2e_static_bf16_a
 OBJECTIVES = {"latency_b1": "latency_ms_b1", "latency_b8": "latency_ms_b8",
               "latency_real": "latency_ms_b8_real", "latency_real_b32": "latency_ms_b32_real",
               "size": "bytes"}
-BUDGETS = ("max_accuracy_drop", "min_fidelity", "min_recall_at_10")  # quality budgets
+BUDGETS = ("max_accuracy_drop", "min_fidelity", "min_recall_at_10", "min_kendall_tau",
+           "max_ndcg_drop")  # quality budgets
+RERANKER_BUDGETS = ("min_kendall_tau", "max_ndcg_drop")
 
 
 class ShapeSpec(StrictModel):
@@ -97,9 +99,10 @@ class ShapeTraining(TrainOptions):
 
 class SearchConfig(StrictModel):
     """The fastest (or smallest) servable artifact within a quality budget (a classifier's
-    accuracy loss, an embedding model's fidelity and recall): every candidate precision and
-    runtime built, measured and, when it loses too much, given float fallback layers by
-    sensitivity. The winner is an export the package stage archives."""
+    accuracy loss, an embedding model's fidelity and recall, a reranker's Kendall's tau and
+    nDCG@10 loss): every candidate precision and runtime built, measured and, when it loses
+    too much, given float fallback layers by sensitivity. The winner is an export the
+    package stage archives."""
 
     kind: Literal["search"] = "search"
     name: StageName = None
@@ -112,6 +115,13 @@ class SearchConfig(StrictModel):
     min_recall_at_10: float | None = Field(
         None, gt=0, le=1, description="Embedding models: lowest recall@10 of each eval "
         "text's neighbours against the float model's neighbours.")
+    min_kendall_tau: float | None = Field(
+        None, ge=-1, le=1, description="Rerankers: lowest Kendall's tau of a trial's scores "
+        "against the float model's (the run's baseline), per query then averaged over the "
+        "eval queries (near-ties of the float model, within 0.001, not counted).")
+    max_ndcg_drop: float | None = Field(
+        None, ge=0, le=100, description="Rerankers: largest nDCG@10 loss in points against "
+        "the float model's on the eval pairs.")
     objective: Literal["latency_b1", "latency_b8", "latency_real", "latency_real_b32",
                        "size"] = Field(
         "latency_b8", description="What the winner minimises: median latency at batch 1 or "
@@ -220,8 +230,21 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
 
 def _check_task(cfg: SearchConfig, task: str, index: int) -> list[str]:
     """The budget the family judges by: accuracy points for a classifier, fidelity and
-    recall for an embedding model; an embedding model's shapes are distilled."""
+    recall for an embedding model, Kendall's tau and nDCG@10 points for a reranker; an
+    embedding model's and a reranker's shapes are distilled."""
     where = f"stages.{index}"
+    if task == "reranking":
+        problems = [] if any(getattr(cfg, o) is not None for o in RERANKER_BUDGETS) else [
+            f"{where}: a reranker's search needs a budget: give min_kendall_tau (e.g. 0.9) "
+            "or max_ndcg_drop (points, e.g. 1.0), or both"]
+        problems += [f"{where}.{o}: a reranker is held to min_kendall_tau and max_ndcg_drop "
+                     "against the float model; remove it" for o in BUDGETS
+                     if o not in RERANKER_BUDGETS and getattr(cfg, o) is not None]
+        return problems + _distilled_shapes(cfg, where, "a reranker", "score logits", "MSE")
+    theirs = [f"{where}.{o}: a reranker's budget; {task} models are held to "
+              + ("min_fidelity and min_recall_at_10" if task == "embedding" else
+                 "max_accuracy_drop") + "; remove it"
+              for o in RERANKER_BUDGETS if getattr(cfg, o) is not None]
     if task == "embedding":
         problems = [] if cfg.min_fidelity is not None or cfg.min_recall_at_10 is not None \
             else [f"{where}: an embedding model's search needs a budget: give min_fidelity "
@@ -230,21 +253,29 @@ def _check_task(cfg: SearchConfig, task: str, index: int) -> list[str]:
             problems.append(f"{where}.max_accuracy_drop: an embedding model is held to "
                             "min_fidelity and min_recall_at_10 against the float model; "
                             "remove it")
-        problems += [f"{where}.shapes.{k}.teacher: an embedding model's shapes are distilled "
-                     "from its embeddings (it has no labels to fine-tune on); remove teacher"
-                     for k, s in enumerate(cfg.shapes or []) if not s.teacher]
-        problems += [f"{where}.shape_training.{o}: a classifier's distillation option; an "
-                     "embedding model's shapes learn the embeddings (|s - t|^2 + 1 - cos); "
-                     "remove it" for o in ("temperature", "alpha", "layerwise")
-                     if o in cfg.shape_training.model_fields_set]
-        return problems
-    problems = [f"{where}.{o}: an embedding model's budget; {task} models are held to "
-                "max_accuracy_drop; remove it" for o in ("min_fidelity", "min_recall_at_10")
-                if getattr(cfg, o) is not None]
+        return theirs + problems + _distilled_shapes(
+            cfg, where, "an embedding model", "embeddings", "|s - t|^2 + 1 - cos")
+    problems = theirs + [f"{where}.{o}: an embedding model's budget; {task} models are held "
+                         "to max_accuracy_drop; remove it"
+                         for o in ("min_fidelity", "min_recall_at_10")
+                         if getattr(cfg, o) is not None]
     if cfg.max_accuracy_drop is None:
         problems.append(f"{where}.max_accuracy_drop: required: the largest accuracy loss in "
                         "points against the model entering the search (e.g. 0.5)")
     return problems
+
+
+def _distilled_shapes(cfg: SearchConfig, where: str, noun: str, outputs: str, loss: str
+                      ) -> list[str]:
+    """A family whose shapes learn the entering model's `outputs` by its own `loss` (no
+    labels, no KD options)."""
+    problems = [f"{where}.shapes.{k}.teacher: {noun}'s shapes are distilled from its "
+                f"{outputs} (teacher: false fine-tunes on a classifier's labels); remove teacher"
+                for k, s in enumerate(cfg.shapes or []) if not s.teacher]
+    return problems + [f"{where}.shape_training.{o}: a classifier's distillation option; "
+                       f"{noun}'s shapes learn its {outputs} ({loss}); remove it"
+                       for o in ("temperature", "alpha", "layerwise")
+                       if o in cfg.shape_training.model_fields_set]
 
 
 SPEC = register(StageSpec(

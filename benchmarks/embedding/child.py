@@ -21,6 +21,12 @@ numpy and benchmarks/harness/child_main.py only, and each kind's library inside 
   `export_static_quantized_openvino_model` with `OVQuantizationConfig()` (NNCF, 300
   samples), calibrated as its documentation does on SST-2's train sentences (here the
   run's calibration split read by `datasets` from its folder, never the eval texts).
+  With `"cross_encoder": true`, "build_onnx" makes a CrossEncoder's files (rerank.py's).
+- "rerank": benchmarks/embedding/rerank.py's row, a reranker: load its model, score the
+  (query, document) pairs (a JSON file) in order in batches of `batch` as "measure" times
+  texts, pairs in and scores out (sentence-transformers' `CrossEncoder.predict`, torch or
+  its ONNX backend, or compress's export as its served handler reads a request); the first
+  pass's scores go to `scores` (.npy) when asked.
 """
 
 from __future__ import annotations
@@ -231,15 +237,24 @@ def _sizes(folder: Path, files: dict[str, str]) -> dict[str, float]:
 
 
 def build_onnx(spec: dict[str, Any]) -> dict[str, Any]:
-    """`onnx/model.onnx` and `onnx/model_qint8_<isa>.onnx` in a copy of the source folder."""
-    from sentence_transformers import SentenceTransformer, export_dynamic_quantized_onnx_model
+    """`onnx/model.onnx` and `onnx/model_q(u)int8_<isa>.onnx` in a copy of the source folder
+    (a SentenceTransformer's, or with `cross_encoder` a CrossEncoder's)."""
+    from sentence_transformers import (
+        CrossEncoder,
+        SentenceTransformer,
+        export_dynamic_quantized_onnx_model,
+    )
 
     folder = _copy(spec["source"], spec["folder"])
-    model = SentenceTransformer(str(folder), device="cpu", backend="onnx")
+    model_class = CrossEncoder if spec.get("cross_encoder") else SentenceTransformer
+    model = model_class(str(folder), device="cpu", backend="onnx")
     model.save_pretrained(str(folder))  # the export the backend made on load
     isa = spec["isa"]
     export_dynamic_quantized_onnx_model(model, isa, str(folder))
-    files = {"fp32": "onnx/model.onnx", "int8": f"onnx/model_qint8_{isa}.onnx"}
+    # named for its weights' type: qint8 (avx512_vnni, arm64) or quint8 (avx2, avx512)
+    written = sorted((folder / "onnx").glob(f"model_*int8_{isa}.onnx"))
+    files = {"fp32": "onnx/model.onnx",
+             "int8": f"onnx/{written[0].name}" if written else f"onnx/model_qint8_{isa}.onnx"}
     missing = [name for name in files.values() if not (folder / name).is_file()]
     if missing:
         raise FileNotFoundError(f"sentence-transformers wrote no {', '.join(missing)} in "
@@ -273,12 +288,142 @@ def build_openvino(spec: dict[str, Any]) -> dict[str, Any]:
                            f"({calibration['split']}, {calibration['column']})"}
 
 
+# ------------------------------------------------------------------ rerankers (rerank.py)
+
+Scorer = Callable[[list[list[str]]], np.ndarray]  # (query, document) pairs in, scores out
+FIXED_QUERY_WORDS = 8  # the fixed shape's query; its document fills the rest
+
+
+def load_cross_encoder(spec: dict[str, Any]) -> Scorer:
+    """sentence-transformers' CrossEncoder on the folder: torch (kind "ce"), or its "onnx"
+    backend reading `file` from the folder (kind "ce_onnx"); `predict`, its activation
+    applied, as a user calls it."""
+    from sentence_transformers import CrossEncoder
+
+    backend = "onnx" if spec["kind"] == "ce_onnx" else "torch"
+    kwargs = {"model_kwargs": {"file_name": spec["file"]}} if spec.get("file") else {}
+    model = CrossEncoder(spec["folder"], device="cpu", backend=backend, **kwargs)
+    batch = spec["batch"]
+
+    def score(pairs: list[list[str]]) -> np.ndarray:
+        return model.predict([(q, d) for q, d in pairs], batch_size=batch,
+                             convert_to_numpy=True, show_progress_bar=False)
+
+    def model_call(pairs: list[list[str]]) -> Callable[[], Any]:
+        import torch
+
+        features = model.preprocess([(q, d) for q, d in pairs])  # what predict tokenizes
+
+        def call() -> Any:
+            with torch.inference_mode():
+                return model.activation_fn(model(features)["scores"])
+
+        return call
+
+    score.model_call = model_call  # type: ignore[attr-defined]
+    return score
+
+
+def load_compress_reranker(spec: dict[str, Any]) -> Scorer:
+    """One of compress's reranker exports as its served handler runs it: `serve.runtimes`'
+    loader, the folder's tokenizer, each query's pairs tokenized as the handler reads a
+    request (`serve/reranker/requests.py`: `tokenizer(query, document)` cut longest-first
+    at the export's max_seq_length), a batch's pairs in passes of similar length
+    (`serve.batching.by_length`)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from serve.batching import by_length, padded
+    from serve.reranker.requests import Limits, Reader
+    from serve.runtimes import load_runtime
+
+    folder = Path(spec["folder"])
+    meta = json.loads((folder / "export.json").read_text())
+    threads = spec.get("threads") or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    run = load_runtime(folder, meta, threads)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    names, pad = meta["inputs"], tokenizer.pad_token_id or 0
+    longest = (meta.get("reranker") or {}).get("max_seq_length") or tokenizer.model_max_length
+    reader = Reader(tokenizer, names, Limits(len(names), 0, int(longest)))
+
+    def rows_of(pairs: list[list[str]]) -> list[Any]:
+        rows: list[Any] = []
+        for query, documents in _by_query(pairs):
+            rows += reader.pair_rows(query, documents)
+        return rows
+
+    def one_pass(rows: list[Any]) -> list[float]:
+        with torch.inference_mode():
+            out = run(*padded(rows, pad, names))
+        out = out[0] if isinstance(out, list | tuple) else out
+        return out.float().reshape(-1).tolist()
+
+    def score(pairs: list[list[str]]) -> np.ndarray:
+        return np.asarray(by_length(rows_of(pairs), one_pass), dtype=np.float32)
+
+    def model_call(pairs: list[list[str]]) -> Callable[[], Any]:
+        tensors = padded(rows_of(pairs), pad, names)
+
+        def call() -> Any:
+            with torch.inference_mode():
+                return run(*tensors)
+
+        return call
+
+    score.model_call = model_call  # type: ignore[attr-defined]
+    return score
+
+
+def _by_query(pairs: list[list[str]]) -> list[tuple[str, list[str]]]:
+    """Consecutive pairs of one query as (query, its documents), in order."""
+    grouped: list[tuple[str, list[str]]] = []
+    for query, document in pairs:
+        if not grouped or grouped[-1][0] != query:
+            grouped.append((query, []))
+        grouped[-1][1].append(document)
+    return grouped
+
+
+RERANKERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {
+    "ce": load_cross_encoder, "ce_onnx": load_cross_encoder,
+    "compress": load_compress_reranker}
+
+
+def fixed_pairs(batch: int, length: int) -> list[list[str]]:
+    """`batch` pairs of `length` tokens each (special tokens included): a query of
+    FIXED_QUERY_WORDS words and a document filling the rest, words of one token each."""
+    document = max(length - 3 - FIXED_QUERY_WORDS, 1)
+    return [[" ".join(["word"] * FIXED_QUERY_WORDS), " ".join(["word"] * document)]] * batch
+
+
+def rerank(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load the reranker row's model, time it on the pairs as "measure" times texts, save
+    its scores when asked; and at the fixed shape, the pairs in and the model alone on
+    them tokenized once (`fixed_ms`, `fixed_model_ms`)."""
+    pairs = json.loads(Path(spec["pairs"]).read_text())["pairs"]
+    began = time.perf_counter()
+    score = RERANKERS[spec["kind"]](spec)
+    load_s = time.perf_counter() - began
+    figures, scores = time_passes(score, pairs, spec["batch"], spec["warmup"],
+                                  spec["passes"])
+    if spec.get("scores"):
+        np.save(spec["scores"], scores.reshape(-1))
+    if spec.get("fixed"):
+        shaped = fixed_pairs(*spec["fixed"])
+        figures.update(fixed_shape=list(spec["fixed"]),
+                       fixed_ms=_median_ms(lambda: score(shaped), spec["warmup"], 15),
+                       fixed_model_ms=_median_ms(score.model_call(shaped),  # type: ignore[attr-defined]
+                                                 spec["warmup"], 15))
+    return {**figures, "load_s": round(load_s, 3), "pairs": len(pairs), "pid": os.getpid()}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the spec's mode and print its JSON line; 1 with {"error": ...} when it fails."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model and split here is on disk
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     return run_modes({"measure": measure, "build_onnx": build_onnx,
-                      "build_openvino": build_openvino}, argv, __doc__)
+                      "build_openvino": build_openvino, "rerank": rerank}, argv, __doc__)
 
 
 if __name__ == "__main__":

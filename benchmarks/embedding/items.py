@@ -124,10 +124,11 @@ def peer_items(run_dir: Path, source: Path, source_sha: str, calibration: dict[s
     return [{**row, "rounds": []} for row in rows if row["name"] in wanted], versions
 
 
-def st_onnx_build(run_dir: Path, source: Path, echo: Callable[[str], None]
-                  ) -> dict[str, Any] | str:
+def st_onnx_build(run_dir: Path, source: Path, echo: Callable[[str], None],
+                  cross_encoder: bool = False) -> dict[str, Any] | str:
     """sentence-transformers' ONNX export and dynamic int8 of `source` for this CPU (the
-    files peers.py times, built in the onnx environment or reused), or why not."""
+    files peers.py times, built in the onnx environment or reused), or why not; with
+    `cross_encoder`, a CrossEncoder's (rerank.py's, in `<run>/peers/embed/ce_onnx/`)."""
     from compress.runfolder.files import sha256_file
 
     versions: dict[str, dict[str, str]] = {}
@@ -135,8 +136,11 @@ def st_onnx_build(run_dir: Path, source: Path, echo: Callable[[str], None]
     if ready is not True:
         return str(ready)
     isa = quantize_config(cpu_flags(), platform.machine())
-    return _build(ONNX, run_dir, "st_onnx", source, sha256_file(source / "model.safetensors"),
-                  {"mode": "build_onnx", "isa": isa}, echo)
+    spec: dict[str, Any] = {"mode": "build_onnx", "isa": isa}
+    if cross_encoder:
+        spec["cross_encoder"] = True
+    return _build(ONNX, run_dir, "ce_onnx" if cross_encoder else "st_onnx", source,
+                  sha256_file(source / "model.safetensors"), spec, echo)
 
 
 def _peer(built: Any, key: str, item: dict[str, Any]) -> dict[str, Any]:

@@ -118,12 +118,16 @@ class Server:
                                                 stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                                 start_new_session=True)
             # `compress serve` exits 0 once its worker is READY
-            return wait_answered(self.process, lambda: probe(self.base_url, self.model, 60),
+            return wait_answered(self.process, self.ready,
                                  self.spec["key"], log_path, timeout_s, began,
                                  exits_when_ready=self.spec["kind"] == "compress")
         except BaseException:
             self.stop()
             raise
+
+    def ready(self) -> str | None:
+        """None once the server answers an embedding call, else what came back."""
+        return probe(self.base_url, self.model, 60)
 
     def _root(self) -> int | None:
         """The server's pid: infinity's own, or the one `compress serve` recorded."""

@@ -30,12 +30,20 @@ def cpu_model() -> str | None:
 
 
 def cpu_facts() -> dict[str, Any]:
-    """The CPU's model name and its SIMD flags, from /proc/cpuinfo."""
-    model, flags = None, []
+    """The CPU's model name, its vendor, family and model numbers (what names the
+    microarchitecture where the model name does not, as "AMD EPYC") and its SIMD flags,
+    from /proc/cpuinfo."""
+    model, flags, ids = None, [], {}
     for line in _cpuinfo():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model is None:
+        key = key.strip()
+        if key == "model name" and model is None:
             model = value.strip()
-        if key.strip() == "flags" and not flags:
+        if key in ("vendor_id", "cpu family", "model", "stepping") and key not in ids:
+            ids[key] = value.strip()
+        if key == "flags" and not flags:
             flags = [f for f in value.split() if SIMD.match(f)]
-    return {"cpu": model or "unknown", "flags": " ".join(flags) or "unknown"}
+    family = " ".join(f"{name} {ids[key]}" for name, key in (
+        ("family", "cpu family"), ("model", "model"), ("stepping", "stepping")) if key in ids)
+    return {"cpu": model or "unknown", "flags": " ".join(flags) or "unknown",
+            "family": " ".join(filter(None, (ids.get("vendor_id"), family))) or "unknown"}

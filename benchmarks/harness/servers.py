@@ -1,6 +1,7 @@
 """What the served benchmarks share (benchmarks/causal_lm/served*.py, embedding/served*.py):
 a server's launch watched until it answers, its whole process tree's resident memory
-sampled while it runs, the last line of its log, and the served tables' cells and Markdown.
+sampled while it runs, the last line of its log, and the served tables' rows (a server's
+rounds per concurrency level), ratios, cells and Markdown.
 
 Cold start is the time from launching the command to the first answered request (one
 every quarter second); resident memory is sampled every half second over the server's
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.spread import ratio
 from benchmarks.harness.venv import PeerError
 
 READY_GRACE_S = 60  # how long `compress serve` may have said READY before its first answer
@@ -125,6 +127,53 @@ def median(values: list[float | None]) -> float | None:
 def shown(value: float | None) -> str:
     """A ratio as printed: `1.50x`, or `n/a`."""
     return "n/a" if value is None else f"{value:.2f}x"
+
+
+def level_rows(items: list[dict[str, Any]], levels: list[int], figures: tuple[str, ...],
+               copied: tuple[str, ...] = ("kind",)) -> list[dict[str, Any]]:
+    """One row per server and concurrency level from its rounds (each {"runs": [a level's
+    figures], "cold_start_s", "rss_peak_bytes", "error"?}): each of `figures` the median
+    over the rounds, errors summed, resident memory the largest seen, cold start the median
+    of the starts; the item's "key", "name" and `copied` keys kept."""
+    rows = []
+    for item in items:
+        rounds = item.get("rounds") or []
+        rss = max((r.get("rss_peak_bytes") or 0 for r in rounds), default=0)
+        cold = median([r.get("cold_start_s") for r in rounds])
+        for level in levels:
+            runs = [run for r in rounds for run in r.get("runs") or []
+                    if run["concurrency"] == level]
+            rows.append({"key": item["key"], "name": item["name"],
+                         **{k: item.get(k) for k in copied},
+                         "concurrency": level, "rounds": len(runs),
+                         "errors": sum(run["errors"] for run in runs) if runs else None,
+                         "rss_mb": round(rss / 2**20) if rss else None, "cold_start_s": cold,
+                         **{k: median([run.get(k) for run in runs]) for k in figures}})
+    return rows
+
+
+def rate_ratios(rows: list[dict[str, Any]], levels: list[int], key: str, unit: str,
+                ours: str = "compress", peers: str = "infinity") -> list[str]:
+    """At each level: the fastest of the `peers` rows (kind) by the rate `key` (in `unit`),
+    then each of `ours` rows' rate over each peer's, and its p50 latency over the
+    fastest's."""
+    lines = []
+    for level in levels:
+        here = [r for r in rows if r["concurrency"] == level]
+        others = [r for r in here if r["kind"] == peers and r.get(key)]
+        fastest = max(others, key=lambda r: r[key], default=None)
+        if fastest is not None:
+            lines.append(f"c{level}: the fastest {peers} is {fastest['name']} "
+                         f"({fastest[key]} {unit})")
+        for row in (r for r in here if r["kind"] == ours):
+            parts = [f"/ {peer['name']} " + shown(ratio(row.get(key), peer[key], 2))
+                     for peer in others]
+            if fastest is not None:
+                parts.append("p50 latency / the fastest's " + shown(ratio(
+                    row.get("latency_ms_p50"), fastest.get("latency_ms_p50"), 2)))
+            if parts:
+                lines.append(f"c{level}: {row['name']} {unit} " + ", ".join(parts))
+    return lines
 
 
 def cells(rows: list[dict[str, Any]], columns: tuple[tuple[str, str], ...]

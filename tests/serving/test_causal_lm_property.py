@@ -471,6 +471,12 @@ def test_odd_valid_requests_answer_as_alone_and_any_body_fails_alone(
                                "temperature": 0.7, "logprobs": True, "top_logprobs": 2,
                                "stream": True, "max_tokens": 12}).encode(), CHAT, "odd"),
              generated=False)
+    # the soak's 1000 cases on LitServe: this one never showed a good row beside its own
+    @example(case=(json.dumps({"prompt": ["\u05e9\u05dc\u05d5\u05dd"], "temperature": 0,
+                               "n": 3, "stop": ["\u0004\u00e3~\u00ad.\U000db6d4z"],
+                               "max_tokens": 1, "ignore_eos": False, "user": "",
+                               "frequency_penalty": 0}).encode(), COMPLETIONS, "odd"),
+             generated=False)
     def check(case: tuple[bytes, str, str], generated: bool) -> None:
         body, route, kind = case
         valid = kind == "odd" or expected_valid(body, route)  # odd: valid as it is drawn

@@ -259,6 +259,7 @@ class ContinuousBatcher(Placement):
         self._fill(slot, row.start, keys, values)
         (token,) = pick_for_rows(job.row_logits(index), [row])
         self.slots[slot] = row
+        row.beside = self.busy()
         self._take(slot, token)
 
     def _step(self) -> None:

@@ -110,7 +110,7 @@ async def follow(context, i: int, batcher: Any, run: RowRun,
         if stream.stopped:
             continue
         if not stream.tokens and choice.index == 0:
-            busy = batcher.busy()
+            busy = row.beside
             context.set_response_header(i, replies.BATCH_HEADER, str(busy))
             record(context, "CompressBatchRows", busy)
             record(context, "CompressQueueTime", 1000 * (row.admitted - began))

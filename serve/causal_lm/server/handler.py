@@ -170,7 +170,8 @@ class CausalLMHandler(BaseHandler):
     async def _answer(self, i: int, request: dict[str, Any], context) -> str:
         """One request through the continuous batch: its chunks sent as they come (native
         NDJSON, or OpenAI's server-sent events on its routes); its last answer returned.
-        `X-Batch-Size`: the rows decoding when its first token came (or when it arrived).
+        `X-Batch-Size`: the rows decoding when its first token came, itself included (or when
+        it arrived, for a refusal).
         Its row is cancelled however the request ends (an answer, an error, a stop string,
         its coroutine cancelled because its client left)."""
         context.set_response_header(i, BATCH_HEADER, str(self.batcher.busy()))

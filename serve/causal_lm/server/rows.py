@@ -39,6 +39,10 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     start: int = 0  # its first cache position
     admitted: float = 0.0  # time.perf_counter() when its prefill began
+    # rows decoding when it joined them with its first token, itself included (its answer's
+    # X-Batch-Size: read then, not when the handler gets the token, by which time a row
+    # with one token to make, or one of its request's other choices, may have left)
+    beside: int = 0
     cancelled: bool = False  # set by `cancel`: the row leaves at the next step
     generator: torch.Generator | None = None
     queued: int = 0  # the batcher's step count when it was submitted

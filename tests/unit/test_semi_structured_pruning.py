@@ -228,7 +228,7 @@ def test_the_mask_holds_through_recovery_and_the_figures_show_the_pattern(
     assert m["pruned_layers"] == 2 and m["skipped_layers"] == 0 and m["pattern_violations"] == 0
     assert 0 <= m["accuracy_pruned"] <= 1 and m["train_steps"] == 6  # before and after
     assert state.bundle.structure is None and (ctx.folder / "model" / "model.safetensors").is_file()
-    assert (loss_fn is not None and "make_kd_loss_fn" in loss_fn.__qualname__) == distill
+    assert (loss_fn is not None and "teacher_loss_fn" in loss_fn.__qualname__) == distill
 
 
 def test_wanda_in_the_stage_reads_the_calibration_split(tmp_path: Path) -> None:

@@ -281,7 +281,12 @@ def write_table(args: argparse.Namespace, figures: dict) -> None:
     lines = [f"# Serving under load and faults ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
              f"UTC)", "", "- command: `python -m benchmarks.soak.run"
              + (f" {args.run}" if args.run else "") + (f" --llm {args.llm}" if args.llm else "")
-             + "`", f"- machine: {figures['cores']} cores ({figures['cpu']}); {args.engine}"]
+             + (f" --property-examples {args.property_examples}" if args.property_examples else "")
+             + "".join(f" --property-family {f}" for f in args.property_family or [])
+             + (f" --property-engine {args.property_engine}" if args.property_engine else "")
+             + "`", f"- machine: {figures['cores']} cores ({figures['cpu']})"
+             # the engine of the soak, kill and LLM faults (the property runs name their own)
+             + (f"; {args.engine}" if args.run or args.llm else "")]
     if "soak" in figures:
         lines += _classifier_lines(args.run, figures["soak"], figures["kill"])
     if "disconnect" in figures:

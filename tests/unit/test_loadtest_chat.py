@@ -29,7 +29,8 @@ def sse_server() -> Iterator[tuple[str, list[dict]]]:
     finish_reason, under /llama/ a chunk with no choices of its own, under /nousage/ none.
     Each answer: a role-only event at once, the first content after FIRST_S, an empty
     content event (no token), then TOKENS - 1 more content events GAP_S apart, except one
-    gap of LONG_S; then the final chunk(s) and [DONE]. A body without messages gets a 400,
+    gap of LONG_S; then the final chunk(s) and [DONE]; under /quick-STYLE/ the same without
+    the waits (for the tests that count, not time). A body without messages gets a 400,
     max_tokens 2 a stream cut before [DONE], max_tokens 3 an error event."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -54,15 +55,17 @@ def sse_server() -> Iterator[tuple[str, list[dict]]]:
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             style = self.path.split("/")[1]
+            waits = not style.startswith("quick-")
+            style = style.removeprefix("quick-")
             self._event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-            time.sleep(FIRST_S)
+            time.sleep(FIRST_S * waits)
             if body["max_tokens"] == 3:
                 self._event({"error": {"message": "the worker died"}})
                 self._end()
                 return
             for n in range(TOKENS):
                 if n:
-                    time.sleep(LONG_S if n == 5 else GAP_S)
+                    time.sleep((LONG_S if n == 5 else GAP_S) * waits)
                 self._event({"choices": [{"index": 0, "delta": {"content": f" w{n}"}}]})
                 if n == 0:
                     self._event({"choices": [{"index": 0, "delta": {"content": ""}}]})
@@ -128,7 +131,7 @@ def test_ttft_itl_and_usage_tokens_follow_the_stream(sse_server) -> None:
 def test_tokens_from_usage_of_its_own_chunk_or_counted(sse_server, style: str, tokens: int,
                                                        source: str) -> None:
     base, _ = sse_server
-    run = run_chat_load(f"{base}/{style}/v1/chat/completions", concurrency=2, requests=4,
+    run = run_chat_load(f"{base}/quick-{style}/v1/chat/completions", concurrency=2, requests=4,
                         payloads=chat_payloads(PROMPTS, 64, 4))
     assert (run["ok"], run["completion_tokens"], run["tokens_from"]) == (
         4, 4 * tokens, source)
@@ -139,7 +142,7 @@ def test_failures_are_counted_each_with_its_cause(sse_server) -> None:
     base, _ = sse_server
     bodies = [b'{"prompt": "no messages"}', chat_payloads(PROMPTS, 2, 1)[0],
               chat_payloads(PROMPTS, 3, 1)[0], chat_payloads(PROMPTS, 64, 1)[0]]
-    run = run_chat_load(f"{base}/llama/v1/chat/completions", concurrency=1, requests=4,
+    run = run_chat_load(f"{base}/quick-llama/v1/chat/completions", concurrency=1, requests=4,
                         payloads=bodies)
     assert (run["ok"], run["errors"]) == (1, 3)
     causes = " | ".join(run["error_examples"])
@@ -150,7 +153,7 @@ def test_failures_are_counted_each_with_its_cause(sse_server) -> None:
 
 def test_sweep_ratio_and_table(sse_server) -> None:
     base, _ = sse_server
-    result = sweep_chat(f"{base}/compress/v1/chat/completions", [1, 2], 4,
+    result = sweep_chat(f"{base}/quick-compress/v1/chat/completions", [1, 2], 4,
                         chat_payloads(PROMPTS, 64, 4))
     table = format_chat_table(result)
     header = table.splitlines()[0]
@@ -191,7 +194,7 @@ def test_cli_openai_mode_and_its_bad_arguments(sse_server, monkeypatch, capsys) 
 
     base, received = sse_server
     done = CliRunner().invoke(compress, [
-        "loadtest", f"{base}/llama/v1/chat/completions", "--concurrency", "1,2", "--requests",
+        "loadtest", f"{base}/quick-llama/v1/chat/completions", "--concurrency", "1,2", "--requests",
         "2", "--warmup", "1", "--shared-prefix", "32", "--ignore-eos", "--max-new-tokens", "8"])
     assert done.exit_code == 0, done.output
     out = done.output

@@ -78,6 +78,8 @@ def test_served_int8_and_fp32_answer_like_the_artifact_offline(
     mar = build_mar(aoti_dir, tmp_path, "bert_aoti_int8", "1.0", config, {})
     got, expected, _ = _served_and_offline(mar, aoti_dir, texts)
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()  # all 200
-    # int8 kernels round differently with the padding of each batch: 1e-3 was measured on an
-    # AVX-512 VNNI machine, 0.0073 on an AVX2-only EPYC; every argmax is equal on both
-    assert (got - expected).abs().max().item() <= 1e-2
+    # int8 kernels round differently with the padding of each batch (a borderline activation
+    # crosses one quantization step): 1e-3 was measured on an AVX-512 VNNI machine, 0.0073 on
+    # an AVX2-only EPYC, 0.0109 on a Zen 3 (AVX2) in a clean-clone CI run; every argmax is
+    # equal on all three, and a broken lowering moves probabilities by tenths
+    assert (got - expected).abs().max().item() <= 2e-2

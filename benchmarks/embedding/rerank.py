@@ -332,6 +332,15 @@ def _main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def shown_run(run_dir: Path) -> str:
+    """The run folder as a results file names it: relative to the working folder where it
+    lies under it, else `runs/<its name>`."""
+    try:
+        return str(Path(run_dir).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return f"runs/{Path(run_dir).name}"
+
+
 def _header(args: argparse.Namespace, recipe: Any, model: Path | None, examples: Any,
             versions: dict[str, dict[str, str]], reference: str, notes: list[str]
             ) -> dict[str, Any]:
@@ -340,14 +349,16 @@ def _header(args: argparse.Namespace, recipe: Any, model: Path | None, examples:
 
     env = environment()
     flags = cpu_flags()
+    shown = shown_run(args.run_dir)  # no machine's absolute path in a results file
     return {"date": now(), "command": shlex.join(["python", "-m", "benchmarks.embedding.rerank",
-                                                  *sys.argv[1:]]),
-            "run": str(args.run_dir), **cpu_facts(), "cores": os.cpu_count(),
+                                                  *(shown if a == str(args.run_dir) else a
+                                                    for a in sys.argv[1:])]),
+            "run": shown, **cpu_facts(), "cores": os.cpu_count(),
             "isa": {k: k in flags for k in ("avx2", "avx512_vnni", "avx512_bf16", "amx_int8")},
             "versions": {k: v for k, v in env["libraries"].items()
                          if k in ("torch", "transformers", "onnxruntime")},
             "environments": versions,
-            "model": f"{recipe.model.source}" + (f" (as a CrossEncoder folder: {model})"
+            "model": f"{recipe.model.source}" + (f" (as a CrossEncoder folder: <run>/{MODEL})"
                                                  if model else ""),
             "pairs": len(examples), "queries": len(set(examples.texts)),
             "source": f"{recipe.data.source}, eval split", "batch": args.batch,

@@ -109,10 +109,12 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
     protocol), the like-for-like lines, the notes and the failed rows under it."""
     head, body = grid(rows, COLUMNS, "row")
     flags = header.get("isa") or {}
+    known = header.get("microarchitecture", "unknown")
+    core = "" if known == "unknown" else f", {known}"
     lines = [
         "# Rerankers: compress's exports and their peers, one invocation", "",
         f"- date: {header.get('date', '?')}; command: `{header.get('command', '?')}`",
-        f"- CPU: {header.get('cpu', '?')} ({header.get('family', '?')}; "
+        f"- CPU: {header.get('cpu', '?')}{core} ({header.get('family', '?')}; "
         f"{header.get('cores', '?')} cores); "
         + flags_said(flags, sorted(flags)),
         "- compress's environment: " + versions_said(header.get("versions")),

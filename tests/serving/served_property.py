@@ -155,6 +155,32 @@ def until_shared(round_once: Callable[[], tuple[Any, bool]], tally: Tally) -> An
                          "rounds (X-Batch-Size)")
 
 
+def frontend_form_refusal(engine: str, content_type: str, answer: Answer) -> bool:
+    """Whether `answer` is TorchServe's frontend refusing a form body it cannot decode (a
+    500 that no handler code produces; see test_classifier_property's docstring)."""
+    if engine != "torchserve" or content_type != FORM or answer.status != 500:
+        return False
+    try:
+        return json.loads(answer.body).get("type") == "ErrorDataDecoderException"
+    except ValueError:
+        return False
+
+
+def beside_goods(goods: list[Callable[[], Answer]], mine: Callable[[], Answer], place: int,
+                 tally: Tally, refused: Callable[[Answer], bool]) -> tuple[Answer, list[Answer]]:
+    """`mine()` sent at one moment with the `goods` calls, at `place` among them, again until
+    its answer shows it shared a batch with them (or `refused(answer)`: no batch was ever
+    formed for it); (its answer, theirs)."""
+    def round_once() -> tuple[tuple[Answer, list[Answer]], bool]:
+        calls = list(goods)
+        calls.insert(place, mine)
+        answers = together(calls)
+        answer = answers.pop(place)
+        return (answer, answers), refused(answer) or answer.batch > 1
+
+    return until_shared(round_once, tally)
+
+
 def check_run(tally: Tally, probe: Probe, wanted: int) -> None:
     """The run's own claims: enough generated cases (apart from the @examples), every plain
     probe answered 200 within PLAIN_LIMIT_S."""

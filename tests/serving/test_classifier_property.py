@@ -37,15 +37,14 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from served_property import (  # noqa: E402
-    Answer,
     Probe,
     Tally,
+    beside_goods,
     examples,
+    frontend_form_refusal,
     post,
     run_property,
     text_body_valid,
-    together,
-    until_shared,
 )
 
 pytestmark = pytest.mark.serving
@@ -131,17 +130,6 @@ def same(got: bytes, want: list[list[float]]) -> bool:
         for g, w in zip(gr, wr, strict=True))
 
 
-def _frontend_form_refusal(engine: str, content_type: str, answer: Answer) -> bool:
-    """Whether `answer` is TorchServe's frontend refusing a form body it cannot decode (a
-    500 that no handler code produces; see the module docstring)."""
-    if engine != "torchserve" or content_type != FORM or answer.status != 500:
-        return False
-    try:
-        return json.loads(answer.body).get("type") == "ErrorDataDecoderException"
-    except ValueError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def alone(served: dict) -> list[list[list[float]]]:
     """Each good request's probabilities when it is sent alone."""
@@ -188,15 +176,10 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(
             want = _probabilities(first.body)
         place = (tally.generated + tally.named) % (len(GOOD) + 1)  # first, second, ...
 
-        def round_once() -> tuple[tuple[Answer, list[Answer]], bool]:
-            calls = [lambda good=good: post(served, "", good) for good in GOOD]
-            calls.insert(place, lambda: post(served, "", body, content_type))
-            answers = together(calls)
-            mine = answers.pop(place)
-            refused = _frontend_form_refusal(engine, content_type, mine)
-            return (mine, answers), refused or mine.batch > 1
-
-        mine, goods = until_shared(round_once, tally)
+        mine, goods = beside_goods(
+            [lambda good=good: post(served, "", good) for good in GOOD],
+            lambda: post(served, "", body, content_type), place, tally,
+            lambda answer: frontend_form_refusal(engine, content_type, answer))
         verdict = "valid" if valid else "invalid"
         tally.count(generated, kind if kind == "odd" else f"arbitrary {verdict}", mine.status)
         if valid:
@@ -204,7 +187,7 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(
             assert same(mine.body, want), (body[:200], content_type)
             tally.compared += 1
         else:
-            assert 400 <= mine.status < 500 or _frontend_form_refusal(
+            assert 400 <= mine.status < 500 or frontend_form_refusal(
                 engine, content_type, mine), (body[:200], content_type, mine.status,
                                               mine.body[:300])
         for answer, expected in zip(goods, alone, strict=True):

@@ -286,9 +286,16 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
     exception, as in the classifier's property."""
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
-    from served_property import Answer, Probe, Tally, examples, run_property, together, until_shared
+    from served_property import (
+        Probe,
+        Tally,
+        beside_goods,
+        examples,
+        frontend_form_refusal,
+        run_property,
+    )
     from served_property import post as send
-    from test_classifier_property import DEEP, JSON, _frontend_form_refusal
+    from test_classifier_property import DEEP, JSON
 
     wanted = examples(20)
     odd, arbitrary = _property_strategies()
@@ -337,16 +344,10 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
             want = first.body
         place = (tally.generated + tally.named) % (len(PROPERTY_GOOD) + 1)
 
-        def round_once() -> tuple[tuple[Answer, list[Answer]], bool]:
-            calls = [lambda good=good, at=at: send(served, at, good)
-                     for good, at in PROPERTY_GOOD]
-            calls.insert(place, lambda: send(served, path, body, content_type))
-            answers = together(calls)
-            mine = answers.pop(place)
-            refused = _frontend_form_refusal(engine, content_type, mine)
-            return (mine, answers), refused or mine.batch > 1
-
-        mine, goods = until_shared(round_once, tally)
+        mine, goods = beside_goods(
+            [lambda good=good, at=at: send(served, at, good) for good, at in PROPERTY_GOOD],
+            lambda: send(served, path, body, content_type), place, tally,
+            lambda answer: frontend_form_refusal(engine, content_type, answer))
         verdict = "valid" if valid else "invalid"
         tally.count(generated, kind if kind == "odd" else f"arbitrary {verdict}", mine.status)
         if valid:
@@ -354,7 +355,7 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
             assert same_answer(mine.body, want, path), (path, body[:200])
             tally.compared += 1
         else:
-            assert 400 <= mine.status < 500 or _frontend_form_refusal(
+            assert 400 <= mine.status < 500 or frontend_form_refusal(
                 engine, content_type, mine), (path, body[:200], mine.status, mine.body[:300])
         for answer, (_, at), expected in zip(goods, PROPERTY_GOOD, alone, strict=True):
             assert answer.status == 200, (body[:200], answer.status, answer.body[:300])

@@ -73,6 +73,15 @@ def digits_like(n: int = 64, seed: int = 0) -> DataBundle:
     return DataBundle("image", splits, [str(i) for i in range(10)], input_shape=[1, 8, 8])
 
 
+def real_digits(n: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `n` real scikit-learn digits (8x8, scaled to [0, 1]) and their labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images[:n] / 16.0, dtype=torch.float32).unsqueeze(1)
+    return x, torch.tensor(digits.target[:n])
+
+
 def image_bundle(model: nn.Module) -> ModelBundle:
     """An 8x8 image classifier as the `compress.models.zoo:mlp` factory bundle."""
     return ModelBundle(model.eval(), "factory", [str(i) for i in range(10)],

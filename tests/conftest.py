@@ -102,6 +102,26 @@ def cls_bert_folder(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("cls_bert"))
 
 
+@pytest.fixture(scope="module")
+def trained_mlp():
+    """An MLP fitted for a moment to the first 256 real digits: confident, input-dependent
+    logits (tests hold out digits 200-399)."""
+    import torch
+    from builders import real_digits
+
+    from compress.models.zoo import mlp
+
+    torch.manual_seed(0)
+    model = mlp(64, 32, 10)
+    x, y = real_digits(256)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(60):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.eval()
+
+
 def http_post(url: str, body: bytes, token: str | None = None,
               content_type: str = "application/json") -> tuple[int, dict, object]:
     """(status, headers, JSON answer) of one POST; the headers' names are case-insensitive,

@@ -195,12 +195,14 @@ def property_tests(examples: int, families: list[str] | None = None,
     """pytest on the property tests of `families` (every one by default) on `engine` (both
     by default) with `examples` generated cases each: its counts, each run's tally line
     ("property cases (FAMILY, ENGINE): ..."), the tests that failed, and how long it took.
-    pytest's whole output goes to `log` (where given), so that a failure can be read."""
+    pytest's whole output goes to `log` (where given), so that a failure can be read. One
+    process (`-n 0`, over the project's default of a worker a core): the tallies are read from
+    the tests' printed output, which xdist's workers do not pass on."""
     env = {**os.environ, "COMPRESS_PROPERTY_EXAMPLES": str(examples)}
     present = [PROPERTY_TESTS[f] for f in families or PROPERTY_TESTS
                if (REPO / PROPERTY_TESTS[f].split("::")[0]).is_file()]
     began = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p",
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-n", "0", "-p",
                              "no:cacheprovider", *(["-k", engine] if engine else []),
                              *present], cwd=REPO, env=env, capture_output=True, text=True)
     if log is not None:

@@ -1,14 +1,19 @@
-"""The runner: run folder layout, manifest, caching, --force/--from-stage, failures, kill -9."""
+"""The runner: run folder layout, manifest, caching (a stage runs again when its code changes),
+--force/--from-stage, failures, kill -9."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from conftest import digits_recipe, run_cli, start_and_kill, write_recipe
 from safetensors.torch import load_file
 
+from compress.pipeline.loop import run_recipe
+from compress.recipe.schema import load_recipe
+from compress.runfolder import code_digest
 from compress.runfolder.files import sha256_file
 
 METRIC_KEYS = {"accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8", "size_mb", "params",
@@ -17,6 +22,10 @@ METRIC_KEYS = {"accuracy", "macro_f1", "latency_ms_b1", "latency_ms_b8", "size_m
 
 def _manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / "manifest.json").read_text())
+
+
+def _stage_statuses(run_dir: Path) -> list[str]:
+    return [stage["status"] for stage in _manifest(run_dir)["stages"]]
 
 
 def test_run_writes_a_self_describing_folder(tmp_path: Path) -> None:
@@ -164,3 +173,26 @@ def test_kill_9_mid_training_then_rerun_resumes_to_the_same_weights(tmp_path: Pa
     resumed = _final_weights(run_dir)
     for name, tensor in reference.items():
         assert torch.equal(tensor, resumed[name]), name
+
+
+def test_a_changed_stage_module_runs_the_stage_again(tmp_path: Path, monkeypatch) -> None:
+    copy = tmp_path / "code" / "compress"  # the sources the keys read, to edit safely
+    shutil.copytree(code_digest.module_file("compress").parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    real = code_digest._package_dir
+    monkeypatch.setattr(code_digest, "_package_dir",
+                        lambda name: copy if name == "compress" else real(name))
+    raw = digits_recipe(tmp_path / "runs", epochs=1)
+    raw["stages"].append({"kind": "prune", "amount": 0.3})
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", raw))
+    run_dir = run_recipe(recipe, echo=lambda _: None)
+    assert _stage_statuses(run_dir) == ["done", "done"]
+    assert _stage_statuses(run_recipe(recipe, echo=lambda _: None)) == ["cached", "cached"]
+
+    assert (copy / "cli" / "main.py").is_file() and (copy / "stages" / "prune.py").is_file()
+    with open(copy / "cli" / "main.py", "a") as out:  # not reachable from either stage
+        out.write("\n# a comment\n")
+    assert _stage_statuses(run_recipe(recipe, echo=lambda _: None)) == ["cached", "cached"]
+    with open(copy / "stages" / "prune.py", "a") as out:  # the prune stage's module
+        out.write("\n# a comment\n")
+    assert _stage_statuses(run_recipe(recipe, echo=lambda _: None)) == ["cached", "done"]

@@ -58,33 +58,3 @@ def test_scales_never_make_a_pair_worse_than_plain_rounding() -> None:
     flat = torch.randn(256, 64)
     _, alpha, error, plain = equalize.best_scales(flat, [linear], "int4_weight_only", 32)
     assert error <= plain
-
-
-def test_the_quantize_stage_equalizes_then_quantizes_and_reloads(
-        tmp_path, tiny_llama_folder, monkeypatch, capsys) -> None:
-    import json
-
-    from builders import causal_lm_recipe
-    from conftest import cli
-
-    from compress.models.folders import load_saved
-    from compress.pipeline.loop import run_recipe
-    from compress.recipe.schema import load_recipe
-
-    stages = [{"kind": "quantize", "scheme": "int4_weight_only", "equalize": True}]
-    path = causal_lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=200)
-    run_dir = run_recipe(load_recipe(path, check_sources=True), echo=lambda _: None)
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    metrics = manifest["stages"][0]["metrics"]
-    layers = json.loads((tiny_llama_folder / "config.json").read_text())["num_hidden_layers"]
-    assert metrics["equalize_pairs_seen"] == 3 * layers
-    assert 0 < metrics["equalize_error_ratio"] <= 1.0
-    assert metrics["perplexity"] > 1 and metrics["scheme"] == "int4_weight_only"
-    saved = load_saved(run_dir / manifest["stages"][0]["outputs"][0]["model_dir"]).model
-    assert type(saved.model.layers[0].mlp.down_proj.weight).__name__ == "Int4OpaqueTensor"
-
-    dynamic = causal_lm_recipe(tmp_path, tiny_llama_folder,
-                               [{"kind": "quantize", "scheme": "int8_dynamic", "equalize": True}])
-    code, _, err = cli(monkeypatch, capsys, "validate", str(dynamic))
-    assert code == 2 and "stages.0.equalize: activation-aware scaling is for the weight-only" \
-        in err, err

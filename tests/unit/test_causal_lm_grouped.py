@@ -4,17 +4,12 @@ random Llama whose weights sit on a GGUF's grids (Q4_1 body, Q8_0 head), as Smol
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from builders import causal_lm_recipe, q4_1, q8_0
-from conftest import cli
+from builders import q4_1, q8_0
 from torch import nn
 
 from compress.families.causal_lm.algorithms import qat
-from compress.pipeline.loop import run_recipe
-from compress.recipe.schema import load_recipe
 from serve.causal_lm.runtime import grouped
 
 
@@ -66,54 +61,3 @@ def test_a_group_size_that_does_not_divide_the_inputs_is_one_line() -> None:
         grouped.GroupedLinear.from_linear(nn.Linear(64, 8), 48)
     with pytest.raises(ValueError, match="int4_grouped: group_size must be 32"):
         grouped.GroupedLinear.from_linear(nn.Linear(64, 8), 16, bits=4)
-
-
-def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
-        tmp_path, varied_llama_folder, monkeypatch, capsys) -> None:
-    stages = [{"kind": "quantize", "scheme": "int8_grouped"}]
-    recipe = load_recipe(causal_lm_recipe(tmp_path, varied_llama_folder, stages),
-                         check_sources=True)
-    run_dir = run_recipe(recipe, echo=lambda _: None)
-    stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    metrics = stage["metrics"]
-    assert metrics["activation_dtype"] == "float32" and metrics["head_scheme"] == "int8_grouped"
-    assert abs(metrics["perplexity_delta_vs_float_pct"]) < 0.5
-    assert metrics["next_token_agreement_decisive"] == 1.0
-    from compress.models.folders import load_saved
-
-    saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
-    assert isinstance(saved.model.lm_head, grouped.GroupedLinear)
-    # the untied head and the embedding table each count, beside the layers' weights
-    config = saved.model.config
-    vocab, hidden = config.vocab_size, config.hidden_size
-    assert metrics["params"] > 2 * vocab * hidden
-
-    bad = causal_lm_recipe(tmp_path, varied_llama_folder, [
-        {"kind": "quantize", "scheme": "int8_grouped", "activations": "bfloat16"}])
-    code, _, err = cli(monkeypatch, capsys, "validate", str(bad))
-    assert code == 2 and "stages.0.activations: int8_grouped computes in float32" in err
-    assert "Traceback" not in err
-
-
-@pytest.mark.parametrize("mode, scheme", [("int8", "int4_grouped"), ("bf16", "int8_grouped")])
-def test_rounded_activations_are_a_saved_opt_in_of_the_grouped_schemes(
-        tmp_path, varied_llama_folder, monkeypatch, capsys, mode, scheme) -> None:
-    stages = [{"kind": "quantize", "scheme": scheme, "activations": mode}]
-    recipe = load_recipe(causal_lm_recipe(tmp_path, varied_llama_folder, stages),
-                         check_sources=True)
-    run_dir = run_recipe(recipe, echo=lambda _: None)
-    stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    assert stage["metrics"]["activation_dtype"] == mode
-    from compress.models.folders import load_saved
-
-    saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
-    modes = {m.activations for name, m in saved.model.named_modules()
-             if isinstance(m, grouped.GroupedLinear) and "embed" not in name}
-    assert modes == {mode}  # the body's and the head's, as saved in the folder's facts
-
-    bad = causal_lm_recipe(tmp_path, varied_llama_folder, [
-        {"kind": "quantize", "scheme": "int8_weight_only", "activations": mode}])
-    code, _, err = cli(monkeypatch, capsys, "validate", str(bad))
-    assert code == 2 and f"stages.0.activations: {mode} activations are a mode of the " \
-        "grouped schemes" in err
-    assert "Traceback" not in err

@@ -1,18 +1,12 @@
 """Structured pruning of a causal LM on a tiny random Llama: whole feed-forward neurons and
-whole key-value groups go, the same number in every layer, the kept units compute what they
-did, and the pruned model goes through the pipeline (saved, reloaded, measured)."""
+whole key-value groups go, the same number in every layer, and the kept units compute what
+they did (the pipeline run: tests/integration/test_causal_lm_stages.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from builders import causal_lm_recipe
 
 from compress.families.causal_lm.algorithms.pruning import prune_causal_lm, prune_kv_groups
-from compress.pipeline.loop import run_recipe
-from compress.recipe.schema import load_recipe
 
 
 def _llama(heads: int = 4, kv_heads: int = 2, width: int = 64, hidden: int = 32
@@ -65,18 +59,3 @@ def test_prune_causal_lm_removes_the_share_asked_for_in_every_layer() -> None:
         assert layer.mlp.down_proj.weight.shape == (32, 32)
         assert layer.self_attn.v_proj.weight.shape == (8, 32)
     assert sum(p.numel() for p in model.parameters()) < before
-
-
-def test_a_pruned_causal_lm_runs_through_the_pipeline_and_reloads(
-        tmp_path: Path, tiny_llama_folder: Path) -> None:
-    stages = [{"kind": "prune", "method": "structured", "target": "ffn+heads", "amount": 0.5,
-               "recovery": {"max_steps": 2, "batch_size": 4, "learning_rate": 1e-3}}]
-    path = causal_lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=64)
-    run_dir = run_recipe(load_recipe(path), echo=lambda _: None)
-    stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    m = stage["metrics"]
-    assert stage["status"] == "done" and m["key_value_heads"] == 1
-    assert m["intermediate_size"] == 32 and m["params_after"] < m["params_before"]
-    assert m["train_steps"] == 2 and m["perplexity"] > 0
-    saved = json.loads((run_dir / stage["outputs"][0]["model_dir"] / "config.json").read_text())
-    assert saved["num_key_value_heads"] == 1 and saved["intermediate_size"] == 32

@@ -99,7 +99,8 @@ def sse_server() -> Iterator[tuple[str, list[dict]]]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)  # shutdown() waits one poll
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", received
     server.shutdown()

@@ -92,35 +92,3 @@ def test_eval_and_sampling_ops_are_told_apart() -> None:
 
     graph = torch.export.export(Mixed().eval(), (torch.randn(2, 32),)).graph
     assert [name.split(" ")[0] for name in fx_random_nodes(graph)] == ["rand_like"]
-
-
-def test_a_qat_graph_in_eval_mode_has_no_attention_dropout(tiny_bert: Path) -> None:
-    """Captured in train mode, BERT's attention passes dropout_p=0.1 to SDPA; eval() must set
-    it to 0 (and train() back), or the converted model and its exports draw random masks."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
-
-    from compress.algorithms.quantization import capture, make_quantizer
-    from compress.api import load_model
-    from compress.models.graph_model import GraphModel
-    from export.graphs import export_inputs
-
-    bundle = load_model(tiny_bert)
-    graph = prepare_qat_pt2e(capture(bundle, train=True), make_quantizer("qat", True, []))
-    model = GraphModel(graph, text=True, max_seq=256, trainable=True)
-    model.training = True  # captured in train mode
-
-    def attention_dropout() -> list[float]:
-        return [node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-                for node in graph.graph.nodes if "scaled_dot_product" in str(node.target)]
-
-    assert attention_dropout() == [0.1, 0.1] and fx_random_nodes(graph.graph)
-    model.eval()
-    assert attention_dropout() == [0.0, 0.0] and fx_random_nodes(graph.graph) == []
-    model.train()
-    assert attention_dropout() == [0.1, 0.1]
-    model.eval()
-    args = export_inputs(bundle)
-    with torch.no_grad():
-        assert torch.equal(model(*args), model(*args))
-    converted = convert_pt2e(graph)
-    assert fx_random_nodes(converted.graph) == []

@@ -9,6 +9,7 @@ small kept weight to 0, so an int8 matrix holds at most 2)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,25 @@ def exactly_2_4(weight: torch.Tensor) -> bool:
     """Whether a 2-D (out, in) weight has exactly 2 non-zeros in every group of 4 inputs."""
     return weight.dim() == 2 and weight.shape[1] % 4 == 0 and bool(
         (group_nonzeros(weight, 4) == 2).all())
+
+
+def pruned_linears(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Each exactly-2:4 Linear's weight, with its name's layer index made `*`."""
+    return [(re.sub(r"layer\.\d+\.", "layer.*.", n), m.weight.detach())
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and exactly_2_4(m.weight)]
+
+
+def least_move(before: torch.nn.Module, after: torch.nn.Module) -> float:
+    """The smallest, over the pruned Linears of `after` and every same-role Linear of
+    `before` (any layer: a student's layer may come from any teacher layer), of the largest
+    change on the positions `after` keeps: 0 when some Linear came through untrained."""
+    old, moves = pruned_linears(before), []
+    for name, w in pruned_linears(after):
+        given = [v for role, v in old if role == name and v.shape == w.shape]
+        assert given, (name, [role for role, _ in old])
+        moves += [float((w - v).abs()[w != 0].max()) for v in given]
+    return min(moves)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +81,14 @@ def test_every_stage_that_trains_keeps_the_pattern(sparse_run: Path) -> None:
                 and exactly_2_4(m.weight)]
         assert len(kept) == linears, (stage, kept)
     distill, finetune = (manifest["stages"][i]["metrics"] for i in (1, 2))
-    assert distill["train_loss"] > 0 and finetune["train_loss"] > 0  # they did train
+    assert distill["train_loss"] > 0 and finetune["train_loss"] > 0
+    assert distill["train_steps"] == finetune["train_steps"] == 3
+    # they did train: every pruned Linear moved, on the positions it keeps, from what the
+    # stage was given (the student's from each teacher layer it could have copied)
+    teacher, student, tuned = (load_saved(sparse_run / s / "model").model
+                               for s in ("00-prune", "01-distill", "02-finetune"))
+    moved = {"distill": least_move(teacher, student), "finetune": least_move(student, tuned)}
+    assert all(m > 1e-3 for m in moved.values()), moved  # 0.019 each at 3 steps of 1e-2
 
 
 def test_every_file_and_the_qat_model_hold_the_pattern(sparse_run: Path) -> None:

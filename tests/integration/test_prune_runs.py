@@ -1,4 +1,5 @@
-"""Pruning: magnitude (per layer, global, gradual), structured BERT and CNN, reload, the stage."""
+"""Pruning: magnitude (per layer, global, gradual), structured BERT and CNN, reload, the stage;
+a 2:4 wanda run on a tiny BERT recorded in the manifest and the report."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from pathlib import Path
 
 import torch
 from builders import chosen, input_ids, logits, random_bert
-from conftest import digits_recipe, minilm_folder, run_cli, write_recipe
+from conftest import digits_recipe, minilm_folder, run_cli, text_recipe, write_recipe
 
 from compress.algorithms.pruning import prune_structured
 from compress.models.bundle import ModelBundle
 from compress.models.folders import load_saved, save_model
+from compress.pipeline.loop import run_recipe
+from compress.recipe.schema import load_recipe
+from compress.report.build import build_report
 
 
 def test_hf_structure_round_trips_through_save_and_load(tmp_path: Path) -> None:
@@ -46,3 +50,21 @@ def test_pipeline_finetune_then_prune_channels(tmp_path: Path) -> None:
     assert stages[1]["metrics"]["flops_after"] < stages[1]["metrics"]["flops_before"]
     assert stages[1]["metrics"]["accuracy"] > 0.85
     assert (run_dir / "01-prune" / "model" / "structure.json").is_file()
+
+
+def test_a_bert_run_records_the_pattern_and_the_report_shows_it(
+        tmp_path: Path, tiny_bert: Path) -> None:
+    stages = [{"kind": "prune", "method": "semi_structured", "scoring": "wanda",
+               "calibration": {"samples": 16, "batch_size": 8}, "recovery_distill": True,
+               "recovery": {"max_steps": 2, "batch_size": 8}}]
+    path = text_recipe(tmp_path, tiny_bert, stages)
+    raw = path.read_text().replace("stages:", "evaluation:\n  latency:\n    enabled: false\n"
+                                   "stages:")
+    path.write_text(raw)
+    run_dir = run_recipe(load_recipe(path), echo=lambda _: None)
+    stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
+    m = stage["metrics"]
+    assert stage["status"] == "done" and m["pattern"] == "2:4" and m["sparsity_layers"] == 0.5
+    assert m["pruned_layers"] == 12 and m["skipped_layers"] == 0 and "accuracy_pruned" in m
+    row = next(r for r in build_report(run_dir)["rows"] if r["kind"] == "prune")
+    assert row["runtime"] == "PyTorch eager (2:4 pruned, 50.0% of pruned weights zero)"

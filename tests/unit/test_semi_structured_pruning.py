@@ -5,13 +5,11 @@ report shows, the recipe's one-line errors, and the causal-LM path."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from builders import EXCLUDE, chosen, input_ids, logits, random_bert
-from conftest import text_recipe
 from pydantic import ValidationError
 from torch import nn
 
@@ -27,10 +25,7 @@ from compress.data.datasets import DataBundle, Examples
 from compress.measure.evaluate import logits_of
 from compress.models.bundle import ModelBundle
 from compress.models.zoo import mlp
-from compress.pipeline.loop import run_recipe
 from compress.recipe.kinds.prune import PruneConfig, _check_task, _runtime, _splits
-from compress.recipe.schema import load_recipe
-from compress.report.build import build_report
 from compress.stages.context import StageContext, State
 
 
@@ -249,24 +244,6 @@ def test_wanda_in_the_stage_reads_the_calibration_split(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="scoring wanda needs calibration examples"):
         prune_stage.run(mlp_state(), PruneConfig(method="semi_structured", scoring="wanda"),
                         no_calibration)
-
-
-def test_a_bert_run_records_the_pattern_and_the_report_shows_it(
-        tmp_path: Path, tiny_bert: Path) -> None:
-    stages = [{"kind": "prune", "method": "semi_structured", "scoring": "wanda",
-               "calibration": {"samples": 16, "batch_size": 8}, "recovery_distill": True,
-               "recovery": {"max_steps": 2, "batch_size": 8}}]
-    path = text_recipe(tmp_path, tiny_bert, stages)
-    raw = path.read_text().replace("stages:", "evaluation:\n  latency:\n    enabled: false\n"
-                                   "stages:")
-    path.write_text(raw)
-    run_dir = run_recipe(load_recipe(path), echo=lambda _: None)
-    stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    m = stage["metrics"]
-    assert stage["status"] == "done" and m["pattern"] == "2:4" and m["sparsity_layers"] == 0.5
-    assert m["pruned_layers"] == 12 and m["skipped_layers"] == 0 and "accuracy_pruned" in m
-    row = next(r for r in build_report(run_dir)["rows"] if r["kind"] == "prune")
-    assert row["runtime"] == "PyTorch eager (2:4 pruned, 50.0% of pruned weights zero)"
 
 
 # ---- causal LMs ----------------------------------------------------------------------------------

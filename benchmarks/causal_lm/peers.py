@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -44,12 +43,14 @@ from benchmarks.causal_lm.inputs import MODEL, PROMPTS, sentences
 from benchmarks.causal_lm.table import render_markdown, render_text, table_rows
 from benchmarks.harness.cli import echo, exit_code
 from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.provenance import results_header, scrubbed
 from benchmarks.harness.rounds import alternating, record, run_module
 from compress.recipe.sources import shipped_gguf
-from compress.runfolder.files import atomic_write_json, atomic_write_text, now
+from compress.runfolder.files import atomic_write_json, atomic_write_text
 
 CHILD = "benchmarks.causal_lm.child"  # run as python -m CHILD
 DEFAULT_MARKDOWN = RESULTS / "peers_llm.md"
+MODULE = "benchmarks.causal_lm.peers"
 LABELS = {"float": "float", "int8_grouped": "int8_grouped", "int4_grouped": "int4_grouped",
           "int4": "int4_weight_only", "int8_grouped_a8": "int8_grouped_a8",
           "int4_grouped_a8": "int4_grouped_a8", "int8_grouped_bf16": "int8_grouped_bf16",
@@ -177,6 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default: the Markdown path with .json)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     for name in ("rounds", "tokens", "greedy_tokens", "prompts", "ppl_texts", "ttft_tokens",
                  "batch", "repeats"):
         if getattr(args, name) < 1:
@@ -242,19 +244,11 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
     triads = measure(items, args, inputs_path)
     bandwidth = max((t["triad_gbs"] for t in triads if "triad_gbs" in t), default=None)
     rows = table_rows(items, bandwidth)
-    machine = next((t["environment"] for t in triads if "environment" in t), {})
-    cpu, libraries = machine.get("cpu") or {}, machine.get("libraries") or {}
-    isa = cpu.get("isa") or {}
-    header = {"date": now(), "command": shlex.join(["python", "-m", "benchmarks.causal_lm.peers",
-                                                    *(sys.argv[1:])]),
-              "cpu": cpu.get("model"), "cores": cpu.get("cores"), "threads": os.cpu_count(),
-              "isa": {"avx512_vnni": isa.get("avx512_vnni"), "avx512_bf16": isa.get("avx512_bf16"),
-                      "amx": any(v for k, v in isa.items() if k.startswith("amx"))},
-              "versions": {**{k: v for k, v in libraries.items()
-                              if k in ("torch", "torchao", "transformers")},
-                           **({"llama-cpp-python": facts.get("llama-cpp-python")}
-                              if facts else {}),
-                           **({"zentorch": zentorch[0]["facts"]["zentorch"]} if zentorch else {})},
+    peers = {**({"llama.cpp's environment": {k: facts.get(k) for k in (
+        "llama-cpp-python", "numpy")}} if facts else {}),
+        **({"zentorch's environment": {k: zentorch[0]["facts"].get(k) for k in (
+            "zentorch", "torch", "transformers", "gguf")}} if zentorch else {})}
+    header = {**results_header(MODULE, args.argv, peers=peers), "threads": os.cpu_count(),
               "rounds": args.rounds, "tokens": args.tokens, "ttft_tokens": args.ttft_tokens,
               "ppl_texts": len(inputs["texts"]), "prompts": len(inputs["prompts"]),
               "greedy_tokens": args.greedy_tokens, "bandwidth_gbs": bandwidth,
@@ -264,9 +258,9 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
     print(render_text(rows), end="")
     json_path = args.json or args.markdown.with_suffix(".json")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.markdown, render_markdown(rows, header))
-    atomic_write_json(json_path, {"header": header, "llama_cpp": facts, "triads": triads,
-                                  "items": items, "rows": rows})
+    atomic_write_text(args.markdown, scrubbed(render_markdown(rows, header)))
+    atomic_write_json(json_path, scrubbed({"header": header, "llama_cpp": facts,
+                                           "triads": triads, "items": items, "rows": rows}))
     echo(f"peers_llm: wrote {args.markdown} and {json_path}")
     failed = [t for t in triads if "error" in t] + [i for i in items if i.get("error")]
     return 1 if failed else 0

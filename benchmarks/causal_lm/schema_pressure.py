@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,8 +38,8 @@ from benchmarks.causal_lm import served_archives as archives
 from benchmarks.causal_lm.served_servers import Server
 from benchmarks.harness import servers
 from benchmarks.harness.cli import Parser, echo, exit_code
-from benchmarks.harness.machine import cpu_facts
 from benchmarks.harness.paths import REPO
+from benchmarks.harness.provenance import header_lines, results_header, scrubbed
 from benchmarks.harness.rounds import alternating
 from benchmarks.harness.spread import spread
 from compress.errors import UserError
@@ -49,6 +48,7 @@ from compress.serving.loadtest.chat_workload import chat_payloads, read_prompts
 from serve.handler_settings import HandlerSettings
 
 ENGINES = ("torchserve", "litserve")
+MODULE = "benchmarks.causal_lm.schema_pressure"
 TARGET_RATIO = 1.5
 SETTLE_S = 1.0  # the schema client runs this long before the plain requests are sent
 
@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds a server may take to answer its first request (900)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every figure here")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     args.engines = [e for e in args.engines.split(",") if e]
     problems = [f"unknown engine {e!r} (known: {', '.join(ENGINES)})"
                 for e in args.engines if e not in ENGINES]
@@ -275,8 +276,8 @@ def _main(args: argparse.Namespace) -> int:
             echo(f"schema_pressure: {engine}: failed: {figures['error']}")
             failed = True
         rows.append({**summary(engine, figures), "figures": figures})
-    cpu = cpu_facts()
-    lines = [f"CPU: {cpu['cpu']} ({os.cpu_count()} cores seen); archive {mar.name}, "
+    header = results_header(MODULE, args.argv)
+    lines = [*header_lines(header), f"- archive {mar.name}, "
              f"max_schema_chars {bound}; {args.plain} plain requests x {args.max_tokens} "
              f"tokens; schema client every {args.every_ms} ms, n={args.n}, "
              f"{'one text' if args.same_schema else 'a new text each request'}"]
@@ -290,9 +291,9 @@ def _main(args: argparse.Namespace) -> int:
             f"{row['errors']} plain errors")
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu, "args": {k: str(v) for k, v in
-                                                             vars(args).items()},
-                                         "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(scrubbed({
+            "header": header, "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": rows}), indent=1))
     return 1 if failed else 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -39,13 +38,14 @@ from benchmarks.causal_lm.inputs import MODEL
 from benchmarks.causal_lm.served_items import measure, our_items, peer_items
 from benchmarks.causal_lm.served_table import ratios, render_markdown, render_text, table_rows
 from benchmarks.harness.cli import Parser, echo, exit_code, fill, numbers
-from benchmarks.harness.machine import cpu_facts
 from benchmarks.harness.paths import REPO, RESULTS
+from benchmarks.harness.provenance import results_header, scrubbed
 from compress.errors import UserError
 from compress.recipe.sources import shipped_gguf
-from compress.runfolder.files import atomic_write_json, atomic_write_text, now
+from compress.runfolder.files import atomic_write_json, atomic_write_text
 
 ENGINES = ("torchserve", "litserve")
+MODULE = "benchmarks.causal_lm.served"
 QUANTS = ("Q8_0", "Q4_0", "Q4_1")
 FULL = {"rounds": 2, "concurrency": "1,4,8,16", "requests": 32, "schemes": "int8,int4"}
 QUICK = {"rounds": 1, "concurrency": "1,8", "requests": 8, "schemes": "int8"}
@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH", help="every figure (default: "
                         "the Markdown path with .json)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     fill(args, QUICK if args.quick else FULL)
     args.levels = numbers(parser, "--concurrency", args.concurrency, "1,4,8,16")
     args.schemes = [s for s in args.schemes.split(",") if s]
@@ -150,10 +151,10 @@ def _main(args: argparse.Namespace) -> int:
     print(render_text(rows, lines), end="")
     header = _header(args, archives_of, llama, items)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.markdown, render_markdown(rows, lines, header))
+    atomic_write_text(args.markdown, scrubbed(render_markdown(rows, lines, header)))
     json_path = args.json or args.markdown.with_suffix(".json")
-    atomic_write_json(json_path, {"header": header, "llama_server": llama, "items": items,
-                                  "rows": rows, "ratios": lines})
+    atomic_write_json(json_path, scrubbed({"header": header, "llama_server": llama,
+                                           "items": items, "rows": rows, "ratios": lines}))
     echo(f"serve_peers_llm: wrote {args.markdown} and {json_path}")
     for copy in work.rglob("*.mar"):
         copy.unlink()  # the prefix-cache copies; the logs stay
@@ -166,12 +167,9 @@ def _main(args: argparse.Namespace) -> int:
 
 def _header(args: argparse.Namespace, archives_of: dict, llama: dict[str, Any],
             items: list[dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
     refused = [f"{i['name']} {i['scheme']}" for i in items
                if any(r.get("ignore_eos") is False for r in i["rounds"])]
-    facts = {"torch": torch.__version__,
-             "requests": f"{args.requests} a level after {'/'.join(map(str, args.levels))} "
+    facts = {"requests": f"{args.requests} a level after {'/'.join(map(str, args.levels))} "
                          f"warm-up requests (one a connection), {args.rounds} round(s)",
              "prompts": f"{args.prompts.name}, {args.max_tokens} new tokens, greedy",
              "archives": "; ".join(f"{archives.SCHEMES[s]['recipe']}: cache_len "
@@ -196,11 +194,12 @@ def _header(args: argparse.Namespace, archives_of: dict, llama: dict[str, Any],
                                           f"EOS, tok/req is what they averaged." if refused
                                           else "every server took it."),
     ]
-    return {"title": "Served SmolLM2-135M: compress serve against llama-server"
+    peers = {"llama-server's build": {name: str(llama[key]) for name, key in (
+        ("llama-server", "llama_server_version"), ("llama-cpp-python", "llama-cpp-python"))
+        if llama.get(key)}} if llama else None
+    return {**results_header(MODULE, args.argv, peers=peers),
+            "title": "Served SmolLM2-135M: compress serve against llama-server"
             + (" (shared prefix)" if args.shared_prefix else ""),
-            "date": now(), **cpu_facts(), "cores": os.cpu_count(),
-            "command": shlex.join(["python", "-m", "benchmarks.causal_lm.served",
-                                   *sys.argv[1:]]),
             "facts": facts, "notes": notes}
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.harness.spread import cell, flags_said, markdown_rows, ratio, versions_said
+from benchmarks.harness.provenance import header_lines
+from benchmarks.harness.spread import cell, markdown_rows, ratio
 from compress.families.causal_lm.model import greedy_agreement
 
 FLOAT = "compress float"  # the greedy-agreement reference
@@ -152,17 +153,13 @@ def render_text(rows: list[dict[str, Any]]) -> str:
 
 
 def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
-    """The table as Markdown under a header: date, CPU and its flags, versions, rounds,
-    token counts and the triad bandwidth; then what each column means."""
+    """The table as Markdown under the results header (command, date, CPU, flags,
+    versions: benchmarks/harness/provenance.py), the threads, rounds, token counts and the
+    triad bandwidth; then what each column means."""
     head, body = _grid(rows)
-    flags = header.get("isa") or {}
     lines = [
         "# SmolLM2-135M-Instruct: compress against llama.cpp on the same GGUF, one invocation",
-        "", f"- date: {header.get('date', '?')}; command: `{header.get('command', '?')}`",
-        f"- CPU: {header.get('cpu', '?')} ({header.get('cores', '?')} cores, "
-        f"{header.get('threads', '?')} threads used); "
-        + flags_said(flags, ("avx512_vnni", "avx512_bf16", "amx")),
-        "- versions: " + versions_said(header.get("versions")),
+        "", *header_lines(header), f"- threads used: {header.get('threads', '?')}",
         f"- rounds: {header.get('rounds', '?')} (each row in a fresh process per round, "
         f"alternating order; medians over rounds); {header.get('tokens', '?')} new tokens "
         f"(EOS ignored), b8 on the first 8 prompts; TTFT on a {header.get('ttft_tokens', '?')}"

@@ -50,15 +50,17 @@ from benchmarks.classifier.table import BATCHES, SEQ_LEN, render_markdown, rende
 from benchmarks.harness import gemm
 from benchmarks.harness.cli import echo, exit_code
 from benchmarks.harness.paths import RESULTS, default_data_dir
+from benchmarks.harness.provenance import results_header, shown
 from benchmarks.harness.rounds import alternating, record, run_module
 from benchmarks.harness.runs import check_finished, eval_recipe
 from compress.errors import UserError
 from compress.recipe.datasets import resolve_data
 from compress.report.rebench import artifacts_of, latency_settings
 from compress.report.runtimes import reference_index
-from compress.runfolder.files import atomic_write_json, atomic_write_text, now, run_lock
+from compress.runfolder.files import atomic_write_json, atomic_write_text, run_lock
 
 CHILD = "benchmarks.classifier.child"  # run as python -m CHILD
+MODULE = "benchmarks.classifier.peers"
 DEFAULT_MARKDOWN = RESULTS / "peers.md"
 
 
@@ -133,6 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure as JSON (default RUN_DIR/peers.json)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     for name in ("rounds", "iters", "real_limit"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -166,23 +169,17 @@ def _main(args: argparse.Namespace) -> int:
         runs = measure(run_dir, items, latency, args)
     peaks = gemm.peaks(runs)
     rows = table_rows(items, peaks["int8_gops"])
-    env = next((g["environment"] for g in runs if "environment" in g), {})
-    cpu = env.get("cpu") or {}
-    isa = cpu.get("isa") or {}
-    header = {"date": now(), "run": ", ".join(map(str, [args.run_dir, *args.with_run])),
-              "cpu": cpu.get("model"),
-              "cores": cpu.get("cores"),
-              "isa": {"avx512_vnni": isa.get("avx512_vnni"), "avx512_bf16": isa.get("avx512_bf16"),
-                      "amx": any(v for k, v in isa.items() if k.startswith("amx"))},
-              "versions": {k: v for k, v in (env.get("libraries") or {}).items()
-                           if k in ("torch", "torchao", "transformers", "onnxruntime")},
+    peers = None
+    if peer_facts is not None:  # OpenVINO and NNCF go into Optimum's environment
+        found = dict(peer_facts)
+        for item in items:
+            found.update(item.get("versions") or {})
+        peers = {"the peers' environment (Optimum, OpenVINO)": found}
+    header = {**results_header(MODULE, args.argv, peers=peers, peaks=peaks),
+              "run": ", ".join(shown(p) for p in [args.run_dir, *args.with_run]),
               "rounds": args.rounds, "iters": latency["iters"], "warmup": latency["warmup"],
               "eval_size": next((r.get("eval_size") for r in rows if r.get("eval_size")), None),
-              "real_limit": args.real_limit, "gemm": peaks}
-    if peer_facts is not None:
-        header["versions"]["optimum-onnx"] = peer_facts.get("optimum-onnx")
-        for item in items:
-            header["versions"].update(item.get("versions") or {})  # openvino, nncf
+              "real_limit": args.real_limit}
     print(render_text(rows), end="")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     searches = [record for _, _, record in search_records(run_dir, manifest)]

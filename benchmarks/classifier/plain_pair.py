@@ -13,8 +13,9 @@ file's fastest round. From the repository root:
 
 No compress code is imported by the timed processes (this module, run as `python -m
 benchmarks.classifier.plain_pair --child`, imports the standard library and the harness's
-spread alone). Exit 2: a file missing or of a kind neither runtime loads; 1: a timed
-process failed.
+standard-library modules alone). `--json` writes the rounds under the results header
+(benchmarks/harness/provenance.py). Exit 2: a file missing or of a kind neither runtime
+loads; 1: a timed process failed.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness.provenance import header_lines, results_header, scrubbed, shown
 from benchmarks.harness.rounds import child_env
 from benchmarks.harness.spread import ratios, spread
 
 KINDS = (".pt2", ".onnx")
+MODULE = "benchmarks.classifier.plain_pair"
 
 
 def child(path: str, batch: int, length: int, warmup: int, iters: int) -> float:
@@ -126,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     by_median, by_best = ratios(ours, peer, "ms", lower_is_better=True)
     print(f"x faster ({args.files[0].name} against {args.files[1].name}): {by_median:.2f} by "
           f"the median, {by_best:.2f} by the best round")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "batch": args.batch, "length": args.length, "iters": args.iters,
-            "files": [str(p) for p in args.files], "rounds_ms": [rounds[p] for p in args.files],
-            "spread_ms": [ours, peer], "x_faster_median": by_median,
-            "x_faster_best": by_best}, indent=1) + "\n")
+    if args.json:  # both files timed by the runtimes of compress's environment
+        header = results_header(MODULE, sys.argv[1:] if argv is None else list(argv),
+                                ours=("torch", "onnxruntime"))
+        print("\n".join(header_lines(header)))
+        args.json.write_text(json.dumps(scrubbed({
+            "header": header, "batch": args.batch, "length": args.length, "iters": args.iters,
+            "files": [shown(p) for p in args.files],
+            "rounds_ms": [rounds[p] for p in args.files], "spread_ms": [ours, peer],
+            "x_faster_median": by_median, "x_faster_best": by_best}), indent=1) + "\n")
     return 0
 
 

@@ -18,16 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness.flops import FLOPS_BATCH, SEQ_LEN
+from benchmarks.harness.provenance import header_lines
 from benchmarks.harness.spread import (
-    cell,
-    flags_said,
     grid,
     is_number,
     markdown_rows,
     median_over_rounds,
     ratios,
     spread,
-    versions_said,
 )
 from benchmarks.harness.spread import render_text as aligned_text
 
@@ -114,29 +112,19 @@ def render_text(rows: list[dict[str, Any]]) -> str:
 
 
 def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
-    """The table as Markdown, under a header: date, CPU and its flags, versions, rounds,
-    GEMM peaks; footnotes say where each artifact's FLOPs come from."""
+    """The table as Markdown, under the results header (command, date, CPU, flags,
+    versions, GEMM peaks: benchmarks/harness/provenance.py), the run and the rounds;
+    footnotes say where each artifact's FLOPs come from."""
     head, body = grid(rows, COLUMNS, "artifact")
-    peaks = header.get("gemm") or {}
-    flags = header.get("isa") or {}
     lines = [
         "# compress artifacts and their peers (Optimum, OpenVINO), one invocation", "",
-        f"- date: {header.get('date', '?')}; run: `{header.get('run', '?')}`",
-        f"- CPU: {header.get('cpu', '?')} ({header.get('cores', '?')} cores); "
-        + flags_said(flags, ("avx512_vnni", "avx512_bf16", "amx")),
-        "- versions: " + versions_said(header.get("versions")),
+        *header_lines(header), f"- run: `{header.get('run', '?')}`",
         f"- rounds: {header.get('rounds', '?')} (each artifact in a fresh process per round, "
         f"alternating order; a figure is the median over rounds of each round's median, "
         f"min and max the fastest and the slowest round's); "
         f"iters {header.get('iters', '?')}, warmup {header.get('warmup', '?')}; accuracy "
         f"on {header.get('eval_size', '?')} eval sentences (first round); real lengths on "
         + (f"the first {header['real_limit']}" if header.get("real_limit") else "all of them"),
-        "- GEMM peaks on all cores: "
-        + ", ".join(f"{name} {cell(peaks.get(key), 1)} {unit}" for name, key, unit in (
-            ("fp32", "fp32_gflops", "GFLOP/s"), ("bf16", "bf16_gflops", "GFLOP/s"),
-            ("int8 (the better kernel)", "int8_gops", "GOP/s"),
-            ("int8 torch._int_mm", "int8_torch_gops", "GOP/s"),
-            ("int8 ONNX Runtime MatMulInteger", "int8_ort_gops", "GOP/s"))),
         "", *markdown_rows(head, body),
     ]
     lines += ["", f"b1 / b8x128: batch 1 and 8 at {SEQ_LEN} tokens; real: the eval "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -40,19 +39,19 @@ from benchmarks.embedding.table import (
 from benchmarks.harness import gemm
 from benchmarks.harness.cli import echo, exit_code
 from benchmarks.harness.paths import RESULTS, default_data_dir
+from benchmarks.harness.provenance import results_header, scrubbed, shown
 from benchmarks.harness.rounds import alternating, record, run_module
 from benchmarks.harness.runs import check_finished, eval_recipe
 from compress.errors import UserError
 from compress.runfolder.files import (
     atomic_write_json,
     atomic_write_text,
-    environment,
-    now,
     run_lock,
     sha256_file,
 )
 
 DEFAULT_MARKDOWN = RESULTS / "peers_embed.md"
+MODULE = "benchmarks.embedding.peers"
 PEERS = ("st_fp32", "st_onnx_int8", "st_openvino_int8", "fastembed_fp32", "fastembed_int8")
 REFERENCE = "st_fp32"  # fidelity and recall@10 are against this row's embeddings
 
@@ -86,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default RUN_DIR/peers_embed.json)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     for name in ("rounds", "limit", "passes", "batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -214,40 +214,33 @@ def _main(args: argparse.Namespace) -> int:
                      f"warm-up, the median; FLOPs {fixed_flops / 1e9:.2f} G a call)")
     rows = table_rows(items, flops, len(texts), peak, fixed_flops)
     print(render_text(rows), end="")
-    header = _header(args, recipe, source, texts, versions, peak, shapes,
+    header = _header(args, recipe, source, texts, versions, runs, shapes,
                      [*notes, flops_note])
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     markdown = render_markdown(rows, header)
     picture = plot_rows(rows, args.markdown.with_suffix(".png"))
     if picture is not None:
         markdown += f"\n![sentences/s against fidelity]({picture.name})\n"
-    atomic_write_text(args.markdown, markdown)
+    atomic_write_text(args.markdown, scrubbed(markdown))
     json_path = args.json or run_dir / "peers_embed.json"
-    atomic_write_json(json_path, {"header": header, "gemm_runs": runs, "items": items,
-                                  "rows": rows})
+    atomic_write_json(json_path, scrubbed({"header": header, "gemm_runs": runs, "items": items,
+                                           "rows": rows}))
     echo(f"peers_embed: wrote {args.markdown} and {json_path} (embeddings in {work})")
     failed = [g for g in runs if "error" in g] + [i for i in items if i.get("error")]
     return 1 if failed else 0
 
 
 def _header(args: argparse.Namespace, recipe: Any, source: Path, texts: list[str],
-            versions: dict[str, dict[str, str]], peak: float | None, shapes: list, notes: list[str]
-            ) -> dict[str, Any]:
-    env = environment()
-    isa = env["cpu"]["isa"]
-    return {"date": now(), "command": shlex.join(["python", "-m", "benchmarks.embedding.peers",
-                                                  *sys.argv[1:]]),
-            "run": str(args.run_dir), "cpu": env["cpu"]["model"], "cores": env["cpu"]["cores"],
-            "isa": {"avx2": isa.get("avx2"), "avx512_vnni": isa.get("avx512_vnni"),
-                    "avx512_bf16": isa.get("avx512_bf16"),
-                    "amx": any(v for k, v in isa.items() if k.startswith("amx"))},
-            "versions": {k: v for k, v in env["libraries"].items()
-                         if k in ("torch", "transformers", "onnxruntime")},
-            "environments": versions,
-            "model": f"{recipe.model.source} ({source})", "texts": len(texts),
-            "source": f"{recipe.data.source}, eval split", "batch": args.batch,
-            "mean_tokens": quality.mean_tokens(shapes), "rounds": args.rounds,
-            "passes": args.passes, "warmup": args.warmup, "int8_gops": peak, "notes": notes}
+            versions: dict[str, dict[str, str]], runs: list[dict[str, Any]], shapes: list,
+            notes: list[str]) -> dict[str, Any]:
+    peaks = gemm.peaks(runs) if runs else None
+    return {**results_header(MODULE, args.argv, peers={f"the peers' {name} environment": facts
+                                    for name, facts in versions.items()}, peaks=peaks),
+            "run": shown(args.run_dir), "model": f"{recipe.model.source} ({shown(source)})",
+            "texts": len(texts), "source": f"{recipe.data.source}, eval split",
+            "batch": args.batch, "mean_tokens": quality.mean_tokens(shapes),
+            "rounds": args.rounds, "passes": args.passes, "warmup": args.warmup,
+            "int8_gops": (peaks or {}).get("int8_gops"), "notes": notes}
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -39,15 +37,16 @@ from benchmarks.embedding.rerank_table import render_markdown, render_text, tabl
 from benchmarks.embedding.table import select
 from benchmarks.embedding.venvs import ONNX
 from benchmarks.harness.cli import Parser, echo, exit_code
-from benchmarks.harness.machine import cpu_facts, cpu_flags
 from benchmarks.harness.paths import RESULTS, default_data_dir
+from benchmarks.harness.provenance import results_header, scrubbed, shown
 from benchmarks.harness.rounds import alternating, record, run_module
 from benchmarks.harness.runs import check_finished, eval_recipe
 from benchmarks.harness.venv import PeerError, ensure_venv
 from compress.errors import UserError
-from compress.runfolder.files import atomic_write_json, atomic_write_text, now, run_lock
+from compress.runfolder.files import atomic_write_json, atomic_write_text, run_lock
 
 DEFAULT_MARKDOWN = RESULTS / "peers_rerank.md"
+MODULE = "benchmarks.embedding.rerank"
 PEERS = ("st_fp32", "st_onnx", "st_onnx_int8")
 REFERENCE = "st_fp32"  # fidelity is against this row's scores
 FIXED = (8, 128)  # the like-for-like shape: pairs, tokens a pair
@@ -77,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default RUN_DIR/peers_rerank.json)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     problems = [f"--{name} must be at least 1" for name in ("rounds", "limit", "passes", "batch")
                 if getattr(args, name) is not None and getattr(args, name) < 1]
     problems += ["--warmup must be at least 0"] if args.warmup < 0 else []
@@ -321,43 +321,25 @@ def _main(args: argparse.Namespace) -> int:
     markdown = render_markdown(rows, header)
     if served_items:
         markdown += "\n" + rerank_served.render_markdown(served_rows, served_lines, header)
-    atomic_write_text(args.markdown, markdown)
+    atomic_write_text(args.markdown, scrubbed(markdown))
     json_path = args.json or run_dir / "peers_rerank.json"
-    atomic_write_json(json_path, {"header": header, "items": items, "rows": rows,
-                                  "served_items": served_items, "served_rows": served_rows,
-                                  "served_ratios": served_lines})
+    atomic_write_json(json_path, scrubbed({
+        "header": header, "items": items, "rows": rows, "served_items": served_items,
+        "served_rows": served_rows, "served_ratios": served_lines}))
     echo(f"peers_rerank: wrote {args.markdown} and {json_path} (scores in {work})")
     failed = [i for i in items + served_items if i.get("error")] + [
         r for i in served_items for r in i["rounds"] if r.get("error")]
     return 1 if failed else 0
 
 
-def shown_run(run_dir: Path) -> str:
-    """The run folder as a results file names it: relative to the working folder where it
-    lies under it, else `runs/<its name>`."""
-    try:
-        return str(Path(run_dir).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return f"runs/{Path(run_dir).name}"
-
-
 def _header(args: argparse.Namespace, recipe: Any, model: Path | None, examples: Any,
             versions: dict[str, dict[str, str]], reference: str, notes: list[str]
             ) -> dict[str, Any]:
     from compress.families.reranker.measures import TIE_MARGIN
-    from compress.runfolder.files import environment
 
-    env = environment()
-    flags = cpu_flags()
-    shown = shown_run(args.run_dir)  # no machine's absolute path in a results file
-    return {"date": now(), "command": shlex.join(["python", "-m", "benchmarks.embedding.rerank",
-                                                  *(shown if a == str(args.run_dir) else a
-                                                    for a in sys.argv[1:])]),
-            "run": shown, **cpu_facts(), "cores": os.cpu_count(),
-            "isa": {k: k in flags for k in ("avx2", "avx512_vnni", "avx512_bf16", "amx_int8")},
-            "versions": {k: v for k, v in env["libraries"].items()
-                         if k in ("torch", "transformers", "onnxruntime")},
-            "environments": versions,
+    return {**results_header(MODULE, args.argv, peers={
+                f"the peers' {name} environment": facts for name, facts in versions.items()}),
+            "run": shown(args.run_dir),
             "model": f"{recipe.model.source}" + (f" (as a CrossEncoder folder: <run>/{MODEL})"
                                                  if model else ""),
             "pairs": len(examples), "queries": len(set(examples.texts)),

@@ -318,9 +318,7 @@ def render_markdown(rows: list[dict[str, Any]], lines: list[str], header: dict[s
                      "httpx client for every server), as many warm-up calls as the level "
                      "first", "fidelity": f"against {header.get('reference', '?')}"}
     served = {"title": "Served: compress serve `/v1/rerank` against infinity-emb `/rerank`",
-              "date": header["date"], "cpu": f"{header['cpu']} ({header['family']})",
-              "cores": header["cores"],
-              "flags": header["flags"], "command": header["command"], "facts": facts,
+              "section": True, "facts": facts,  # the file's header is rerank.py's
               "notes": ["Each server is started for its visit in a round and stopped after "
                         "it, so it runs alone; cold start is from its launch to its first "
                         "answered call, the median of the starts.",

@@ -14,14 +14,13 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from benchmarks.harness.provenance import header_lines
 from benchmarks.harness.spread import (
-    flags_said,
     grid,
     markdown_rows,
     ratio,
     ratios,
     spread,
-    versions_said,
 )
 from benchmarks.harness.spread import render_text as aligned_text
 
@@ -105,21 +104,13 @@ def render_text(rows: list[dict[str, Any]]) -> str:
 
 
 def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
-    """The table as Markdown under a header (date, command, CPU and flags, versions,
-    protocol), the like-for-like lines, the notes and the failed rows under it."""
+    """The table as Markdown under the results header (command, date, CPU, flags, the
+    versions of every environment: benchmarks/harness/provenance.py) and the protocol, the
+    like-for-like lines, the notes and the failed rows under it."""
     head, body = grid(rows, COLUMNS, "row")
-    flags = header.get("isa") or {}
-    known = header.get("microarchitecture", "unknown")
-    core = "" if known == "unknown" else f", {known}"
     lines = [
         "# Rerankers: compress's exports and their peers, one invocation", "",
-        f"- date: {header.get('date', '?')}; command: `{header.get('command', '?')}`",
-        f"- CPU: {header.get('cpu', '?')}{core} ({header.get('family', '?')}; "
-        f"{header.get('cores', '?')} cores); "
-        + flags_said(flags, sorted(flags)),
-        "- compress's environment: " + versions_said(header.get("versions")),
-        *(f"- the peers' {name} environment: " + versions_said(facts)
-          for name, facts in (header.get("environments") or {}).items()),
+        *header_lines(header), f"- run: `{header.get('run', '?')}`",
         f"- model: {header.get('model', '?')}; pairs: {header.get('pairs', '?')} of "
         f"{header.get('queries', '?')} queries ({header.get('source', '?')}), batch "
         f"{header.get('batch', '?')} pairs",

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 import tempfile
 import zipfile
@@ -39,16 +37,17 @@ from benchmarks.embedding.served_table import ratios, render_markdown, render_te
 from benchmarks.embedding.venvs import INFINITY
 from benchmarks.harness import servers
 from benchmarks.harness.cli import Parser, echo, exit_code, fill, numbers
-from benchmarks.harness.machine import cpu_facts
 from benchmarks.harness.paths import RESULTS, default_data_dir
+from benchmarks.harness.provenance import results_header, scrubbed, shown
 from benchmarks.harness.rounds import alternating
 from benchmarks.harness.runs import check_finished
 from benchmarks.harness.venv import ensure_venv
 from compress.errors import UserError
-from compress.runfolder.files import atomic_write_json, atomic_write_text, now
+from compress.runfolder.files import atomic_write_json, atomic_write_text
 from compress.serving.serve_target import resolve_target
 
 ENGINES = ("torchserve", "litserve")
+MODULE = "benchmarks.embedding.served"
 FULL = {"rounds": 2, "concurrency": "1,8,32", "requests": 256}
 QUICK = {"rounds": 1, "concurrency": "1,8", "requests": 32}
 
@@ -78,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default: the Markdown path with .json)")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
     fill(args, QUICK if args.quick else FULL)
     args.levels = numbers(parser, "--concurrency", args.concurrency, "1,8,32")
     args.batches = numbers(parser, "--batch", args.batch, "16,32")
@@ -198,11 +198,11 @@ def _main(args: argparse.Namespace) -> int:
         f"{i['name']}: round {r + 1} failed: {f['error']}"
         for i in items for r, f in enumerate(i["rounds"]) if f.get("error")]
     print(render_text(rows, lines), end="")
-    header = {"title": "Served embeddings: compress serve against infinity-emb",
-              "date": now(), **cpu_facts(), "cores": os.cpu_count(),
-              "command": shlex.join(["python", "-m", "benchmarks.embedding.served",
-                                     *sys.argv[1:]]),
-              "facts": {"model": f"{recipe.model.source} ({source})",
+    peers = {"infinity's environment": facts["infinity environment"]} if isinstance(
+        facts.get("infinity environment"), dict) else None
+    header = {**results_header(MODULE, args.argv, peers=peers),
+              "title": "Served embeddings: compress serve against infinity-emb",
+              "facts": {"model": f"{recipe.model.source} ({shown(source)})",
                         "load": f"{args.requests} calls a level after as many warm-up calls "
                                 f"as the level, {args.inputs} eval text(s) a call "
                                 f"({len(texts)} texts, cycled), {args.rounds} round(s)",
@@ -214,10 +214,10 @@ def _main(args: argparse.Namespace) -> int:
                         "from a call to its parsed answer. Figures are medians over rounds; "
                         "errors a sum; RSS the largest of the server's process tree."]}
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.markdown, render_markdown(rows, lines, header))
+    atomic_write_text(args.markdown, scrubbed(render_markdown(rows, lines, header)))
     json_path = args.json or args.markdown.with_suffix(".json")
-    atomic_write_json(json_path, {"header": header, "items": items, "rows": rows,
-                                  "ratios": lines})
+    atomic_write_json(json_path, scrubbed({"header": header, "items": items, "rows": rows,
+                                           "ratios": lines}))
     echo(f"serve_peers_embed: wrote {args.markdown} and {json_path}")
     failed = [i for i in items if i.get("error") or any(r.get("error") for r in i["rounds"])]
     return 1 if failed else 0

@@ -16,14 +16,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.provenance import header_lines
 from benchmarks.harness.spread import (
     cell,
-    flags_said,
     grid,
     markdown_rows,
     ratios,
     spread,
-    versions_said,
 )
 from benchmarks.harness.spread import render_text as aligned_text
 from compress.report.plot import pyplot, save_figure
@@ -104,27 +103,22 @@ def render_text(rows: list[dict[str, Any]]) -> str:
 
 
 def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
-    """The table as Markdown under a header (date, command, CPU and flags, versions,
-    protocol, GEMM peak), with the notes and the failed rows under it."""
+    """The table as Markdown under the results header (command, date, CPU, flags, the
+    versions of every environment, GEMM peaks: benchmarks/harness/provenance.py) and the
+    protocol, with the notes and the failed rows under it."""
     head, body = grid(rows, COLUMNS, "row")
-    flags = header.get("isa") or {}
-    peak = header.get("int8_gops")
     lines = [
         "# Embedding models: compress's exports and their peers, one invocation", "",
-        f"- date: {header.get('date', '?')}; command: `{header.get('command', '?')}`",
-        f"- CPU: {header.get('cpu', '?')} ({header.get('cores', '?')} cores); "
-        + flags_said(flags, sorted(flags)),
-        "- compress's environment: " + versions_said(header.get("versions")),
-        *(f"- the peers' {name} environment: " + versions_said(facts)
-          for name, facts in (header.get("environments") or {}).items()),
+        *header_lines(header), f"- run: `{header.get('run', '?')}`",
         f"- model: {header.get('model', '?')}; texts: {header.get('texts', '?')} "
         f"({header.get('source', '?')}), batch {header.get('batch', '?')}, mean padded "
         f"length {cell(header.get('mean_tokens'), 1)} tokens",
         f"- rounds: {header.get('rounds', '?')} (each row in a fresh process per round, "
         f"alternating order); each round the median of {header.get('passes', '?')} timed "
         f"passes after {header.get('warmup', '?')} untimed batches",
-        f"- int8 GEMM peak on all cores: {cell(peak, 1)} GOP/s (the better of torch._int_mm "
-        "and ONNX Runtime's MatMulInteger, benchmarks/harness/gemm.py, before and after)",
+        *(["- GEMM peaks: benchmarks/harness/gemm.py, before and after the rounds, the "
+           "better of the two; % int8 peak against the better int8 kernel"]
+          if header.get("gemm") else []),
         "", *markdown_rows(head, body),
     ]
     lines += ["", "sent/s: texts in, embeddings out (tokenizing included, as a user calls "

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness.paths import RESULTS as RESULTS_DIR
+from benchmarks.harness.provenance import header_lines, results_header, scrubbed
 from compress.algorithms.semi_structured import prune_n_m
 from compress.algorithms.semi_structured_gpu import (
     graphed,
@@ -148,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(0)
     lines = [
         "# sparse24_gpu: 2:4 semi-structured Linears against dense fp16 on a GPU", "",
-        f"- date: {time.strftime('%Y-%m-%d, %H:%M UTC', time.gmtime())}; device: {props.name}, "
-        f"compute capability {props.major}.{props.minor}, {props.multi_processor_count} SMs",
-        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, backend "
+        *header_lines(results_header("benchmarks.gpu.sparse24",
+                                     sys.argv[1:] if argv is None else argv)),
+        f"- device: {props.name}, compute capability {props.major}.{props.minor}, "
+        f"{props.multi_processor_count} SMs; CUDA {torch.version.cuda}, backend "
         f"{sparse_backend().BACKEND}",
-        f"- command: `python -m benchmarks.gpu.sparse24 --rounds {args.rounds} --iters "
-        f"{args.iters}`; {args.rounds} alternating rounds of {args.iters} calls in one process, "
+        f"- {args.rounds} alternating rounds of {args.iters} calls in one process, "
         f"CUDA events; medians, spread = lowest-highest round; "
         f"{time.perf_counter() - began:.0f} s",
         "- max rel. diff: the largest |2:4 - dense| over the largest |dense| of the outputs",
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     temporary = args.out.with_suffix(".tmp")
-    temporary.write_text("\n".join(lines))
+    temporary.write_text(scrubbed("\n".join(lines)))
     temporary.replace(args.out)
     print(f"sparse24_gpu: wrote {args.out}")
     return 0

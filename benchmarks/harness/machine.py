@@ -29,20 +29,36 @@ def cpu_model() -> str | None:
                  if ln.startswith("model name")), None)
 
 
-# AMD's (cpu family, first model, last model) -> microarchitecture, for CPUs named only
-# "AMD EPYC" (the machines these benchmarks have met); others keep their model name
+# AMD's (cpu family, first model, last model) -> microarchitecture
 AMD_CORES = ((23, 0x00, 0x2F, "Zen/Zen+"), (23, 0x30, 0xFF, "Zen 2"),
              (25, 0x00, 0x0F, "Zen 3"), (25, 0x10, 0x1F, "Zen 4"), (25, 0x20, 0x5F, "Zen 3"),
              (25, 0x60, 0xAF, "Zen 4"), (26, 0x00, 0xFF, "Zen 5"))
 
+# Intel's family 6 server cores: (model, first stepping, last stepping) -> microarchitecture
+# (model 0x55 is three cores told apart by the stepping)
+INTEL_CORES = ((0x3F, 0, 0xF, "Haswell-EP"), (0x4F, 0, 0xF, "Broadwell-EP"),
+               (0x55, 0, 4, "Skylake-SP"), (0x55, 5, 7, "Cascade Lake"),
+               (0x55, 10, 11, "Cooper Lake"), (0x6A, 0, 0xF, "Ice Lake-SP"),
+               (0x6C, 0, 0xF, "Ice Lake-SP"), (0x8F, 0, 0xF, "Sapphire Rapids"),
+               (0xCF, 0, 0xF, "Emerald Rapids"), (0xAD, 0, 0xF, "Granite Rapids"),
+               (0xAE, 0, 0xF, "Granite Rapids"), (0xAF, 0, 0xF, "Sierra Forest"))
 
-def microarchitecture(vendor: str | None, family: int | None, model: int | None) -> str | None:
-    """The core's name from /proc/cpuinfo's vendor, family and model (AMD only; None
-    where unknown)."""
-    if vendor != "AuthenticAMD" or family is None or model is None:
+
+def microarchitecture(vendor: str | None, family: int | None, model: int | None,
+                      stepping: int | None = None) -> str | None:
+    """The core's name from /proc/cpuinfo's vendor, family, model and (for Intel's model
+    0x55) stepping: AMD's Zen cores, Intel's server cores; None where unknown."""
+    if family is None or model is None:
         return None
-    return next((name for fam, low, high, name in AMD_CORES
-                 if fam == family and low <= model <= high), None)
+    if vendor == "AuthenticAMD":
+        return next((name for fam, low, high, name in AMD_CORES
+                     if fam == family and low <= model <= high), None)
+    if vendor != "GenuineIntel" or family != 6:
+        return None
+    named = [(low, high, name) for number, low, high, name in INTEL_CORES if number == model]
+    if stepping is None:  # one core a model, else the stepping decides
+        return named[0][2] if len(named) == 1 else None
+    return next((name for low, high, name in named if low <= stepping <= high), None)
 
 
 def cpu_facts() -> dict[str, Any]:
@@ -62,7 +78,8 @@ def cpu_facts() -> dict[str, Any]:
     family = " ".join(f"{name} {ids[key]}" for name, key in (
         ("family", "cpu family"), ("model", "model"), ("stepping", "stepping")) if key in ids)
     core = microarchitecture(ids.get("vendor_id"), *(
-        int(ids[k]) if ids.get(k, "").isdigit() else None for k in ("cpu family", "model")))
+        int(ids[k]) if ids.get(k, "").isdigit() else None
+        for k in ("cpu family", "model", "stepping")))
     return {"cpu": model or "unknown", "flags": " ".join(flags) or "unknown",
             "family": " ".join(filter(None, (ids.get("vendor_id"), family))) or "unknown",
             "microarchitecture": core or "unknown"}

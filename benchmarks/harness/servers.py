@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.provenance import header_lines
 from benchmarks.harness.spread import ratio
 from benchmarks.harness.venv import PeerError
 
@@ -184,13 +185,10 @@ def cells(rows: list[dict[str, Any]], columns: tuple[tuple[str, str], ...]
 
 def markdown(rows: list[dict[str, Any]], columns: tuple[tuple[str, str], ...], left: int,
              lines: list[str], header: dict[str, Any]) -> str:
-    """A served table as Markdown under its header (title, date, CPU and its SIMD flags,
-    command, facts; the first `left` columns left-aligned), then the ratio lines and the
-    notes."""
-    out = [f"# {header['title']}", "", f"- date: {header['date']}",
-           f"- CPU: {header['cpu']} ({header['cores']} cores seen by the OS)",
-           f"- CPU flags (SIMD, from /proc/cpuinfo): {header['flags']}",
-           f"- command: `{header['command']}`"]
+    """A served table as Markdown under its header (title; the results header, provenance.py,
+    unless `section` says the table is a section under another's; facts; the first `left`
+    columns left-aligned), then the ratio lines and the notes."""
+    out = [f"# {header['title']}", "", *([] if header.get("section") else header_lines(header))]
     out += [f"- {k}: {v}" for k, v in header["facts"].items()]
     out += ["", "| " + " | ".join(t for t, _ in columns) + " |",
             "|" + "|".join("---" if i < left else "---:" for i in range(len(columns))) + "|"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.provenance import shown
 from compress.measure.latency import NOISY_SPREAD  # also cross-checks input timings
 from compress.recipe.registry import all_specs, spec_of
 from compress.report.runtimes import producer, reference_index, runtime_label
@@ -107,8 +108,8 @@ def recipe_rows(recipe: str, run_dir: str | Path) -> list[dict[str, Any]]:
     manifest = read_manifest(run_dir)
     if manifest is None:
         return [{"recipe": recipe, "status": "missing", "path": f"{recipe}/-",
-                 "run_dir": str(run_dir),
-                 "notes": [f"no readable manifest.json in {run_dir}"]}]
+                 "run_dir": shown(run_dir),
+                 "notes": [f"no readable manifest.json in {shown(run_dir)}"]}]
     batch = largest_batch(manifest)
     index = reference_index(manifest)
     reference = manifest.stages[index] if index is not None else None
@@ -120,7 +121,7 @@ def recipe_rows(recipe: str, run_dir: str | Path) -> list[dict[str, Any]]:
         if not entry.finished_ok:
             rows.append({"recipe": recipe, "status": entry.status or "unknown",
                          "path": f"{recipe}/{entry.name}", "stage": entry.name,
-                         "run_dir": str(run_dir),
+                         "run_dir": shown(run_dir),
                          "notes": [entry.error or f"stage {entry.status}"]})
             continue
         if batch is None or f"latency_ms_b{batch}" not in entry.metrics:
@@ -136,7 +137,7 @@ def recipe_rows(recipe: str, run_dir: str | Path) -> list[dict[str, Any]]:
             pairs.append((sibling, False))
         for other, same in pairs:
             row = compare(recipe, entry, other, batch, same, manifest)
-            row["run_dir"] = str(run_dir)
+            row["run_dir"] = shown(run_dir)
             rows.append(row)
     return rows
 

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from benchmarks.harness.paths import REPO, default_data_dir
+from benchmarks.harness.provenance import header_lines, results_header, scrubbed
 from benchmarks.headline.ratios import (
     SERVED_RECIPE,
     hardware,
@@ -173,7 +174,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="load test requests per concurrency level (default 200)")
     parser.add_argument("--json", type=Path, metavar="FILE",
                         help="also write every figure as JSON to FILE")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,11 +238,14 @@ def _main(args: argparse.Namespace) -> int:
 
     rows = headline_rows(run_dirs)
     hw = hardware(run_dirs)
+    header = results_header("benchmarks.headline.run", args.argv)
+    print("\n".join(header_lines(header)))  # then the runs' own machines (their manifests)
     print(render(rows, hw, served, served_error, failures), end="")
     if args.json:
-        args.json.write_text(json.dumps({"hardware": hw, "recipes": recipes, "rows": rows,
-                                         "served": served, "served_error": served_error,
-                                         "failures": failures}, indent=2) + "\n")
+        args.json.write_text(json.dumps(scrubbed({
+            "header": header, "hardware": hw, "recipes": recipes, "rows": rows,
+            "served": served, "served_error": served_error, "failures": failures}),
+            indent=2) + "\n")
     return 1 if failures or served_error else 0
 
 

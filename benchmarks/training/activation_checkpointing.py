@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.harness.provenance import header_text
 from benchmarks.harness.rounds import child_env
 
 MODULE = "benchmarks.training.activation_checkpointing"
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{figures['step_s']:.2f} s/step, loss {figures['loss']:.4f}", flush=True)
     peak = {f: statistics.median(x["peak_rss_mb"] for x in v) for f, v in results.items()}
     step = {f: statistics.median(x["step_s"] for x in v) for f, v in results.items()}
-    print(f"\nbatch {args.batch} x {args.length} tokens, {args.steps} steps per process, "
+    print("\n" + header_text(MODULE, argv))
+    print(f"batch {args.batch} x {args.length} tokens, {args.steps} steps per process, "
           f"{torch_threads()} threads")
     print(f"peak RSS MB: without {peak[False]:.0f}, with {peak[True]:.0f}: "
           f"{peak[False] - peak[True]:.0f} MB less ({peak[True] / peak[False]:.3f}x)")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness.paths import REPO
+from benchmarks.harness.provenance import header_text
 from compress.distributed.launch import kill_rank
 
 RECIPE = REPO / "recipes/llm_fsdp.yaml"
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     said = [line for line in log.splitlines() if "resumes on" in line or "resuming" in line]
     print(f"2 -> 1: job killed after the step-{resized_at} checkpoint; {said[:1]}", flush=True)
 
-    print(f"\n{'run':<10}{'processes':>10}{'resumed at':>11}{'final loss':>12}{'perplexity':>12}"
+    print("\n" + header_text("benchmarks.training.fsdp_resume", argv))
+    print(f"{'run':<10}{'processes':>10}{'resumed at':>11}{'final loss':>12}{'perplexity':>12}"
           f"  param digest")
     for name, run in runs.items():
         m = metrics(run / "llm_fsdp")

@@ -22,6 +22,10 @@ from benchmarks.causal_lm import peers as peers_llm
 from benchmarks.harness.venv import PeerError
 from compress.runfolder.files import sha256_file
 
+# a results header's CPU (benchmarks/harness/provenance.py)
+ZEN4 = {"cpu": "AMD EPYC", "family": "AuthenticAMD family 25 model 17 stepping 1",
+        "microarchitecture": "Zen 4", "flags": "avx2 avx512_bf16", "cores": 2}
+
 # the tiny model's weights: 1 layer, 32 wide, 4 query / 2 key-value heads (8 each), 64 in
 # the MLP, 300 tokens; q, k, v, o, gate, up, down, three norms
 LAYER = 32 * 32 + 2 * 16 * 32 + 32 * 32 + 3 * 64 * 32 + 3 * 32
@@ -161,16 +165,19 @@ def test_tables_show_the_figures_and_say_what_failed() -> None:
     assert "llama.cpp Q8_0: b8 not measured: no batch" in lines
     assert "llama.cpp Q4_1: b8 rows agree with its batch-1 greedy tokens at 0.750 of " \
         "positions" in lines
-    header = {"date": "2026-11-25", "cpu": "AMD EPYC", "cores": 2, "threads": 2,
-              "isa": {"avx512_vnni": True, "avx512_bf16": True, "amx": False},
-              "versions": {"torch": "2.13.0", "llama-cpp-python": "0.3.36"}, "rounds": 2,
-              "tokens": 64, "ttft_tokens": 128, "ppl_texts": 200, "prompts": 20,
-              "greedy_tokens": 32, "bandwidth_gbs": 40.0, "command": "python x.py",
+    header = {"date": "2026-11-25", "threads": 2, "cpu": ZEN4,
+              "versions": {"compress": {"torch": "2.13.0"},
+                           "llama.cpp's environment": {"llama-cpp-python": "0.3.36"}},
+              "rounds": 2, "tokens": 64, "ttft_tokens": 128, "ppl_texts": 200, "prompts": 20,
+              "greedy_tokens": 32, "bandwidth_gbs": 40.0,
+              "command": "python -m benchmarks.causal_lm.peers",
               "llama_build": "CMAKE_ARGS=-DGGML_NATIVE=ON: CPU : AVX512_VNNI = 1 |"}
     markdown = table.render_markdown(rows, header)
-    assert "- CPU: AMD EPYC (2 cores, 2 threads used); avx512_vnni yes, avx512_bf16 yes, " \
-        "amx no" in markdown
-    assert "torch 2.13.0, llama-cpp-python 0.3.36" in markdown
+    assert markdown.splitlines()[2] == "- command: `python -m benchmarks.causal_lm.peers`"
+    assert "- CPU: AMD EPYC; microarchitecture Zen 4 (AuthenticAMD family 25 model 17 " \
+        "stepping 1); 2 cores" in markdown and "- threads used: 2" in markdown
+    assert "compress: torch 2.13.0; llama.cpp's environment: llama-cpp-python 0.3.36" \
+        in markdown
     assert "- llama.cpp (CMAKE_ARGS=-DGGML_NATIVE=ON: CPU : AVX512_VNNI = 1 |)" in markdown
     assert "40.0 GB/s" in markdown and "rounds: 2" in markdown
     assert "| llama.cpp Q4_1 | Q4_1 | 210.0 | 850.0 | 21.0 | 20.100 | 0.875 | 96.0 | 50.4 " \

@@ -115,11 +115,12 @@ def test_rows_take_medians_over_rounds_and_the_ratios_pair_the_schemes() -> None
     assert lines[1] == "compress torchserve llm_int8: tok/s at c8 / c1 3.05x"
     text = table.render_text(rows, lines)
     assert "TTFT p99 ms" in text.splitlines()[0] and "llama-server" in text
-    header = {"title": "T", "date": "d", "cpu": "CPU", "cores": 2, "flags": "avx2",
-              "command": "python x", "facts": {"torch": "2"}, "notes": ["a note"]}
+    header = {"title": "T", "date": "d", "cpu": {"cpu": "CPU", "cores": 2, "flags": "avx2"},
+              "command": "python -m benchmarks.causal_lm.served", "facts": {"torch": "2"},
+              "notes": ["a note"]}
     markdown = table.render_markdown(rows, lines, header)
     assert "| compress torchserve | llm_int8 | 8 | 320.0 |" in markdown
-    assert "- CPU flags (SIMD, from /proc/cpuinfo): avx2" in markdown and "- a note" in markdown
+    assert "- flags: avx2" in markdown and "- a note" in markdown
 
 
 def test_prefix_cache_ratio() -> None:

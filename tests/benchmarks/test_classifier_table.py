@@ -13,6 +13,10 @@ from benchmarks.classifier import table as peers_table
 from benchmarks.harness import flops as encoder
 from benchmarks.harness import spread as peers_spread
 
+# a results header's CPU (benchmarks/harness/provenance.py)
+ZEN4 = {"cpu": "AMD EPYC", "family": "AuthenticAMD family 25 model 17 stepping 1",
+        "microarchitecture": "Zen 4", "flags": "avx2 avx512_bf16", "cores": 2}
+
 MINILM = {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 1536,
           "num_attention_heads": 12, "model_type": "bert"}
 
@@ -146,9 +150,10 @@ def test_rows_keep_every_round_and_the_spread_of_the_latencies() -> None:
 
 def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
     rows = peers_table.table_rows(_artifacts(), 775.0)
-    header = {"date": "2026-01-01", "run": "runs/bert_int8", "cpu": "AMD EPYC", "cores": 2,
-              "isa": {"avx512_vnni": True, "avx512_bf16": True, "amx": False},
-              "versions": {"torch": "2.13.0"}, "rounds": 2, "iters": 15, "warmup": 3,
+    header = {"date": "2026-01-01", "run": "runs/bert_int8", "cpu": ZEN4,
+              "command": "python -m benchmarks.classifier.peers runs/bert_int8",
+              "versions": {"compress": {"torch": "2.13.0"}}, "rounds": 2, "iters": 15,
+              "warmup": 3,
               "eval_size": 872,
               "gemm": {"fp32_gflops": 182.0, "bf16_gflops": 428.0, "int8_gops": 775.0}}
     text = peers_table.render_markdown(rows, header)
@@ -164,7 +169,8 @@ def test_markdown_has_one_row_per_artifact_with_its_numbers() -> None:
                      f"{100 * flops / 0.16 / 775e9:.1f}"]
     assert "by median (the medians over rounds) and by best" in text
     assert "| broken | rt | failed |" in text and "broken: failed: RuntimeError: boom" in text
-    assert "avx512_vnni yes, avx512_bf16 yes, amx no" in text
+    assert "- flags: avx2 avx512_bf16" in text and "microarchitecture Zen 4" in text
+    assert "`python -m benchmarks.classifier.peers runs/bert_int8`" in text.splitlines()[2]
     assert "int8 (the better kernel) 775.0 GOP/s" in text
     assert "rounds: 2" in text and "872 eval" in text
     plain = peers_table.render_text(rows).splitlines()

@@ -147,9 +147,12 @@ def test_rounds_alternate_the_order() -> None:
 
 def test_served_tables_share_their_markdown() -> None:
     rows = [{"name": "a", "x": 1.5, "y": None}]
-    header = {"title": "T", "date": "d", "cpu": "C", "cores": 2, "flags": "avx2",
+    header = {"title": "T", "date": "d", "cpu": {"cpu": "C", "cores": 2, "flags": "avx2"},
               "command": "python -m x", "facts": {"k": "v"}, "notes": ["n"]}
     text = servers.markdown(rows, (("name", "name"), ("x", "x"), ("y", "y")), 1, ["r"], header)
     assert "| name | x | y |\n|---|---:|---:|\n| a | 1.5 | - |" in text
     assert text.endswith("Ratios:\n\n- r\n\nNotes:\n\n- n\n")
+    assert text.splitlines()[2] == "- command: `python -m x`" and "- flags: avx2" in text
+    section = servers.markdown(rows, (("name", "name"),), 1, [], {**header, "section": True})
+    assert "- command:" not in section and "- k: v" in section
     assert servers.median([None, 3.0, 1.0]) == 2.0 and servers.shown(None) == "n/a"

@@ -75,14 +75,14 @@ def test_the_text_table_keeps_a_failed_row_and_says_why():
 
 def test_the_markdown_names_the_cpu_the_command_and_the_reference():
     header = {"date": "2026-11-29", "command": "python -m benchmarks.embedding.rerank RUN",
-              "cpu": "AMD EPYC", "family": "AuthenticAMD family 25 model 1", "cores": 2,
-              "isa": {"avx2": True, "avx512_vnni": False},
-              "environments": {"onnx": {"sentence-transformers": "5.7.0"}},
+              "cpu": {"cpu": "AMD EPYC", "family": "AuthenticAMD family 25 model 1 stepping 1",
+                      "microarchitecture": "Zen 3", "flags": "avx2", "cores": 2},
+              "versions": {"the peers' onnx environment": {"sentence-transformers": "5.7.0"}},
               "reference": "st_fp32", "tie_margin": 0.001, "pairs": 200, "queries": 40,
               "notes": ["a note"]}
     markdown = render_markdown(table_rows(FIGURES), header)
-    assert ("AMD EPYC (AuthenticAMD family 25 model 1; 2 cores); avx2 yes, avx512_vnni no"
-            in markdown)
+    assert ("- CPU: AMD EPYC; microarchitecture Zen 3 (AuthenticAMD family 25 model 1 "
+            "stepping 1); 2 cores" in markdown) and "- flags: avx2" in markdown
     assert "`python -m benchmarks.embedding.rerank RUN`" in markdown
     assert "sentence-transformers 5.7.0" in markdown and "within 0.001" in markdown
     assert "| int8_onnx | runtime of int8_onnx | 0.00208 | 0.9782 |" in markdown

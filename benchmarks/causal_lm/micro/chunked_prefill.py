@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.paths import RESULTS
+from benchmarks.harness.provenance import header_lines, results_header, scrubbed
 from serve.causal_lm.runtime import loading
 from serve.causal_lm.runtime.attention import attention
 from serve.causal_lm.server.batcher import ContinuousBatcher, Row
@@ -109,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             batcher = ContinuousBatcher(decoders, prefillers[mode], set(), own_thread=False)
             results[mode].append(measure(batcher, ids, long, args.new, args.settle))
             print(mode, {k: round(v, 2) for k, v in results[mode][-1].items()}, flush=True)
+    header = results_header("benchmarks.causal_lm.micro.chunked_prefill",
+                            sys.argv[1:] if argv is None else argv)
     lines = ["# A 1,000-token prompt joining seven running streams (served batcher)", "",
-             "- command: `python -m " + " ".join(["benchmarks.causal_lm.micro.chunked_prefill",
-                                                 *(argv or sys.argv[1:])]) + "`; "
-             f"compile {args.compile}, chunk {args.chunk}, {args.rounds} rounds (medians)",
+             *header_lines(header),
+             f"- compile {args.compile}, chunk {args.chunk}, {args.rounds} rounds (medians)",
              f"- threads: {torch.get_num_threads()}", "",
              "ITL p50: the running rows alone, before the long prompt arrives; p99 and max: "
              "from its arrival to the first decode step after it joined.", "",
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{med['itl_max_ms']:.1f} | {med['p99_over_p50']:.2f} | "
                      f"{med['long_ttft_s']:.2f} |")
     print("\n".join(lines))
-    args.markdown.write_text("\n".join(lines) + "\n")
+    args.markdown.write_text(scrubbed("\n".join(lines) + "\n"))
     return 0
 
 

@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.causal_lm.inputs import MODEL, PROMPTS, prompt_ids, sentences
+from benchmarks.harness.provenance import header_text
 from compress.families.causal_lm.model import (
     StaticDecoder,
     greedy_agreement,
@@ -85,7 +86,8 @@ def main() -> None:
     eager = statistics.median(eager_rates)
     compiled = statistics.median(variants["float"]["rates"])
     base_ppl = variants["float"]["perplexity"]
-    print(f"\nSmolLM2-135M, batch 1, {args.tokens} new tokens, {torch.get_num_threads()} "
+    print("\n" + header_text("benchmarks.causal_lm.micro.decode"))
+    print(f"SmolLM2-135M, batch 1, {args.tokens} new tokens, {torch.get_num_threads()} "
           f"threads, {args.rounds} rounds (medians)")
     print(f"{'variant':<26}{'tok/s':>8}{'x eager':>9}{'x float compiled':>18}"
           f"{'TTFT ms':>9}{'ppl':>8}{'ppl Δ%':>8}{'agree':>7}")

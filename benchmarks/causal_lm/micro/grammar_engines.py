@@ -18,10 +18,12 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from benchmarks.causal_lm.inputs import MODEL, SCHEMA
+from benchmarks.harness.provenance import header_text
 from benchmarks.harness.rounds import child_env
 from compress.recipe.sources import shipped_gguf
 from serve.causal_lm.server.grammar import JSON_LAYOUT
@@ -131,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     table = {"llguidance": llguidance_row(tokenizer, ids)}
     if args.xgrammar_path:
         table["xgrammar"] = xgrammar_in_child(args.xgrammar_path)
+    print(header_text("benchmarks.causal_lm.micro.grammar_engines", argv,
+                      ours=("transformers", "llguidance"),
+                      peers={"xgrammar's folder": {d.metadata["Name"]: d.version for d in
+                                                   metadata.distributions(
+                                                       path=[str(args.xgrammar_path)])}}
+                      if args.xgrammar_path else None))
     print(f"{len(ids)}-token answer, medians of 5 runs")
     print("| engine | tokenizer setup s | schema compile ms | per token us | answer ms | "
           "worst token ms |\n|---|---|---|---|---|---|")

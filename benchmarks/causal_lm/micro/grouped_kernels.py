@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from benchmarks.harness.provenance import header_text
 from serve.causal_lm.runtime.kernels import (
     bf16_native,
     build_error,
@@ -90,14 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     native = "" if args.activations != "bf16" or bf16_native() else \
         " (built without AVX512-BF16: the float32 product)"
-    print(f"threads {torch.get_num_threads()}; {args.weights} weights; "
-          f"{args.activations} activations{native}; "
-          "shapes: (out, in, calls a step)")
-    peak = None
+    found = None
     if args.peak and args.activations != "int8":
         from benchmarks.harness.cpu_peak import peaks
 
         found = peaks()
+    print(header_text("benchmarks.causal_lm.micro.grouped_kernels", argv, peaks=found))
+    print(f"threads {torch.get_num_threads()}; {args.weights} weights; "
+          f"{args.activations} activations{native}; "
+          "shapes: (out, in, calls a step)")
+    peak = None
+    if found is not None:
         peak = found["bf16" if args.activations == "bf16" and native == "" else "fp32"]
         print(f"peak: float32 FMA {found['fp32']:.1f} GFLOP/s, vdpbf16ps "
               f"{found['bf16'] or 0:.1f} GFLOP/s (0: no AVX512-BF16)")

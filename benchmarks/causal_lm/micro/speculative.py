@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
+import sys
 import time
-from datetime import date
 
 import torch
 
 from benchmarks.causal_lm.inputs import MODEL, PROMPTS, prompt_ids, sentences
 from benchmarks.harness.paths import RESULTS as RESULTS_DIR
+from benchmarks.harness.provenance import header_lines, results_header
 from compress.families.causal_lm.model import (
     StaticDecoder,
     load_causal_lm,
@@ -134,24 +134,13 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, table: list[str]) -> None:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    header = "\n".join(header_lines(results_header(
+        "benchmarks.causal_lm.micro.speculative", sys.argv[1:])))
     text = f"""# llm_speculative: prompt-lookup speculative decoding, SmolLM2-135M int8_grouped
 
-- CPU: {cpu}, {torch.get_num_threads()} threads
-- date: {date.today().isoformat()}
-- command:
-  ```bash
-  COMPRESS_DATA_DIR=../shared/data python -m benchmarks.causal_lm.micro.speculative \\
-      --rounds {args.rounds} --tokens {args.tokens} --k {args.k} --n-min {args.n_min} \\
-      --mode {args.mode} --threads {args.threads} --extractive {args.extractive} \\
-      --prompts {args.prompts} --write
-  ```
+{header}
+- threads: {torch.get_num_threads()}; rounds {args.rounds}, tokens {args.tokens}, k {args.k},
+  n-min {args.n_min}, mode {args.mode}, extractive {args.extractive}, prompts {args.prompts}
 - batch 1, greedy, at most {args.tokens} new tokens (a prompt ends at `<|im_end|>`), k = {args.k}
   drafts a verification from the last 3..{args.n_min} tokens; one compiled decoder (`{args.mode}`)
   serves both paths; {args.rounds} rounds, order alternating; tok/s per round over the

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.causal_lm.inputs import MODEL, PROMPTS, prompt_ids
+from benchmarks.harness.provenance import header_text, shown
 from compress.families.causal_lm.model import (
     StaticDecoder,
     load_causal_lm,
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         in_step = {name: products_in_step_ms(decoder, ids, args.tokens)
                    for name, decoder in made.items()}
     inside = products_ms(lm.model)
-    print(f"{Path(args.model).name} {args.scheme}, batch 1, {args.tokens} tokens, "
+    print(header_text("benchmarks.causal_lm.micro.step_overhead", argv))
+    print(f"{shown(args.model)} {args.scheme}, batch 1, {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (median, min-max)")
     print(f"{'step':<8}{'ms/token':>10}{'spread':>16}{'products ms':>13}{'rest ms':>9}"
           f"{'in step ms':>12}{'tok/s':>8}")

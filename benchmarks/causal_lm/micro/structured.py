@@ -20,12 +20,12 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from benchmarks.causal_lm.inputs import MODEL, PROMPTS, SCHEMA
 from benchmarks.harness.paths import RESULTS as RESULTS_DIR
+from benchmarks.harness.provenance import OURS, header_lines, results_header
 from compress.families.causal_lm.model import load_causal_lm, quantize_weights
 from serve.causal_lm.runtime import loading
 from serve.causal_lm.runtime.attention import attention
@@ -116,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r} {name}: {rate:.1f} tok/s", flush=True)
     valid = sum(_valid(a) for a in answers)
     free, mixed = (statistics.median(v) for v in rates.values())
-    flags = _cpu_flags()
+    header = results_header("benchmarks.causal_lm.micro.structured",
+                            sys.argv[1:] if argv is None else argv,
+                            ours=(*OURS, "llguidance", "jsonschema-rs"))
     lines = ["# A json_schema row beside free rows (served continuous batcher)", "",
-             "- command: `python -m benchmarks.causal_lm.micro.structured "
-             f"{' '.join(argv or sys.argv[1:])}`"
-             f"; SmolLM2-135M-Instruct int8_grouped, compile {args.compile}, "
-             f"{args.threads} threads, {args.rounds} alternating rounds (medians)",
-             f"- CPU flags: {flags}", "",
+             *header_lines(header),
+             f"- SmolLM2-135M-Instruct int8_grouped, compile {args.compile}, "
+             f"{args.threads} threads, {args.rounds} alternating rounds (medians)", "",
              "| batch of 8 | decode tok/s (median) | spread |", "|---|---|---|"]
     for name, values in rates.items():
         lines.append(f"| {name} | {statistics.median(values):.1f} | "
@@ -147,13 +147,6 @@ def _valid(text: str) -> bool:
     except (ValueError, jsonschema_rs.ValidationError):
         return False
     return True
-
-
-def _cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    keep = sorted(f for f in line.split() if f.startswith(("avx512", "avx2", "amx", "fma")))
-    return " ".join(keep) or "unknown"
 
 
 if __name__ == "__main__":

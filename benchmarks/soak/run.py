@@ -127,7 +127,8 @@ def soak(info: dict, requests: int, concurrency: int, warmup: int) -> dict:
 def kill_worker(info: dict, seconds: float = 30.0, kill_at: float = 3.0,
                 concurrency: int = 8, timeout: float = 10.0) -> dict:
     """SIGKILL the worker `kill_at` seconds into a `seconds`-long load; every request's end
-    (`hung`: those that got no answer within the client's `timeout`).
+    (`hung`: those that got no answer within the client's `timeout`; `hung_started_s`: when
+    each of them was sent, in seconds from the kill).
 
     TorchServe 0.12 drops the requests its frontend was collecting into a batch (within
     maxBatchDelay) when the worker dies at that moment: they never get an answer (the worker
@@ -177,6 +178,8 @@ def kill_worker(info: dict, seconds: float = 30.0, kill_at: float = 3.0,
     return {"requests": len(outcomes), "failed": len(failed),
             "failures": sorted({o[2] for o in failed}),
             "hung": sum(o[1] - o[0] >= timeout for o in outcomes),
+            "hung_started_s": sorted(round(o[0] - killed_at, 2) for o in outcomes
+                                     if o[1] - o[0] >= timeout),  # from the kill
             "longest_s": round(max(o[1] - o[0] for o in outcomes), 2),
             "worker_back_s": None if back_at is None else round(back_at - killed_at, 2),
             "success_again_s": None if recovered is None else round(recovered - killed_at, 2)}

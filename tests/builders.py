@@ -131,16 +131,19 @@ def chosen(model: nn.Module) -> dict[str, nn.Module]:
 
 # ---- embedding models ------------------------------------------------------------------------
 
-def cls_bert_folder(folder: Path) -> Path:
+def cls_bert_folder(folder: Path, init_std: float = 0.02, dropout: float = 0.1) -> Path:
     """A random-init BERT sentence-transformers folder in `folder`: CLS pooling, no Normalize
-    (2 layers, 32 wide, MiniLM's tokenizer)."""
+    (2 layers, 32 wide, MiniLM's tokenizer, weights drawn at `init_std`, `dropout` on hidden
+    states and attention when training)."""
     from conftest import minilm_folder
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_folder())
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, intermediate_size=64)).save_pretrained(folder)
+                         num_attention_heads=2, intermediate_size=64,
+                         initializer_range=init_std, hidden_dropout_prob=dropout,
+                         attention_probs_dropout_prob=dropout)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

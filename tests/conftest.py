@@ -102,6 +102,17 @@ def cls_bert_folder(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("cls_bert"))
 
 
+@pytest.fixture(scope="session")
+def varied_cls_bert_folder(tmp_path_factory) -> Path:
+    """cls_bert_folder's shape drawn at std 0.2 (BERT's default is 0.02) and without dropout:
+    each layer moves the CLS embedding (dropping one leaves a mean cosine near 0.5, weights
+    rounded to 3 bits about 0.8), so a fidelity bound on it can fail; training it towards a
+    fixed target sees no dropout noise."""
+    from builders import cls_bert_folder as build
+
+    return build(tmp_path_factory.mktemp("varied_cls_bert"), init_std=0.2, dropout=0.0)
+
+
 @pytest.fixture(scope="module")
 def trained_mlp():
     """An MLP fitted for a moment to the first 256 real digits: confident, input-dependent

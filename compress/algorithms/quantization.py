@@ -11,11 +11,12 @@ Only `torchao.quantization.pt2e` is used, never the deprecated `torch.ao.quantiz
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import fnmatch
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +25,10 @@ from torchao.quantization.pt2e import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
 )
-from torchao.quantization.pt2e.fake_quantize import FusedMovingAvgObsFakeQuantize
+from torchao.quantization.pt2e.fake_quantize import (
+    FakeQuantizeBase,
+    FusedMovingAvgObsFakeQuantize,
+)
 from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
 from torchao.quantization.pt2e.quantizer.quantizer import QuantizationSpec
 from torchao.quantization.pt2e.quantizer.utils import QuantizationConfig
@@ -34,7 +38,7 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
 )
 
 from compress.algorithms.smoothing import input_statistics, smooth_linears
-from compress.data.datasets import iterate
+from compress.data.datasets import collate, iterate
 from compress.errors import CompressError
 from compress.measure.evaluate import logits_of
 from compress.models.bundle import ModelBundle
@@ -127,6 +131,60 @@ def smoothed(bundle: ModelBundle, cfg, calibration, max_length: int
     return dataclasses.replace(bundle, model=model), count
 
 
+def qat_probe(setup, batch_size: int, tokenizer) -> tuple[Any, torch.Tensor]:
+    """The first `batch_size` training examples, collated: the batch QAT's figures are
+    measured on."""
+    idx = list(range(min(batch_size, len(setup.examples))))
+    return collate(setup.examples, idx, tokenizer, setup.max_length)
+
+
+@torch.no_grad()
+def observed_copy(prepared: GraphModel, probe: tuple[Any, torch.Tensor]) -> GraphModel:
+    """A copy of the fake-quantized model before any training step, its observers set by
+    one forward pass over `probe` (the no-training control; the model trained is untouched)."""
+    untrained = copy.deepcopy(prepared)
+    untrained.train()
+    logits_of(untrained, probe[0])
+    return untrained.eval()
+
+
+@torch.no_grad()
+def qat_figures(untrained: GraphModel, trained: GraphModel, probe: tuple[Any, torch.Tensor],
+                loss_fn) -> dict[str, float]:
+    """How far training moved the weights (`qat_weight_change`: the norm of the change over
+    the norm of the weights) and the training loss on `probe` (towards the float model's
+    outputs where the loss is a distillation) of the fake-quantized model without training
+    (`qat_loss_before_training`) and after it (`qat_loss_after_training`), both in eval mode."""
+    trained.eval()
+    before = dict(untrained.named_parameters())
+    change = sum(float((p - before[n]).pow(2).sum()) for n, p in trained.named_parameters())
+    size = sum(float(p.pow(2).sum()) for p in before.values())
+    with observers_frozen(untrained), observers_frozen(trained):
+        losses = [float(f"{float(loss_fn(m, *probe)):.6g}") for m in (untrained, trained)]
+    return {"qat_weight_change": round((change / size) ** 0.5, 8) if size else 0.0,
+            "qat_loss_before_training": losses[0], "qat_loss_after_training": losses[1]}
+
+
+def label_loss(model: nn.Module, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The labels' cross-entropy: what QAT trains by where the stage gives no loss."""
+    return nn.functional.cross_entropy(logits_of(model, inputs), labels)
+
+
+@contextlib.contextmanager
+def observers_frozen(model: nn.Module) -> Iterator[None]:
+    """`model`'s fake-quantize observers off for the block (a measuring pass leaves the
+    scales as training left them), then as they were."""
+    quants = [m for m in model.modules() if isinstance(m, FakeQuantizeBase)]
+    flags = [bool(m.observer_enabled[0]) for m in quants]
+    for m in quants:
+        m.disable_observer()
+    try:
+        yield
+    finally:
+        for m, flag in zip(quants, flags, strict=True):
+            m.enable_observer(flag)
+
+
 # --- compile --------------------------------------------------------------------------------
 
 
@@ -170,10 +228,13 @@ def quantize(bundle: ModelBundle, cfg, calibration=None, *, setup=None,
         prepared = GraphModel(prepare_qat_pt2e(graph, quantizer), bundle.is_text, max_seq,
                               trainable=True)
         prepared.training = True
+        probe = qat_probe(setup, cfg.qat.batch_size, bundle.tokenizer)
+        untrained = observed_copy(prepared, probe)
         result = setup.run(prepared, cfg.qat, bundle.tokenizer,
                            **({"loss_fn": loss_fn} if loss_fn is not None else {}))
         prepared.eval()
         metrics["qat_steps"] = result.steps
+        metrics.update(qat_figures(untrained, prepared, probe, loss_fn or label_loss))
     else:
         prepared = GraphModel(prepare_pt2e(graph, quantizer), bundle.is_text, max_seq)
         if cfg.mode == "static":

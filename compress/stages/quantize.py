@@ -14,8 +14,9 @@ from compress.stages.context import StageContext, State
 def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     """Quantize the current model (dynamic, static or QAT), save `model.pt2`, record figures.
 
-    Figures: quant_mode, calibration_samples (static), qat_steps (qat), quantize_s, and
-    compile_s (the first, compiling inference call) when `compile` is on.
+    Figures: quant_mode, calibration_samples (static), qat_steps, qat_weight_change,
+    qat_loss_before_training and qat_loss_after_training (qat), quantize_s, and compile_s
+    (the first, compiling inference call) when `compile` is on.
     """
     bundle, metrics = quantize(state.bundle, cfg, ctx.data.splits.get("calibration"),
                                setup=ctx.training() if cfg.mode == "qat" else None,

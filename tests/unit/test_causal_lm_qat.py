@@ -1,18 +1,13 @@
-"""Quantization-aware training of a causal LM (compress.families.causal_lm.algorithms.qat and
-`quantize` mode qat)."""
+"""Quantization-aware training of a causal LM: the fake grid and its straight-through gradient
+(compress.families.causal_lm.algorithms.qat); the `quantize` mode qat stage through the
+pipeline is in tests/integration/test_causal_lm_qat_runs.py."""
 
 from __future__ import annotations
 
-import json
-
 import torch
-from builders import causal_lm_recipe
 from torch import nn
 
 from compress.families.causal_lm.algorithms import qat
-from compress.models.folders import load_saved
-from compress.pipeline.loop import run_recipe
-from compress.recipe.schema import load_recipe
 from serve.causal_lm.runtime.loading import head_scheme_of, weight_config
 
 
@@ -58,24 +53,3 @@ def test_prepare_fake_quantizes_each_linear_with_a_straight_through_gradient() -
     assert head_scheme_of("int4_weight_only") == "int8_weight_only"
     assert head_scheme_of("int8_weight_only", "auto") == "int8_weight_only"
     assert head_scheme_of("int4_weight_only", "float") == "float"
-
-
-def test_a_causal_lm_quantize_stage_trains_on_the_grid_then_quantizes(
-        tmp_path, tiny_llama_folder) -> None:
-    stages = [{"kind": "quantize", "scheme": "int4_weight_only", "mode": "qat",
-               "qat": {"max_steps": 3, "batch_size": 2, "learning_rate": 1e-3}}]
-    path = causal_lm_recipe(tmp_path, tiny_llama_folder, stages, train_samples=40)
-    run_dir = run_recipe(load_recipe(path, check_sources=True), echo=lambda _: None)
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    metrics = manifest["stages"][0]["metrics"]
-    assert metrics["train_steps"] == 3 and metrics["qat_linears"] == 2 * 7 + 1
-    assert metrics["head_scheme"] == "int8_weight_only" and metrics["train_blocks"] > 0
-    assert torch.isfinite(torch.tensor(metrics["train_loss"]))
-    folder = run_dir / manifest["stages"][0]["outputs"][0]["model_dir"]
-    facts = json.loads((folder / "causal_lm.json").read_text())
-    assert (facts["scheme"], facts["head_scheme"]) == ("int4_weight_only", "int8_weight_only")
-    saved = load_saved(folder).model
-    kinds = {type(m.weight).__name__ for n, m in saved.named_modules()
-             if isinstance(m, nn.Linear) and n != "lm_head"}
-    assert kinds == {"Int4OpaqueTensor"}, kinds
-    assert type(saved.lm_head.weight).__name__ != "Int4OpaqueTensor"

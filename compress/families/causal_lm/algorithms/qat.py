@@ -75,3 +75,17 @@ def snap(model: nn.Module) -> nn.Module:
         if parametrize.is_parametrized(module, "weight"):
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
     return model
+
+
+@torch.no_grad()
+def weight_change(model: nn.Module, reference: nn.Module) -> float:
+    """How far `model`'s weights moved from `reference`'s (the model before `prepare`): the
+    norm of the difference over the norm of the reference's weights, a fake-quantized
+    Linear's latent weight compared with the plain weight it started from."""
+    start = dict(reference.named_parameters(remove_duplicate=False))
+    moved = size = 0.0
+    for name, weight in model.named_parameters(remove_duplicate=False):
+        before = start[name.replace("parametrizations.weight.original", "weight")]
+        moved += float((weight - before).pow(2).sum())
+        size += float(before.pow(2).sum())
+    return (moved / size) ** 0.5 if size else 0.0

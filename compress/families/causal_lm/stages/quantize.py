@@ -12,6 +12,7 @@ import copy
 import time
 from typing import Any
 
+import torch
 from torch import nn
 
 from compress.errors import CompressError
@@ -82,15 +83,32 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
 def train_on_grid(model: nn.Module, tokenizer: Any, cfg: QuantizeConfig, head: str,
                   ctx: StageContext) -> None:
     """Quantization-aware training in place: fake-quantized weights, KL against a frozen
-    copy of the entering model, then the weights snapped onto the grid."""
+    copy of the entering model, then the weights snapped onto the grid. Records how far the
+    weights moved (`qat_weight_change`, relative) and the KL to the float model on the first
+    batch of train blocks with the weights on the grid, untrained (`qat_loss_before_training`,
+    the no-training control) and trained (`qat_loss_after_training`)."""
     teacher = copy.deepcopy(model)
     prepared = qat.prepare(model, cfg.scheme, cfg.group_size, head)
     setup = ctx.training()
     setup.examples = packed_examples(tokenizer, setup.examples.texts, ctx.data.max_length)
-    result = setup.run(model, cfg.qat, None, loss_fn=make_causal_lm_kd_loss_fn(teacher, 1.0, 0.0))
+    loss_fn = make_causal_lm_kd_loss_fn(teacher, 1.0, 0.0)
+    probe = setup.examples.inputs[:cfg.qat.batch_size]
+    before = kl_on(model, probe, loss_fn)
+    result = setup.run(model, cfg.qat, None, loss_fn=loss_fn)
+    after = kl_on(model, probe, loss_fn)
+    moved = qat.weight_change(model, teacher)
     qat.snap(model.eval())
     ctx.metrics.update({"qat_linears": prepared, "train_blocks": len(setup.examples),
+                        "qat_weight_change": round(moved, 8),
+                        "qat_loss_before_training": before, "qat_loss_after_training": after,
                         **result.figures()})
+
+
+@torch.no_grad()
+def kl_on(model: nn.Module, blocks: torch.Tensor, loss_fn: Any) -> float:
+    """`loss_fn` (the KL to the float model) of `model` in eval mode on `blocks`."""
+    model.eval()
+    return float(f"{float(loss_fn(model, blocks, None)):.6g}")
 
 
 EQUALIZE_BLOCKS = 32  # calibration blocks of data.max_length train tokens

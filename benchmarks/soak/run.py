@@ -35,12 +35,11 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from benchmarks.harness import machine
 from benchmarks.harness.paths import REPO, RESULTS
+from benchmarks.harness.provenance import header_lines, results_header, scrubbed
 from benchmarks.soak import generation
 from benchmarks.soak.generation import headers
 from compress.serving import server
@@ -241,9 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the property tests on this engine only (default: both)")
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.md")
     args = parser.parse_args(argv)
-    facts = machine.cpu_facts()
-    figures: dict = {"cpu": f"{facts['cpu']}; SIMD {facts['flags']}",
-                     "cores": os.cpu_count()}
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # the header's command
+    figures: dict = {}
     if args.run is None and args.llm is None and not args.property_examples:
         parser.error("give a classifier run, --llm, --property-examples, or more of them")
     if args.run is not None:
@@ -283,15 +281,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_table(args: argparse.Namespace, figures: dict) -> None:
-    lines = [f"# Serving under load and faults ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
-             f"UTC)", "", "- command: `python -m benchmarks.soak.run"
-             + (f" {args.run}" if args.run else "") + (f" --llm {args.llm}" if args.llm else "")
-             + (f" --property-examples {args.property_examples}" if args.property_examples else "")
-             + "".join(f" --property-family {f}" for f in args.property_family or [])
-             + (f" --property-engine {args.property_engine}" if args.property_engine else "")
-             + "`", f"- machine: {figures['cores']} cores ({figures['cpu']})"
+    lines = ["# Serving under load and faults", "",
+             *header_lines(results_header("benchmarks.soak.run", args.argv)),
              # the engine of the soak, kill and LLM faults (the property runs name their own)
-             + (f"; {args.engine}" if args.run or args.llm else "")]
+             *([f"- engine: {args.engine}"] if args.run or args.llm else [])]
     if "soak" in figures:
         lines += _classifier_lines(args.run, figures["soak"], figures["kill"])
     if "disconnect" in figures:
@@ -302,7 +295,7 @@ def write_table(args: argparse.Namespace, figures: dict) -> None:
                   f"{d['stayed_equal_offline']} / {d['stayed']} | "
                   f"{d['batch_after_equal_offline']} / 8 |"]
     lines += _lm_lines(figures)
-    args.out.write_text("\n".join(lines) + "\n")
+    args.out.write_text(scrubbed("\n".join(lines) + "\n"))
     print(f"wrote {args.out}")
 
 

@@ -48,6 +48,11 @@ def test_a_causal_lm_runs_quantize_and_compile_with_its_own_figures(
 
     quant, compiled = (s["metrics"] for s in manifest["stages"])
     assert quant["scheme"] == "int8_weight_only" and quant["activation_dtype"] == "float32"
+    # free-running greedy agreement: 1.0 measured (int8 weights keep every step's choice
+    # here); a broken quantizer's tokens agree by chance only (1 in 30522), and agreement
+    # is below 1 exactly when some prompt left the reference (its margin then recorded)
+    assert 0.5 <= quant["agreement"] <= 1, quant
+    assert (quant["agreement"] < 1) == (quant["divergence_margin_median"] is not None), quant
     assert abs(quant["perplexity_delta_vs_float_pct"]) < 2
     assert quant["perplexity_delta_pct"] == quant["perplexity_delta_vs_float_pct"]
     assert 0.5 <= quant["next_token_agreement"] <= 1 and 0 <= quant["agreement"] <= 1

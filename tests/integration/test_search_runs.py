@@ -127,7 +127,17 @@ def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
     fallbacks = [t for t in record["trials"] if t.get("float_layers")]
     assert bool(record["sensitivity"]) == bool(fallbacks)
     assert all(1 <= len(t["float_layers"]) <= 2 for t in fallbacks)  # max_fallback_layers
-    if fallbacks:
-        ranking = json.loads((run_dir / "00-search/sensitivity.json").read_text())["ranking"]
-        assert len(ranking) == 38 and ranking[0]["score"] >= ranking[-1]["score"]
-        assert fallbacks[0]["float_layers"] == [ranking[0]["layer"]]  # the most sensitive
+    # whether it fell back follows from the first trials: a quantizing trial out of the
+    # tolerance is retried with float layers unless its record says why not ("stopped":
+    # no faster than the float model, ...); only those are retried, the first of them
+    # surely (3 trials of max_trials 5 spent), a second one where trials are left
+    missed = {t["candidate"] for t in record["trials"] if t["status"] == "ok"
+              and not t["within"] and not t["float_layers"] and t["candidate"] != "onnx_fp32"
+              and "stopped" not in t}
+    assert {t["candidate"] for t in fallbacks} <= missed, (missed, fallbacks)
+    assert bool(fallbacks) == bool(missed), (missed, fallbacks)
+    ranked = run_dir / "00-search/sensitivity.json"
+    assert ranked.is_file() == bool(fallbacks)
+    ranking = json.loads(ranked.read_text())["ranking"] if fallbacks else []
+    assert not fallbacks or (len(ranking) == 38 and ranking[0]["score"] >= ranking[-1]["score"]
+                             and fallbacks[0]["float_layers"] == [ranking[0]["layer"]])

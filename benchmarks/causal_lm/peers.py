@@ -1,7 +1,10 @@
 """SmolLM2-135M-Instruct: compress's float, int8_grouped, int4_grouped and torchao int4 decode
 against llama.cpp on the same GGUF weights (the shipped Q4_1 file, and Q8_0 and Q4_0 made
 from it by llama.cpp's quantize), every row in a fresh process per round, in one invocation.
-From the repository root:
+compress's TTFT is the prefill a served archive runs by default (the handler's
+`prefill_compile`); `--ttft-compiled` adds the compiled prefill in a column labelled as not
+the served default. Each int4 row is paired with Q4_1 (the same weights) and also divided by
+Q4_0 (llama.cpp's fastest 4-bit file). From the repository root:
 
     COMPRESS_DATA_DIR=../shared/data python -m benchmarks.causal_lm.peers        # 2 rounds
     python -m benchmarks.causal_lm.peers --rounds 1 --tokens 8 --prompts 8 --ppl-texts 8 \
@@ -88,6 +91,18 @@ def make_inputs(gguf: Path, args: argparse.Namespace, path: Path) -> dict[str, A
     return inputs
 
 
+def served_prefill(compile_mode: str) -> str:
+    """How a served archive prefills by default, as compress's TTFT column times it: the
+    handler's `prefill_compile` default (serve/handler_settings.py), compiled only where
+    the decode step is."""
+    from serve.handler_settings import HandlerSettings
+
+    default = HandlerSettings().prefill_compile
+    compiled = default and compile_mode != "none"
+    return (f"{'compiled' if compiled else 'eager'} (the handler's default "
+            f"prefill_compile: {str(default).lower()})")
+
+
 def llama_items(gguf: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict]:
     """The llama.cpp rows (its environment and GGUFs built first) and its facts."""
     venv = env.venv_path()
@@ -115,7 +130,8 @@ def spec_of(item: dict[str, Any], args: argparse.Namespace, inputs: Path, first:
     folder = item["name"].replace(" ", "_").replace(":", "")  # a row's packages, made once
     return {**common, "mode": "compress", "source": item["source"],
             "variant": item["variant"], "compile": args.compile, "step": args.step,
-            "aoti_dir": str(inputs.parent / "aoti" / folder)}
+            "aoti_dir": str(inputs.parent / "aoti" / folder),
+            "ttft_compiled": args.ttft_compiled}
 
 
 def measure(items: list[dict[str, Any]], args: argparse.Namespace, inputs: Path
@@ -174,6 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "packages, no Dynamo: what a packaged archive serves; exported once "
                         "a variant, 1-3 min) or python (torch.compile's Python wrapper, "
                         "guards checked every token)")
+    parser.add_argument("--ttft-compiled", action="store_true",
+                        help="also time compress's TTFT through the compiled prefill, a "
+                        "column of its own labelled as not the served default (TTFT ms is "
+                        "the prefill a served archive runs by default)")
     parser.add_argument("--markdown", type=Path, default=DEFAULT_MARKDOWN, metavar="PATH")
     parser.add_argument("--json", type=Path, metavar="PATH",
                         help="every figure (default: the Markdown path with .json)")
@@ -253,6 +273,7 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
               "ppl_texts": len(inputs["texts"]), "prompts": len(inputs["prompts"]),
               "greedy_tokens": args.greedy_tokens, "bandwidth_gbs": bandwidth,
               "source_gguf": gguf.name, "compress_step": f"{args.compile}, {args.step}",
+              "served_prefill": served_prefill(args.compile),
               "llama_build": f"CMAKE_ARGS={facts.get('cmake_args')}: "
                              f"{facts.get('system_info')}" if facts else None}
     print(render_text(rows), end="")

@@ -244,3 +244,103 @@ def test_bad_input_is_one_error_line(args: list[str], message: str, capsys,
     assert peers_llm.main([str(gguf) if a == "GGUF" else a for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and "Traceback" not in err
+
+
+def _int4_items() -> list[dict]:
+    """llama.cpp's two 4-bit files, compress float and int4_grouped (agreeing 7 of 8)."""
+    def item(name: str, b1: float, b8: float, ttft: float, greedy: list, **more) -> dict:
+        runtime = name.split()[0]
+        return {"name": name, "runtime": runtime, "weights": name.split()[-1], "rounds": [
+            {"tok_s_b1": b1, "tok_s_b8": b8, "ttft_ms": ttft, "greedy": greedy,
+             "perplexity": 20.0, **more}]}
+    float_tokens = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    return [item("llama.cpp Q4_1", 200.0, 800.0, 40.0, float_tokens),
+            item("llama.cpp Q4_0", 250.0, 1000.0, 30.0, float_tokens),
+            item("compress float", 50.0, 300.0, 90.0, float_tokens),
+            item("compress int4_grouped", 300.0, 900.0, 60.0, [[1, 2, 3, 0], [5, 6, 7, 8]],
+                 ttft_compiled_ms=20.0, served_prefill="eager")]
+
+
+def test_int4_rows_are_paired_with_q4_1_and_also_divided_by_q4_0() -> None:
+    """Q4_1 holds the same weights (like for like), Q4_0 is llama.cpp's fastest 4-bit file:
+    an int4 row's x peer is against Q4_1, and both ratios are kept beside its quality."""
+    assert "Q4_1" in peers_llm.parse_args([]).quants  # the default --quants includes it
+    assert peers_llm.parse_args([]).quants[0] == "Q4_1"
+    rows = {r["name"]: r for r in table.table_rows(_int4_items(), 40.0)}
+    int4 = rows["compress int4_grouped"]
+    assert int4["peer"] == "llama.cpp Q4_1"
+    assert int4["x_peer_b1"] == pytest.approx(1.5) and int4["x_q4_1_b1"] == pytest.approx(1.5)
+    assert int4["x_q4_0_b1"] == pytest.approx(1.2) and int4["x_q4_0_b8"] == pytest.approx(0.9)
+    assert int4["x_q4_1_ttft"] == pytest.approx(1.5) and int4["x_q4_0_ttft"] == 2.0
+    assert int4["agreement"] == pytest.approx(7 / 8)
+    assert "x_q4_0_b1" not in rows["compress float"]
+    text = table.render_text(list(rows.values()))
+    assert "int4 rows against llama.cpp's two 4-bit files:" in text
+    line = [x for x in text.splitlines() if x.startswith("compress int4_grouped")][-1]
+    assert line.split()[2:] == ["20.000", "0.875", "1.50", "1.12", "1.50", "1.20", "0.90",
+                                "2.00"]
+    markdown = table.render_markdown(list(rows.values()), {})
+    assert "| compress int4_grouped | 20.000 | 0.875 | 1.50 | 1.12 | 1.50 | 1.20 | 0.90 | " \
+        "2.00 |" in markdown
+    assert "Q4_1 is the shipped file and holds the same weights (like for like)" in markdown
+    assert "compress int4_grouped against llama.cpp Q4_1 or llama.cpp Q4_0" in markdown
+    # without Q4_1 the int4 rows fall back on Q4_0, and a note says what is missing
+    fallback = table.table_rows(_int4_items()[1:], 40.0)
+    assert fallback[-1]["peer"] == "llama.cpp Q4_0"
+    assert "no llama.cpp Q4_1 row (not in --quants): the int4 rows have no ratio to it (the " \
+        "same weights: the like-for-like ratio)" in table.render_text(fallback)
+
+
+def test_the_ttft_column_is_the_served_prefill_and_a_compiled_one_says_it_is_not() -> None:
+    rows = table.table_rows(_int4_items(), 40.0)
+    header = {"served_prefill": "eager (the handler's default prefill_compile: false)"}
+    markdown = table.render_markdown(rows, header)
+    head = next(line for line in markdown.splitlines() if line.startswith("| row |"))
+    cells = [c.strip() for c in head.strip("|").split("|")]
+    at = cells.index("TTFT ms")
+    assert cells[at + 1] == "TTFT ms, compiled prefill (not the served default)"
+    int4 = next(line for line in markdown.splitlines()
+                if line.startswith("| compress int4_grouped | int4_grouped"))
+    assert [c.strip() for c in int4.strip("|").split("|")][at:at + 2] == ["60.0", "20.0"]
+    assert "- compress's TTFT: the prefill a served archive runs by default, eager (the " \
+        "handler's default prefill_compile: false); the compiled prefill (not the served " \
+        "default) in a column of its own" in markdown
+    assert "compress's through the prefill a served archive runs by default" in markdown
+    assert "TTFT: the compiled prefill a served worker runs" not in markdown
+    # no compiled figure: no such column
+    plain = [{**i, "rounds": [{k: v for k, v in r.items() if k != "ttft_compiled_ms"}
+                              for r in i["rounds"]]} for i in _int4_items()]
+    assert "compiled prefill" not in table.render_text(table.table_rows(plain, 40.0))
+    # the compiled figure is a median over the rounds like TTFT
+    assert table.median_over_rounds([{"ttft_compiled_ms": 9.0}, {"ttft_compiled_ms": 7.0},
+                                     {"ttft_compiled_ms": 8.0}]) == {"ttft_compiled_ms": 8.0}
+
+
+def test_ttft_goes_through_the_prefill_a_served_archive_builds_by_default(monkeypatch) -> None:
+    """The served default (the handler's prefill_compile) decides which prefiller compress's
+    TTFT times; a compiled one is timed besides only when asked and not the default."""
+    from serve.handler_settings import HandlerSettings
+
+    model = tiny(tied=True)
+    served = child.served_prefiller(model, 64, step_compiled=True)
+    assert served.compiled is HandlerSettings.prefill_compile  # False as shipped
+    assert served.prefix_cache is None  # a repeated prompt is prefilled every time
+    assert child.served_prefiller(model, 64, step_compiled=False).compiled is False
+    timed: list[bool] = []
+    monkeypatch.setattr(child, "ttft_ms", lambda m, prefiller, prompt, repeats: (
+        timed.append(prefiller.compiled) or 10.0 + 5 * prefiller.compiled))
+    figures = child.ttft_figures(model, 64, [1, 2, 3], 1, step_compiled=True,
+                                 also_compiled=True)
+    assert figures == {"ttft_ms": 10.0, "served_prefill": "eager", "ttft_compiled_ms": 15.0}
+    assert child.ttft_figures(model, 64, [1, 2, 3], 1, True, also_compiled=False) == {
+        "ttft_ms": 10.0, "served_prefill": "eager"}
+    assert child.ttft_figures(model, 64, [1, 2, 3], 1, False, also_compiled=True) == {
+        "ttft_ms": 10.0, "served_prefill": "eager"}  # an eager step: nothing to compile
+    # were it to ship on: the compiled prefiller is the served one, timed once
+    monkeypatch.setattr(child, "served_prefiller", lambda m, cache_len, step_compiled: (
+        child.Prefiller(m, cache_len, compiled=step_compiled)))
+    assert child.ttft_figures(model, 64, [1, 2, 3], 1, True, also_compiled=True) == {
+        "ttft_ms": 15.0, "served_prefill": "compiled"}
+    assert peers_llm.served_prefill("max-autotune") == peers_llm.served_prefill("none") == \
+        "eager (the handler's default prefill_compile: false)"
+    assert peers_llm.parse_args(["--ttft-compiled"]).ttft_compiled is True

@@ -6,11 +6,16 @@ It runs in a peer's own environment (sentence-transformers, fastembed; compress 
 imported there) or in compress's (compress's exports), so it imports the standard library,
 numpy and benchmarks/harness/child_main.py only, and each kind's library inside its loader
 (the repository is on its PYTHONPATH: compress's exports load through `serve`). Modes:
-- "measure": load one row's model, embed the texts (a JSON file) in order in batches of
-  `batch`, `warmup` batches untimed, then `passes` timed passes; sentences/s is a pass's
-  texts over the summed batch times (the median pass), and the first pass's embeddings go
-  to `embeddings` (.npy) when asked. Every kind is texts in, embeddings out: the library's
-  own tokenizing is timed with its model, as a user calls it.
+- "measure": load one row's model and embed the whole list of texts (a JSON file) in ONE
+  call with its batch size, as a user calls each library (`model.encode(texts,
+  batch_size=B)`: sentence-transformers sorts the list by length before it cuts it into
+  batches, fastembed's `embed` takes the batches in order, compress's rows take the
+  batches in order and cut each into passes of similar length); first one untimed call on
+  the first `warmup` x `batch` texts, then `passes` timed calls on the whole list;
+  sentences/s is the texts over a call's time (the median call), and the first call's
+  embeddings go to `embeddings` (.npy) when asked. Every kind is texts in, embeddings
+  out: the library's own tokenizing is timed with its model. The fixed shape (`fixed`:
+  8 texts of 128 tokens) is timed as before, texts in and the model alone.
 - "build_onnx" / "build_openvino": sentence-transformers' own int8 files of the source
   model, made in a copy of its folder (its own folder stays as it is: sentence-transformers
   writes its exports beside the weights), each file named relative to that copy.
@@ -23,8 +28,9 @@ numpy and benchmarks/harness/child_main.py only, and each kind's library inside 
   run's calibration split read by `datasets` from its folder, never the eval texts).
   With `"cross_encoder": true`, "build_onnx" makes a CrossEncoder's files (rerank.py's).
 - "rerank": benchmarks/embedding/rerank.py's row, a reranker: load its model, score the
-  (query, document) pairs (a JSON file) in order in batches of `batch` as "measure" times
-  texts, pairs in and scores out (sentence-transformers' `CrossEncoder.predict`, torch or
+  (query, document) pairs (a JSON file) in order, a call a batch of `batch` (`time_passes`:
+  unchanged by issue 72, which moved only the embedding rows to one call), pairs in and
+  scores out (sentence-transformers' `CrossEncoder.predict`, torch or
   its ONNX backend, or compress's export as its served handler reads a request); the first
   pass's scores go to `scores` (.npy) when asked.
 """
@@ -102,10 +108,10 @@ def load_fastembed(spec: dict[str, Any]) -> Encoder:
 
 def load_compress(spec: dict[str, Any]) -> Encoder:
     """One of compress's export folders as a served archive runs it: `serve.runtimes`'
-    loader, the folder's tokenizer (truncation at the export's max_seq_length), and a
-    batch's texts in passes of similar length, each padded to its longest
-    (`serve.batching.by_length`, the handlers' `length_buckets`; with the spec's
-    `length_buckets` false, the batch in one pass)."""
+    loader, the folder's tokenizer (truncation at the export's max_seq_length); a call's
+    texts in batches of the spec's `batch`, in order, and each batch's texts in passes of
+    similar length, each padded to its longest (`serve.batching.by_length`, the handlers'
+    `length_buckets`; with the spec's `length_buckets` false, a batch in one pass)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -126,9 +132,14 @@ def load_compress(spec: dict[str, Any]) -> Encoder:
         with torch.inference_mode():
             return list(run(*padded(rows, pad, names)).float().numpy())
 
+    batch, buckets = int(spec.get("batch") or 32), spec.get("length_buckets") is not False
+
     def encode(texts: list[str]) -> np.ndarray:
-        rows = token_rows(tokenizer, texts, max_length, names)
-        return np.stack(by_length(rows, one_pass, spec.get("length_buckets") is not False))
+        out: list[np.ndarray] = []
+        for i in range(0, len(texts), batch):  # the batches in order, as a handler gets them
+            rows = token_rows(tokenizer, texts[i:i + batch], max_length, names)
+            out += by_length(rows, one_pass, buckets)
+        return np.stack(out)
 
     def model_call(texts: list[str]) -> Callable[[], Any]:
         tensors = padded(token_rows(tokenizer, texts, max_length, names), pad, names)
@@ -151,8 +162,10 @@ LOADERS: dict[str, Callable[[dict[str, Any]], Encoder]] = {
 
 def time_passes(encode: Encoder, texts: list[str], batch: int, warmup: int, passes: int
                 ) -> tuple[dict[str, Any], np.ndarray]:
-    """(the figures, the first pass's embeddings): sentences/s of each pass (texts over the
-    summed batch times) and their median, and the median batch time."""
+    """(the figures, the first pass's outputs) of `encode` called on each batch of `batch`
+    in turn (rerank.py's pairs; an embedding row is `time_whole`'s, one call a pass):
+    sentences/s of each pass (texts over the summed batch times) and their median, and the
+    median batch time."""
     batches = [texts[i:i + batch] for i in range(0, len(texts), batch)]
     for chunk in batches[:warmup]:
         encode(chunk)
@@ -171,6 +184,28 @@ def time_passes(encode: Encoder, texts: list[str], batch: int, warmup: int, pass
     return {"items_per_s": round(statistics.median(rates), 2),
             "items_per_s_passes": [round(r, 2) for r in rates],
             "batch_ms_p50": round(statistics.median(batch_ms), 3)}, first
+
+
+def time_whole(encode: Encoder, texts: list[str], batch: int, warmup: int, passes: int
+               ) -> tuple[dict[str, Any], np.ndarray]:
+    """(the figures, the first timed call's embeddings) of `encode` called once per pass on
+    the whole list, as a user calls a library (it batches, and sorts where it does, by
+    itself): after one untimed call on the first `warmup` x `batch` texts (none for 0),
+    sentences/s of each pass (the texts over the call's time) and their median."""
+    if warmup:
+        encode(texts[:warmup * batch])
+    rates, seconds, first = [], [], None
+    for p in range(passes):
+        began = time.perf_counter()
+        out = np.asarray(encode(texts), dtype=np.float32)
+        spent = time.perf_counter() - began
+        seconds.append(round(spent, 4))
+        rates.append(len(texts) / spent)
+        if p == 0:
+            first = out
+    return {"items_per_s": round(statistics.median(rates), 2),
+            "items_per_s_passes": [round(r, 2) for r in rates], "pass_s": seconds,
+            "calls_per_pass": 1}, first
 
 
 def time_fixed(encode: Encoder, batch: int, length: int, warmup: int, iters: int = 15
@@ -206,8 +241,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     began = time.perf_counter()
     encode = LOADERS[spec["kind"]](spec)
     load_s = time.perf_counter() - began
-    figures, embeddings = time_passes(encode, texts, spec["batch"], spec["warmup"],
-                                      spec["passes"])
+    figures, embeddings = time_whole(encode, texts, spec["batch"], spec["warmup"],
+                                     spec["passes"])
     if spec.get("embeddings"):
         np.save(spec["embeddings"], embeddings)
     if spec.get("fixed"):
@@ -398,7 +433,7 @@ def fixed_pairs(batch: int, length: int) -> list[list[str]]:
 
 
 def rerank(spec: dict[str, Any]) -> dict[str, Any]:
-    """Load the reranker row's model, time it on the pairs as "measure" times texts, save
+    """Load the reranker row's model, time it on the pairs a batch a call, save
     its scores when asked; and at the fixed shape, the pairs in and the model alone on
     them tokenized once (`fixed_ms`, `fixed_model_ms`)."""
     pairs = json.loads(Path(spec["pairs"]).read_text())["pairs"]

@@ -32,13 +32,22 @@ def quality(embeddings: Path, reference: Path) -> dict[str, Any]:
             f"recall_at_{RECALL_K}": recall_at_k(ours, theirs, RECALL_K)}
 
 
-def batch_lengths(source: Path, texts: list[str], batch: int, max_length: int
-                  ) -> list[list[int]]:
-    """The token count of each text, per batch of `batch` texts in order, by the source
-    model's tokenizer, truncated at `max_length` as sentence-transformers does."""
+def length_sorted(texts: list[str]) -> list[str]:
+    """The texts as sentence-transformers' `encode` orders them before it cuts the list into
+    batches: longest first by characters (`-len(text)`; its argsort may break ties in
+    another order, which moves a pass's padding by a token or two at most)."""
+    return sorted(texts, key=lambda text: -len(text))
+
+
+def batch_lengths(source: Path, texts: list[str], batch: int, max_length: int,
+                  sort: bool = False) -> list[list[int]]:
+    """The token count of each text, per batch of `batch` texts in order (with `sort`, in
+    sentence-transformers' order, `length_sorted`), by the source model's tokenizer,
+    truncated at `max_length` as sentence-transformers does."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
+    texts = length_sorted(texts) if sort else texts
     return [[len(row) for row in tokenizer(texts[i:i + batch], truncation=True,
                                            max_length=max_length)["input_ids"]]
             for i in range(0, len(texts), batch)]
@@ -101,3 +110,83 @@ def run_reference(run_dir: Path, out: Path, count: int) -> None:
     from safetensors.torch import load_file
 
     np.save(out, load_file(str(run_dir / RUN_REFERENCE))["embeddings"][:count].numpy())
+
+
+# how a row's passes are shaped (each library's own batching): a key of `pass_kinds`
+SHAPE_NAMES = {"sorted": "sentence-transformers' length-sorted batches",
+               "order": "the batches in order, each padded to its longest (fastembed, "
+                        "`one pass`)",
+               "bucketed": "compress's passes of similar length",
+               "packed": "a packed file (each text's own tokens, no padding)"}
+
+
+def shape_kind(item: dict[str, Any]) -> str:
+    """How the row's library shapes its passes over the whole list: sentence-transformers
+    sorts it by length, fastembed takes its batches in order, compress's rows cut each
+    batch into passes of similar length (or run a packed file's real tokens)."""
+    if item.get("kind") in ("st", "st_onnx", "st_openvino"):
+        return "sorted"
+    if item.get("packed"):
+        return "packed"
+    return "bucketed" if item.get("length_buckets") else "order"
+
+
+def config_folder(item: dict[str, Any], source: Path) -> Path:
+    """The folder whose config.json counts the row's FLOPs: a peer's model folder (the
+    user's model or the student, as built for it), an export's float weights (`model`),
+    else the source."""
+    if item.get("peer") and item.get("folder"):
+        return Path(item["folder"])
+    return Path(item.get("model") or source)
+
+
+def config_key(folder: Path) -> str:
+    """What the FLOPs depend on: the folder's config.json (a built copy of a model counts as
+    the model), else the folder's name."""
+    try:
+        return json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True)
+    except (OSError, ValueError):
+        return str(folder)
+
+
+def assign_flops(items: list[dict[str, Any]], source: Path, texts: list[str], batch: int,
+                 max_length: int, fixed: tuple[int, int]) -> list[str]:
+    """Each item's `flops` (a pass over the texts, shaped as its library shapes it, from its
+    own model's config) and `fixed_flops` (one call of the `fixed` shape); the notes saying
+    each figure used, one a model."""
+    in_order = batch_lengths(source, texts, batch, max_length)
+    batches = {"order": in_order, "bucketed": in_order, "packed": in_order,
+               "sorted": batch_lengths(source, texts, batch, max_length, sort=True)}
+    found: dict[tuple[str, str], float | None] = {}
+    folders: dict[str, Path] = {config_key(source): source}
+    for item in items:
+        folder, kind = config_folder(item, source), shape_kind(item)
+        model = config_key(folder)
+        folders.setdefault(model, folder)
+        if (model, kind) not in found:
+            found[(model, kind)], _ = pass_flops(folder, pass_shapes(
+                batches[kind], bucketed=kind == "bucketed", packed=kind == "packed"))
+        if (model, "fixed") not in found:
+            found[(model, "fixed")], _ = pass_flops(folder, [fixed])
+        item["flops"], item["fixed_flops"] = found[(model, kind)], found[(model, "fixed")]
+    notes = []
+    for model, folder in folders.items():
+        said = [f"{SHAPE_NAMES[kind]} {flops / 1e9:.1f} G" for (m, kind), flops in found.items()
+                if m == model and kind in SHAPE_NAMES and flops]
+        if not said:
+            continue
+        fixed_flops = found.get((model, "fixed"))
+        whose = "the user's model" if folder == source else _layers(folder)
+        notes.append(f"FLOPs of a pass over the texts ({whose}, from its config.json): "
+                     + "; ".join(said) + (f"; b{fixed[0]}x{fixed[1]} {fixed_flops / 1e9:.2f} G "
+                                          "a call" if fixed_flops else ""))
+    return notes
+
+
+def _layers(folder: Path) -> str:
+    """`the 4-layer student`: a model by its layer count."""
+    try:
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    except (OSError, ValueError, KeyError):
+        return f"`{folder.name}`"
+    return f"the {layers}-layer student"

@@ -1,6 +1,9 @@
 """What benchmarks/classifier/peers.py times: a finished run's artifacts (and those of other
-runs on the same model, `--with-run`), each with its runtime, size and FLOPs at 8 x 128, and
-Optimum's two files of the run's fine-tuned model, built or reused (optimum.py)."""
+runs on the same model, `--with-run`), each with its runtime, size and FLOPs at 8 x 128, the
+winner (the chain's result) marked; and the peers' files, built or reused (optimum.py,
+openvino.py): Optimum's fp32 and its int8 at each `--optimize` level and OpenVINO's static
+int8, of the teacher (the product ratio) and of the winner's own student weights, found
+through the run's manifest (the like-for-like ratio)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from compress.report.runtimes import producer, reference_index, runtime_label
 from compress.runfolder.files import sha256_file
 from compress.runfolder.records import Manifest
 
-PEER_LABELS = {"optimum_fp32": "ONNX Runtime fp32 (Optimum)",
-               "optimum_int8": f"ONNX Runtime int8 dynamic (Optimum {optimum.QUANTIZE_ISA})"}
+PEER_LABELS = {optimum.FP32: "ONNX Runtime fp32 (Optimum)",
+               optimum.INT8: f"ONNX Runtime int8 dynamic (Optimum {optimum.QUANTIZE_ISA})"}
 
 
 def flops_of(run_dir: Path, manifest: Manifest, index: int) -> tuple[float | None, str]:
@@ -71,8 +74,9 @@ def peer_source(run_dir: Path, manifest: Manifest) -> tuple[int, Path, str]:
 
 def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
              ) -> list[dict[str, Any]]:
-    """The compress artifacts to time: name, folder, kind, config, label, size, FLOPs."""
-    items = []
+    """The compress artifacts to time: name, folder, kind, config, label, size, FLOPs, and
+    `winner` on the chain's result (`winner_index`)."""
+    items, winner = [], winner_index(run_dir, manifest)
     for art in select_artifacts(artifacts_of(run_dir), names):
         entry = manifest.stages[art["index"]]
         flops, source = flops_of(run_dir, manifest, art["index"])
@@ -87,7 +91,8 @@ def items_of(run_dir: Path, manifest: Manifest, names: list[str] | None
         items.append({**art, "runtime": runtime,
                       "size_mb": entry.outputs[0].bytes / 1e6 if entry.outputs[0].bytes
                       else None, "sha256": entry.outputs[0].sha256, "flops": flops,
-                      "flops_source": source, "rounds": []})
+                      "flops_source": source, "winner": art["index"] == winner,
+                      "rounds": []})
     return items
 
 
@@ -159,53 +164,176 @@ def other_run_items(others: list[Path], items: list[dict[str, Any]]) -> list[dic
             if item["sha256"] not in seen:
                 seen.add(item["sha256"])
                 found.append({**item, "name": f"{other.name}/{item['name']}",
-                              "run_dir": str(other)})
+                              "run_dir": str(other), "winner": False})
     return found
 
 
-def peer_items(run_dir: Path, manifest: Manifest, echo: Callable[[str], None]
-               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Build (or reuse) the peers' files: Optimum's fp32 and int8 of the fine-tuned model,
-    Optimum's int8 of each student a search fine-tuned without a teacher, OpenVINO's int8
-    of the fine-tuned model; their items and the environment's facts."""
-    index, source, sha = peer_source(run_dir, manifest)
-    venv = optimum.OPTIMUM.path()
-    facts = ensure_venv(optimum.OPTIMUM, echo, venv)
+def is_plain_folder(folder: Path) -> bool:
+    """A Hugging Face model folder a peer can export as it is: a config.json, and neither a
+    pruned model's structure.json nor a quantized model's model.pt2."""
+    return ((folder / "config.json").is_file()
+            and not any((folder / f).exists() for f in (STRUCTURE, "model.pt2")))
+
+
+def winner_index(run_dir: Path, manifest: Manifest) -> int | None:
+    """The stage whose artifact is the chain's result, the *winner* of the table's two
+    ratios: the last finished search stage, else the last stage with an artifact."""
+    searches = [entry.index for entry, _, _ in search_records(run_dir, manifest)]
+    if searches:
+        return searches[-1]
+    found = artifacts_of(run_dir)
+    return found[-1]["index"] if found else None
+
+
+def student_source(run_dir: Path, manifest: Manifest) -> dict[str, Any]:
+    """The float weights the winner was made from (`winner_index`), for the like-for-like
+    peers: {"folder", "sha256", "label" (the peers' row prefix and folder), "how",
+    "flops", "flops_source"}, or {"none": why} where there is no such Hugging Face folder
+    apart from the teacher's. A search winner's are the model folder of the shape its trial
+    was built on (`search.json`: the trial's `shape`, the shape's `folder`); any other
+    winner's the nearest stage up its chain of producers (the manifest's input and output
+    sha256) that saved a model folder."""
+    index = winner_index(run_dir, manifest)
+    if index is None:
+        return {"none": "no stage made an artifact"}
+    teacher = peer_source(run_dir, manifest)
+    entry = manifest.stages[index]
+    record_path = run_dir / f"{entry.index:02d}-{entry.name}" / "search.json"
+    if entry.kind == "search" and record_path.is_file():
+        record = json.loads(record_path.read_text())
+        won = next((t for t in record["trials"] if t["id"] == record.get("winner")), None)
+        if won is None:
+            return {"none": f"{entry.name}: search.json names no winning trial"}
+        if won.get("shape"):
+            shape = next((s for s in record.get("shapes") or []
+                          if s.get("label") == won["shape"]), {})
+            folder = record_path.parent / "shapes" / str(shape.get("folder")) / "model"
+            how = (f"{entry.name}'s winner {won['id']} was built on shape {won['shape']}: "
+                   f"{folder.relative_to(run_dir)}")
+            if not (folder / "config.json").is_file():
+                return {"none": f"{how}, which is missing"}
+            if not is_plain_folder(folder):
+                return {"none": f"{how}, pruned (structure.json): no Hugging Face folder a "
+                                "peer exports as it is"}
+            weights = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+            flops, note = shape_flops(record_path.parent, record, won["shape"])
+            return {"folder": folder, "sha256": sha256_file(weights[0]), "how": how,
+                    "label": f"{entry.name}/{won['shape']}", "flops": flops,
+                    "flops_source": note}
+        step = producer(manifest, entry)  # the search's entering model
+    else:
+        step = entry
+    while step is not None:
+        output = step.outputs[0] if step.outputs else None
+        if output is not None and output.model_dir:
+            folder = run_dir / output.model_dir
+            how = f"the winner ({entry.name}) was made from {step.name}'s {output.model_dir}"
+            if (folder / STRUCTURE).is_file():
+                return {"none": f"{how}, pruned (structure.json): no Hugging Face folder a "
+                                "peer exports as it is"}
+            if is_plain_folder(folder):
+                if step.index == teacher[0]:
+                    return {"none": f"{how}: the teacher's own weights, so the product "
+                                    "ratio is the like-for-like one"}
+                flops, note = flops_of(run_dir, manifest, step.index)
+                return {"folder": folder, "sha256": output.sha256, "how": how,
+                        "label": step.name, "flops": flops, "flops_source": note}
+        step = producer(manifest, step)
+    return {"none": f"the winner ({entry.name}) has no float Hugging Face folder up its chain"}
+
+
+def labels_of(manifest: Manifest, source: Path) -> list[str]:
+    """The label names, from the manifest or the model's config.json."""
     labels = list((manifest.labels or {}).get("names") or [])
     if not labels:
         config = json.loads((source / "config.json").read_text())
         id2label = config.get("id2label") or {}
         labels = [id2label[k] for k in sorted(id2label, key=int)]
-    folders = optimum.build_peers(run_dir, source, sha, labels, venv, facts, echo)
+    return labels
+
+
+def peer_items(run_dir: Path, manifest: Manifest, echo: Callable[[str], None],
+               levels: tuple[str, ...] | list[str] = optimum.LEVELS
+               ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Build (or reuse) the peers' files and their items: on the teacher (the fine-tuned
+    model, the user's: the product ratio) Optimum's fp32, its dynamic int8 at each
+    `--optimize` level and OpenVINO's static int8; on the winner's own student weights
+    (`student_source`: the like-for-like ratio) Optimum's int8 at each level and OpenVINO's;
+    Optimum's int8 at each level of every other student a search fine-tuned on the labels
+    alone. Also the environment's facts and the student record (for the header)."""
+    index, source, sha = peer_source(run_dir, manifest)
+    venv = optimum.OPTIMUM.path()
+    facts = ensure_venv(optimum.OPTIMUM, echo, venv)
+    labels = labels_of(manifest, source)
+    folders = optimum.build_peers(run_dir, source, sha, labels, venv, facts, echo,
+                                  levels=levels)
     flops, note = flops_of(run_dir, manifest, index)
     note = note.replace("its own config", "the config of the model Optimum exported")
-    items = [onnx_item(run_dir, f, f.name, PEER_LABELS[f.name], flops, note)
-             for f in folders]
+    items = [onnx_item(run_dir, folders[optimum.FP32], optimum.FP32, PEER_LABELS[optimum.FP32],
+                       flops, note, peer_kind=optimum.FP32, peer_of="teacher")]
+    items += level_items(run_dir, folders, "", "", flops, note, "teacher")
+    items.append(openvino.openvino_item(run_dir, folders[optimum.FP32], sha, venv, flops,
+                                        note, echo))
+    student = student_source(run_dir, manifest)
+    if "folder" in student:
+        under = f"{optimum.PEERS_DIR}/{student['label'].replace('/', '-')}"
+        made = optimum.build_peers(run_dir, student["folder"], student["sha256"], labels, venv,
+                                   facts, echo, under=under, levels=levels)
+        prefix = f"{student['label']}/"
+        items += level_items(run_dir, made, prefix, " of the winner's student weights",
+                             student["flops"], student["flops_source"], "student")
+        items.append(openvino.openvino_item(
+            run_dir, made[optimum.FP32], student["sha256"], venv, student["flops"],
+            student["flops_source"], echo, under=under, name=f"{prefix}{openvino.NAME}",
+            runtime=f"{openvino.LABEL} of the winner's student weights", peer_of="student"))
     for entry, stage_dir, record in search_records(run_dir, manifest):
         for shape in record.get("shapes") or []:
             model = stage_dir / "shapes" / str(shape.get("folder")) / "model"
             if ((shape.get("shape") or {}).get("teacher") is not False
-                    or not (model / "config.json").is_file()
-                    or (model / "structure.json").is_file()):
-                continue  # distilled or pruned: not what a user fine-tunes by hand
+                    or not is_plain_folder(model) or model == student.get("folder")):
+                continue  # distilled, pruned, or the student's rows above
             weights = sorted(model.glob("*.safetensors")) or sorted(model.glob("*.bin"))
-            student = optimum.build_peers(
+            made = optimum.build_peers(
                 run_dir, model, sha256_file(weights[0]), labels, venv, facts, echo,
-                under=f"{optimum.PEERS_DIR}/{entry.name}-{shape['label']}")[1]
+                under=f"{optimum.PEERS_DIR}/{entry.name}-{shape['label']}", levels=levels)
             s_flops, s_note = shape_flops(stage_dir, record, shape["label"])
-            items.append(onnx_item(
-                run_dir, student, f"{entry.name}/{shape['label']}/optimum_int8",
-                f"{PEER_LABELS['optimum_int8']} of shape {shape['label']}, fine-tuned on "
-                f"the labels alone", s_flops, s_note))
-    items.append(openvino.openvino_item(run_dir, folders[0], sha, venv, flops, note, echo))
-    return items, facts
+            items += level_items(run_dir, made, f"{entry.name}/{shape['label']}/",
+                                 f" of shape {shape['label']}, fine-tuned on the labels alone",
+                                 s_flops, s_note, "labels alone")
+    return items, facts, {k: (shown_path(v, run_dir) if isinstance(v, Path) else v)
+                          for k, v in student.items()}
+
+
+def level_items(run_dir: Path, folders: dict[str, Path], prefix: str, suffix: str,
+                flops: float | None, note: str, peer_of: str) -> list[dict[str, Any]]:
+    """An item per `--optimize` level's int8 folder of `folders`, named PREFIX +
+    optimum_int8_LEVEL."""
+    found = []
+    for name, folder in folders.items():
+        if name == optimum.FP32:
+            continue
+        level = name.removeprefix(f"{optimum.INT8}_")
+        found.append(onnx_item(run_dir, folder, f"{prefix}{name}",
+                               f"{PEER_LABELS[optimum.INT8]} --optimize {level}{suffix}",
+                               flops, note, peer_kind=optimum.INT8, peer_of=peer_of,
+                               level=level))
+    return found
+
+
+def shown_path(path: Path, run_dir: Path) -> str:
+    """`path` relative to the run folder (no absolute path in a results file)."""
+    try:
+        return str(path.relative_to(run_dir))
+    except ValueError:
+        return path.name
 
 
 def onnx_item(run_dir: Path, folder: Path, name: str, runtime: str, flops: float | None,
-              note: str) -> dict[str, Any]:
-    """A peer's ONNX folder as a table item, loaded as compress loads its own ONNX."""
+              note: str, **peer: Any) -> dict[str, Any]:
+    """A peer's ONNX folder as a table item, loaded as compress loads its own ONNX; `peer`:
+    its `peer_kind`, `peer_of` (teacher, student, labels alone) and `level`."""
     kind = EXPORT_SPEC.kind
     return {"name": name, "kind": kind, "folder": str(folder.relative_to(run_dir)),
             "config": {"kind": kind, "format": "onnx"}, "runtime": runtime,
             "size_mb": (folder / "model.onnx").stat().st_size / 1e6, "flops": flops,
-            "flops_source": note, "peer": True, "rounds": []}
+            "flops_source": note, "peer": True, **peer, "rounds": []}

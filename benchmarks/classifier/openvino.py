@@ -59,10 +59,11 @@ def eval_file(recipe: Any, data: Any) -> dict[str, Any]:
 
 
 def build(run_dir: Path, fp32: Path, source_sha: str, recipe: Any, venv: Path,
-          echo: Callable[[str], None]) -> Path:
-    """`<run>/peers/openvino_int8/` built from Optimum's fp32 folder `fp32` (kept while
+          echo: Callable[[str], None], under: str = "peers") -> Path:
+    """`<run>/<under>/openvino_int8/` built from Optimum's fp32 folder `fp32` (kept while
     `source_sha` is unchanged); the folder. A failed build raises PeerError."""
-    folder = run_dir / "peers" / NAME
+    folder = run_dir / under / NAME
+    folder.parent.mkdir(parents=True, exist_ok=True)
     meta_path = folder / "build.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("source_sha256") == source_sha:
         echo("peers: OpenVINO int8 up to date (cached)")
@@ -90,17 +91,22 @@ def child(venv: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def openvino_item(run_dir: Path, fp32: Path, source_sha: str, venv: Path, flops: Any,
-                  note: str, echo: Callable[[str], None]) -> dict[str, Any]:
-    """The table item of OpenVINO's int8: built, or carrying the reason it could not be."""
-    item = {"name": NAME, "runtime": LABEL, "python": str(python_of(venv)), "child": CHILD,
+                  note: str, echo: Callable[[str], None], under: str = "peers",
+                  name: str = NAME, runtime: str = LABEL, peer_of: str = "teacher"
+                  ) -> dict[str, Any]:
+    """The table item of OpenVINO's int8 of the model whose Optimum fp32 export is `fp32`
+    (`peer_of`: "teacher" or "student", the weights it was made from), built under
+    `<run>/<under>/`, or carrying the reason it could not be."""
+    item = {"name": name, "runtime": runtime, "python": str(python_of(venv)), "child": CHILD,
             "source": str(fp32), "flops": flops, "flops_source": note,
-            "size_mb": None, "peer": True, "rounds": []}
+            "size_mb": None, "peer": True, "peer_kind": NAME, "peer_of": peer_of,
+            "rounds": []}
     try:
         facts = ensure_openvino(venv, echo)
         item["versions"] = facts
-        folder = build(run_dir, fp32, source_sha, full_recipe(run_dir), venv, echo)
+        folder = build(run_dir, fp32, source_sha, full_recipe(run_dir), venv, echo, under)
     except PeerError as exc:
         echo(f"peers: OpenVINO: {exc}")
-        return {**item, "error": str(exc), "folder": str(run_dir / "peers" / NAME)}
+        return {**item, "error": str(exc), "folder": str(run_dir / under / NAME)}
     built = json.loads((folder / "build.json").read_text())
     return {**item, "folder": str(folder), "size_mb": built.get("size_mb")}

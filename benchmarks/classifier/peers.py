@@ -1,9 +1,12 @@
 """compress's artifacts next to the peers a user would run instead, all timed in one
-invocation on this machine: Optimum's fp32 and int8 ONNX of the same fine-tuned model,
-Optimum's int8 of every student a search fine-tuned on the labels alone, and OpenVINO's
-int8 (NNCF) of the fine-tuned model. From the repository root:
+invocation on this machine: Optimum's fp32 ONNX and its dynamic int8 at each `optimum-cli
+export onnx --optimize` level (O1-O3) and OpenVINO's static int8 (NNCF), each on the
+fine-tuned teacher (the user's model: the *product* ratio) and on the winner's own student
+weights (the float model the winner was made from, found through the run's manifest: the
+*like-for-like* ratio); Optimum's int8 of every other student a search fine-tuned on the
+labels alone. From the repository root:
 
-    COMPRESS_DATA_DIR=../shared/data python -m benchmarks.classifier.peers runs/bert_int8
+    COMPRESS_DATA_DIR=../shared/data python -m benchmarks.classifier.peers runs/bert_search_chain
     python -m benchmarks.classifier.peers runs/bert_int8 --with-run runs/bert_bf16
     python -m benchmarks.classifier.peers runs/bert_int8 --rounds 6 --artifacts int8_aoti fp32_onnx
     python -m benchmarks.classifier.peers RUN --no-peers --rounds 1 --iters 2 --real-limit 16
@@ -13,18 +16,21 @@ Builds (once, cached in `<run>/peers/`) the peers' files in their own environmen
 process per round (benchmarks/classifier/child.py): accuracy on the full eval split (first
 round), b1 and b8 x 128 (the recipe's harness), b1 and b8 on the eval sentences padded per
 batch (OpenVINO's file by the same protocol in its own environment, openvino_child.py).
-Rounds (default 4) alternate order; a round's figure is the median of its timed calls, a
-row's figure the median over rounds of those. Columns: b1 ms,
+Rounds (default 5) alternate order; a round's figure is the median of its timed calls, a
+row's figure the median over rounds of those. First a table of the winner (the search
+stage's artifact, else the last stage's) against each peer at its best (Optimum's fastest
+level at each length): the product and the like-for-like ratio, by median and by best round,
+at 8 x 128 and at batch 8 real lengths, with both accuracies. Then every row: b1 ms,
 b8x128 ms, b8 real ms, b1 real ms (medians over rounds); b8x128 min / max and b8 real min /
 max (the fastest and the slowest round: with the median, the row's spread); accuracy %, size
-MB; x faster b8x128 median / best and x faster b8 real median / best (Optimum int8's ms /
-the row's: by median, the medians over rounds; by best, each one's fastest round; above 1
-the row is faster; the search winner is the row named after its search stage); % int8 peak.
-Every round's figure is kept in the JSON (each row's `latency_ms_b8_rounds` and
-`latency_ms_b8_real_rounds`, each artifact's `rounds`). Why 4 rounds: estimated from the
-published table's latencies, a round of its 15 rows takes about 4-5 minutes on 2 cores (per
-row a process start and load, the 8 x 128 and the real-length timing), so 6 would pass 25
-minutes; 4 also gives each row two forward and two reverse positions.
+MB; x faster b8x128 median / best and x faster b8 real median / best (Optimum int8's ms, its
+fastest level on the teacher, / the row's: by median, the medians over rounds; by best, each
+one's fastest round; above 1 the row is faster); % int8 peak. Every round's figure is kept
+in the JSON (each row's `latency_ms_b8_rounds` and `latency_ms_b8_real_rounds`, each
+artifact's `rounds`; the two ratios under `headline`). Why 5 rounds: the published ratios are
+medians of at least 5 (issue 72); a round of the search chain's table (about 17 rows with
+both peers on teacher and student at three levels) takes an estimated 5-6 minutes on 2
+cores, so 5 rounds take about half an hour.
 A GEMM microbenchmark (benchmarks/harness/gemm.py) runs in its own process before and after
 the rounds (the better of the two is the peak). Prints one table, writes it as Markdown
 (`--markdown`) and JSON (`--json`). Exit 2: a missing or unfinished run folder; 1: an
@@ -38,6 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.classifier import optimum
 from benchmarks.classifier.contenders import (
     items_of,
     other_run_items,
@@ -46,7 +53,14 @@ from benchmarks.classifier.contenders import (
     search_records,
 )
 from benchmarks.classifier.plot import plot_front
-from benchmarks.classifier.table import BATCHES, SEQ_LEN, render_markdown, render_text, table_rows
+from benchmarks.classifier.table import (
+    BATCHES,
+    SEQ_LEN,
+    headline,
+    render_markdown,
+    render_text,
+    table_rows,
+)
 from benchmarks.harness import gemm
 from benchmarks.harness.cli import echo, exit_code
 from benchmarks.harness.paths import RESULTS, default_data_dir
@@ -116,8 +130,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--with-run", type=Path, action="append", default=[],
                         metavar="RUN_DIR", help="also time this finished run's artifacts "
                         "(another recipe on the same fine-tuned model); repeatable")
-    parser.add_argument("--rounds", type=int, default=4,
-                        help="rounds, alternating order (default 4)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, alternating order (default 5: the medians of the "
+                        "published ratios are of at least 5)")
+    parser.add_argument("--optimum-levels", default=",".join(optimum.LEVELS), metavar="LEVELS",
+                        help="optimum-cli export onnx --optimize levels, an int8 row each on "
+                        f"the teacher and the student; the fastest is the peer at its best "
+                        f"(default {','.join(optimum.LEVELS)})")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip Optimum (no peer environment, no package index needed)")
     parser.add_argument("--artifacts", nargs="+", metavar="NAME",
@@ -140,6 +159,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    args.optimum_levels = [level for level in args.optimum_levels.split(",") if level]
+    unknown = [level for level in args.optimum_levels if level not in optimum.LEVELS]
+    if unknown or not args.optimum_levels:
+        parser.error(f"--optimum-levels: {', '.join(unknown) or 'none'} (known on a CPU: "
+                     f"{', '.join(optimum.LEVELS)}; O4 is fp16 on CUDA)")
     return args
 
 
@@ -163,8 +187,10 @@ def _main(args: argparse.Namespace) -> int:
         items, peer_facts = items_of(run_dir, manifest, args.artifacts), None
         items += search_front_items(run_dir, manifest) if not args.artifacts else []
         items += other_run_items(args.with_run, items)
+        student = None
         if not args.no_peers:
-            peers, peer_facts = peer_items(run_dir, manifest, echo)
+            peers, peer_facts, student = peer_items(run_dir, manifest, echo,
+                                                    args.optimum_levels)
             items += peers
         runs = measure(run_dir, items, latency, args)
     peaks = gemm.peaks(runs)
@@ -179,7 +205,8 @@ def _main(args: argparse.Namespace) -> int:
               "run": ", ".join(shown(p) for p in [args.run_dir, *args.with_run]),
               "rounds": args.rounds, "iters": latency["iters"], "warmup": latency["warmup"],
               "eval_size": next((r.get("eval_size") for r in rows if r.get("eval_size")), None),
-              "real_limit": args.real_limit}
+              "real_limit": args.real_limit, "student": student,
+              "optimum_levels": None if args.no_peers else args.optimum_levels}
     print(render_text(rows), end="")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     searches = [record for _, _, record in search_records(run_dir, manifest)]
@@ -193,7 +220,7 @@ def _main(args: argparse.Namespace) -> int:
     atomic_write_text(args.markdown, markdown)
     atomic_write_json(args.json or run_dir / "peers.json",
                       {"header": header, "settings": latency, "gemm_runs": runs,
-                       "artifacts": items, "rows": rows})
+                       "artifacts": items, "rows": rows, "headline": headline(rows)})
     echo(f"peers: wrote {args.markdown} and {args.json or run_dir / 'peers.json'}")
     failed = [g for g in runs if "error" in g] + [i for i in items if i.get("error")]
     return 1 if failed else 0

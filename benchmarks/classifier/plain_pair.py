@@ -9,7 +9,11 @@ file's fastest round. From the repository root:
 
     python -m benchmarks.classifier.plain_pair \\
         runs/bert_search_chain/01-search/trials/WINNER/aoti/model.aoti.pt2 \\
-        runs/bert_search_chain/peers/optimum_int8/model.onnx --rounds 6
+        runs/bert_search_chain/peers/optimum_int8_O2/model.onnx --rounds 6
+
+(`peers/optimum_int8_LEVEL/` is Optimum's int8 of the teacher at one `--optimize` level, as
+benchmarks/classifier/peers.py builds it; `peers/<stage>-<shape>/optimum_int8_LEVEL/` the
+same of the winner's student weights: take the level its table names.)
 
 No compress code is imported by the timed processes (this module, run as `python -m
 benchmarks.classifier.plain_pair --child`, imports the standard library and the harness's

@@ -229,6 +229,10 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
         f"iters {header.get('iters', '?')}, warmup {header.get('warmup', '?')}; accuracy "
         f"on {header.get('eval_size', '?')} eval sentences (first round); real lengths on "
         + (f"the first {header['real_limit']}" if header.get("real_limit") else "all of them"),
+        *([f"- Optimum int8: optimum-cli export onnx --optimize "
+           f"{', '.join(header['optimum_levels'])}, each quantized to dynamic int8 and timed "
+           "as a row of its own; the ratios take the fastest at each length"]
+          if header.get("optimum_levels") else []),
     ]
     entries = headline(rows)
     if entries:

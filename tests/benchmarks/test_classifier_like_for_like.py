@@ -314,7 +314,10 @@ def test_the_table_gives_the_product_and_the_like_for_like_ratio() -> None:
     ov_like = entries[("like for like", "OpenVINO int8 static")]
     assert ov_like["speedup_b8"] == 1.3 and ov_like["speedup_b8_real"] == 1.3
     assert ov_like["level"] is None and ov_like["peer_accuracy_pct"] == pytest.approx(86.3)
-    markdown = peers_table.render_markdown(rows, {"student": STUDENT, "rounds": 5})
+    markdown = peers_table.render_markdown(rows, {"student": STUDENT, "rounds": 5,
+                                                  "optimum_levels": ["O1", "O2", "O3"]})
+    assert "- Optimum int8: optimum-cli export onnx --optimize O1, O2, O3, each quantized" \
+        in markdown
     assert "## The winner against each peer: the product and the like-for-like ratio" in \
         markdown
     assert "| like for like | Optimum int8 | student | O2 / O1 | 86.10 | 86.58 | 1.75 | 1.75 " \

@@ -156,6 +156,31 @@ def cls_bert_folder(folder: Path, init_std: float = 0.02, dropout: float = 0.1) 
     return folder
 
 
+def stand_in_embedding_export(model_folder: Path, folder: Path, monkeypatch) -> list[tuple]:
+    """An AOTInductor embedding export folder at `folder` (`model_folder`'s tokenizer and
+    config, max_seq_length 64) whose program, as `serve.runtimes.load_runtime` loads it, is
+    a stand-in: each row's embedding is its length in tokens. Returns the list the stand-in
+    appends each pass's (rows, length) to."""
+    import shutil
+
+    import serve.runtimes
+
+    shutil.copytree(model_folder, folder)
+    (folder / "export.json").write_text(json.dumps(
+        {"format": "aoti", "file": "model.pt2", "inputs": ["input_ids", "attention_mask"],
+         "outputs": ["embedding"], "embedding": {"max_seq_length": 64}}))
+    shapes: list[tuple] = []
+
+    def fake_runtime(folder, meta, threads, spinning=True):
+        def run(ids, mask):
+            shapes.append(tuple(ids.shape))
+            return mask.sum(-1, keepdim=True).float()
+        return run
+
+    monkeypatch.setattr(serve.runtimes, "load_runtime", fake_runtime)
+    return shapes
+
+
 # ---- causal LMs ------------------------------------------------------------------------------
 
 def causal_lm_recipe(tmp_path: Path, model: Path, stages: list[dict], train_samples: int = 0,

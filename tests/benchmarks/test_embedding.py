@@ -288,25 +288,11 @@ def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_pa
     """The child times compress's exports as the handlers run them: a batch's texts in
     passes of similar length, each padded to its longest (one pass with `length_buckets`
     false), the embeddings in the texts' order either way."""
-    import shutil
-
+    from builders import stand_in_embedding_export
     from transformers import AutoTokenizer
 
-    import serve.runtimes
-
-    folder = shutil.copytree(tiny_bert, tmp_path / "export")
-    (folder / "export.json").write_text(json.dumps(
-        {"format": "aoti", "file": "model.pt2", "inputs": ["input_ids", "attention_mask"],
-         "outputs": ["embedding"], "embedding": {"max_seq_length": 64}}))
-    shapes = []
-
-    def fake_runtime(folder, meta, threads, spinning=True):
-        def run(ids, mask):  # each row's embedding: its length
-            shapes.append(tuple(ids.shape))
-            return mask.sum(-1, keepdim=True).float()
-        return run
-
-    monkeypatch.setattr(serve.runtimes, "load_runtime", fake_runtime)
+    folder = tmp_path / "export"
+    shapes = stand_in_embedding_export(tiny_bert, folder, monkeypatch)  # rows embed their length
     texts = ["good", "a long and winding review of a film that goes on and on " * 3,
              "bad", "fine film", "dull"]
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -85,32 +85,18 @@ def test_compress_rows_take_the_whole_list_in_batches_in_order(tiny_bert, tmp_pa
                                                                monkeypatch):
     """Our side of one call: the list cut into batches of `batch` in order, each batch in
     passes of similar length, the embeddings in the texts' order."""
-    import shutil
-
+    from builders import stand_in_embedding_export
     from transformers import AutoTokenizer
 
-    import serve.runtimes
-
-    folder = shutil.copytree(tiny_bert, tmp_path / "export")
-    (folder / "export.json").write_text(json.dumps(
-        {"format": "aoti", "file": "model.pt2", "inputs": ["input_ids", "attention_mask"],
-         "outputs": ["embedding"], "embedding": {"max_seq_length": 64}}))
-    rows_seen = []
-
-    def fake_runtime(folder, meta, threads, spinning=True):
-        def run(ids, mask):
-            rows_seen.append(ids.shape[0])
-            return mask.sum(-1, keepdim=True).float()
-        return run
-
-    monkeypatch.setattr(serve.runtimes, "load_runtime", fake_runtime)
+    folder = tmp_path / "export"
+    shapes = stand_in_embedding_export(tiny_bert, folder, monkeypatch)
     encode = child.load_compress({"folder": str(folder), "threads": 1, "batch": 4,
                                   "length_buckets": False})
     texts = TEXTS[:10]
     out = encode(texts)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert out[:, 0].tolist() == [len(tokenizer(t)["input_ids"]) for t in texts]
-    assert rows_seen == [4, 4, 2]  # batches of 4 in order, a pass each (buckets off)
+    assert [rows for rows, _ in shapes] == [4, 4, 2]  # batches of 4 in order, a pass each
 
 
 def test_sentence_transformers_flops_are_counted_on_its_length_sorted_batches():

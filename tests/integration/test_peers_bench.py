@@ -91,7 +91,14 @@ def test_every_artifact_gets_a_row(tiny_int8_run: Path, tmp_path: Path) -> None:
     assert all(f"| {name} |" in text for name in rows)
     assert "int8 GEMM" in text or "GEMM peaks" in text
     printed = [line for line in done.stdout.splitlines() if line.strip()]
-    assert len(printed) == 1 + len(rows)  # the heading and one line per artifact
+    # the heading and one line per artifact, then the winner's two ratios to each peer:
+    # with --no-peers every peer (Optimum, OpenVINO; on the teacher and on the student)
+    # is "not measured", never a figure
+    assert len(printed[:1 + len(rows)]) == 1 + len(rows)
+    assert printed[1 + len(rows)] == "the winner against each peer at its best:"
+    ratios = printed[1 + len(rows) + 2:]
+    assert len(ratios) == 4 and all("not measured" in line for line in ratios)
+    assert {line.split()[0] for line in ratios} == {"product", "like"}
 
 
 def test_a_folder_that_is_not_a_run_is_refused(tmp_path: Path) -> None:

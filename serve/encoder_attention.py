@@ -100,6 +100,26 @@ def error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
+def unheld_lock_removed(lock: Path) -> bool:
+    """Remove `lock`, a torch extension build folder's lock file, when no process holds it
+    open, and say whether it was: a build killed midway leaves it behind, and every later
+    `torch.utils.cpp_extension.load` of that name then waits for it forever. The live
+    build's process keeps the file open from taking the lock to releasing it (torch's
+    FileBaton), so a lock no process has open (/proc/<pid>/fd) is a dead build's. Where
+    /proc cannot say (not Linux), the lock stays."""
+    if not lock.exists() or not Path("/proc/self/fd").is_dir():
+        return False
+    target = str(lock.resolve())
+    for fd_folder in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fd_folder.iterdir()):
+                return False
+        except OSError:  # a process that ended, or another user's
+            continue
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _load(folder: Path | None) -> bool:
     if hasattr(getattr(torch.ops, NAMESPACE), "add_layer_norm"):
         return True
@@ -116,6 +136,11 @@ def _load(folder: Path | None) -> bool:
         if shutil.which("ninja") is None and (scripts / "ninja").exists():
             os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
         name, cflags = library_name()
+        from torch.utils.cpp_extension import _get_build_directory
+
+        if unheld_lock_removed(Path(_get_build_directory(name, verbose=False)) / "lock"):
+            print(f"compress: removed a killed build's lock in {name}'s build folder",
+                  file=sys.stderr)
         try:
             build(name=name, sources=[str(source) for source in SOURCES], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from serve import cpu_features
+
 SOURCE = Path(__file__).with_name("encoder_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("encoder_norm.cpp")
 ACTIVATION_SOURCE = Path(__file__).with_name("encoder_activation.cpp")
@@ -48,13 +50,7 @@ _state: dict[str, object] = {}
 
 def vector_flags() -> list[str]:
     """The CPU's vector extensions from /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return sorted(f for f in line.partition(":")[2].split()
-                  if f.startswith(("avx512", "avx2", "fma")))
+    return sorted(f for f in cpu_features.flags() if f.startswith(("avx512", "avx2", "fma")))
 
 
 def library_name() -> tuple[str, list[str]]:

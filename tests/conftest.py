@@ -612,23 +612,40 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 _TIER_SECONDS: dict[str, list[float]] = {}
+_FILE_SECONDS: dict[str, float] = {}  # a test file's setup, call and teardown time
+_WORKER_SECONDS: dict[str, float] = {}  # each pytest-xdist worker's
+COSTLIEST_FILES = 20
 
 
 def pytest_runtest_logreport(report) -> None:
-    """Add each test's setup, call and teardown time to its tier's."""
+    """Add each test's setup, call and teardown time to its tier's, its file's and its
+    worker's."""
     tier = next((t for t in TIERS if t in Path(str(report.fspath)).parts), "other")
     spent = _TIER_SECONDS.setdefault(tier, [0.0, 0])
     spent[0] += report.duration
     if report.when == "call" or (report.when == "setup" and report.skipped):
         spent[1] += 1
+    name = str(report.fspath)
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    worker_id = getattr(worker, "id", None) or "main"
+    _WORKER_SECONDS[worker_id] = _WORKER_SECONDS.get(worker_id, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """One line of each tier's wall time and test count (CI prints it on every run)."""
-    if _TIER_SECONDS:
-        terminalreporter.write_line("tier times: " + ", ".join(
-            f"{tier} {seconds:.0f} s ({int(count)} tests)"
-            for tier, (seconds, count) in sorted(_TIER_SECONDS.items())))
+    """Each tier's wall time and test count, each worker's, and the costliest files (CI
+    prints them on every run: where the suite's time goes)."""
+    if not _TIER_SECONDS:
+        return
+    write = terminalreporter.write_line
+    write("tier times: " + ", ".join(
+        f"{tier} {seconds:.0f} s ({int(count)} tests)"
+        for tier, (seconds, count) in sorted(_TIER_SECONDS.items())))
+    write("worker times: " + ", ".join(
+        f"{worker} {seconds:.0f} s" for worker, seconds in sorted(_WORKER_SECONDS.items())))
+    costliest = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:COSTLIEST_FILES]
+    write(f"costliest {len(costliest)} files (setup, calls and teardown): " + ", ".join(
+        f"{name} {seconds:.0f} s" for name, seconds in costliest))
 
 
 def removed_after_module(request, folder: Path) -> Path:

@@ -68,3 +68,42 @@ def test_the_deprecated_quantization_api_is_not_used(tmp_path: Path) -> None:
                              calibration={"samples": 8, "batch_size": 8})
         stage_quantize(image_bundle(mlp()), cfg, stage_context(tmp_path, digits_like()))
     assert "torch.ao.quantization.quantize_fx" not in sys.modules
+
+
+@pytest.mark.parametrize(("flags", "saturate"), [
+    ({"avx2", "fma"}, True),                         # Zen 3, Haswell: vpmaddubsw's int16
+    ({"avx2", "avx512f", "avx512bw"}, True),          # Skylake-SP: AVX-512, still no VNNI
+    ({"avx2", "avx512f", "avx512_vnni"}, False),      # Cascade Lake, Zen 4 and 5
+    ({"avx2", "avx_vnni"}, False),                    # Alder Lake's AVX-VNNI
+    ({"avx2", "amx_int8", "avx512_vnni"}, False),     # Sapphire Rapids
+    (set(), False),                                   # flags not readable
+    ({"neon", "asimd"}, False),                       # not x86
+])
+def test_int8_products_saturate_only_on_x86_without_an_int32_dot_product(
+        flags: set[str], saturate: bool) -> None:
+    from serve import cpu_features
+
+    assert cpu_features.int8_products_saturate(frozenset(flags)) is saturate
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("saturate", [True, False])
+def test_activations_keep_to_7_bits_where_int8_products_saturate(
+        saturate: bool, trained_mlp: nn.Module, tmp_path: Path, monkeypatch) -> None:
+    """On a CPU without VNNI (AVX2's vpmaddubsw adds two u8 x s8 products into a saturating
+    int16) static int8 quantizes activations to 0..127, as torchao's reduce_range does, and
+    the metrics say so; elsewhere to 0..255."""
+    from serve import cpu_features
+
+    monkeypatch.setattr(cpu_features, "int8_products_saturate", lambda *a: saturate)
+    cfg = QuantizeConfig(mode="static", compile=False)
+    quantized, metrics = stage_quantize(image_bundle(trained_mlp), cfg,
+                                        stage_context(tmp_path, digits_like()))
+    assert metrics["int8_reduce_range"] is saturate
+    activation_ranges = {(node.args[3], node.args[4])
+                         for node in quantized.model.graph.graph.nodes
+                         if str(node.target).startswith("quantized_decomposed.quantize_per_tensor")}
+    assert activation_ranges == {(0, 127 if saturate else 255)}
+    x = torch.rand(100, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+    agreement = (logits_of(quantized.model, x).argmax(-1) == trained_mlp(x).argmax(-1))
+    assert agreement.float().mean() >= 0.9

@@ -84,19 +84,26 @@ def per_tensor_weights(config: QuantizationConfig, is_qat: bool) -> Quantization
                               config.bias, is_qat)
 
 
+def reduce_range(mode: str) -> bool:
+    """Whether `mode`'s activations keep to 7 bits here (torchao's reduce_range, which it
+    advises for CPUs without VNNI): where int8 products go through AVX2's vpmaddubsw, whose
+    int16 sum of two u8 x s8 products saturates (serve/cpu_features.py), for the calibrated
+    or trained scales of static and QAT. On a Zen 3, all-MiniLM-L6-v2's static int8
+    embeddings of SST-2 validation went from recall@10 0.877 to 0.887 with it, and its
+    dynamic int8 from 0.845 to 0.723 (a batch's own 7-bit range is too coarse), so dynamic
+    keeps 8 bits; so does ONNX Runtime's int8, whose reduce_range measured no better
+    (benchmarks/results/int8_reduce_range.md)."""
+    return mode != "dynamic" and cpu_features.int8_products_saturate()
+
+
 def make_quantizer(mode: str, per_channel: bool, float_modules: Iterable[str]
                    ) -> X86InductorQuantizer:
     """The x86 Inductor quantizer of `mode`, leaving `float_modules` (full names) in float.
-    On a CPU whose int8 products saturate (AVX2 without VNNI: serve/cpu_features.py) the
-    activations keep to 7 bits (torchao's reduce_range, which it advises there): on a Zen 3,
-    all-MiniLM-L6-v2's static int8 AOTInductor embeddings of SST-2 validation went from
-    recall@10 0.877 to 0.887 and mean cosine 0.9948 to 0.9951 (recipes/embed_search.yaml).
-    (ONNX Runtime's own reduce_range, 7-bit weights, measured no better there: 0.9901 to
-    0.9895 dynamic, 0.9268 to 0.9254 static, so ONNX Runtime's int8 keeps 8 bits.)"""
+    Static and QAT activations keep to 7 bits on a CPU whose int8 products saturate (AVX2
+    without VNNI: `reduce_range`)."""
     is_qat = mode == "qat"
     config = get_default_x86_inductor_quantization_config(
-        is_qat=is_qat, is_dynamic=mode == "dynamic",
-        reduce_range=cpu_features.int8_products_saturate())
+        is_qat=is_qat, is_dynamic=mode == "dynamic", reduce_range=reduce_range(mode))
     if not per_channel:
         config = per_tensor_weights(config, is_qat)
     quantizer = X86InductorQuantizer().set_global(config)
@@ -223,7 +230,7 @@ def quantize(bundle: ModelBundle, cfg, calibration=None, *, setup=None,
         raise CompressError("quantization-aware training needs training examples "
                             "(a TrainSetup)")
     metrics: dict[str, Any] = {"quant_mode": cfg.mode,  # 7-bit activations: make_quantizer
-                               "int8_reduce_range": cpu_features.int8_products_saturate()}
+                               "int8_reduce_range": reduce_range(cfg.mode)}
     began = time.perf_counter()
     if getattr(cfg, "smoothing", None) is not None and cfg.mode == "static":
         bundle, metrics["smoothed_linears"] = smoothed(bundle, cfg, calibration, max_length)

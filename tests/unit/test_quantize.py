@@ -87,23 +87,26 @@ def test_int8_products_saturate_only_on_x86_without_an_int32_dot_product(
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("saturate", [True, False])
-def test_activations_keep_to_7_bits_where_int8_products_saturate(
-        saturate: bool, trained_mlp: nn.Module, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize(("mode", "saturate", "top"), [
+    ("static", True, 127), ("static", False, 255),
+    ("dynamic", True, 255), ("dynamic", False, 255)])  # a batch's own range: 8 bits always
+def test_static_activations_keep_to_7_bits_where_int8_products_saturate(
+        mode: str, saturate: bool, top: int, trained_mlp: nn.Module, tmp_path: Path,
+        monkeypatch) -> None:
     """On a CPU without VNNI (AVX2's vpmaddubsw adds two u8 x s8 products into a saturating
     int16) static int8 quantizes activations to 0..127, as torchao's reduce_range does, and
-    the metrics say so; elsewhere to 0..255."""
+    the metrics say so; elsewhere, and for dynamic int8 anywhere, to 0..255."""
     from serve import cpu_features
 
     monkeypatch.setattr(cpu_features, "int8_products_saturate", lambda *a: saturate)
-    cfg = QuantizeConfig(mode="static", compile=False)
+    cfg = QuantizeConfig(mode=mode, compile=False)
     quantized, metrics = stage_quantize(image_bundle(trained_mlp), cfg,
                                         stage_context(tmp_path, digits_like()))
-    assert metrics["int8_reduce_range"] is saturate
+    assert metrics["int8_reduce_range"] is (top == 127)
     activation_ranges = {(node.args[3], node.args[4])
                          for node in quantized.model.graph.graph.nodes
                          if str(node.target).startswith("quantized_decomposed.quantize_per_tensor")}
-    assert activation_ranges == {(0, 127 if saturate else 255)}
+    assert activation_ranges == {(0, top)}, activation_ranges
     x = torch.rand(100, 1, 8, 8, generator=torch.Generator().manual_seed(2))
     agreement = (logits_of(quantized.model, x).argmax(-1) == trained_mlp(x).argmax(-1))
     assert agreement.float().mean() >= 0.9

@@ -86,21 +86,23 @@ def per_tensor_weights(config: QuantizationConfig, is_qat: bool) -> Quantization
 
 def reduce_range(mode: str) -> bool:
     """Whether `mode`'s activations keep to 7 bits here (torchao's reduce_range, which it
-    advises for CPUs without VNNI): where int8 products go through AVX2's vpmaddubsw, whose
-    int16 sum of two u8 x s8 products saturates (serve/cpu_features.py), for the calibrated
-    or trained scales of static and QAT. On a Zen 3, all-MiniLM-L6-v2's static int8
-    embeddings of SST-2 validation went from recall@10 0.877 to 0.887 with it, and its
-    dynamic int8 from 0.845 to 0.723 (a batch's own 7-bit range is too coarse), so dynamic
-    keeps 8 bits; so does ONNX Runtime's int8, whose reduce_range measured no better
+    advises for CPUs without VNNI): static int8 where int8 products go through AVX2's
+    vpmaddubsw, whose int16 sum of two u8 x s8 products saturates (serve/cpu_features.py).
+    On a Zen 3, all-MiniLM-L6-v2's static int8 embeddings of SST-2 validation went from
+    recall@10 0.877 to 0.887 with it; its dynamic int8 from 0.845 to 0.723 (a batch's own
+    range is too coarse at 7 bits), and QAT at 7 bits stopped closing the distance to the
+    float embeddings in tests/integration/test_embedding_runs.py (0.0265 before training,
+    0.0292 after, against 0.8x at 8 bits), so dynamic and QAT keep 8 bits; so does ONNX
+    Runtime's int8, whose reduce_range measured no better
     (benchmarks/results/int8_reduce_range.md)."""
-    return mode != "dynamic" and cpu_features.int8_products_saturate()
+    return mode == "static" and cpu_features.int8_products_saturate()
 
 
 def make_quantizer(mode: str, per_channel: bool, float_modules: Iterable[str]
                    ) -> X86InductorQuantizer:
     """The x86 Inductor quantizer of `mode`, leaving `float_modules` (full names) in float.
-    Static and QAT activations keep to 7 bits on a CPU whose int8 products saturate (AVX2
-    without VNNI: `reduce_range`)."""
+    Static activations keep to 7 bits on a CPU whose int8 products saturate (AVX2 without
+    VNNI: `reduce_range`)."""
     is_qat = mode == "qat"
     config = get_default_x86_inductor_quantization_config(
         is_qat=is_qat, is_dynamic=mode == "dynamic", reduce_range=reduce_range(mode))

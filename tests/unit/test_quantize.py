@@ -110,3 +110,13 @@ def test_static_activations_keep_to_7_bits_where_int8_products_saturate(
     x = torch.rand(100, 1, 8, 8, generator=torch.Generator().manual_seed(2))
     agreement = (logits_of(quantized.model, x).argmax(-1) == trained_mlp(x).argmax(-1))
     assert agreement.float().mean() >= 0.9
+
+
+def test_only_static_int8_keeps_activations_to_7_bits(monkeypatch) -> None:
+    from compress.algorithms.quantization import reduce_range
+    from serve import cpu_features
+
+    monkeypatch.setattr(cpu_features, "int8_products_saturate", lambda *a: True)
+    assert [reduce_range(mode) for mode in ("static", "dynamic", "qat")] == [True, False, False]
+    monkeypatch.setattr(cpu_features, "int8_products_saturate", lambda *a: False)
+    assert not any(reduce_range(mode) for mode in ("static", "dynamic", "qat"))

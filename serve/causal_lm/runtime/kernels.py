@@ -46,6 +46,7 @@ _state: dict[str, object] = {}
 
 
 def _cpu_flags() -> set[str]:
+    # serve/cpu_features.flags() does the same; this runtime ships alone, without it
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -143,7 +144,9 @@ def unheld_lock_removed(lock: Path) -> bool:
     `torch.utils.cpp_extension.load` of that name then waits for it forever. The live
     build's process keeps the file open from taking the lock to releasing it (torch's
     FileBaton), so a lock no process has open (/proc/<pid>/fd) is a dead build's. Where
-    /proc cannot say (not Linux), the lock stays."""
+    /proc cannot say (not Linux), the lock stays. The same function as serve/encoder_attention.py's:
+    the causal-LM runtime ships alone in export folders and an encoder archive ships
+    no serve.causal_lm, so neither can import the other's; keep them in step."""
     if not lock.exists() or not Path("/proc/self/fd").is_dir():
         return False
     target = str(lock.resolve())

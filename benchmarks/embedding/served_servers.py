@@ -10,10 +10,15 @@ sentence-transformers' fp32 ONNX export, which infinity optimizes itself) and `o
 times). The ONNX variants get folders of their own with exactly one .onnx
 file each, at the top, and infinity is started in that folder with `--model-id .`: it picks
 among several files by name (preferring "quantize" on a CPU), and given a folder's path it
-hands optimum-onnx 0.1 the file's absolute path, which optimum refuses. Each start gets an
-empty Hugging Face cache (infinity writes its optimized ONNX there; here its optimization
-fails on optimum-onnx 0.1's OptimizationConfig and it serves the file as it is, as its log
-says).
+hands optimum the file's absolute path, which optimum-onnx 0.1 refused. Each start gets an
+empty Hugging Face cache: infinity writes its optimized ONNX there (`*_optimized.onnx`, with
+optimum 1.26.1 in its environment, venvs.py) and serves that; `Server.optimization` says
+whether the file was made, and when not, infinity's own line saying why.
+
+Batch size and threads: compress's `--batch-size` and `--threads` (its archive's otherwise);
+infinity's `--batch-size` (32 otherwise) and OMP_NUM_THREADS in its environment, which both
+its engines honour (torch's intra-op threads, and ONNX Runtime's intra-op pool, whose size
+follows OMP_NUM_THREADS in the 1.32 wheel; unset, each takes every core).
 
 Cold start is from launching the command to the first answered embedding call (one every
 quarter second); resident memory is sampled over the server's whole process tree
@@ -23,6 +28,7 @@ quarter second); resident memory is sampled over the server's whole process tree
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +45,19 @@ from compress.serving.server_process import stop
 
 INFINITY_VARIANTS = ("torch", "torch-compile", "optimum", "optimum-int8")
 SERVED_NAME = "all-MiniLM-L6-v2"  # the model name infinity serves under
+OPTIMIZED_SUFFIX = "_optimized.onnx"  # infinity's name for the file it optimized
+FAILED = re.compile(r"Optimization failed with (.*?)\.? Going to use the unoptimized model")
+
+
+def optimization_outcome(made: list[str], log_text: str) -> str:
+    """What became of infinity's ONNX optimization in one start: "optimized (FILE)" when it
+    wrote its `*_optimized.onnx`, else "not optimized: " and its own reason from the log
+    (its lines re-joined: its logger wraps them), or that the log gave none."""
+    if made:
+        return f"optimized ({made[0]})"
+    found = FAILED.search(" ".join(log_text.split()))
+    return ("not optimized: " + found.group(1)) if found else \
+        "not optimized (infinity's log gives no reason)"
 
 
 def infinity_folder(built: Path, onnx_file: str, out: Path) -> Path:
@@ -77,10 +96,15 @@ def infinity_command(binary: Path, folder: Path, variant: str, port: int,
 class Server:
     """One server of a round: launched by `start`, answering at `base_url`, ended by `stop`.
     `spec`: {"key", "kind": "compress"|"infinity", and compress's "target", "engine",
-    "model_name", "version", "serve_dir", or infinity's "binary", "folder", "variant"}."""
+    "model_name", "version", "serve_dir", or infinity's "binary", "folder", "variant"}.
+    `batch`, `threads`: the server's batch size and intra-op threads (None: compress's
+    archive's; infinity's batch 32 and every core)."""
 
-    def __init__(self, spec: dict[str, Any], log_dir: Path, batch: int = 32):
-        self.spec, self.log_dir, self.batch = spec, log_dir, batch
+    def __init__(self, spec: dict[str, Any], log_dir: Path, batch: int | None = None,
+                 threads: int | None = None):
+        self.spec, self.log_dir, self.batch, self.threads = spec, log_dir, batch, threads
+        self.optimization: str | None = None  # an ONNX variant's, once stopped
+        self.log_start = 0  # where this start's lines begin in the server's log
         self.port = free_ports(1)[0]
         self.process: subprocess.Popen | None = None
         self.sampler: RssSampler | None = None
@@ -94,20 +118,25 @@ class Server:
     def command(self) -> list[str]:
         if self.spec["kind"] == "infinity":
             return infinity_command(Path(self.spec["binary"]), Path(self.spec["folder"]),
-                                    self.spec["variant"], self.port, self.batch)
+                                    self.spec["variant"], self.port, self.batch or 32)
         return [sys.executable, "-m", "compress", "serve", self.spec["target"], "--engine",
-                self.spec["engine"], "--port", str(self.port), "--no-auth"]
+                self.spec["engine"], "--port", str(self.port), "--no-auth",
+                *(["--batch-size", str(self.batch)] if self.batch else []),
+                *(["--threads", str(self.threads)] if self.threads else [])]
 
     def start(self, timeout_s: float) -> float:
         """Launch the server and wait for its first answered call; the cold start in
         seconds. PeerError when it stops or never answers."""
         log_path = self.log_dir / f"{self.spec['key']}.log"
+        self.log_start = log_path.stat().st_size if log_path.is_file() else 0
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
                "DO_NOT_TRACK": "1"}
         cwd = None
         if self.spec["kind"] == "infinity":
             self.cache = Path(tempfile.mkdtemp(prefix="serve_peers_embed_hf-"))
             env.update(HF_HUB_CACHE=str(self.cache), HF_HOME=str(self.cache))
+            if self.threads:
+                env["OMP_NUM_THREADS"] = str(self.threads)
             cwd = self.spec["folder"]
         self.launched = time.time()
         self.sampler = RssSampler(self._root)
@@ -142,6 +171,15 @@ class Server:
         info = read_info(serve_dir)
         return int(info["pid"]) if info and info.get("pid") else None
 
+    def _log_text(self) -> str:
+        """This start's lines of the server's log."""
+        try:
+            with open(self.log_dir / f"{self.spec['key']}.log", "rb") as log:
+                log.seek(self.log_start)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def stop(self) -> int:
         """Stop the server and every process it started; the peak resident bytes seen."""
         peak = self.sampler.stop() if self.sampler else 0
@@ -156,6 +194,10 @@ class Server:
         if self.spec["kind"] == "compress":
             stop(Path(self.spec["serve_dir"]), echo=lambda _: None)
         if self.cache is not None:
+            if self.spec.get("variant", "").startswith("optimum"):
+                self.optimization = optimization_outcome(
+                    sorted(p.name for p in self.cache.rglob(f"*{OPTIMIZED_SUFFIX}")),
+                    self._log_text())
             shutil.rmtree(self.cache, ignore_errors=True)
             self.cache = None
         return peak

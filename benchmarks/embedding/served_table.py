@@ -15,7 +15,8 @@ from benchmarks.harness import servers
 from benchmarks.harness.spread import aligned
 
 FIGURES = ("embeddings_per_s", "latency_ms_p50", "latency_ms_p99")
-COLUMNS = (("server", "name"), ("conc", "concurrency"), ("emb/s", "embeddings_per_s"),
+COLUMNS = (("server", "name"), ("batch", "batch"), ("threads", "threads"),
+           ("conc", "concurrency"), ("emb/s", "embeddings_per_s"),
            ("p50 ms", "latency_ms_p50"), ("p99 ms", "latency_ms_p99"), ("errors", "errors"),
            ("rounds", "rounds"), ("RSS MB", "rss_mb"), ("cold start s", "cold_start_s"))
 
@@ -23,7 +24,7 @@ COLUMNS = (("server", "name"), ("conc", "concurrency"), ("emb/s", "embeddings_pe
 def table_rows(items: list[dict[str, Any]], levels: list[int]) -> list[dict[str, Any]]:
     """One row per item and level. An item is {"key", "name", "kind", "rounds": [{"runs":
     [a level's figures], "cold_start_s", "rss_peak_bytes", "error"?}]}."""
-    return servers.level_rows(items, levels, FIGURES)
+    return servers.level_rows(items, levels, FIGURES, copied=("kind", "batch", "threads"))
 
 
 def ratios(rows: list[dict[str, Any]], levels: list[int]) -> list[str]:
@@ -34,7 +35,7 @@ def ratios(rows: list[dict[str, Any]], levels: list[int]) -> list[str]:
 
 def render_text(rows: list[dict[str, Any]], lines: list[str]) -> str:
     """The table as aligned text, then the ratio and failure lines."""
-    out = aligned([[t for t, _ in COLUMNS], *servers.cells(rows, COLUMNS)], 1)
+    out = aligned([[t for t, _ in COLUMNS], *servers.cells(rows, COLUMNS)], 3)
     return "\n".join(out + [""] + lines) + "\n"
 
 
@@ -42,4 +43,4 @@ def render_markdown(rows: list[dict[str, Any]], lines: list[str], header: dict[s
                     ) -> str:
     """The table as Markdown under the header (date, CPU, command, facts), then the
     ratios and the notes."""
-    return servers.markdown(rows, COLUMNS, 1, lines, header)
+    return servers.markdown(rows, COLUMNS, 3, lines, header)

@@ -15,6 +15,8 @@ from benchmarks.embedding import child
 from benchmarks.embedding import peers as peers_embed
 from benchmarks.embedding import served as serve_peers_embed
 from benchmarks.embedding import served_load as load
+from benchmarks.embedding import served_servers as serve_servers
+from benchmarks.embedding import served_sweep as serve_sweep
 from benchmarks.embedding import served_table as serve_table
 from benchmarks.embedding.items import is_embedding_export, quantize_config
 from benchmarks.embedding.table import (
@@ -257,7 +259,10 @@ def test_calls_cycle_through_the_texts():
     (["RUN", "--engines", "triton"], "unknown engine 'triton'"),
     (["RUN", "--no-compress", "--infinity", ""], "no server to measure"),
     (["RUN", "--batch", "16,x"], "--batch"),
-    (["RUN", "--batch", "0"], "--batch: give sizes of at least 1"),
+    (["RUN", "--batch", "0", "--no-sweep"], "--batch: give sizes of at least 1"),
+    (["RUN", "--batch", "16"], "--batch is for --no-sweep"),
+    (["RUN", "--sweep-threads", "0"], "--sweep-batches, --sweep-threads"),
+    (["RUN", "--sweep-requests", "0"], "--sweep-requests must be at least 1"),
 ])
 def test_serve_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -275,12 +280,122 @@ def test_serve_quick_fills_only_what_was_not_given():
 def test_serve_several_infinity_batches_are_a_server_each(tmp_path, monkeypatch):
     monkeypatch.setattr(serve_peers_embed, "ensure_venv", lambda venv, echo: {})  # no venv built
     args = serve_peers_embed.parse_args(["RUN", "--infinity", "torch", "--batch", "16,32",
-                                         "--no-compress"])
+                                         "--no-compress", "--no-sweep"])
     assert args.batches == [16, 32]
     items, _ = serve_peers_embed.server_items(args, tmp_path, tmp_path)
     assert [(i["key"], i["name"], i["batch"]) for i in items] == [
         ("infinity-torch-b16", "infinity torch b16", 16),
         ("infinity-torch-b32", "infinity torch b32", 32)]
+
+
+def _trial(batch: int, threads: int, rate: float | None, errors: int = 0, **extra) -> dict:
+    return {"batch": batch, "threads": threads, "embeddings_per_s": rate, "errors": errors,
+            "latency_ms_p50": 10.0, **extra}
+
+
+def test_the_sweep_chooses_the_fastest_setting_that_answered_every_call():
+    trials = [_trial(8, 1, 100.0), _trial(8, 2, 500.0, errors=3),  # fastest, but calls failed
+              _trial(16, 1, None, error="did not start"), _trial(16, 2, 180.0),
+              _trial(32, 1, 150.0), _trial(32, 2, 180.0)]
+    best = serve_sweep.choose(trials)
+    assert (best["batch"], best["threads"]) == (16, 2)  # a tie: the smaller batch
+    assert serve_sweep.choose([_trial(8, 2, 90.0), _trial(16, 1, 90.0)])["threads"] == 1
+    assert serve_sweep.choose([_trial(8, 1, 50.0, errors=1), _trial(8, 2, None)]) is None
+
+
+def test_the_sweeps_choice_sets_the_items_setting_or_says_why_none():
+    item = {"name": "infinity torch", "batch": None, "threads": None}
+    serve_sweep.apply_choice(item, [_trial(8, 1, 100.0), _trial(32, 2, 300.0)])
+    assert (item["batch"], item["threads"]) == (32, 2) and "error" not in item
+    assert item["sweep"]["chosen"] == {"batch": 32, "threads": 2, "embeddings_per_s": 300.0}
+    failed = {"name": "compress torchserve"}
+    serve_sweep.apply_choice(failed, [_trial(8, 1, 10.0, errors=4)])
+    assert failed["error"] == "sweep: no setting answered every call (4 failed calls)"
+    assert failed["sweep"]["chosen"] is None
+
+
+def test_the_sweep_tries_every_server_at_every_setting_and_skips_failed_ones():
+    items = [{"name": "compress torchserve", "rounds": []},
+             {"name": "infinity optimum", "error": "no ONNX files", "rounds": []}]
+    tried = []
+
+    def trial(item, setting):
+        tried.append((item["name"], setting["batch"], setting["threads"]))
+        return {"embeddings_per_s": 100.0 * setting["batch"] / setting["threads"], "errors": 0}
+
+    settings = serve_sweep.grid([8, 16], [1, 2])
+    assert settings[:2] == [{"batch": 8, "threads": 1}, {"batch": 8, "threads": 2}]
+    serve_sweep.run_sweep(items, settings, trial, lambda _: None)
+    assert tried == [("compress torchserve", b, t) for b in (8, 16) for t in (1, 2)]
+    assert (items[0]["batch"], items[0]["threads"]) == (16, 1)
+    assert "sweep" not in items[1]
+    rows = serve_sweep.sweep_rows(items)
+    assert [r["chosen"] for r in rows] == ["", "", "yes", ""]
+    markdown = serve_sweep.sweep_markdown(rows, "how it was swept")
+    assert "## Sweep" in markdown and "how it was swept" in markdown
+    assert "| compress torchserve | 16 | 1 | 1600.0 | 10.0 | 0 | yes |" not in markdown  # p50
+    assert "| compress torchserve | 16 | 1 | 1600.0 | - | 0 | yes |" in markdown
+    assert "yes" in serve_sweep.sweep_text(rows)
+    assert serve_sweep.sweep_markdown([], "x") == serve_sweep.sweep_text([]) == ""
+
+
+def test_the_sweeps_threads_follow_the_cores():
+    assert serve_sweep.default_threads(1) == [1]
+    assert serve_sweep.default_threads(2) == [1, 2]
+    assert serve_sweep.default_threads(12) == [1, 2, 4, 8, 12]
+
+
+def test_the_served_table_shows_each_servers_setting():
+    item = _server("compress-torchserve", "compress", [300])
+    item.update(batch=16, threads=2)
+    rows = serve_table.table_rows([item], [8])
+    assert (rows[0]["batch"], rows[0]["threads"]) == (16, 2)
+    text = serve_table.render_text(rows, [])
+    assert text.splitlines()[0].split()[:4] == ["server", "batch", "threads", "conc"]
+    markdown = serve_table.render_markdown(rows, [], {
+        "title": "T", "facts": {"settings": "chosen by the sweep below"}, "notes": ["n"],
+        "command": "python -m benchmarks.embedding.served RUN", "cpu": ZEN4})
+    assert "| compress torchserve | 16 | 2 | 8 | 300 |" in markdown
+
+
+def test_the_sweeps_settings_reach_each_servers_command(tmp_path):
+    compress = {"key": "compress-torchserve", "kind": "compress", "target": "RUN",
+                "engine": "torchserve", "model_name": "m", "version": "1.0",
+                "serve_dir": str(tmp_path)}
+    command = serve_servers.Server(compress, tmp_path, 16, 2).command()
+    assert command[-4:] == ["--batch-size", "16", "--threads", "2"]
+    assert "--batch-size" not in serve_servers.Server(compress, tmp_path).command()
+    infinity = {"key": "infinity-torch", "kind": "infinity", "binary": "infinity_emb",
+                "folder": str(tmp_path), "variant": "torch"}
+    command = serve_servers.Server(infinity, tmp_path, 8, 1).command()
+    assert command[command.index("--batch-size") + 1] == "8"
+
+
+def test_infinitys_optimization_outcome_comes_from_its_file_or_its_log():
+    wrapped = ("INFO  Optimizing model\nWARNING  Optimization failed with\n         "
+               "OptimizationConfig.__init__() got an unexpected\n         keyword argument "
+               "'optimize_with_onnxruntime_only'.\n         Going to use the unoptimized "
+               "model.\n")
+    assert serve_servers.optimization_outcome([], wrapped) == (
+        "not optimized: OptimizationConfig.__init__() got an unexpected keyword argument "
+        "'optimize_with_onnxruntime_only'")
+    assert serve_servers.optimization_outcome(["model_optimized.onnx"], wrapped) == (
+        "optimized (model_optimized.onnx)")
+    assert "gives no reason" in serve_servers.optimization_outcome([], "")
+    facts = serve_peers_embed.optimization_facts([
+        {"name": "infinity optimum", "onnx_optimization": "optimized (model_optimized.onnx)"},
+        {"name": "infinity torch"}])
+    assert facts == {"infinity's ONNX optimization":
+                     "infinity optimum: optimized (model_optimized.onnx)"}
+
+
+def test_serve_sweep_arguments():
+    args = serve_peers_embed.parse_args(["RUN", "--sweep-batches", "8,32",
+                                         "--sweep-threads", "1"])
+    assert args.sweep and args.sweep_grid == [{"batch": 8, "threads": 1},
+                                              {"batch": 32, "threads": 1}]
+    assert args.sweep_requests == serve_peers_embed.FULL["sweep_requests"]
+    assert not serve_peers_embed.parse_args(["RUN", "--no-sweep"]).sweep
 
 
 def test_compress_rows_run_a_batch_in_passes_of_similar_length(tiny_bert, tmp_path,

@@ -253,20 +253,22 @@ def labels_of(manifest: Manifest, source: Path) -> list[str]:
 
 
 def peer_items(run_dir: Path, manifest: Manifest, echo: Callable[[str], None],
-               levels: tuple[str, ...] | list[str] = optimum.LEVELS
+               levels: tuple[str, ...] | list[str] = optimum.LEVELS,
+               failed: dict[str, str] | None = None
                ) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """Build (or reuse) the peers' files and their items: on the teacher (the fine-tuned
     model, the user's: the product ratio) Optimum's fp32, its dynamic int8 at each
     `--optimize` level and OpenVINO's static int8; on the winner's own student weights
     (`student_source`: the like-for-like ratio) Optimum's int8 at each level and OpenVINO's;
     Optimum's int8 at each level of every other student a search fine-tuned on the labels
-    alone. Also the environment's facts and the student record (for the header)."""
+    alone. Also the environment's facts and the student record (for the header). An
+    Optimum level that cannot be built is left out and named in `failed` with its reason."""
     index, source, sha = peer_source(run_dir, manifest)
     venv = optimum.OPTIMUM.path()
     facts = ensure_venv(optimum.OPTIMUM, echo, venv)
     labels = labels_of(manifest, source)
     folders = optimum.build_peers(run_dir, source, sha, labels, venv, facts, echo,
-                                  levels=levels)
+                                  levels=levels, failed=failed)
     flops, note = flops_of(run_dir, manifest, index)
     note = note.replace("its own config", "the config of the model Optimum exported")
     items = [onnx_item(run_dir, folders[optimum.FP32], optimum.FP32, PEER_LABELS[optimum.FP32],
@@ -278,7 +280,7 @@ def peer_items(run_dir: Path, manifest: Manifest, echo: Callable[[str], None],
     if "folder" in student:
         under = f"{optimum.PEERS_DIR}/{student['label'].replace('/', '-')}"
         made = optimum.build_peers(run_dir, student["folder"], student["sha256"], labels, venv,
-                                   facts, echo, under=under, levels=levels)
+                                   facts, echo, under=under, levels=levels, failed=failed)
         prefix = f"{student['label']}/"
         items += level_items(run_dir, made, prefix, " of the winner's student weights",
                              student["flops"], student["flops_source"], "student")
@@ -295,7 +297,8 @@ def peer_items(run_dir: Path, manifest: Manifest, echo: Callable[[str], None],
             weights = sorted(model.glob("*.safetensors")) or sorted(model.glob("*.bin"))
             made = optimum.build_peers(
                 run_dir, model, sha256_file(weights[0]), labels, venv, facts, echo,
-                under=f"{optimum.PEERS_DIR}/{entry.name}-{shape['label']}", levels=levels)
+                under=f"{optimum.PEERS_DIR}/{entry.name}-{shape['label']}", levels=levels,
+                failed=failed)
             s_flops, s_note = shape_flops(stage_dir, record, shape["label"])
             items += level_items(run_dir, made, f"{entry.name}/{shape['label']}/",
                                  f" of shape {shape['label']}, fine-tuned on the labels alone",

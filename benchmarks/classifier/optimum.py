@@ -59,12 +59,15 @@ def is_current(folder: Path, source_sha: str) -> bool:
 
 def build_peers(run_dir: Path, source: Path, source_sha: str, label_names: list[str],
                 venv: Path, facts: dict[str, Any], echo: Callable[[str], None],
-                under: str = PEERS_DIR, levels: tuple[str, ...] | list[str] = LEVELS
-                ) -> dict[str, Path]:
+                under: str = PEERS_DIR, levels: tuple[str, ...] | list[str] = LEVELS,
+                failed: dict[str, str] | None = None) -> dict[str, Path]:
     """Optimum's plain fp32 export of `source` (`optimum_fp32`) and, per `--optimize`
     level, its dynamic int8 (`optimum_int8_O2`...: exported at that level, then quantized),
     under `<run>/<under>/` (default `peers/`; each kept while `source_sha`, the weights'
-    sha256, is unchanged, so a new level builds alone); {name: folder}."""
+    sha256, is unchanged, so a new level builds alone); {name: folder}. An int8 level
+    whose export or quantization fails is left out, and `failed` (when given) gets
+    `{"<under>/<name>": why}`, so that the table says which level could not be built and
+    why; the fp32 export failing is an error (every level is made from the same model)."""
     peers = run_dir / under
     folders = {name: peers / name for name in [FP32, *(int8_name(lv) for lv in levels)]}
     missing = [name for name, folder in folders.items() if not is_current(folder, source_sha)]
@@ -76,10 +79,19 @@ def build_peers(run_dir: Path, source: Path, source_sha: str, label_names: list[
     log.write_text("")
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=peers))
     try:
-        for name in missing:
+        for name in list(missing):
             level = None if name == FP32 else name.removeprefix(f"{INT8}_")
-            _build_one(run_dir, source, source_sha, label_names, venv, facts, echo,
-                       tmp, name, level, log)
+            try:
+                _build_one(run_dir, source, source_sha, label_names, venv, facts, echo,
+                           tmp, name, level, log)
+            except PeerError as exc:
+                if level is None or failed is None:
+                    raise
+                echo(f"peers: Optimum --optimize {level} of {source.relative_to(run_dir)} "
+                     f"left out: {exc}")
+                failed[f"{under}/{name}"] = str(exc)
+                missing.remove(name)
+                del folders[name]
         for name in missing:
             if folders[name].exists():
                 shutil.rmtree(folders[name])

@@ -187,10 +187,10 @@ def _main(args: argparse.Namespace) -> int:
         items, peer_facts = items_of(run_dir, manifest, args.artifacts), None
         items += search_front_items(run_dir, manifest) if not args.artifacts else []
         items += other_run_items(args.with_run, items)
-        student = None
+        student, failed_levels = None, {}
         if not args.no_peers:
             peers, peer_facts, student = peer_items(run_dir, manifest, echo,
-                                                    args.optimum_levels)
+                                                    args.optimum_levels, failed_levels)
             items += peers
         runs = measure(run_dir, items, latency, args)
     peaks = gemm.peaks(runs)
@@ -206,7 +206,8 @@ def _main(args: argparse.Namespace) -> int:
               "rounds": args.rounds, "iters": latency["iters"], "warmup": latency["warmup"],
               "eval_size": next((r.get("eval_size") for r in rows if r.get("eval_size")), None),
               "real_limit": args.real_limit, "student": student,
-              "optimum_levels": None if args.no_peers else args.optimum_levels}
+              "optimum_levels": None if args.no_peers else args.optimum_levels,
+              "optimum_failed": failed_levels}
     print(render_text(rows), end="")
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     searches = [record for _, _, record in search_records(run_dir, manifest)]

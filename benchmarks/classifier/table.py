@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.harness.flops import FLOPS_BATCH, SEQ_LEN
-from benchmarks.harness.provenance import header_lines
+from benchmarks.harness.provenance import header_lines, scrubbed
 from benchmarks.harness.spread import (
     cell,
     grid,
@@ -233,6 +233,8 @@ def render_markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
            f"{', '.join(header['optimum_levels'])}, each quantized to dynamic int8 and timed "
            "as a row of its own; the ratios take the fastest at each length"]
           if header.get("optimum_levels") else []),
+        *[f"- Optimum int8 `{name}` not built, so not timed: {scrubbed(why)}"
+          for name, why in sorted((header.get("optimum_failed") or {}).items())],
     ]
     entries = headline(rows)
     if entries:

@@ -136,7 +136,7 @@ def stand_in_peers(monkeypatch, tmp_path: Path) -> list[dict]:
     calls: list[dict] = []
 
     def build_peers(run_dir, source, sha, labels, venv, facts, echo, under="peers",
-                    levels=optimum.LEVELS):
+                    levels=optimum.LEVELS, failed=None):
         calls.append({"source": source, "sha": sha, "under": under, "levels": list(levels),
                       "labels": labels})
         folders = {}
@@ -262,6 +262,46 @@ def test_each_optimize_level_is_exported_then_quantized(tmp_path: Path, monkeypa
                         levels=["O1", "O2", "O3"])
     assert [c[c.index("--optimize") + 1] for c in commands if c[1] == "export"] == ["O1"]
     assert not list((run / "peers").glob(".build-*"))
+
+
+def test_a_level_that_cannot_be_built_is_left_out_and_named(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """Optimum's quantizer failing on one --optimize level (its O2 graph, whose shapes ORT
+    cannot infer) leaves that level out and says why in the results file, without an
+    absolute path; the other levels are built and timed; the fp32 export failing stops."""
+    run = tmp_path / "run"
+    source = model_folder(run / "00-finetune" / "model")
+    log = run / "peers" / "optimum.log"
+
+    def call(command, what, log_path):
+        out = Path(command[command.index("-o") + 1] if "-o" in command else command[-1])
+        if "quantize" in command and str(out).endswith("quantized_O2"):
+            raise optimum.PeerError(f"{what} failed with exit code 1: RuntimeError: Unable "
+                                    f"to find data type (full output in {log})")
+        out.mkdir(parents=True)
+        (out / "model.onnx").write_bytes(b"onnx")
+
+    monkeypatch.setattr(optimum, "call", call)
+    monkeypatch.setattr(optimum, "_check_graph", lambda path: None)
+    failed: dict[str, str] = {}
+    folders = optimum.build_peers(run, source, "s" * 64, ["a", "b"], tmp_path / "venv", {},
+                                  lambda _: None, levels=["O1", "O2"], failed=failed)
+    assert list(folders) == ["optimum_fp32", "optimum_int8_O1"]
+    assert (folders["optimum_int8_O1"] / "model.onnx").is_file()
+    assert not (run / "peers" / "optimum_int8_O2").exists()
+    assert list(failed) == ["peers/optimum_int8_O2"]
+    assert "Unable to find data type" in failed["peers/optimum_int8_O2"]
+    text = peers_table.render_markdown([], {"optimum_levels": ["O1", "O2"],
+                                            "optimum_failed": failed})
+    named = [line for line in text.splitlines() if "not built" in line]
+    assert len(named) == 1 and "`peers/optimum_int8_O2`" in named[0]
+    assert "Unable to find data type" in named[0] and str(tmp_path) not in named[0]
+    with pytest.raises(optimum.PeerError):  # no int8 level can stand in for the fp32 file
+        monkeypatch.setattr(optimum, "call", lambda *a: (_ for _ in ()).throw(
+            optimum.PeerError("optimum-cli export onnx failed")))
+        optimum.build_peers(tmp_path / "other", model_folder(tmp_path / "other" / "m"),
+                            "t" * 64, ["a", "b"], tmp_path / "venv", {}, lambda _: None,
+                            levels=["O1"], failed={})
 
 
 def _rows() -> list[dict]:

@@ -90,7 +90,8 @@ print(json.dumps({"errors": errors, "library": kernels.shipped_library().name}))
 
 def test_an_avx2_build_computes_both_products(avx2_kernels_env: dict[str, str]) -> None:
     """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512: `COMPRESS_KERNEL_MARCH`)
-    into the session's AVX2 cache run the portable paths, which give the same products."""
+    into the session's AVX2 cache (float32 activations: the AVX2 path; int8 ones: the
+    portable integer code) give the same products."""
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=avx2_kernels_env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,20 +1,30 @@
 """The grouped-weight C++ kernels, built here for this CPU (about 30 s the first time, so
 outside the unit tier): every row count the kernel treats apart gives the dequantized
-product through the kernel itself, not the torch fallback; the peers benchmark counts the
-bytes of the kernel's records."""
+product through the kernel itself, not the torch fallback; each ISA path (AVX-512 where this
+CPU has it, AVX2 and portable forced by `COMPRESS_KERNEL_MARCH`) against the dequantized
+product, and the AVX2 path's batch invariance; the peers benchmark counts the bytes of the
+kernel's records."""
 
 from __future__ import annotations
 
-import os
+import json
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import REPO
 from torch import nn
 
 from serve.causal_lm.runtime import grouped
-from serve.causal_lm.runtime.kernels import _cpu_flags, build_error, grouped_mm_available
-
-AVX512 = "avx512f" in _cpu_flags() and not os.environ.get("COMPRESS_KERNEL_MARCH")
+from serve.causal_lm.runtime.kernels import (
+    _cpu_flags,
+    build_error,
+    grouped_mm_available,
+    grouped_mm_path,
+    shipped_library,
+)
 
 
 def test_the_kernel_is_built_here() -> None:
@@ -52,8 +62,67 @@ def test_up_to_5_rows_each_row_gets_its_one_row_product_bit_for_bit(bits) -> Non
     alone = torch.cat([module(x[r:r + 1]) for r in range(8)])
     for rows in range(2, 6):
         assert torch.equal(module(x[:rows]), alone[:rows]), rows
-    if AVX512:  # 6 rows and more: one sum a row, faster (the portable loop sums each row
-        assert not torch.equal(module(x), alone)  # as a lone row at any count)
+    if grouped_mm_path() == "avx512":  # 6 rows and more: one sum a row, faster
+        assert not torch.equal(module(x), alone)
+    elif grouped_mm_path() == "avx2":  # the same sums at every row count
+        assert torch.equal(module(x), alone)
+
+
+PATH_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from builders import grouped_module
+from serve.causal_lm.runtime import kernels
+assert kernels.grouped_mm_available(), kernels.build_error()
+ROWS = (1, 2, 3, 5, 8, 13, 128)
+errors, invariant = {}, {}
+for bits in (8, 4):
+    for half in (True, False):  # the four record layouts
+        module = grouped_module(bits, half, bits + half, "float32")  # 96 -> 77
+        weight = module.dequantize().double()
+        def product(x):
+            return torch.ops.compress_lm.grouped_mm(x, module.packed, 77, bits, half)
+        torch.manual_seed(bits + half)
+        x = torch.randn(max(ROWS), 96) * torch.rand(max(ROWS), 1) * 4
+        alone = torch.cat([product(x[r:r + 1]) for r in range(max(ROWS))])
+        assert product(x[:0]).shape == (0, 77)
+        for rows in ROWS:
+            key = f"{bits}_{'half' if half else 'float'}_{rows}"
+            got = product(x[:rows])
+            want = x[:rows].double() @ weight.T
+            errors[key] = float((got.double() - want).abs().max() / want.abs().max())
+            invariant[key] = torch.equal(got, alone[:rows])
+print(json.dumps({"path": kernels.grouped_mm_path(), "errors": errors,
+                  "invariant": invariant, "library": kernels.shipped_library().name}))
+"""
+AVX2_FLAGS = {"avx2", "fma", "f16c"}
+
+
+@pytest.mark.parametrize(("march", "path"), [
+    pytest.param("x86-64-v3", "avx2", marks=pytest.mark.skipif(
+        not AVX2_FLAGS.issubset(_cpu_flags()),
+        reason="this CPU lacks AVX2, FMA or F16C: an x86-64-v3 build would not run here")),
+    pytest.param("x86-64", "portable", marks=pytest.mark.skipif(
+        platform.machine() not in ("x86_64", "AMD64"), reason="not an x86-64 CPU"))])
+def test_each_forced_path_computes_the_dequantized_product(
+        avx2_kernels_env: dict[str, str], march: str, path: str) -> None:
+    """Built for x86-64-v3 (AVX2, FMA, F16C, no AVX-512) or plain x86-64
+    (`COMPRESS_KERNEL_MARCH`, each its own library), grouped_mm runs that path and gives the
+    dequantized product at 1 to 128 rows in all four record layouts (8 or 4 bits, float16 or
+    float32 scales). On the AVX2 path every row is also bitwise the row computed alone, at
+    every row count."""
+    env = {**avx2_kernels_env, "COMPRESS_KERNEL_MARCH": march}
+    done = subprocess.run([sys.executable, "-c", PATH_CHILD], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["path"] == path, found["path"]
+    assert found["library"] != shipped_library().name
+    assert len(found["errors"]) == 4 * 7
+    bad = {key: error for key, error in found["errors"].items() if not error < 1e-6}
+    assert not bad, bad
+    if path == "avx2":
+        assert all(found["invariant"].values()), found["invariant"]
 
 
 def test_int8_grouped_weights_count_the_kernel_records() -> None:

@@ -22,7 +22,8 @@ packaged) is loaded instead: a worker on the same CPU starts without the 13-15 s
 one on another CPU, whose name differs, builds its own. Where they are not at hand,
 `grouped_mm_available` says False (with the reason in `build_error`) and the modules fall
 back to torch operations. `COMPRESS_KERNEL_MARCH` (a `-march` value) builds for another CPU
-level than this one's (the tests build the AVX2 paths so on an AVX-512 machine).
+level than this one's (the tests build the AVX2 paths so on an AVX-512 machine, and the
+portable ones with x86-64); `grouped_mm_path` names the path `grouped_mm` was built with.
 """
 
 from __future__ import annotations
@@ -99,6 +100,13 @@ def bf16_native() -> bool:
     AVX512-BF16 (the kernels were built for a CPU that has it); where False it is
     `grouped_mm`'s exact float32 product, and so is the `activations: bf16` mode."""
     return grouped_mm_available() and bool(torch.ops.compress_lm.grouped_bf16_native())
+
+
+def grouped_mm_path() -> str | None:
+    """Which path `grouped_mm` multiplies with in this build: "avx512", "avx2" (AVX2 + FMA +
+    F16C without AVX-512: batch-invariant at every row count) or "portable" (None where the
+    kernels are not at hand)."""
+    return str(torch.ops.compress_lm.grouped_mm_path()) if grouped_mm_available() else None
 
 
 def build_error() -> str | None:

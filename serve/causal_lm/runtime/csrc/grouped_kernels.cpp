@@ -21,10 +21,23 @@
 // float32 once and multiplied with every activation row's value of that input (a
 // broadcast), summed over the group, then scaled once per group; the offset is one
 // multiply-add per group against the row's sum of x over the group. There is no
-// dequantization per weight and no horizontal sum. Up to 5 rows, 4 partial sums over
-// alternating inputs keep the multiply-adds of one chain from waiting on each other (and
-// give every row the arithmetic of a one-row product, bit for bit). More
-// than 8 rows (a prefill) go in chunks of 8 while a tile's records stay in cache.
+// dequantization per weight and no horizontal sum. Three paths, chosen at compile time
+// (`grouped_mm_path` names the one built):
+//
+// - AVX-512 (`__AVX512F__`): a tile's 16 outputs are one zmm. Up to 5 rows, 4 partial sums
+//   over alternating inputs keep the multiply-adds of one chain from waiting on each other
+//   (and give every row the arithmetic of a one-row product, bit for bit); 6-8 rows, one
+//   sum a row (faster, but another rounding: not batch-invariant past 5 rows). More than 8
+//   rows (a prefill) go in chunks of 8 while a tile's records stay in cache.
+// - AVX2 + FMA + F16C without AVX-512 (`-march=x86-64-v3`, a Zen 1-3, Haswell to Alder
+//   Lake): a tile's 16 outputs are two ymm. Batch-invariant by construction at every row
+//   count: each row sums a group in 2 partial sums (input i into sum i % 2), adds them,
+//   then acc += sum * scale and acc += xsum * offset, the same operations in the same order
+//   whether the call has 1 row or 128; rows never share a sum, only the weights' widening.
+//   Rows go 3 a pass (3 rows x 2 sums x 2 ymm = 12 of the 16 ymm). Up to 3 rows (decode)
+//   widen the codes as they read them; more rows widen a tile's group once into a 2 KB
+//   float32 block that every row reads (the same float32 values, so the same bits).
+// - portable (any other CPU): the same arithmetic as loops left to the compiler.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
@@ -33,10 +46,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define COMPRESS_AVX2_PATH 1
 #endif
 
 namespace compress_lm {
@@ -89,6 +106,193 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
   store_rows(acc, out, n_out, valid);
 }
 
+#elif defined(COMPRESS_AVX2_PATH)
+
+// AVX2 + FMA (+ F16C for float16 scales), no AVX-512: a tile's 16 outputs are two ymm. The
+// arithmetic of a row never depends on how many rows the call has (batch invariance by
+// construction): every row sums a group in CHAINS = 2 partial sums (input i into chain
+// i % 2, in input order), adds them chain 0 + chain 1, then acc += sum * scale and
+// acc += xsum * offset, the same instructions in the same order at 1 row or 128. Rows
+// only share the weights' conversion: 3 rows a pass (3 rows x 2 chains x 2 ymm = 12 of
+// the 16 ymm, 2 for the weights, 1 for the broadcast x).
+constexpr int CHAINS = 2;
+constexpr int64_t AVX2_ROWS = 3;  // rows a pass over a group
+
+// f(std::integral_constant<int, R>{}) for R = r, 1..AVX2_ROWS
+template <typename F>
+inline void with_avx2_rows(int64_t r, F&& f) {
+  switch (r) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 3>{}); break;
+  }
+}
+
+// a record's 16 scales and 16 offsets, two vectors each
+template <int BITS, bool HALF>
+inline void record_scales(const uint8_t* rec, __m256 (&s)[2], __m256 (&o)[2]) {
+  if constexpr (!HALF) {
+    const float* v = reinterpret_cast<const float*>(rec + code_bytes(BITS));
+    s[0] = _mm256_loadu_ps(v);
+    s[1] = _mm256_loadu_ps(v + 8);
+    o[0] = _mm256_loadu_ps(v + 16);
+    o[1] = _mm256_loadu_ps(v + 24);
+  } else {
+    const __m128i* h = reinterpret_cast<const __m128i*>(rec + code_bytes(BITS));
+    s[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
+    s[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    o[0] = _mm256_cvtph_ps(_mm_loadu_si128(h + 2));
+    o[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
+  }
+}
+
+// input i's 16 codes as float32 (outputs 0-7, 8-15), exact
+template <int BITS>
+inline void record_codes(const uint8_t* rec, int i, __m256& lo, __m256& hi) {
+  if constexpr (BITS == 8) {
+    const uint8_t* c = rec + i * TILE;
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(c))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(c + 8))));
+  } else {  // inputs 2p and 2p + 1: byte j's low and high nibble
+    const uint8_t* c = rec + (i / 2) * TILE;
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)));
+    if (i % 2) {
+      a = _mm256_srli_epi32(a, 4);
+      b = _mm256_srli_epi32(b, 4);
+    } else {
+      a = _mm256_and_si256(a, _mm256_set1_epi32(15));
+      b = _mm256_and_si256(b, _mm256_set1_epi32(15));
+    }
+    lo = _mm256_cvtepi32_ps(a);
+    hi = _mm256_cvtepi32_ps(b);
+  }
+}
+
+// R rows' products with one group into their accumulators; `codes(i, lo, hi)` gives input
+// i's 16 weights as float32, xg the first row's inputs of the group (rows k apart), xs its
+// sum of x over the group (rows `groups` apart)
+template <int R, typename Codes>
+inline void group_rows(Codes&& codes, const float* xg, int64_t k, const __m256 (&s)[2],
+                       const __m256 (&o)[2], const float* xs, int64_t groups,
+                       __m256 (&acc)[R][2]) {
+  const float* row[R];  // each row's inputs of the group: R pointers in registers
+  for (int r = 0; r < R; ++r) row[r] = xg + r * k;
+  __m256 part[CHAINS][R][2];
+  for (int p = 0; p < CHAINS; ++p)
+    for (int r = 0; r < R; ++r) part[p][r][0] = part[p][r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 32
+  for (int i = 0; i < GROUP; ++i) {
+    __m256 lo, hi;
+    codes(i, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(row[r] + i);
+      part[i % CHAINS][r][0] = _mm256_fmadd_ps(lo, x, part[i % CHAINS][r][0]);
+      part[i % CHAINS][r][1] = _mm256_fmadd_ps(hi, x, part[i % CHAINS][r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 xsum = _mm256_broadcast_ss(xs + r * groups);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sum = _mm256_add_ps(part[0][r][h], part[1][r][h]);
+      acc[r][h] = _mm256_fmadd_ps(sum, s[h], acc[r][h]);
+      acc[r][h] = _mm256_fmadd_ps(xsum, o[h], acc[r][h]);
+    }
+  }
+}
+
+// the tile's `valid` outputs of a row from its two accumulators
+inline void store_row(const __m256 (&acc)[2], float* out, int64_t valid) {
+  if (valid == TILE) {
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+  } else {
+    alignas(32) float row[TILE];
+    _mm256_store_ps(row, acc[0]);
+    _mm256_store_ps(row + 8, acc[1]);
+    std::memcpy(out, row, valid * sizeof(float));
+  }
+}
+
+// up to 3 rows (a decode step, a short verification) against one tile, the codes
+// converted as they are read, the accumulators in registers
+template <int BITS, bool HALF, int R>
+inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
+                      const float* xsum, float* out, int64_t n_out, int64_t valid) {
+  constexpr int64_t RB = record_bytes(BITS, HALF);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, rec += RB) {
+    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+    __m256 s[2], o[2];
+    record_scales<BITS, HALF>(rec, s, o);
+    group_rows<R>([rec](int i, __m256& lo, __m256& hi) { record_codes<BITS>(rec, i, lo, hi); },
+                  x + g * GROUP, k, s, o, xsum + g, groups, acc);
+  }
+  for (int r = 0; r < R; ++r) store_row(acc[r], out + r * n_out, valid);
+}
+
+template <int BITS, bool HALF>
+void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
+                const uint8_t* packed, float* out, int64_t begin, int64_t end) {
+  constexpr int64_t RB = record_bytes(BITS, HALF);
+  const int64_t groups = k / GROUP, tile_bytes = groups * RB;
+  if (rows == 0) return;
+  if (rows <= AVX2_ROWS) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
+      with_avx2_rows(rows, [&](auto r) {
+        tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x, k, xsum,
+                                                  out + n0, n, valid);
+      });
+    }
+    return;
+  }
+  // more rows: per tile and group, the codes converted to float32 once (2 KB, in L1), then
+  // every row 3 at a time through the same group_rows, the accumulators kept per row in
+  // `acc_rows` (float32 stores and loads: the same bits as in registers)
+  alignas(32) float weights[GROUP * TILE];
+  std::vector<float> acc_rows(rows * TILE);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
+    std::fill(acc_rows.begin(), acc_rows.end(), 0.f);
+    const uint8_t* rec = packed + t * tile_bytes;
+    for (int64_t g = 0; g < groups; ++g, rec += RB) {
+      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
+      for (int i = 0; i < GROUP; ++i) {
+        __m256 lo, hi;
+        record_codes<BITS>(rec, i, lo, hi);
+        _mm256_store_ps(weights + i * TILE, lo);
+        _mm256_store_ps(weights + i * TILE + 8, hi);
+      }
+      __m256 s[2], o[2];
+      record_scales<BITS, HALF>(rec, s, o);
+      const auto from_weights = [&weights](int i, __m256& lo, __m256& hi) {
+        lo = _mm256_load_ps(weights + i * TILE);
+        hi = _mm256_load_ps(weights + i * TILE + 8);
+        // in registers: loaded once for the 3 rows, not once a multiply-add (loads bound)
+        __asm__("" : "+x"(lo), "+x"(hi));
+      };
+      for (int64_t m = 0; m < rows; m += AVX2_ROWS)
+        with_avx2_rows(std::min(AVX2_ROWS, rows - m), [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          float* kept = acc_rows.data() + m * TILE;
+          __m256 acc[R][2];
+          for (int j = 0; j < R; ++j)
+            for (int h = 0; h < 2; ++h) acc[j][h] = _mm256_loadu_ps(kept + j * TILE + h * 8);
+          group_rows<R>(from_weights, x + m * k + g * GROUP, k, s, o, xsum + m * groups + g,
+                        groups, acc);
+          for (int j = 0; j < R; ++j)
+            for (int h = 0; h < 2; ++h) _mm256_storeu_ps(kept + j * TILE + h * 8, acc[j][h]);
+        });
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(out + m * n + n0, &acc_rows[m * TILE], valid * sizeof(float));
+  }
+}
+
 #else  // portable: the same arithmetic, left to the compiler to vectorize
 
 template <int BITS, bool HALF, int R>
@@ -124,6 +328,7 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 
 #endif
 
+#if !defined(COMPRESS_AVX2_PATH)  // AVX-512 and portable: up to ROWS rows a pass
 template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
@@ -139,6 +344,7 @@ void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int6
       });
   }
 }
+#endif
 
 // code of output `row`, input `i`, as the modules keep codes
 inline int code_at(const uint8_t* codes, int64_t k, int64_t bits, int64_t row, int64_t i) {
@@ -189,6 +395,17 @@ at::Tensor grouped_pack(const at::Tensor& codes, const at::Tensor& scale,
   return packed;
 }
 
+// which of the three paths this build multiplies with
+std::string grouped_mm_path() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(COMPRESS_AVX2_PATH)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace
 
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
@@ -224,6 +441,7 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
 TORCH_LIBRARY(compress_lm, m) {
   m.def("grouped_pack(Tensor codes, Tensor scale, Tensor offset, int bits, bool half) -> Tensor");
   m.def("grouped_mm(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
+  m.def("grouped_mm_path() -> str", &compress_lm::grouped_mm_path);
   // grouped_int8_activations.cpp
   m.def("grouped_mm_int8(Tensor x, Tensor packed, int n, int bits, bool half) -> Tensor");
   // grouped_bf16_activations.cpp

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.harness.servers import cells
 from benchmarks.harness.spread import aligned
 
 COLUMNS = (("server", "name"), ("batch", "batch"), ("threads", "threads"),
@@ -105,15 +106,12 @@ def sweep_rows(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cells(rows: list[dict[str, Any]]) -> list[list[str]]:
-    return [["-" if row.get(k) is None else str(row[k]) for _, k in COLUMNS] for row in rows]
-
-
 def sweep_text(rows: list[dict[str, Any]]) -> str:
     """The sweep as aligned text ('' when there was none)."""
     if not rows:
         return ""
-    return "\n".join(["Sweep:", *aligned([[t for t, _ in COLUMNS], *_cells(rows)], 3)]) + "\n"
+    table = aligned([[t for t, _ in COLUMNS], *cells(rows, COLUMNS)], 3)
+    return "\n".join(["Sweep:", *table]) + "\n"
 
 
 def sweep_markdown(rows: list[dict[str, Any]], how: str) -> str:
@@ -125,5 +123,5 @@ def sweep_markdown(rows: list[dict[str, Any]], how: str) -> str:
            "| " + " | ".join(t for t, _ in COLUMNS) + " |",
            "|" + "|".join("---" if t in ("server", "chosen") else "---:"
                           for t, _ in COLUMNS) + "|"]
-    out += ["| " + " | ".join(row) + " |" for row in _cells(rows)]
+    out += ["| " + " | ".join(row) + " |" for row in cells(rows, COLUMNS)]
     return "\n".join(out) + "\n"

@@ -1,6 +1,8 @@
 """The attention a `StaticDecoder` runs its model with: one new token per row over a static
 KV cache, in float32, compiled into a few fused loops (torch and transformers only; shipped
-beside `decode.py`)."""
+beside `decode.py`); and, for a model whose products run on compress's kernels (which
+give a row the same bits in any batch), the kernels' `cache_attention`, which keeps that
+rule for the attention too, prefill chunks included (`invariant_attention`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 from torch import nn
 
 DECODE_ATTENTION = "compress_decode"  # the attention a StaticDecoder runs its model with
+# ... where the model's products run on the kernels: every row's answer its own, bitwise
+INVARIANT_ATTENTION = "compress_invariant"
 
 
 def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -54,23 +58,63 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.to(query.dtype).reshape(rows, 1, heads, dim), None
 
 
+def invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        dropout: float = 0.0, scaling: float | None = None,
+                        decode_window: torch.Tensor | None = None,
+                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`decode_attention`'s contract, every query length, through the kernels'
+    `cache_attention` (`csrc/cache_attention.cpp`): each row's sums run over its own
+    attended positions in order from its first, so its answer is the same bits alone and
+    in any batch, whatever the padding before it or the window read, and whatever chunks
+    its prompt was prefilled in. Soft-capped, sink or sliding-window attention, and
+    non-float32 queries, go to `decode_attention`."""
+    if (query.dtype != torch.float32 or kwargs.get("softcap") is not None
+            or kwargs.get("s_aux") is not None or kwargs.get("sliding_window") is not None):
+        return decode_attention(module, query, key, value, attention_mask, dropout, scaling,
+                                decode_window, **kwargs)
+    if decode_window is not None and (attention_mask is not None
+                                      or query.shape[2] in (1, decode_window.shape[0])):
+        filled = decode_window.shape[0]
+        key, value = key[:, :, :filled], value[:, :, :filled]
+        attention_mask = attention_mask[..., :filled] if attention_mask is not None else None
+    rows, _, length, dim = query.shape
+    valid = None
+    if attention_mask is not None:  # (rows or 1, 1, queries, cached): bool, or added
+        mask = attention_mask[:, 0, -length:, :key.shape[2]]
+        valid = (mask if mask.dtype == torch.bool else mask == 0).expand(
+            rows, length, key.shape[2])
+    scale = scaling if scaling is not None else dim ** -0.5
+    out = torch.ops.compress_lm.cache_attention(query, key.float(), value.float(), valid,
+                                                float(scale))
+    return out, None
+
+
 def register_decode_attention() -> None:
-    """Make `decode_attention` known to transformers under DECODE_ATTENTION."""
+    """Make `decode_attention` and `invariant_attention` known to transformers (under
+    DECODE_ATTENTION and INVARIANT_ATTENTION)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(DECODE_ATTENTION, decode_attention)
     AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)
+    AttentionMaskInterface.register(INVARIANT_ATTENTION, sdpa_mask)
 
 
 def decode_attention_for(model: nn.Module) -> str | None:
-    """The attention a decoder runs `model` with: DECODE_ATTENTION (registered) where the
-    model's own is SDPA or eager, else None (its own)."""
+    """The attention a decoder runs `model` with, where the model's own is SDPA or eager
+    (else None: its own): INVARIANT_ATTENTION where its weights are in the kernels' records
+    (a module says `freeze_weights = False`) and the kernels are at hand, so that the whole
+    step gives a row the same bits in any batch; else DECODE_ATTENTION."""
     own = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if own not in ("sdpa", "eager"):
         return None
     register_decode_attention()
-    return DECODE_ATTENTION
+    from .kernels import grouped_mm_available
+
+    on_kernels = any(getattr(m, "freeze_weights", True) is False for m in model.modules())
+    return INVARIANT_ATTENTION if on_kernels and grouped_mm_available() else DECODE_ATTENTION
 
 
 @contextmanager

@@ -5,13 +5,16 @@ grouped-weight kernels of `grouped_kernels.cpp`:
 `torch.ops.compress_lm.grouped_mm(x, packed, out_features, bits, half)` (`half`: scales and
 offsets stored as float16, where they all are float16 values), and
 `torch.ops.compress_lm.grouped_mm_int8` (same arguments) multiplies by x rounded to int8 per
-group of 32 (`grouped_int8_activations.cpp`; one row goes to `grouped_mm`), and
+group of 32 (`grouped_int8_activations.cpp`, one row as any), and
 `torch.ops.compress_lm.grouped_mm_bf16` by x rounded to bfloat16 (`grouped_bf16_activations.cpp`,
-AVX512-BF16's vdpbf16ps; one row, or a build without AVX512-BF16, is `grouped_mm`'s exact
-float32 product: `bf16_native` says which), and `torch.ops.compress_lm.sparse24_mm(x, packed,
+AVX512-BF16's vdpbf16ps; a build without AVX512-BF16 is `grouped_mm`'s exact float32
+product: `bf16_native` says which), and `torch.ops.compress_lm.sparse24_mm(x, packed,
 out_features, bits)` multiplies by 2:4 sparse weights (`sparse24_kernel.cpp`, laid out by
 `sparse24.py`'s `pack_records`), and `torch.ops.compress_lm.routed_experts` runs a MoE
-layer's routed experts on their packed records (`routed_experts.cpp`, for `experts.py`).
+layer's routed experts on their packed records (`routed_experts.cpp`, for `experts.py`), and
+`torch.ops.compress_lm.cache_attention(query, key, value, valid, scale)` attends over a KV
+cache so that a row's answer is its own whatever the batch (`cache_attention.cpp`, for
+`attention.py`).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
@@ -39,9 +42,11 @@ import torch
 CSRC = Path(__file__).with_name("csrc")  # the C++ sources, beside this file
 SOURCE = CSRC / "grouped_kernels.cpp"  # the operators' registration
 # every file of the build: float32 activations (and the layout), int8 ones, bfloat16 ones,
-# 2:4 sparse weights (sparse24.py's), MoE experts (experts.py's), the shared layout
+# 2:4 sparse weights (sparse24.py's), MoE experts (experts.py's), the batch-invariant
+# attention (attention.py's), the shared layout
 SOURCES = (SOURCE, CSRC / "grouped_int8_activations.cpp", CSRC / "grouped_bf16_activations.cpp",
-           CSRC / "sparse24_kernel.cpp", CSRC / "routed_experts.cpp", CSRC / "grouped_layout.h")
+           CSRC / "sparse24_kernel.cpp", CSRC / "routed_experts.cpp",
+           CSRC / "cache_attention.cpp", CSRC / "grouped_layout.h")
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 
@@ -96,7 +101,7 @@ def grouped_mm_available() -> bool:
 
 
 def bf16_native() -> bool:
-    """Whether `grouped_mm_bf16` rounds x of 2 rows or more to bfloat16 and multiplies on
+    """Whether `grouped_mm_bf16` rounds x to bfloat16 and multiplies on
     AVX512-BF16 (the kernels were built for a CPU that has it); where False it is
     `grouped_mm`'s exact float32 product, and so is the `activations: bf16` mode."""
     return grouped_mm_available() and bool(torch.ops.compress_lm.grouped_bf16_native())
@@ -187,6 +192,12 @@ def _register_fake() -> None:
     @torch.library.register_fake("compress_lm::routed_experts")
     def _(x: torch.Tensor, *args: object) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake("compress_lm::cache_attention")
+    def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+        rows, heads, length, dim = query.shape
+        return query.new_empty(rows, length, heads, dim)
 
     @torch.library.register_fake("compress_lm::sparse24_mm")
     def _(x: torch.Tensor, packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:

@@ -18,12 +18,13 @@
 // to float32, whose upper halves are then their bfloat16 values, two inputs joined by a
 // shift and an or (a vpermt2w instead: 1.62x the float32 kernel at 8 rows, not 1.77x, on a
 // Zen 4); 4-bit codes: a byte's two nibbles made two 16-bit indices (b | b << 12) into a
-// 16-entry `vpermw` table. Up to 8 rows the codes are widened as they are read (through a
-// buffer, 8 rows took 1.4x as long); a prefill widens a tile's codes once into a scratch
-// buffer that its chunks of 8 rows then read from cache. One activation row goes to the exact
-// float32 product (the weights' reading bounds it, not the arithmetic). Without
-// AVX512-BF16 the operator is that exact float32 product (`grouped_bf16_native` says
-// which): no emulation.
+// 16-entry `vpermw` table. Codes widened as they are read beat a buffer for a chunk
+// (through a buffer, 8 rows took 1.4x as long). Every row is summed in 4 partial sums a group at every
+// row count, 4 rows a chunk (INVARIANT_ROWS): a row gets the same bits alone (a decode step
+// of one row is rounded too) and in any batch. Up to 4 rows the codes are widened as they
+// are read; more rows widen a tile's codes once into a scratch buffer that every chunk then
+// reads from cache. Without AVX512-BF16 the operator is the exact float32 product
+// (`grouped_bf16_native` says which): no emulation.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
@@ -48,9 +49,9 @@ constexpr int PAIRS = GROUP / 2;  // input pairs a group: one vdpbf16ps each per
 
 // rows x k activations rounded to bfloat16 (to nearest even, as Tensor.bfloat16(); by
 // vcvtne2ps2bf16, which reads a float32 denormal as zero, as vdpbf16ps reads a bfloat16 one)
-// as pairs of inputs, one 32-bit value each, interleaved by chunk of ROWS rows: pair q of
-// row r of a chunk of R rows is at chunk * ROWS * k / 2 + q * R + r, so that a chunk's
-// rows of a pair lie side by side; and each row's sum of the rounded values over each group
+// as pairs of inputs, one 32-bit value each, interleaved by chunk of INVARIANT_ROWS rows:
+// pair q of row r of a chunk of R rows is at chunk * INVARIANT_ROWS * k / 2 + q * R + r, so
+// that a chunk's rows of a pair lie side by side; and each row's sum of the rounded values over each group
 struct Rounded {
   std::vector<int32_t> pairs;
   std::vector<float> sums;
@@ -72,8 +73,9 @@ Rounded round_rows(const float* x, int64_t rows, int64_t k) {
         const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
         r.sums[row * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
       }
-      const int64_t chunk = row / ROWS, height = std::min(ROWS, rows - chunk * ROWS);
-      int32_t* out = r.pairs.data() + chunk * ROWS * half + row % ROWS;
+      const int64_t chunk = row / INVARIANT_ROWS,
+                    height = std::min(INVARIANT_ROWS, rows - chunk * INVARIANT_ROWS);
+      int32_t* out = r.pairs.data() + chunk * INVARIANT_ROWS * half + row % INVARIANT_ROWS;
       for (int64_t q = 0; q < half; ++q) out[q * height] = line[q];
     }
   });
@@ -125,8 +127,9 @@ inline void tile_rows(const uint8_t* rec, const __m512i* wide, __m512i table, in
                       const int32_t* x, const float* xsum, float* out, int64_t n_out,
                       int64_t valid) {
   constexpr int64_t RB = record_bytes(BITS, HALF);
-  // partial sums, so that few rows still have independent vdpbf16ps chains in flight
-  constexpr int P = R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  // 4 partial sums (independent vdpbf16ps chains in flight) at every row count, so that a
+  // row is summed as a lone row is (batch invariance); hence at most 4 rows a chunk
+  constexpr int P = 4;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RB, wide += PAIRS) {
@@ -154,18 +157,18 @@ void tiles_pass(const Rounded& x, int64_t rows, int64_t k, int64_t n, const uint
   const int64_t groups = k / GROUP, tile_bytes = groups * record_bytes(BITS, HALF);
   const __m512i table = nibble_table();
   // one chunk of rows: codes widened as they are read; more: a tile's widened once, here
-  std::vector<__m512i> wide(rows > ROWS ? groups * PAIRS : 0);
+  std::vector<__m512i> wide(rows > INVARIANT_ROWS ? groups * PAIRS : 0);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
     const uint8_t* rec = packed + t * tile_bytes;
-    if (rows > ROWS) widen_tile<BITS, HALF>(rec, groups, wide.data(), table);
-    for (int64_t m = 0; m < rows; m += ROWS) {
+    if (rows > INVARIANT_ROWS) widen_tile<BITS, HALF>(rec, groups, wide.data(), table);
+    for (int64_t m = 0; m < rows; m += INVARIANT_ROWS) {
       const int32_t* xm = x.pairs.data() + m * (k / 2);
       const float* sums = x.sums.data() + m * groups;
       float* o = out + m * n + n0;
-      with_rows(std::min(ROWS, rows - m), [&](auto r) {
+      with_rows(std::min(INVARIANT_ROWS, rows - m), [&](auto r) {
         constexpr int R = decltype(r)::value;
-        if (rows > ROWS)
+        if (rows > INVARIANT_ROWS)
           tile_rows<BITS, HALF, R, false>(rec, wide.data(), table, groups, xm, sums, o, n, valid);
         else
           tile_rows<BITS, HALF, R, true>(rec, nullptr, table, groups, xm, sums, o, n, valid);
@@ -197,9 +200,10 @@ at::Tensor grouped_mm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
                            int64_t bits, bool half) {
   const at::Tensor x2 = product_rows(x, packed, n, bits, half, "grouped_mm_bf16");
 #if defined(COMPRESS_LM_BF16)
-  if (x2.size(0) > 1) return bf16_product(x, x2, packed, n, bits, half);
+  return bf16_product(x, x2, packed, n, bits, half);  // every row count: batch-invariant
+#else
+  return grouped_mm(x, packed, n, bits, half);  // no AVX512-BF16: exact float32
 #endif
-  return grouped_mm(x, packed, n, bits, half);  // one row, or no AVX512-BF16: exact float32
 }
 
 // whether this build rounds to bfloat16 and uses vdpbf16ps (else grouped_mm_bf16 is exact)

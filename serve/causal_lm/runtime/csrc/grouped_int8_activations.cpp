@@ -16,9 +16,12 @@
 // 4-bit ones (0..15) as they are, int8 ones shifted by +128 (one xor per 4 inputs, shared
 // by every row), whose 128 x sum q is taken back with the offset: scale * d * sum (code +
 // 128) q + (offset - 128 scale) * d * sum q. Without AVX512-VNNI and VBMI the same
-// integer arithmetic is left to the compiler (AVX2's vpmaddwd where there is AVX2). One
-// activation row goes to the float32 product, which is exact and as fast there: the
-// weights' reading bounds it, not the arithmetic.
+// integer arithmetic is left to the compiler (AVX2's vpmaddwd where there is AVX2).
+//
+// Batch invariance: one row is rounded and multiplied as it is in any batch (its rounding
+// is its own, per group; the integer sums are exact; per group acc += dot * (scale * d),
+// then acc += d * sum q * offset, in that order), so a row's outputs are the same bits
+// alone and beside any other rows, a decode step of 1 row included.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
@@ -197,7 +200,6 @@ at::Tensor grouped_mm_int8(const at::Tensor& x, const at::Tensor& packed, int64_
                            int64_t bits, bool half) {
   const at::Tensor x2 = product_rows(x, packed, n, bits, half, "grouped_mm_int8");
   const int64_t k = x2.size(1), rows = x2.size(0), tiles = (n + TILE - 1) / TILE;
-  if (rows == 1) return grouped_mm(x, packed, n, bits, half);
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
   at::Tensor out = at::empty({rows, n}, x.options());

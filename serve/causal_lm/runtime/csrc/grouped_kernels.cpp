@@ -24,11 +24,12 @@
 // dequantization per weight and no horizontal sum. Three paths, chosen at compile time
 // (`grouped_mm_path` names the one built):
 //
-// - AVX-512 (`__AVX512F__`): a tile's 16 outputs are one zmm. Up to 5 rows, 4 partial sums
-//   over alternating inputs keep the multiply-adds of one chain from waiting on each other
-//   (and give every row the arithmetic of a one-row product, bit for bit); 6-8 rows, one
-//   sum a row (faster, but another rounding: not batch-invariant past 5 rows). More than 8
-//   rows (a prefill) go in chunks of 8 while a tile's records stay in cache.
+// - AVX-512 (`__AVX512F__`): a tile's 16 outputs are one zmm. Every row sums a group in 4
+//   partial sums over alternating inputs (the multiply-adds of one chain need not wait on
+//   each other), whatever the row count: rows go 4 a pass (INVARIANT_ROWS), while a tile's
+//   records stay in cache, so a row's arithmetic is that of a one-row product, bit for bit,
+//   in a batch of any size (batch invariance; until 2026-11 6-8 rows took one sum a row,
+//   faster but another rounding).
 // - AVX2 + FMA + F16C without AVX-512 (`-march=x86-64-v3`, a Zen 1-3, Haswell to Alder
 //   Lake): a tile's 16 outputs are two ymm. Batch-invariant by construction at every row
 //   count: each row sums a group in 2 partial sums (input i into sum i % 2), adds them,
@@ -66,10 +67,9 @@ template <int BITS, bool HALF, int R>
 inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
                       const float* xsum, float* out, int64_t n_out, int64_t valid) {
   constexpr int64_t RB = record_bytes(BITS, HALF);
-  // partial sums per row: 4 (the multiply-adds of one chain need not wait on each other)
-  // up to 5 rows, so that a row's sums are those of a one-row step, bit for bit (a
-  // speculative verification of 2-5 positions gives a decode step's logits); then 1
-  constexpr int P = R <= 5 ? 4 : 1;
+  // 4 partial sums per row (the multiply-adds of one chain need not wait on each other) at
+  // every row count, so that a row's sums are those of a one-row step, bit for bit
+  constexpr int P = 4;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RB) {
@@ -328,16 +328,21 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 
 #endif
 
-#if !defined(COMPRESS_AVX2_PATH)  // AVX-512 and portable: up to ROWS rows a pass
+#if !defined(COMPRESS_AVX2_PATH)  // AVX-512: 4 rows a pass; portable: up to ROWS
 template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+  constexpr int64_t pass = INVARIANT_ROWS;
+#else
+  constexpr int64_t pass = ROWS;
+#endif
   const int64_t groups = k / GROUP;
   const int64_t tile_bytes = groups * record_bytes(BITS, HALF);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
-    for (int64_t m = 0; m < rows; m += ROWS)
-      with_rows(std::min(ROWS, rows - m), [&](auto r) {
+    for (int64_t m = 0; m < rows; m += pass)
+      with_rows(std::min(pass, rows - m), [&](auto r) {
         tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x + m * k,
                                                   k, xsum + m * groups, out + m * n + n0, n,
                                                   valid);

@@ -23,6 +23,11 @@ namespace compress_lm {
 constexpr int64_t GROUP = 32;
 constexpr int64_t TILE = 16;  // output features per record
 constexpr int64_t ROWS = 8;   // activation rows per pass over a tile
+// activation rows per pass of the AVX-512 float32 kernels (grouped_mm, sparse24_mm) and the
+// bfloat16 one: each row summed in 4 partial sums a group whatever the row count (so every
+// row is summed as a lone row is: batch invariance), and 4 rows x 4 sums + 4 accumulators
+// are 20 of the 32 zmm
+constexpr int64_t INVARIANT_ROWS = 4;
 
 constexpr int64_t code_bytes(int64_t bits) { return TILE * GROUP * bits / 8; }
 constexpr int64_t record_bytes(int64_t bits, bool half) {

@@ -29,8 +29,8 @@
 // one row, weights in cache, 1.0x the dense 4-bit time before, 0.78x after); each activation
 // row's 4 inputs of a quad are broadcast to every 128 bits of one vector, from which an
 // in-lane permute picks, for every output lane, the input its slot keeps; a multiply-add
-// per slot and row, one scale per group. Up to 5 rows, 4 partial sums over alternating
-// slots (each row summed as a lone row is); more than 8 rows go in chunks of 8.
+// per slot and row, one scale per group. AVX-512: 4 partial sums over alternating slots at
+// every row count, 4 rows a pass (each row summed as a lone row is: batch invariance).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -94,7 +94,7 @@ template <int BITS, int R>
 inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
                       float* out, int64_t n_out, int64_t valid) {
   constexpr int64_t RB = sparse_record_bytes(BITS);
-  constexpr int P = R <= 5 ? 4 : 1;  // as grouped_kernels.cpp's tile_rows
+  constexpr int P = 4;  // at every row count, as grouped_kernels.cpp's tile_rows
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, rec += RB) {
@@ -168,11 +168,16 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 template <int BITS>
 void tiles_pass(const float* x, int64_t rows, int64_t k, int64_t n, const uint8_t* packed,
                 float* out, int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+  constexpr int64_t pass = INVARIANT_ROWS;  // 4 partial sums a row: 4 rows a pass
+#else
+  constexpr int64_t pass = ROWS;
+#endif
   const int64_t groups = k / GROUP, tile_bytes = groups * sparse_record_bytes(BITS);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
-    for (int64_t m = 0; m < rows; m += ROWS)
-      with_rows(std::min(ROWS, rows - m), [&](auto r) {
+    for (int64_t m = 0; m < rows; m += pass)
+      with_rows(std::min(pass, rows - m), [&](auto r) {
         tile_rows<BITS, decltype(r)::value>(packed + t * tile_bytes, groups, x + m * k, k,
                                             out + m * n + n0, n, valid);
       });

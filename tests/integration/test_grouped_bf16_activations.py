@@ -50,10 +50,7 @@ def test_the_bf16_product_is_the_rounded_activations_exact_product(bits, half) -
     for rows in ROWS:
         x = torch.randn(rows, 96) * torch.rand(rows, 1) * 4
         x[0, :32] = 0  # a group of zeros
-        got = product(module, x, "bf16")
-        if rows == 1:  # a decode step: the float32 product, bit for bit
-            assert torch.equal(got, product(module, x, "float32"))
-            continue
+        got = product(module, x, "bf16")  # one row (a decode step) rounded too
         rounded = x.bfloat16().double()
         want = rounded @ weight.T
         # float32 summation's error, relative to the sum of the products' magnitudes

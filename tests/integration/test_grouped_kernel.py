@@ -2,7 +2,7 @@
 outside the unit tier): every row count the kernel treats apart gives the dequantized
 product through the kernel itself, not the torch fallback; each ISA path (AVX-512 where this
 CPU has it, AVX2 and portable forced by `COMPRESS_KERNEL_MARCH`) against the dequantized
-product, and the AVX2 path's batch invariance; the peers benchmark counts the bytes of the
+product, and every path's batch invariance; the peers benchmark counts the bytes of the
 kernel's records."""
 
 from __future__ import annotations
@@ -52,20 +52,20 @@ def test_the_kernel_computes_the_dequantized_product(rows, bits) -> None:
             x, fallback.dequantize(), linear.bias.detach()), atol=1e-5)
 
 
+@pytest.mark.parametrize("activations", grouped.ACTIVATIONS)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_up_to_5_rows_each_row_gets_its_one_row_product_bit_for_bit(bits) -> None:
-    """What makes a speculative verification of 2-5 positions exact: the kernel sums each
-    row as it sums a lone row."""
+def test_every_row_gets_its_one_row_product_bit_for_bit_at_any_row_count(
+        bits, activations) -> None:
+    """Batch invariance, in every activation mode on this CPU's path: a row's outputs are
+    the same bits alone (a decode step of one row) and among 2-8 rows (batched decode,
+    a speculative verification) or 13 and 40 (prefill chunks)."""
     torch.manual_seed(bits)
     module = grouped.GroupedLinear.from_linear(nn.Linear(576, 200), 32, bits)
-    x = torch.randn(8, 576)
-    alone = torch.cat([module(x[r:r + 1]) for r in range(8)])
-    for rows in range(2, 6):
-        assert torch.equal(module(x[:rows]), alone[:rows]), rows
-    if grouped_mm_path() == "avx512":  # 6 rows and more: one sum a row, faster
-        assert not torch.equal(module(x), alone)
-    elif grouped_mm_path() == "avx2":  # the same sums at every row count
-        assert torch.equal(module(x), alone)
+    module.activations = activations
+    x = torch.randn(40, 576) * torch.rand(40, 1) * 4
+    alone = torch.cat([module(x[r:r + 1]) for r in range(40)])
+    for rows in (*range(2, 9), 13, 40):
+        assert torch.equal(module(x[:rows]), alone[:rows]), (grouped_mm_path(), rows)
 
 
 PATH_CHILD = """
@@ -75,7 +75,7 @@ from builders import grouped_module
 from serve.causal_lm.runtime import kernels
 assert kernels.grouped_mm_available(), kernels.build_error()
 ROWS = (1, 2, 3, 5, 8, 13, 128)
-errors, invariant = {}, {}
+errors, invariant, invariant_int8 = {}, {}, {}
 for bits in (8, 4):
     for half in (True, False):  # the four record layouts
         module = grouped_module(bits, half, bits + half, "float32")  # 96 -> 77
@@ -84,7 +84,10 @@ for bits in (8, 4):
             return torch.ops.compress_lm.grouped_mm(x, module.packed, 77, bits, half)
         torch.manual_seed(bits + half)
         x = torch.randn(max(ROWS), 96) * torch.rand(max(ROWS), 1) * 4
+        def int8(x):
+            return torch.ops.compress_lm.grouped_mm_int8(x, module.packed, 77, bits, half)
         alone = torch.cat([product(x[r:r + 1]) for r in range(max(ROWS))])
+        alone_int8 = torch.cat([int8(x[r:r + 1]) for r in range(max(ROWS))])
         assert product(x[:0]).shape == (0, 77)
         for rows in ROWS:
             key = f"{bits}_{'half' if half else 'float'}_{rows}"
@@ -92,8 +95,10 @@ for bits in (8, 4):
             want = x[:rows].double() @ weight.T
             errors[key] = float((got.double() - want).abs().max() / want.abs().max())
             invariant[key] = torch.equal(got, alone[:rows])
+            invariant_int8[key] = torch.equal(int8(x[:rows]), alone_int8[:rows])
 print(json.dumps({"path": kernels.grouped_mm_path(), "errors": errors,
-                  "invariant": invariant, "library": kernels.shipped_library().name}))
+                  "invariant": invariant, "invariant_int8": invariant_int8,
+                  "library": kernels.shipped_library().name}))
 """
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -109,8 +114,8 @@ def test_each_forced_path_computes_the_dequantized_product(
     """Built for x86-64-v3 (AVX2, FMA, F16C, no AVX-512) or plain x86-64
     (`COMPRESS_KERNEL_MARCH`, each its own library), grouped_mm runs that path and gives the
     dequantized product at 1 to 128 rows in all four record layouts (8 or 4 bits, float16 or
-    float32 scales). On the AVX2 path every row is also bitwise the row computed alone, at
-    every row count."""
+    float32 scales). On either path every row is also bitwise the row computed alone, at
+    every row count, with float32 and with int8 activations."""
     env = {**avx2_kernels_env, "COMPRESS_KERNEL_MARCH": march}
     done = subprocess.run([sys.executable, "-c", PATH_CHILD], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -121,8 +126,8 @@ def test_each_forced_path_computes_the_dequantized_product(
     assert len(found["errors"]) == 4 * 7
     bad = {key: error for key, error in found["errors"].items() if not error < 1e-6}
     assert not bad, bad
-    if path == "avx2":
-        assert all(found["invariant"].values()), found["invariant"]
+    assert all(found["invariant"].values()), found["invariant"]
+    assert all(found["invariant_int8"].values()), found["invariant_int8"]
 
 
 def test_int8_grouped_weights_count_the_kernel_records() -> None:

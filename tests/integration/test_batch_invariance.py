@@ -1,0 +1,137 @@
+"""Batch invariance, the rule `docs/causal-lm.md` states: a model whose products run on
+compress's kernels gives a row the same logits, bit for bit, alone and beside any other
+rows, in every activation mode (float32, int8, bf16), through continuous batching's rows
+joining and leaving, its left padding, and its prefill chunks. The attention that keeps
+it (`cache_attention.cpp`) is checked against the plain softmax attention too. Built
+kernels (about a minute the first time), so outside the unit tier."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from batcher_checks import batcher_of
+
+from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime.attention import INVARIANT_ATTENTION, decode_attention_for
+from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
+from serve.causal_lm.runtime.loading import quantize_weights
+from serve.causal_lm.server import batcher as batcher_module
+from serve.causal_lm.server.batcher import Row
+
+pytestmark = pytest.mark.skipif(not grouped_mm_available(), reason=str(build_error()))
+
+
+def attention_reference(query, key, value, valid):
+    """Softmax attention in float64 (query B x H x T x D, key and value B x KVH x L x D,
+    valid B x T x L), as B x T x H x D."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (t.double().repeat_interleave(group, 1) for t in (key, value))
+    scores = query.double() @ key.transpose(-1, -2) * query.shape[-1] ** -0.5
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2)
+
+
+def test_cache_attention_is_softmax_attention_and_each_rows_own() -> None:
+    torch.manual_seed(0)
+    rows, heads, kv_heads, dim, cached = 3, 6, 2, 40, 23
+    key, value = torch.randn(rows, kv_heads, cached, dim), torch.randn(rows, kv_heads, cached, dim)
+    op = torch.ops.compress_lm.cache_attention
+    for length in (1, 5):
+        query = torch.randn(rows, heads, length, dim)
+        starts = torch.tensor([0, 4, 11])  # left padding: each row's first position
+        position = torch.arange(cached)
+        last = cached - length + torch.arange(length)  # each query's own position
+        valid = (position >= starts[:, None, None]) & (position <= last[None, :, None])
+        got = op(query, key, value, valid, dim ** -0.5)
+        assert got.shape == (rows, length, heads, dim)
+        want = attention_reference(query, key, value, valid)
+        assert (got.double() - want).abs().max() < 1e-5
+        # without a mask: causal, the queries the last `length` positions
+        causal = (position <= last[:, None]).expand(rows, length, cached)
+        assert torch.equal(op(query, key, value, None, dim ** -0.5),
+                           op(query, key, value, causal, dim ** -0.5))
+        # row 2 alone, its cache cut to its own positions: the same bits
+        own = slice(int(starts[2]), cached)
+        alone = op(query[2:], key[2:, :, own], value[2:, :, own], valid[2:, :, own],
+                   dim ** -0.5)
+        assert torch.equal(alone, got[2:])
+    nothing = torch.zeros(1, 1, cached, dtype=torch.bool)  # an empty slot: zeros, not NaN
+    assert torch.equal(op(torch.randn(1, heads, 1, dim), key[:1], value[:1], nothing, 1.0),
+                       torch.zeros(1, 1, heads, dim))
+
+
+def tiny_llama(scheme: str, activations: str):
+    """A 2-layer, 64-wide random Llama over 97 tokens, its weights on the kernels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True,
+                         initializer_range=0.1)
+    model = quantize_weights(LlamaForCausalLM(config).eval(), scheme, activations=activations)
+    assert decode_attention_for(model) == INVARIANT_ATTENTION
+    return model
+
+
+@pytest.mark.parametrize("activations", grouped.ACTIVATIONS)
+@pytest.mark.parametrize("scheme", ["int8_grouped", "int4_grouped"])
+def test_rows_joining_and_leaving_get_their_alone_logits_bit_for_bit(
+        scheme, activations, monkeypatch) -> None:
+    """Twelve requests of random lengths arrive at random moments in a batcher of 4 rows
+    (buckets of 1, 2 and 4, prefills of several prompts left-padded and chunked between
+    steps); then each goes again alone. Every logits row each request got, the prefill's
+    and every decode step's, is the same bits both times."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    pick = batcher_module.pick_for_rows
+
+    def recording(logits: torch.Tensor, rows: list) -> list[int]:
+        for k, row in enumerate(rows):
+            if row is not None:
+                seen.setdefault(id(row), []).append(logits[k].clone())
+        return pick(logits, rows)
+
+    monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
+    model = tiny_llama(scheme, activations)
+    batcher = batcher_of(model, sizes=(1, 2, 4))
+    chance = random.Random(f"{scheme}-{activations}")
+    requests = [(torch.randint(1, 97, (chance.randint(2, 20),),
+                               generator=torch.Generator().manual_seed(seed)).tolist(),
+                 chance.randint(3, 16)) for seed in range(12)]
+
+    def run(ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
+        tokens: list[int] = []
+        ends: list[str] = []
+        row = Row(ids, new, lambda token, end: tokens.append(token) if token is not None
+                  else ends.append(end))
+        batcher.submit(row)
+        return row, tokens, ends
+
+    together = []
+    for ids, new in requests:  # random arrivals: some join a full batch, some an idle one
+        together.append(run(ids, new))
+        time.sleep(chance.choice([0, 0, 0.002, 0.01, 0.03]))
+    for _, _, ends in together:
+        wait_for_end(ends)
+    assert batcher.steps > 0
+    kept = []  # every row stays alive: `seen` goes by id
+    for (ids, new), (row, tokens, ends) in zip(requests, together, strict=True):
+        alone_row, alone_tokens, alone_ends = run(ids, new)
+        kept.append(alone_row)
+        wait_for_end(alone_ends)
+        assert ends == alone_ends == ["length"]
+        assert alone_tokens == tokens and len(tokens) == new
+        batched, by_itself = seen[id(row)], seen[id(alone_row)]
+        assert len(batched) == len(by_itself) == new
+        for step, (a, b) in enumerate(zip(batched, by_itself, strict=True)):
+            assert torch.equal(a, b), (ids, step, float((a - b).abs().max()))
+
+
+def wait_for_end(ends: list[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ends and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert ends, "the request never ended"

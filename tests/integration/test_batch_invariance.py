@@ -72,9 +72,7 @@ def tiny_llama(scheme: str, activations: str):
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, tie_word_embeddings=True,
                          initializer_range=0.1)
-    model = quantize_weights(LlamaForCausalLM(config).eval(), scheme, activations=activations)
-    assert decode_attention_for(model) == INVARIANT_ATTENTION
-    return model
+    return quantize_weights(LlamaForCausalLM(config).eval(), scheme, activations=activations)
 
 
 @pytest.mark.parametrize("activations", grouped.ACTIVATIONS)
@@ -85,6 +83,33 @@ def test_rows_joining_and_leaving_get_their_alone_logits_bit_for_bit(
     (buckets of 1, 2 and 4, prefills of several prompts left-padded and chunked between
     steps); then each goes again alone. Every logits row each request got, the prefill's
     and every decode step's, is the same bits both times."""
+    rows_get_their_alone_logits(tiny_llama(scheme, activations), monkeypatch,
+                                f"{scheme}-{activations}")
+
+
+@pytest.mark.parametrize("style", ["mixtral", "olmoe"])
+def test_a_mixture_of_experts_routes_each_row_as_alone(style, monkeypatch) -> None:
+    """The same through a mixture of experts (mixtral: the moefy stage's style): the
+    routers' logits are summed per token (`experts.route`), the routed experts go in
+    ascending order per token."""
+    from moe_models import tiny_moe
+
+    model, _ = tiny_moe(style)
+    quantize_weights(model, "int8_grouped")
+    rows_get_their_alone_logits(model, monkeypatch, style)
+
+
+@pytest.mark.parametrize(("scheme", "activations"), [("int8_grouped", "float32"),
+                                                     ("int4_grouped", "int8")])
+def test_compiled_steps_keep_the_rule(scheme, activations, monkeypatch) -> None:
+    """Through Inductor-compiled decode steps and prefill (as a served worker compiles
+    them): the same bits alone and together."""
+    rows_get_their_alone_logits(tiny_llama(scheme, activations), monkeypatch,
+                                f"compiled-{scheme}", compile_mode="default")
+
+
+def rows_get_their_alone_logits(model, monkeypatch, seed: str,
+                                compile_mode: str | None = None) -> None:
     seen: dict[int, list[torch.Tensor]] = {}
     pick = batcher_module.pick_for_rows
 
@@ -95,9 +120,9 @@ def test_rows_joining_and_leaving_get_their_alone_logits_bit_for_bit(
         return pick(logits, rows)
 
     monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
-    model = tiny_llama(scheme, activations)
-    batcher = batcher_of(model, sizes=(1, 2, 4))
-    chance = random.Random(f"{scheme}-{activations}")
+    assert decode_attention_for(model) == INVARIANT_ATTENTION
+    batcher = batcher_of(model, sizes=(1, 2, 4), compile_mode=compile_mode)
+    chance = random.Random(seed)
     requests = [(torch.randint(1, 97, (chance.randint(2, 20),),
                                generator=torch.Generator().manual_seed(seed)).tolist(),
                  chance.randint(3, 16)) for seed in range(12)]

@@ -217,4 +217,36 @@ def quantize_experts(model: nn.Module, bits: int, fit: bool = True,
                                     group_size)
         module.activations = activations
         setattr(parent, child, module)
+    route_per_token(model)
     return len(chosen)
+
+
+# transformers 5's top-k routers, all one computation (Mixtral's normalizes its top-k always)
+ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "OlmoeTopKRouter")
+
+
+def route(router: nn.Module, hidden_states: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A transformers top-k router's forward (`ROUTERS`), its logits summed per token: each
+    token's products with the router's weight added over the hidden size by one reduction,
+    so a token routes to the same experts with the same weights, bit for bit, alone and in
+    any batch (`F.linear`'s BLAS sums one row otherwise than several). (router logits,
+    top-k weights, top-k experts), as the router returns them."""
+    hidden = hidden_states.reshape(-1, router.hidden_dim)
+    logits = (hidden[:, None, :] * router.weight).sum(-1)
+    probs = functional.softmax(logits, dtype=torch.float, dim=-1)
+    top, index = torch.topk(probs, router.top_k, dim=-1)
+    if getattr(router, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), index
+
+
+def route_per_token(model: nn.Module) -> int:
+    """Every transformers top-k router of `model` (`ROUTERS`) routes through `route` from
+    now on (their weights stay as they are: float); how many. Part of batch invariance
+    (docs/causal-lm.md), done with the experts' quantization."""
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS
+               and getattr(m, "forward", None).__func__ is not route]
+    for router in routers:
+        router.forward = route.__get__(router)
+    return len(routers)

@@ -36,8 +36,9 @@
 //   then acc += sum * scale and acc += xsum * offset, the same operations in the same order
 //   whether the call has 1 row or 128; rows never share a sum, only the weights' widening.
 //   Rows go 3 a pass (3 rows x 2 sums x 2 ymm = 12 of the 16 ymm). Up to 3 rows (decode)
-//   widen the codes as they read them; more rows widen a tile's group once into a 2 KB
-//   float32 block that every row reads (the same float32 values, so the same bits).
+//   widen the codes as they read them, one row two tiles at a time (8 chains in flight, not
+//   4); more rows widen a tile's group once into a 2 KB float32 block that every row reads
+//   (the same float32 values, so the same bits).
 // - portable (any other CPU): the same arithmetic as loops left to the compiler.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -234,14 +235,64 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
   for (int r = 0; r < R; ++r) store_row(acc[r], out + r * n_out, valid);
 }
 
+// one row (a decode step) against two tiles at once: 8 independent multiply-add chains (2
+// tiles x 2 chains x 2 ymm) where one tile has 4, enough to cover the FMA latency. Each
+// output's arithmetic is tile_rows<1>'s, instruction for instruction (the same chains in
+// the same order, the scales read after them), so the bits are those of any other row count
+template <int BITS, bool HALF>
+inline void two_tiles_one_row(const uint8_t* first, const uint8_t* second, int64_t groups,
+                              const float* x, const float* xsum, float* out_first,
+                              float* out_second, int64_t valid_second) {
+  constexpr int64_t RB = record_bytes(BITS, HALF);
+  const uint8_t* rec[2] = {first, second};
+  __m256 acc[2][2];
+  for (int t = 0; t < 2; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, rec[0] += RB, rec[1] += RB) {
+    _mm_prefetch(reinterpret_cast<const char*>(rec[0] + 4 * RB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(rec[1] + 4 * RB), _MM_HINT_T0);
+    __m256 part[CHAINS][2][2];
+    for (int p = 0; p < CHAINS; ++p)
+      for (int t = 0; t < 2; ++t) part[p][t][0] = part[p][t][1] = _mm256_setzero_ps();
+    const float* xg = x + g * GROUP;
+#pragma GCC unroll 32
+    for (int i = 0; i < GROUP; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(xg + i);
+      for (int t = 0; t < 2; ++t) {
+        __m256 lo, hi;
+        record_codes<BITS>(rec[t], i, lo, hi);
+        part[i % CHAINS][t][0] = _mm256_fmadd_ps(lo, xi, part[i % CHAINS][t][0]);
+        part[i % CHAINS][t][1] = _mm256_fmadd_ps(hi, xi, part[i % CHAINS][t][1]);
+      }
+    }
+    const __m256 sum_x = _mm256_broadcast_ss(xsum + g);
+    for (int t = 0; t < 2; ++t) {
+      __m256 scale[2], offset[2];
+      record_scales<BITS, HALF>(rec[t], scale, offset);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sum = _mm256_add_ps(part[0][t][h], part[1][t][h]);
+        acc[t][h] = _mm256_fmadd_ps(sum, scale[h], acc[t][h]);
+        acc[t][h] = _mm256_fmadd_ps(sum_x, offset[h], acc[t][h]);
+      }
+    }
+  }
+  store_row(acc[0], out_first, TILE);
+  store_row(acc[1], out_second, valid_second);
+}
+
 template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
   constexpr int64_t RB = record_bytes(BITS, HALF);
   const int64_t groups = k / GROUP, tile_bytes = groups * RB;
   if (rows == 0) return;
+  int64_t t = begin;
+  if (rows == 1)  // tiles two at a time; an odd one left goes below
+    for (; t + 1 < end; t += 2)
+      two_tiles_one_row<BITS, HALF>(packed + t * tile_bytes, packed + (t + 1) * tile_bytes,
+                                    groups, x, xsum, out + t * TILE, out + (t + 1) * TILE,
+                                    std::min(TILE, n - (t + 1) * TILE));
   if (rows <= AVX2_ROWS) {
-    for (int64_t t = begin; t < end; ++t) {
+    for (; t < end; ++t) {
       const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
       with_avx2_rows(rows, [&](auto r) {
         tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x, k, xsum,

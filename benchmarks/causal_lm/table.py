@@ -54,6 +54,9 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("TTFT ms", "ttft_ms", 1),
     ("ppl", "perplexity", 3),
     ("agree", "agreement", 3),
+    # batch invariance: the share of positions where the b8 rows' greedy tokens are their
+    # own b1 tokens (1.000: a row's answer does not depend on the batch)
+    ("b8 = b1 tokens", "b8_agreement", 3),
     ("MB/token", "mb_per_token", 1),
     ("% bw b1", "pct_bandwidth_b1", 1),
     ("x peer b1", "x_peer_b1", 2),

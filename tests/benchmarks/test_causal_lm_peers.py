@@ -159,8 +159,9 @@ def test_tables_show_the_figures_and_say_what_failed() -> None:
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["row", "weights", "b1", "tok/s"]
     grouped = next(line for line in lines if line.startswith("compress int8_grouped"))
-    assert grouped.split()[3:] == ["150.0", "600.0", "-", "-", "0.750", "168.0", "63.0",
-                                   "1.50", "-", "-", "4.00"]  # b8 / b1 last
+    # b8 = b1 tokens ("-": this row's b8 rows were not checked), ..., b8 / b1 last
+    assert grouped.split()[3:] == ["150.0", "600.0", "-", "-", "0.750", "-", "168.0", "63.0",
+                                   "1.50", "-", "-", "4.00"]
     assert "compress int4: failed: the process exited with code 1: boom" in lines
     assert "llama.cpp Q8_0: b8 not measured: no batch" in lines
     assert "llama.cpp Q4_1: b8 rows agree with its batch-1 greedy tokens at 0.750 of " \
@@ -180,8 +181,8 @@ def test_tables_show_the_figures_and_say_what_failed() -> None:
         in markdown
     assert "- llama.cpp (CMAKE_ARGS=-DGGML_NATIVE=ON: CPU : AVX512_VNNI = 1 |)" in markdown
     assert "40.0 GB/s" in markdown and "rounds: 2" in markdown
-    assert "| llama.cpp Q4_1 | Q4_1 | 210.0 | 850.0 | 21.0 | 20.100 | 0.875 | 96.0 | 50.4 " \
-        "| - | - | - | 4.05 |" in markdown
+    assert "| llama.cpp Q4_1 | Q4_1 | 210.0 | 850.0 | 21.0 | 20.100 | 0.875 | 0.750 | 96.0 " \
+        "| 50.4 | - | - | - | 4.05 |" in markdown
     assert "| compress int4 | int4 | failed | - |" in markdown
     assert "compress int8_grouped against llama.cpp Q8_0" in markdown
 

@@ -99,17 +99,30 @@ def test_a_mixture_of_experts_routes_each_row_as_alone(style, monkeypatch) -> No
     rows_get_their_alone_logits(model, monkeypatch, style)
 
 
-@pytest.mark.parametrize(("scheme", "activations"), [("int8_grouped", "float32"),
-                                                     ("int4_grouped", "int8")])
-def test_compiled_steps_keep_the_rule(scheme, activations, monkeypatch) -> None:
-    """Through Inductor-compiled decode steps and prefill (as a served worker compiles
-    them): the same bits alone and together."""
-    rows_get_their_alone_logits(tiny_llama(scheme, activations), monkeypatch,
-                                f"compiled-{scheme}", compile_mode="default")
+def test_compiled_steps_keep_the_rule(monkeypatch) -> None:
+    """Through Inductor-compiled decode steps and prefill (as a worker compiles them where
+    its archive ships no packages), int4 weights, int8 activations: the same bits alone
+    and together."""
+    rows_get_their_alone_logits(tiny_llama("int4_grouped", "int8"), monkeypatch, "compiled",
+                                compile_mode="default")
+
+
+def test_shipped_aot_steps_keep_the_rule(monkeypatch, tmp_path) -> None:
+    """Through the AOTInductor packages a served archive decodes with by default (one for
+    1 row, one for 2-4): the same bits alone and together."""
+    from batcher_checks import CACHE
+
+    from serve.causal_lm.server import aot_steps
+
+    model = tiny_llama("int8_grouped", "float32")
+    aot_steps.export_steps(model, 4, CACHE, "default", tmp_path)
+    rows_get_their_alone_logits(model, monkeypatch, "aoti",
+                                steps=aot_steps.load_steps(tmp_path, model))
 
 
 def rows_get_their_alone_logits(model, monkeypatch, seed: str,
-                                compile_mode: str | None = None) -> None:
+                                compile_mode: str | None = None,
+                                steps: dict | None = None) -> None:
     seen: dict[int, list[torch.Tensor]] = {}
     pick = batcher_module.pick_for_rows
 
@@ -121,7 +134,7 @@ def rows_get_their_alone_logits(model, monkeypatch, seed: str,
 
     monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
     assert decode_attention_for(model) == INVARIANT_ATTENTION
-    batcher = batcher_of(model, sizes=(1, 2, 4), compile_mode=compile_mode)
+    batcher = batcher_of(model, sizes=(1, 2, 4), compile_mode=compile_mode, steps=steps)
     chance = random.Random(seed)
     requests = [(torch.randint(1, 97, (chance.randint(2, 20),),
                                generator=torch.Generator().manual_seed(seed)).tolist(),

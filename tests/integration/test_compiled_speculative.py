@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from batcher_checks import varied_model
-from conftest import cpu_flags
 
 from serve.causal_lm.runtime.attention import attention
 from serve.causal_lm.runtime.decode import StaticDecoder
@@ -34,15 +33,12 @@ def test_compiled_speculative_greedy_tokens_equal_the_compiled_decoders() -> Non
 
 
 @pytest.mark.skipif(not grouped_mm_available(), reason="the grouped kernel did not build")
-@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="compiled, the verification differs "
-                    "from the decode step's logits on an AVX2-only build (an AVX2-only EPYC, "
-                    "at 6227179 too): left open, issue 69's note")
 @pytest.mark.parametrize("scheme", ["int8_grouped", "int4_grouped"])
 def test_a_verification_gives_the_decode_steps_logits_bit_for_bit(scheme) -> None:
-    """Grouped weights: the kernel sums each of up to 5 rows as a lone row, so a
-    verification of 4 drafts reproduces the one-token steps' logits exactly, with heads of
-    32 dimensions or more (SmolLM2's are 64; at 8 or 16 torch's eager reductions over a
-    head sum in another order for 5 queries: about 5e-7 apart)."""
+    """Grouped weights: the kernels sum every row as a lone row and the verification runs
+    the steps' own batch-invariant attention, so a verification of 4 drafts reproduces the
+    one-token steps' logits exactly, on every kernel path (it used to differ on AVX2-only
+    builds, issue 69's note)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

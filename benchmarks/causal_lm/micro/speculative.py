@@ -157,8 +157,8 @@ def write(args: argparse.Namespace, table: list[str]) -> None:
   verifying forward produced (kept drafts + the model's own); steps verifying: the share of
   decode steps where a draft was found (the others are plain one-token steps); closest
   margin: the smallest top-two logit margin any verification decided a token on (with
-  k <= 4 the verifying forward's logits equal a one-token step's bit for bit: the grouped
-  kernel sums each of up to 5 rows as it sums a lone row).
+  the grouped schemes the verifying forward's logits equal a one-token step's bit for bit:
+  batch invariance, docs/causal-lm.md).
 - identical: every speculative output equals plain greedy decoding's, token for token, in
   every round.
 """

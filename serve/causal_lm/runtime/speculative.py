@@ -12,11 +12,11 @@ point-mass draft, so the tokens follow the plain sampler's distribution, not its
 Greedy rows get plain decoding's tokens by construction where the verifying forward
 computes, bit for bit, what a one-token decode step computes at each position: its
 attention (`verify_attention`) is `decode_attention`'s arithmetic query by query (not
-SDPA, whose other summation order would move the logits), norms work row by row, and the
-grouped kernel sums each of up to 5 rows as it sums a lone row (`grouped_kernels.cpp`), so
-with k <= 4 and heads of 32 dimensions or more the logits are equal (SmolLM2's
-int8_grouped and int4_grouped, eager and compiled: checked; at 8 or 16 dimensions torch's
-eager reductions over a head sum 5 queries in another order, ~5e-7). A float model's
+SDPA, whose other summation order would move the logits), norms work row by row. A model
+on compress's kernels verifies through the attention its steps run (`cache_attention`:
+each query over its own positions, in order) and its kernels sum every row as a lone row
+(batch invariance, `docs/causal-lm.md`), so its logits are equal at any k and head size
+(SmolLM2's int8_grouped and int4_grouped, eager and compiled: checked). A float model's
 products (torch's GEMM) may sum in another order for more rows, which moves logits by
 float32 rounding; `SpeculativeGeneration.closest` reports the smallest top-two margin a
 verification decided on. Rejected positions need no rollback
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import attention
+from .attention import INVARIANT_ATTENTION, attention
 from .decode import Generation, Sampling, StaticDecoder, plan_rows
 from .static_cache import tie_graphs_to
 
@@ -189,7 +189,12 @@ class SpeculativeDecoder:
             # (a window of the whole cache slices nothing: a guard of its own; never asked)
             torch._dynamo.mark_dynamic(window, 0, min=len(tokens) + 1,
                                        max=decoder.max_cache_len - 1)
-        with attention(decoder.model, VERIFY_ATTENTION), \
+        # a model on the kernels decodes through the batch-invariant attention, whose
+        # queries each sum over their own positions in order: a verification's query is then
+        # its decode step, bit for bit, through the same attention
+        verifying = (INVARIANT_ATTENTION if decoder.attention == INVARIANT_ATTENTION
+                     else VERIFY_ATTENTION)
+        with attention(decoder.model, verifying), \
                 torch._inductor.config.patch(decoder.inductor):
             return self.verify(decoder.model, decoder.cache, torch.tensor([tokens]), positions,
                                window)

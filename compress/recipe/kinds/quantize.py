@@ -46,13 +46,14 @@ class QuantizeConfig(StrictModel):
         "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
         "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
         "a CPU that computes bf16 natively; else float32). The grouped schemes take float32 "
-        "(exact), or int8: an opt-in mode that rounds the activations of prefills and batched "
-        "decode to int8 per group of 32 (llama.cpp's Q8_0 blocks) for VNNI integer products, "
-        "several times faster prefills, at the price of some tokens; or bf16: an opt-in mode "
-        "that rounds them to bfloat16 for AVX512-BF16's vdpbf16ps (prefills about 1.8x "
-        "float32's on such a CPU, fewer tokens changed than int8; exact float32 on a CPU "
-        "without it). In both, batch-1 decode stays exact. (bfloat16 casts the model for "
-        "torchao's schemes.)")
+        "(exact), or int8: an opt-in mode that rounds every row's activations to int8 per "
+        "group of 32 (llama.cpp's Q8_0 blocks) for VNNI integer products, several times "
+        "faster prefills on a VNNI CPU (slower than float32 without VNNI), at the price of "
+        "some tokens; or bf16: an opt-in mode that rounds them to bfloat16 for AVX512-BF16's "
+        "vdpbf16ps (prefills about 1.8x float32's on such a CPU, fewer tokens changed than "
+        "int8; exact float32 on a CPU without it). Every mode is batch-invariant: a row's "
+        "tokens are the same alone and in any batch. (bfloat16 casts the model for torchao's "
+        "schemes.)")
     equalize: bool = Field(
         False, description="Causal LMs, weight-only schemes: activation-aware scaling (AWQ) "
         "before quantizing: each Linear's input channels scaled by mean|x|^alpha (alpha searched "

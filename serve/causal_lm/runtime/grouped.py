@@ -112,7 +112,8 @@ class GroupedLinear(FusableLinear):
 
     def product(self, x: torch.Tensor, packed: torch.Tensor, out_features: int
                 ) -> torch.Tensor:
-        """In the opt-in modes (`activations`), x of two rows or more is first rounded:
+        """In the opt-in modes (`activations`), x is first rounded, every row by itself
+        (a lone row too: batch invariance):
         "int8" to int8 per group of 32, as llama.cpp's Q8_0 blocks are
         (`grouped_int8_activations.cpp`), "bf16" to bfloat16 (`grouped_bf16_activations.cpp`,
         AVX512-BF16; exact float32 on a CPU without it)."""

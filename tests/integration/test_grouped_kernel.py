@@ -96,8 +96,19 @@ for bits in (8, 4):
             errors[key] = float((got.double() - want).abs().max() / want.abs().max())
             invariant[key] = torch.equal(got, alone[:rows])
             invariant_int8[key] = torch.equal(int8(x[:rows]), alone_int8[:rows])
+# the attention: each row of a left-padded batch against the row alone, cut to its positions
+torch.manual_seed(7)
+key, value = torch.randn(3, 2, 29, 64), torch.randn(3, 2, 29, 64)
+query = torch.randn(3, 6, 1, 64)
+starts = (0, 5, 17)
+valid = torch.arange(29)[None, None, :] >= torch.tensor(starts)[:, None, None]
+batch = torch.ops.compress_lm.cache_attention(query, key, value, valid, 0.125)
+attention_invariant = [torch.equal(batch[r:r + 1], torch.ops.compress_lm.cache_attention(
+    query[r:r + 1], key[r:r + 1, :, s:], value[r:r + 1, :, s:], None, 0.125))
+    for r, s in enumerate(starts)]
 print(json.dumps({"path": kernels.grouped_mm_path(), "errors": errors,
                   "invariant": invariant, "invariant_int8": invariant_int8,
+                  "attention_invariant": attention_invariant,
                   "library": kernels.shipped_library().name}))
 """
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
@@ -115,7 +126,8 @@ def test_each_forced_path_computes_the_dequantized_product(
     (`COMPRESS_KERNEL_MARCH`, each its own library), grouped_mm runs that path and gives the
     dequantized product at 1 to 128 rows in all four record layouts (8 or 4 bits, float16 or
     float32 scales). On either path every row is also bitwise the row computed alone, at
-    every row count, with float32 and with int8 activations."""
+    every row count, with float32 and with int8 activations, and the attention gives each
+    row of a padded batch its alone answer."""
     env = {**avx2_kernels_env, "COMPRESS_KERNEL_MARCH": march}
     done = subprocess.run([sys.executable, "-c", PATH_CHILD], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -128,6 +140,7 @@ def test_each_forced_path_computes_the_dequantized_product(
     assert not bad, bad
     assert all(found["invariant"].values()), found["invariant"]
     assert all(found["invariant_int8"].values()), found["invariant_int8"]
+    assert found["attention_invariant"] == [True] * 3
 
 
 def test_int8_grouped_weights_count_the_kernel_records() -> None:

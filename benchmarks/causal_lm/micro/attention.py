@@ -3,7 +3,8 @@ through the kernels' `cache_attention` (every row's sums over its own positions,
 `attention.py`'s `invariant_attention`, what a model on the kernels runs) against the torch
 decode attention it replaced (`decode_attention`: one vectorized softmax over the whole
 window), eager and compiled, at 1 and 8 rows, rounds alternating in one process. Also the
-time to first token of a 128-token prompt (eager prefill: the attention of 128 queries).
+time to first token of a 128-token prompt and of a `--long-prompt` one (1,000 tokens; eager
+prefills, where the torch path's prefill runs SDPA's flash attention).
 
     python -m benchmarks.causal_lm.micro.attention                  # 3 rounds
     python -m benchmarks.causal_lm.micro.attention --compile none --rounds 5
@@ -28,8 +29,9 @@ CACHE_LEN = 512
 KINDS = {"invariant": INVARIANT_ATTENTION, "torch": DECODE_ATTENTION}
 
 
-def decoder_for(model: torch.nn.Module, kind: str, compile_mode: str) -> StaticDecoder:
-    decoder = StaticDecoder(model, CACHE_LEN, always_mask=True)
+def decoder_for(model: torch.nn.Module, kind: str, compile_mode: str,
+                cache_len: int = CACHE_LEN) -> StaticDecoder:
+    decoder = StaticDecoder(model, max(cache_len, CACHE_LEN), always_mask=True)
     decoder.attention = KINDS[kind]  # what decode_attention_for chose, overridden
     return decoder.compile(compile_mode) if compile_mode != "none" else decoder
 
@@ -42,17 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per timing")
     parser.add_argument("--compile", default="default", help="torch.compile mode, or none")
     parser.add_argument("--markdown", type=Path, help="also write the printed table there")
+    parser.add_argument("--long-prompt", type=int, default=1000,
+                        help="tokens of the long prompt's TTFT (0: none)")
     args = parser.parse_args(argv)
     lm = load_causal_lm(args.model)
     quantize_weights(lm.model, args.scheme)
     prompts = [prompt_ids(lm.tokenizer, text)[0].tolist() for text in PROMPTS[:8]]
     long_prompt = lm.tokenizer(" ".join(sentences(40)))["input_ids"][:128]
+    longer = lm.tokenizer(" ".join(sentences(400)))["input_ids"][:args.long_prompt]
+    eager_long = {kind: decoder_for(lm.model, kind, "none", len(longer) + 8) for kind in KINDS}
     cells = [(kind, rows) for kind in KINDS for rows in (1, 8)]
     made = {cell: decoder_for(lm.model, cell[0], args.compile) for cell in cells}
     for (_, rows), decoder in made.items():  # warm up (compiles)
         decoder.generate(prompts[:rows], 4)
     step_ms: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
     ttft_ms: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    long_ms: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for r in range(args.rounds):
         for cell in cells if r % 2 == 0 else cells[::-1]:
             out = made[cell].generate(prompts[:cell[1]], args.tokens)
@@ -62,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             decoder.generate([long_prompt], 1)
             ttft_ms[kind].append(1000 * (time.perf_counter() - began))
+            if args.long_prompt:
+                began = time.perf_counter()
+                eager_long[kind].generate([longer], 1)
+                long_ms[kind].append(1000 * (time.perf_counter() - began))
     lines: list[str] = []
     lines.append(header_text("benchmarks.causal_lm.micro.attention", argv))
     lines.append(f"{shown(args.model)} {args.scheme}, {args.tokens} new tokens a timing, compile "
@@ -79,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind, times in ttft_ms.items():
         lines.append(f"TTFT {len(long_prompt)}-token prompt, {kind}: "
                      f"{statistics.median(times):.1f} ms ({min(times):.1f}-{max(times):.1f})")
+    for kind, times in long_ms.items():
+        if times:
+            lines.append(f"TTFT {len(longer)}-token prompt, {kind}: "
+                         f"{statistics.median(times):.1f} ms ({min(times):.1f}-{max(times):.1f})")
     lines.append("ms/step: a decode step's time (all its rows); x torch: the torch attention's "
                  "time over this one's (above 1: faster)")
     print("\n".join(lines))

@@ -18,9 +18,9 @@
 // padding, a longer window) change no rounding, where a vectorized softmax over the whole
 // window (torch's, Inductor's) groups its terms by where they lie. float32 throughout, as
 // the decode attention in torch operations was; it differs from it by reduction order only.
-// Cost: a loop per query, where SDPA's flash attention blocks its products: a 1,000-token
-// prompt prefills about 10% slower on a Zen 1 (7.0-7.3 s against 6.6 s), a 128-token one
-// and decode steps as fast or faster (benchmarks/results/llm_attention.md).
+// Cost: a loop per query, where SDPA's flash attention blocks its products: on a Zen 1 a
+// 1,000-token prompt prefills 11% later (7064 against 6351 ms), decode steps are as fast or
+// faster (benchmarks/results/llm_attention.md).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

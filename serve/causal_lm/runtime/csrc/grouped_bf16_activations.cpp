@@ -19,11 +19,11 @@
 // shift and an or (a vpermt2w instead: 1.62x the float32 kernel at 8 rows, not 1.77x, on a
 // Zen 4); 4-bit codes: a byte's two nibbles made two 16-bit indices (b | b << 12) into a
 // 16-entry `vpermw` table. Codes widened as they are read beat a buffer for a chunk
-// (through a buffer, 8 rows took 1.4x as long). Every row is summed in 4 partial sums a group at every
-// row count, 4 rows a chunk (INVARIANT_ROWS): a row gets the same bits alone (a decode step
-// of one row is rounded too) and in any batch. Up to 4 rows the codes are widened as they
-// are read; more rows widen a tile's codes once into a scratch buffer that every chunk then
-// reads from cache. Without AVX512-BF16 the operator is the exact float32 product
+// (through a buffer, 8 rows took 1.4x as long). Every row is summed in 4 partial sums a
+// group at every row count, 4 rows a chunk (INVARIANT_ROWS): a row gets the same bits alone
+// (a decode step of one row is rounded too) and in any batch. Up to 4 rows the codes are
+// widened as they are read; more rows widen a tile's codes once into a scratch buffer that
+// every chunk then reads from cache. Without AVX512-BF16 the operator is the exact float32 product
 // (`grouped_bf16_native` says which): no emulation.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -51,7 +51,8 @@ constexpr int PAIRS = GROUP / 2;  // input pairs a group: one vdpbf16ps each per
 // vcvtne2ps2bf16, which reads a float32 denormal as zero, as vdpbf16ps reads a bfloat16 one)
 // as pairs of inputs, one 32-bit value each, interleaved by chunk of INVARIANT_ROWS rows:
 // pair q of row r of a chunk of R rows is at chunk * INVARIANT_ROWS * k / 2 + q * R + r, so
-// that a chunk's rows of a pair lie side by side; and each row's sum of the rounded values over each group
+// that a chunk's rows of a pair lie side by side; and each row's sum of the rounded values
+// over each group
 struct Rounded {
   std::vector<int32_t> pairs;
   std::vector<float> sums;

@@ -18,6 +18,21 @@ DECODE_ATTENTION = "compress_decode"  # the attention a StaticDecoder runs its m
 INVARIANT_ATTENTION = "compress_invariant"
 
 
+def windowed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, decode_window: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys, values and mask cut to the first `len(decode_window)` cache positions (those
+    written so far) where the window is given and the cut keeps the queries' attention: a
+    mask says which positions each query reads, and without one a query of one token, or a
+    whole prompt from position 0, is causal as it is."""
+    if decode_window is None or (attention_mask is None
+                                 and query.shape[2] not in (1, decode_window.shape[0])):
+        return key, value, attention_mask
+    filled = decode_window.shape[0]
+    mask = attention_mask[..., :filled] if attention_mask is not None else None
+    return key[:, :, :filled], value[:, :, :filled], mask
+
+
 def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      dropout: float = 0.0, scaling: float | None = None,
@@ -35,12 +50,7 @@ def decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     positions on SmolLM2, 11 of the 23 ms of an int8 decode step (torch.profiler)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    # no mask: a query of one token, or a whole prompt from position 0 (causal as it is)
-    if decode_window is not None and (attention_mask is not None
-                                      or query.shape[2] in (1, decode_window.shape[0])):
-        filled = decode_window.shape[0]
-        key, value = key[:, :, :filled], value[:, :, :filled]
-        attention_mask = attention_mask[..., :filled] if attention_mask is not None else None
+    key, value, attention_mask = windowed(query, key, value, attention_mask, decode_window)
     if query.shape[2] != 1 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
@@ -73,11 +83,7 @@ def invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
             or kwargs.get("s_aux") is not None or kwargs.get("sliding_window") is not None):
         return decode_attention(module, query, key, value, attention_mask, dropout, scaling,
                                 decode_window, **kwargs)
-    if decode_window is not None and (attention_mask is not None
-                                      or query.shape[2] in (1, decode_window.shape[0])):
-        filled = decode_window.shape[0]
-        key, value = key[:, :, :filled], value[:, :, :filled]
-        attention_mask = attention_mask[..., :filled] if attention_mask is not None else None
+    key, value, attention_mask = windowed(query, key, value, attention_mask, decode_window)
     rows, _, length, dim = query.shape
     valid = None
     if attention_mask is not None:  # (rows or 1, 1, queries, cached): bool, or added

@@ -246,7 +246,7 @@ def route_per_token(model: nn.Module) -> int:
     now on (their weights stay as they are: float); how many. Part of batch invariance
     (docs/causal-lm.md), done with the experts' quantization."""
     routers = [m for m in model.modules() if type(m).__name__ in ROUTERS
-               and getattr(m, "forward", None).__func__ is not route]
+               and m.forward.__func__ is not route]
     for router in routers:
         router.forward = route.__get__(router)
     return len(routers)

@@ -13,8 +13,8 @@
 // the dot product in 8 partial sums over the head dimension, added in a fixed tree (on AVX2,
 // four keys' at a time: four chains in flight; whether a position goes in a four or alone
 // depends on its rank among the row's own positions only); the exponentials' sum one after
-// another; the values' weighted sum position after position,
-// each output dimension on its own. So the positions a row may not attend (another row's
+// another; the values' weighted sum position after position, each output dimension on its
+// own. So the positions a row may not attend (another row's
 // padding, a longer window) change no rounding, where a vectorized softmax over the whole
 // window (torch's, Inductor's) groups its terms by where they lie. float32 throughout, as
 // the decode attention in torch operations was; it differs from it by reduction order only.
@@ -121,11 +121,14 @@ at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& key,
       const float* values = vp + b * vb + (h / group) * vh;
       float* o = op + ((b * length + t) * heads + h) * dim;
       int64_t n = 0;
-      float top = -std::numeric_limits<float>::infinity();
       const bool* allowed = mp ? mp + (b * length + t) * cached : nullptr;
       const int64_t last = mp ? cached : cached - length + t + 1;  // causal, without a mask
       for (int64_t j = 0; j < last; ++j)
         if (!allowed || allowed[j]) position[n++] = j;
+      if (n == 0) {  // nothing to attend (an empty slot of a batch): zeros, not NaN
+        std::fill_n(o, dim, 0.f);
+        continue;
+      }
       int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
       if (dim % LANES == 0)  // four keys at a time (four chains in flight), by rank
@@ -136,13 +139,10 @@ at::Tensor cache_attention(const at::Tensor& query, const at::Tensor& key,
         }
 #endif
       for (; i < n; ++i) score[i] = dot(qv, keys + position[i] * kl, dim);
+      float top = -std::numeric_limits<float>::infinity();
       for (i = 0; i < n; ++i) {
         score[i] *= s;
         top = std::max(top, score[i]);
-      }
-      if (n == 0) {  // nothing to attend (an empty slot of a batch): zeros, not NaN
-        std::fill_n(o, dim, 0.f);
-        continue;
       }
       float total = 0.f;
       for (int64_t i = 0; i < n; ++i) {

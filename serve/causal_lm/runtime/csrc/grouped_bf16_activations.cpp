@@ -23,8 +23,8 @@
 // group at every row count, 4 rows a chunk (INVARIANT_ROWS): a row gets the same bits alone
 // (a decode step of one row is rounded too) and in any batch. Up to 4 rows the codes are
 // widened as they are read; more rows widen a tile's codes once into a scratch buffer that
-// every chunk then reads from cache. Without AVX512-BF16 the operator is the exact float32 product
-// (`grouped_bf16_native` says which): no emulation.
+// every chunk then reads from cache. Without AVX512-BF16 the operator is the exact float32
+// product (`grouped_bf16_native` says which): no emulation.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 

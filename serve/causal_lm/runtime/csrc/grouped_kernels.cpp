@@ -383,17 +383,12 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
-  constexpr int64_t pass = INVARIANT_ROWS;
-#else
-  constexpr int64_t pass = ROWS;
-#endif
   const int64_t groups = k / GROUP;
   const int64_t tile_bytes = groups * record_bytes(BITS, HALF);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
-    for (int64_t m = 0; m < rows; m += pass)
-      with_rows(std::min(pass, rows - m), [&](auto r) {
+    for (int64_t m = 0; m < rows; m += FLOAT_PASS_ROWS)
+      with_rows(std::min(FLOAT_PASS_ROWS, rows - m), [&](auto r) {
         tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x + m * k,
                                                   k, xsum + m * groups, out + m * n + n0, n,
                                                   valid);

@@ -28,6 +28,13 @@ constexpr int64_t ROWS = 8;   // activation rows per pass over a tile
 // row is summed as a lone row is: batch invariance), and 4 rows x 4 sums + 4 accumulators
 // are 20 of the 32 zmm
 constexpr int64_t INVARIANT_ROWS = 4;
+// activation rows per pass of this build's float32 kernels (grouped_mm's AVX-512 and
+// portable paths, sparse24_mm): 4 on AVX-512 (INVARIANT_ROWS), else ROWS (one sum a row)
+#if defined(__AVX512F__)
+constexpr int64_t FLOAT_PASS_ROWS = INVARIANT_ROWS;
+#else
+constexpr int64_t FLOAT_PASS_ROWS = ROWS;
+#endif
 
 constexpr int64_t code_bytes(int64_t bits) { return TILE * GROUP * bits / 8; }
 constexpr int64_t record_bytes(int64_t bits, bool half) {

@@ -168,16 +168,11 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 template <int BITS>
 void tiles_pass(const float* x, int64_t rows, int64_t k, int64_t n, const uint8_t* packed,
                 float* out, int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
-  constexpr int64_t pass = INVARIANT_ROWS;  // 4 partial sums a row: 4 rows a pass
-#else
-  constexpr int64_t pass = ROWS;
-#endif
   const int64_t groups = k / GROUP, tile_bytes = groups * sparse_record_bytes(BITS);
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
-    for (int64_t m = 0; m < rows; m += pass)
-      with_rows(std::min(pass, rows - m), [&](auto r) {
+    for (int64_t m = 0; m < rows; m += FLOAT_PASS_ROWS)
+      with_rows(std::min(FLOAT_PASS_ROWS, rows - m), [&](auto r) {
         tile_rows<BITS, decltype(r)::value>(packed + t * tile_bytes, groups, x + m * k, k,
                                             out + m * n + n0, n, valid);
       });

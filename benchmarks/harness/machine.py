@@ -29,8 +29,11 @@ def cpu_model() -> str | None:
                  if ln.startswith("model name")), None)
 
 
-# AMD's (cpu family, first model, last model) -> microarchitecture
-AMD_CORES = ((23, 0x00, 0x2F, "Zen/Zen+"), (23, 0x30, 0xFF, "Zen 2"),
+# AMD's (cpu family, first model, last model) -> microarchitecture; in family 23 below
+# model 0x30, Zen 1 (Naples 0x01, Raven Ridge 0x11, Dali 0x20) and Zen+ (Pinnacle Ridge and
+# Colfax 0x08, Picasso 0x18) alternate by eights
+AMD_CORES = ((23, 0x00, 0x07, "Zen 1"), (23, 0x08, 0x0F, "Zen+"), (23, 0x10, 0x17, "Zen 1"),
+             (23, 0x18, 0x1F, "Zen+"), (23, 0x20, 0x2F, "Zen 1"), (23, 0x30, 0xFF, "Zen 2"),
              (25, 0x00, 0x0F, "Zen 3"), (25, 0x10, 0x1F, "Zen 4"), (25, 0x20, 0x5F, "Zen 3"),
              (25, 0x60, 0xAF, "Zen 4"), (26, 0x00, 0xFF, "Zen 5"))
 

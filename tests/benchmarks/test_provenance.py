@@ -29,6 +29,8 @@ CORES = tuple(core[-1] for core in (*AMD_CORES, *INTEL_CORES))
 
 
 @pytest.mark.parametrize(("vendor", "family", "model", "stepping", "core"), [
+    ("AuthenticAMD", 23, 0x01, 2, "Zen 1"),  # Naples
+    ("AuthenticAMD", 23, 0x08, 2, "Zen+"),  # Colfax
     ("AuthenticAMD", 23, 0x31, 0, "Zen 2"),  # Rome
     ("AuthenticAMD", 25, 0x01, 1, "Zen 3"),  # Milan
     ("AuthenticAMD", 25, 0x11, 1, "Zen 4"),  # Genoa
@@ -137,7 +139,7 @@ def test_a_results_file_holds_no_absolute_path_and_names_its_cpu(path: Path) -> 
     assert found is None, f"{path.name}: an absolute path: {text[found.start():][:80]!r}"
     recorded = re.search(r"(AuthenticAMD|GenuineIntel) family \d+ model \d+ stepping \d+",
                          text)  # the CPU record, and the core named from it
-    # a name standing alone ("Zen/Zen+" ends in a non-word character: no \\b after it)
+    # a name standing alone ("Zen+" ends in a non-word character: no \\b after it)
     named = "CPU not recorded" in text or bool(recorded) and any(
         re.search(rf"(?<!\w){re.escape(core)}(?!\w)", text) for core in CORES)
     assert named, f"{path.name}: names no microarchitecture and does not say 'CPU not recorded'"

@@ -33,6 +33,25 @@ def test_pick_tokens_marks_a_row_it_cannot_pick_from_and_picks_the_others(poison
     assert picked[2] == logits[2].argmax() and 0 <= picked[0] < 50
 
 
+def test_greedy_picks_are_argmax_first_of_ties_and_unusable_rows_are_marked() -> None:
+    """pick_tokens' one pass (`max`) picks what `argmax` does, the first of equal maxima
+    included, on SmolLM2's vocabulary width, and marks exactly the rows with a NaN, a +inf
+    or nothing but -inf."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randint(-3, 4, (9, 49152), generator=generator).float()  # many ties
+    logits[1, :100] = float("-inf")  # some tokens masked: still usable
+    logits[2, 30000] = float("nan")
+    logits[3, 5] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 40000] = logits[5, 12] = 9.0  # a tie at the top
+    picked = pick_tokens(logits, [None] * 9, [None] * 9)
+    unusable = {2, 3, 4}
+    for row in range(9):
+        expected = decode.NO_TOKEN if row in unusable else int(logits[row].argmax())
+        assert int(picked[row]) == expected, row
+    assert int(picked[5]) == 12
+
+
 def test_a_row_with_nan_logits_ends_alone_with_an_error(model) -> None:
     batcher = batcher_of(model)
     sampling = Sampling(temperature=0.8, top_p=0.9, seed=7)

@@ -32,13 +32,12 @@
 //   faster but another rounding).
 // - AVX2 + FMA + F16C without AVX-512 (`-march=x86-64-v3`, a Zen 1-3, Haswell to Alder
 //   Lake): a tile's 16 outputs are two ymm. Batch-invariant by construction at every row
-//   count: each row sums a group in 2 partial sums (input i into sum i % 2), adds them,
+//   count: each row sums a group in one multiply-add chain a half tile, input after input,
 //   then acc += sum * scale and acc += xsum * offset, the same operations in the same order
 //   whether the call has 1 row or 128; rows never share a sum, only the weights' widening.
-//   Rows go 3 a pass (3 rows x 2 sums x 2 ymm = 12 of the 16 ymm). Up to 3 rows (decode)
-//   widen the codes as they read them, one row two tiles at a time (8 chains in flight, not
-//   4); more rows widen a tile's group once into a 2 KB float32 block that every row reads
-//   (the same float32 values, so the same bits).
+//   A pass holds up to 12 chains: 1 row 4 tiles at once, 2 rows 2 tiles, 3-6 rows one tile,
+//   more rows in even passes of up to 6 (8 rows: 4 + 4), each widening the codes as it
+//   reads them.
 // - portable (any other CPU): the same arithmetic as loops left to the compiler.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -110,24 +109,17 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 #elif defined(COMPRESS_AVX2_PATH)
 
 // AVX2 + FMA (+ F16C for float16 scales), no AVX-512: a tile's 16 outputs are two ymm. The
-// arithmetic of a row never depends on how many rows the call has (batch invariance by
-// construction): every row sums a group in CHAINS = 2 partial sums (input i into chain
-// i % 2, in input order), adds them chain 0 + chain 1, then acc += sum * scale and
-// acc += xsum * offset, the same instructions in the same order at 1 row or 128. Rows
-// only share the weights' conversion: 3 rows a pass (3 rows x 2 chains x 2 ymm = 12 of
-// the 16 ymm, 2 for the weights, 1 for the broadcast x).
-constexpr int CHAINS = 2;
-constexpr int64_t AVX2_ROWS = 3;  // rows a pass over a group
-
-// f(std::integral_constant<int, R>{}) for R = r, 1..AVX2_ROWS
-template <typename F>
-inline void with_avx2_rows(int64_t r, F&& f) {
-  switch (r) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 3>{}); break;
-  }
-}
+// arithmetic of an output never depends on how many rows or tiles a pass holds (batch
+// invariance by construction): per group, one multiply-add chain a row and half tile, input
+// after input, then acc += sum * scale and acc += xsum * offset, the same instructions in
+// the same order at 1 row or 128. A pass holds T tiles x R rows, at most 12 chains (2 per
+// tile and row) in the 16 ymm, enough to hide the multiply-add latency: 1 row goes 4 tiles
+// a pass, 2 rows 2 tiles, 3-6 rows one tile, more rows in even passes of up to 6, every
+// pass widening the codes as it reads them. Until 2026-11 a row took 2 chains, so a pass
+// held at most 3 rows and more rows read the codes from a float32 copy of each group
+// (stores and reloads); against it one chain a row runs a Zen 1's decode-step products 1.13x
+// faster at 1 row and 1.10x at 8 (int8 codes) (benchmarks/results/llm_avx2_passes_zen1.md).
+constexpr int64_t AVX2_ROWS = 6;  // rows a pass at most: 6 x 2 chains + 2 codes + 1 x
 
 // a record's 16 scales and 16 offsets, two vectors each
 template <int BITS, bool HALF>
@@ -172,38 +164,6 @@ inline void record_codes(const uint8_t* rec, int i, __m256& lo, __m256& hi) {
   }
 }
 
-// R rows' products with one group into their accumulators; `codes(i, lo, hi)` gives input
-// i's 16 weights as float32, xg the first row's inputs of the group (rows k apart), xs its
-// sum of x over the group (rows `groups` apart)
-template <int R, typename Codes>
-inline void group_rows(Codes&& codes, const float* xg, int64_t k, const __m256 (&s)[2],
-                       const __m256 (&o)[2], const float* xs, int64_t groups,
-                       __m256 (&acc)[R][2]) {
-  const float* row[R];  // each row's inputs of the group: R pointers in registers
-  for (int r = 0; r < R; ++r) row[r] = xg + r * k;
-  __m256 part[CHAINS][R][2];
-  for (int p = 0; p < CHAINS; ++p)
-    for (int r = 0; r < R; ++r) part[p][r][0] = part[p][r][1] = _mm256_setzero_ps();
-#pragma GCC unroll 32
-  for (int i = 0; i < GROUP; ++i) {
-    __m256 lo, hi;
-    codes(i, lo, hi);
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(row[r] + i);
-      part[i % CHAINS][r][0] = _mm256_fmadd_ps(lo, x, part[i % CHAINS][r][0]);
-      part[i % CHAINS][r][1] = _mm256_fmadd_ps(hi, x, part[i % CHAINS][r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m256 xsum = _mm256_broadcast_ss(xs + r * groups);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sum = _mm256_add_ps(part[0][r][h], part[1][r][h]);
-      acc[r][h] = _mm256_fmadd_ps(sum, s[h], acc[r][h]);
-      acc[r][h] = _mm256_fmadd_ps(xsum, o[h], acc[r][h]);
-    }
-  }
-}
-
 // the tile's `valid` outputs of a row from its two accumulators
 inline void store_row(const __m256 (&acc)[2], float* out, int64_t valid) {
   if (valid == TILE) {
@@ -217,131 +177,94 @@ inline void store_row(const __m256 (&acc)[2], float* out, int64_t valid) {
   }
 }
 
-// up to 3 rows (a decode step, a short verification) against one tile, the codes
-// converted as they are read, the accumulators in registers
-template <int BITS, bool HALF, int R>
-inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_t k,
-                      const float* xsum, float* out, int64_t n_out, int64_t valid) {
+// R rows (x: k apart; xsum: their sums over each group, `groups` apart) against T
+// consecutive tiles from `first` (tile_bytes apart): out[r, t * 16 + j], rows n_out apart;
+// the last tile's `valid_last` outputs stored
+template <int BITS, bool HALF, int T, int R>
+inline void tiles_rows(const uint8_t* first, int64_t tile_bytes, int64_t groups, const float* x,
+                       int64_t k, const float* xsum, float* out, int64_t n_out,
+                       int64_t valid_last) {
   constexpr int64_t RB = record_bytes(BITS, HALF);
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, rec += RB) {
-    _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
-    __m256 s[2], o[2];
-    record_scales<BITS, HALF>(rec, s, o);
-    group_rows<R>([rec](int i, __m256& lo, __m256& hi) { record_codes<BITS>(rec, i, lo, hi); },
-                  x + g * GROUP, k, s, o, xsum + g, groups, acc);
-  }
-  for (int r = 0; r < R; ++r) store_row(acc[r], out + r * n_out, valid);
-}
-
-// one row (a decode step) against two tiles at once: 8 independent multiply-add chains (2
-// tiles x 2 chains x 2 ymm) where one tile has 4, enough to cover the FMA latency. Each
-// output's arithmetic is tile_rows<1>'s, instruction for instruction (the same chains in
-// the same order, the scales read after them), so the bits are those of any other row count
-template <int BITS, bool HALF>
-inline void two_tiles_one_row(const uint8_t* first, const uint8_t* second, int64_t groups,
-                              const float* x, const float* xsum, float* out_first,
-                              float* out_second, int64_t valid_second) {
-  constexpr int64_t RB = record_bytes(BITS, HALF);
-  const uint8_t* rec[2] = {first, second};
-  __m256 acc[2][2];
-  for (int t = 0; t < 2; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g, rec[0] += RB, rec[1] += RB) {
-    _mm_prefetch(reinterpret_cast<const char*>(rec[0] + 4 * RB), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(rec[1] + 4 * RB), _MM_HINT_T0);
-    __m256 part[CHAINS][2][2];
-    for (int p = 0; p < CHAINS; ++p)
-      for (int t = 0; t < 2; ++t) part[p][t][0] = part[p][t][1] = _mm256_setzero_ps();
-    const float* xg = x + g * GROUP;
+  __m256 acc[T][R][2];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r][0] = acc[t][r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* rec[T];
+    for (int t = 0; t < T; ++t) {
+      rec[t] = first + t * tile_bytes + g * RB;
+      _mm_prefetch(reinterpret_cast<const char*>(rec[t] + 4 * RB), _MM_HINT_T0);
+    }
+    const float* xg[R];  // each row's inputs of the group: R pointers in registers
+    for (int r = 0; r < R; ++r) xg[r] = x + r * k + g * GROUP;
+    __m256 sum[T][R][2];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) sum[t][r][0] = sum[t][r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 32
-    for (int i = 0; i < GROUP; ++i) {
-      const __m256 xi = _mm256_broadcast_ss(xg + i);
-      for (int t = 0; t < 2; ++t) {
+    for (int i = 0; i < GROUP; ++i)
+      for (int t = 0; t < T; ++t) {
         __m256 lo, hi;
         record_codes<BITS>(rec[t], i, lo, hi);
-        part[i % CHAINS][t][0] = _mm256_fmadd_ps(lo, xi, part[i % CHAINS][t][0]);
-        part[i % CHAINS][t][1] = _mm256_fmadd_ps(hi, xi, part[i % CHAINS][t][1]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xi = _mm256_broadcast_ss(xg[r] + i);
+          sum[t][r][0] = _mm256_fmadd_ps(lo, xi, sum[t][r][0]);
+          sum[t][r][1] = _mm256_fmadd_ps(hi, xi, sum[t][r][1]);
+        }
       }
-    }
-    const __m256 sum_x = _mm256_broadcast_ss(xsum + g);
-    for (int t = 0; t < 2; ++t) {
-      __m256 scale[2], offset[2];
-      record_scales<BITS, HALF>(rec[t], scale, offset);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 sum = _mm256_add_ps(part[0][t][h], part[1][t][h]);
-        acc[t][h] = _mm256_fmadd_ps(sum, scale[h], acc[t][h]);
-        acc[t][h] = _mm256_fmadd_ps(sum_x, offset[h], acc[t][h]);
+    for (int t = 0; t < T; ++t) {
+      __m256 s[2], o[2];
+      record_scales<BITS, HALF>(rec[t], s, o);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xs = _mm256_broadcast_ss(xsum + r * groups + g);
+        for (int h = 0; h < 2; ++h) {
+          acc[t][r][h] = _mm256_fmadd_ps(sum[t][r][h], s[h], acc[t][r][h]);
+          acc[t][r][h] = _mm256_fmadd_ps(xs, o[h], acc[t][r][h]);
+        }
       }
     }
   }
-  store_row(acc[0], out_first, TILE);
-  store_row(acc[1], out_second, valid_second);
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r)
+      store_row(acc[t][r], out + r * n_out + t * TILE, t + 1 < T ? TILE : valid_last);
+}
+
+// f(std::integral_constant<int, R>{}) for R = r, 1..AVX2_ROWS
+template <typename F>
+inline void with_avx2_rows(int64_t r, F&& f) {
+  switch (r) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
 }
 
 template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
-  constexpr int64_t RB = record_bytes(BITS, HALF);
-  const int64_t groups = k / GROUP, tile_bytes = groups * RB;
+  const int64_t groups = k / GROUP, tile_bytes = groups * record_bytes(BITS, HALF);
   if (rows == 0) return;
+  const auto valid = [n](int64_t tile) { return std::min(TILE, n - tile * TILE); };
   int64_t t = begin;
-  if (rows == 1)  // tiles two at a time; an odd one left goes below
-    for (; t + 1 < end; t += 2)
-      two_tiles_one_row<BITS, HALF>(packed + t * tile_bytes, packed + (t + 1) * tile_bytes,
-                                    groups, x, xsum, out + t * TILE, out + (t + 1) * TILE,
-                                    std::min(TILE, n - (t + 1) * TILE));
-  if (rows <= AVX2_ROWS) {
-    for (; t < end; ++t) {
-      const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
-      with_avx2_rows(rows, [&](auto r) {
-        tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x, k, xsum,
-                                                  out + n0, n, valid);
+  // 1 row 4 tiles a pass, 2 rows 2 tiles; the tiles left over go one a pass below
+  if (rows == 1)
+    for (; t + 4 <= end; t += 4)
+      tiles_rows<BITS, HALF, 4, 1>(packed + t * tile_bytes, tile_bytes, groups, x, k, xsum,
+                                   out + t * TILE, n, valid(t + 3));
+  if (rows == 2)
+    for (; t + 2 <= end; t += 2)
+      tiles_rows<BITS, HALF, 2, 2>(packed + t * tile_bytes, tile_bytes, groups, x, k, xsum,
+                                   out + t * TILE, n, valid(t + 1));
+  const int64_t passes = (rows + AVX2_ROWS - 1) / AVX2_ROWS;
+  const int64_t per_pass = (rows + passes - 1) / passes;  // 8 rows: 2 passes of 4
+  for (; t < end; ++t)
+    for (int64_t m = 0; m < rows; m += per_pass)
+      with_avx2_rows(std::min(per_pass, rows - m), [&](auto r) {
+        tiles_rows<BITS, HALF, 1, decltype(r)::value>(packed + t * tile_bytes, tile_bytes,
+                                                      groups, x + m * k, k, xsum + m * groups,
+                                                      out + m * n + t * TILE, n, valid(t));
       });
-    }
-    return;
-  }
-  // more rows: per tile and group, the codes converted to float32 once (2 KB, in L1), then
-  // every row 3 at a time through the same group_rows, the accumulators kept per row in
-  // `acc_rows` (float32 stores and loads: the same bits as in registers)
-  alignas(32) float weights[GROUP * TILE];
-  std::vector<float> acc_rows(rows * TILE);
-  for (int64_t t = begin; t < end; ++t) {
-    const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
-    std::fill(acc_rows.begin(), acc_rows.end(), 0.f);
-    const uint8_t* rec = packed + t * tile_bytes;
-    for (int64_t g = 0; g < groups; ++g, rec += RB) {
-      _mm_prefetch(reinterpret_cast<const char*>(rec + 4 * RB), _MM_HINT_T0);
-      for (int i = 0; i < GROUP; ++i) {
-        __m256 lo, hi;
-        record_codes<BITS>(rec, i, lo, hi);
-        _mm256_store_ps(weights + i * TILE, lo);
-        _mm256_store_ps(weights + i * TILE + 8, hi);
-      }
-      __m256 s[2], o[2];
-      record_scales<BITS, HALF>(rec, s, o);
-      const auto from_weights = [&weights](int i, __m256& lo, __m256& hi) {
-        lo = _mm256_load_ps(weights + i * TILE);
-        hi = _mm256_load_ps(weights + i * TILE + 8);
-        // in registers: loaded once for the 3 rows, not once a multiply-add (loads bound)
-        __asm__("" : "+x"(lo), "+x"(hi));
-      };
-      for (int64_t m = 0; m < rows; m += AVX2_ROWS)
-        with_avx2_rows(std::min(AVX2_ROWS, rows - m), [&](auto r) {
-          constexpr int R = decltype(r)::value;
-          float* kept = acc_rows.data() + m * TILE;
-          __m256 acc[R][2];
-          for (int j = 0; j < R; ++j)
-            for (int h = 0; h < 2; ++h) acc[j][h] = _mm256_loadu_ps(kept + j * TILE + h * 8);
-          group_rows<R>(from_weights, x + m * k + g * GROUP, k, s, o, xsum + m * groups + g,
-                        groups, acc);
-          for (int j = 0; j < R; ++j)
-            for (int h = 0; h < 2; ++h) _mm256_storeu_ps(kept + j * TILE + h * 8, acc[j][h]);
-        });
-    }
-    for (int64_t m = 0; m < rows; ++m)
-      std::memcpy(out + m * n + n0, &acc_rows[m * TILE], valid * sizeof(float));
-  }
 }
 
 #else  // portable: the same arithmetic, left to the compiler to vectorize

@@ -3,7 +3,7 @@ grouped_int8_activations.cpp) against its reference: the activations rounded to 
 group of 32 as llama.cpp's Q8_0 blocks are (d = amax / 127, q = round(x / d)), then the exact
 product with the dequantized weight; at every row count the kernel treats apart, both bit
 widths, float16 and float32 scales. Also built for an AVX2-only CPU (no AVX-512: the
-portable integer code), so that path is checked on this machine too."""
+AVX2 integer path), so that path is checked on an AVX-512 machine too."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ print(json.dumps({"errors": errors, "library": kernels.shipped_library().name}))
 def test_an_avx2_build_computes_both_products(avx2_kernels_env: dict[str, str]) -> None:
     """The kernels built for x86-64-v3 (AVX2 and FMA, no AVX-512: `COMPRESS_KERNEL_MARCH`)
     into the session's AVX2 cache (float32 activations: the AVX2 path; int8 ones: the
-    portable integer code) give the same products."""
+    AVX2 integer path, vpmaddwd and vpmaddubsw) give the same products."""
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=avx2_kernels_env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

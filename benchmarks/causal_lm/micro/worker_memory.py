@@ -2,6 +2,7 @@
 /proc/self/smaps_rollup: a shared page counted once across the processes that map it) of a
 fresh process after each step of a worker's start, as `serve/causal_lm/server/handler.py`
 takes them (imports, the tokenizer and model through `load_folder`, the kernel library, the
+state dict's copies of the weights released and freed memory returned to the system, the
 decoders' KV cache for the rows, a warm-up generation of every row), and what the model's
 tensors hold by kind (the state dict's codes, scales and offsets; the kernels' records; the
 float tensors left).
@@ -77,14 +78,20 @@ def child(folder: Path, rows: int, cache_len: int) -> dict[str, Any]:
 
     stages.append(("import transformers", pss_mb()))
     from serve.causal_lm.runtime.decode import StaticDecoder
+    from serve.causal_lm.runtime.grouped import release_sources
     from serve.causal_lm.runtime.kernels import grouped_mm_available
     from serve.causal_lm.runtime.loading import load_folder
+    from serve.worker_memory import return_freed_memory
 
     stages.append(("import the runtime", pss_mb()))
     grouped_mm_available()
     stages.append(("kernel library loaded", pss_mb()))
     lm = load_folder(folder)
     stages.append(("load_folder (tokenizer, weights, records)", pss_mb()))
+    release_sources(lm.model)
+    stages.append(("the state dict's copies released", pss_mb()))
+    return_freed_memory()
+    stages.append(("freed memory returned (malloc_trim)", pss_mb()))
     decoder = StaticDecoder(lm.model, cache_len, always_mask=True)
     decoder.allocate(rows, dynamic_rows=True)
     stages.append((f"KV cache allocated ({rows} rows x {cache_len})", pss_mb()))
@@ -141,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(Path(args.child[0]), int(args.child[1]),
                                int(args.child[2]))))
         return 0
-    print(header_text(f"python -m benchmarks.causal_lm.micro.worker_memory --schemes "
-                      f"{args.schemes} --rows {args.rows} --cache-len {args.cache_len}"))
+    print(header_text("benchmarks.causal_lm.micro.worker_memory", argv))
     with tempfile.TemporaryDirectory(prefix="worker_memory-") as tmp:
         for scheme in args.schemes.split(","):
             folder = make_folder(scheme, Path(tmp) / scheme)

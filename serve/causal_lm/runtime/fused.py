@@ -52,6 +52,8 @@ class FusableLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fused = False  # its records are in its block's ProjectionGroup
+        # (that group, first byte, end) of its records there, once fused
+        self.fused_records: tuple[nn.Module, int, int] | None = None
         self.handed: torch.Tensor | None = None  # its output, handed over by that group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,9 +131,12 @@ def fuse_projections(model: nn.Module) -> int:
         parts = [getattr(block, name, None) for name in names]
         if not _fusable(parts):
             continue
-        block.fused_projections = ProjectionGroup(parts)
-        for part in parts:
-            part.packed, part.fused = None, True
+        group = block.fused_projections = ProjectionGroup(parts)
+        start = 0
+        for part in parts:  # where its records went (read back by a released GroupedLinear)
+            end = start + part.packed.numel()
+            part.packed, part.fused, part.fused_records = None, True, (group, start, end)
+            start = end
         block.register_forward_pre_hook(_hand_out, with_kwargs=True)
         fused += 1
     return fused

@@ -65,6 +65,7 @@ class GroupedLinear(FusableLinear):
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
         self.half_scales = False  # whether `packed` holds float16 scales and offsets
         self.activations = "float32"  # one of ACTIVATIONS: see `forward`
+        self.records_wanted = True  # False: never laid out for the kernel (an embedding's)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -83,7 +84,7 @@ class GroupedLinear(FusableLinear):
     def pack(self) -> None:
         """Lay the weight out for the kernel (`packed`), where the kernel is at hand, with
         float16 scales and offsets where they all are float16 values (`half_scales`)."""
-        if self.group_size == GROUP and grouped_mm_available():
+        if self.records_wanted and self.group_size == GROUP and grouped_mm_available():
             self.half_scales = all(torch.equal(t.half().float(), t)
                                    for t in (self.scale, self.offset))
             self.packed = torch.ops.compress_lm.grouped_pack(
@@ -99,13 +100,45 @@ class GroupedLinear(FusableLinear):
         """The Linear's weight fitted onto per-group grids (`fit_groups`)."""
         return cls.from_weight(linear.weight, linear.bias, group_size, bits)
 
+    def sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qweight, scale, offset) as the state dict holds them: the buffers, or, once
+        `release_sources` dropped them, read back from the kernel records (exactly: the
+        records hold the same codes, and float16 scales only where they are float16 values)."""
+        if self.qweight is not None:
+            return self.qweight, self.scale, self.offset
+        if self.fused_records is not None:
+            group, start, end = self.fused_records
+            records = group.packed[start:end]
+        else:
+            records = self.packed
+        return unpack_records(records, self.out_features, self.in_features, self.bits,
+                              self.half_scales)
+
+    def release_sources(self) -> bool:
+        """Drop the state dict's codes, scales and offsets where the kernel records hold the
+        weight (a served model reads only the records; `sources` and the state dict read
+        them back); whether they were dropped."""
+        if self.qweight is None or (self.packed is None and self.fused_records is None):
+            return False
+        self.qweight = self.scale = self.offset = None
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # noqa: ANN001
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.qweight is None:  # released: the same tensors, read back from the records
+            for name, tensor in zip(("qweight", "scale", "offset"), self.sources(),
+                                    strict=True):
+                destination[prefix + name] = tensor
+
     def codes(self) -> torch.Tensor:
         """The codes, out_features x in_features (4-bit ones unpacked, as uint8)."""
-        return self.qweight if self.bits == 8 else unpack_nibbles(self.qweight)
+        qweight = self.sources()[0]
+        return qweight if self.bits == 8 else unpack_nibbles(qweight)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, out_features x in_features."""
-        return dequantize_groups(self.codes(), self.scale, self.offset)
+        _, scale, offset = self.sources()
+        return dequantize_groups(self.codes(), scale, offset)
 
     def fusion_key(self) -> tuple[object, ...]:
         return GroupedLinear, self.in_features, self.bits, self.half_scales, self.activations
@@ -140,6 +173,9 @@ class GroupedEmbedding(nn.Module):
     def __init__(self, table: GroupedLinear):
         super().__init__()
         self.table = table
+        # rows are looked up from the codes; the kernel never multiplies by the table (the
+        # head is untied from it), so no records (31.8 MB for SmolLM2's at int8)
+        table.records_wanted, table.packed = False, None
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group_size: int) -> GroupedEmbedding:
@@ -163,6 +199,38 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     rows, width = packed.shape
     blocks = packed.view(rows, width * 2 // GROUP, GROUP // 2)
     return torch.stack([blocks & 15, blocks >> 4], dim=2).reshape(rows, width * 2)
+
+
+def unpack_records(records: torch.Tensor, out_features: int, in_features: int, bits: int,
+                   half: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scale, offset) as a `GroupedLinear` stores them, read back from its kernel
+    records (`grouped_kernels.cpp`'s layout: per tile of 16 outputs and group of 32 inputs,
+    the codes input by input, at 4 bits inputs 2p and 2p + 1 in a byte's low and high
+    nibble, then 16 scales and 16 offsets, float16 where `half`)."""
+    groups, tiles = in_features // GROUP, -(-out_features // 16)
+    code_bytes = 16 * GROUP * bits // 8
+    records = records.view(tiles, groups, -1)
+    codes = records[..., :code_bytes]
+    if bits == 8:
+        by_input = codes.reshape(tiles, groups, GROUP, 16).view(torch.int8)
+    else:
+        pairs = codes.reshape(tiles, groups, GROUP // 2, 1, 16)
+        by_input = torch.cat([pairs & 15, pairs >> 4], dim=3).reshape(tiles, groups, GROUP, 16)
+    q = by_input.permute(0, 3, 1, 2).reshape(tiles * 16, in_features)[:out_features]
+    values = records[..., code_bytes:].contiguous().view(torch.float16 if half else
+                                                         torch.float32).float()
+    values = values.reshape(tiles, groups, 2, 16).permute(2, 0, 3, 1).reshape(2, tiles * 16,
+                                                                             groups)
+    scale, offset = values[0, :out_features].clone(), values[1, :out_features].clone()
+    qweight = q.contiguous() if bits == 8 else pack_nibbles(q)
+    return qweight, scale, offset
+
+
+def release_sources(model: nn.Module) -> int:
+    """`GroupedLinear.release_sources` on every module of `model` that can: what a served
+    model keeps is the kernel records alone (each weight was held twice); how many."""
+    return sum(module.release_sources() for module in model.modules()
+               if isinstance(module, GroupedLinear))
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor

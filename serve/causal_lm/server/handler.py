@@ -29,9 +29,10 @@ from ts.torch_handler.base_handler import BaseHandler
 
 from serve.handler_settings import HandlerSettings
 from serve.http_answers import request_content_type
+from serve.worker_memory import return_freed_memory
 from serve.worker_threads import worker_threads
 
-from ..runtime import expert_parallel, loading, pipeline, tensor_parallel
+from ..runtime import expert_parallel, grouped, loading, pipeline, tensor_parallel
 from . import batcher, choices, compiled_graphs, grammar, prefill, replies, requests
 from . import openai as openai_routes
 
@@ -117,6 +118,12 @@ class CausalLMHandler(BaseHandler):
             steps, said = compiled_graphs.use_shipped(model_dir / compiled_graphs.FOLDER,
                                                       self.causal_lm.model, settings)
             logger.info("%s%s", PROGRESS, said)
+        # the kernel records are all a served model reads: the state dict's copy of each
+        # weight goes, and the memory loading freed goes back to the system
+        released = grouped.release_sources(self.causal_lm.model)
+        return_freed_memory()
+        logger.info("%sweights held once (%d modules' state dict copies dropped)", PROGRESS,
+                    released)
         batch_size = int(config.get("batchSize", 1))
         rows = settings.rows_of(batch_size) if self.continuous else batch_size
         # micro-batches: one a rank where the rows divide; rank 0 alone gets the requests

@@ -188,24 +188,6 @@ void quad_patterns(Rounded& r, int64_t rows, int64_t k, int bits) {
   }
 }
 
-// a record's 16 scales and 16 offsets, two vectors each
-template <int BITS, bool HALF>
-inline void record_scales(const uint8_t* rec, __m256 (&s)[2], __m256 (&o)[2]) {
-  if constexpr (!HALF) {
-    const float* v = reinterpret_cast<const float*>(rec + code_bytes(BITS));
-    s[0] = _mm256_loadu_ps(v);
-    s[1] = _mm256_loadu_ps(v + 8);
-    o[0] = _mm256_loadu_ps(v + 16);
-    o[1] = _mm256_loadu_ps(v + 24);
-  } else {
-    const __m128i* h = reinterpret_cast<const __m128i*>(rec + code_bytes(BITS));
-    s[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
-    s[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
-    o[0] = _mm256_cvtph_ps(_mm_loadu_si128(h + 2));
-    o[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
-  }
-}
-
 // the two halves of 16 bytes, each widened to 16 int16
 inline void widen_halves(__m256i v, __m256i& low, __m256i& high) {
   low = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));

@@ -121,24 +121,6 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const float* x, int64_
 // faster at 1 row and 1.10x at 8 (int8 codes) (benchmarks/results/llm_avx2_passes_zen1.md).
 constexpr int64_t AVX2_ROWS = 6;  // rows a pass at most: 6 x 2 chains + 2 codes + 1 x
 
-// a record's 16 scales and 16 offsets, two vectors each
-template <int BITS, bool HALF>
-inline void record_scales(const uint8_t* rec, __m256 (&s)[2], __m256 (&o)[2]) {
-  if constexpr (!HALF) {
-    const float* v = reinterpret_cast<const float*>(rec + code_bytes(BITS));
-    s[0] = _mm256_loadu_ps(v);
-    s[1] = _mm256_loadu_ps(v + 8);
-    o[0] = _mm256_loadu_ps(v + 16);
-    o[1] = _mm256_loadu_ps(v + 24);
-  } else {
-    const __m128i* h = reinterpret_cast<const __m128i*>(rec + code_bytes(BITS));
-    s[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
-    s[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
-    o[0] = _mm256_cvtph_ps(_mm_loadu_si128(h + 2));
-    o[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
-  }
-}
-
 // input i's 16 codes as float32 (outputs 0-7, 8-15), exact
 template <int BITS>
 inline void record_codes(const uint8_t* rec, int i, __m256& lo, __m256& hi) {

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -76,6 +76,26 @@ inline void record_scales(const uint8_t* rec, __m512& scale, __m512& offset) {
     const __m256i* half = reinterpret_cast<const __m256i*>(rec + code_bytes(BITS));
     scale = _mm512_cvtph_ps(_mm256_loadu_si256(half));
     offset = _mm512_cvtph_ps(_mm256_loadu_si256(half + 1));
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__)
+// the same, two ymm each (outputs 0-7, 8-15): the AVX2 paths'
+template <int BITS, bool HALF>
+inline void record_scales(const uint8_t* rec, __m256 (&s)[2], __m256 (&o)[2]) {
+  if constexpr (!HALF) {
+    const float* v = reinterpret_cast<const float*>(rec + code_bytes(BITS));
+    s[0] = _mm256_loadu_ps(v);
+    s[1] = _mm256_loadu_ps(v + 8);
+    o[0] = _mm256_loadu_ps(v + 16);
+    o[1] = _mm256_loadu_ps(v + 24);
+  } else {
+    const __m128i* h = reinterpret_cast<const __m128i*>(rec + code_bytes(BITS));
+    s[0] = _mm256_cvtph_ps(_mm_loadu_si128(h));
+    s[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 1));
+    o[0] = _mm256_cvtph_ps(_mm_loadu_si128(h + 2));
+    o[1] = _mm256_cvtph_ps(_mm_loadu_si128(h + 3));
   }
 }
 #endif

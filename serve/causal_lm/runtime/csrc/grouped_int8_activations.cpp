@@ -280,15 +280,10 @@ void tiles_pass(const Rounded& x, int64_t rows, int64_t k, int64_t n, const uint
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * TILE, valid = std::min(TILE, n - n0);
     for (int64_t m = 0; m < rows; m += per_pass) {
-      const auto pass = [&](auto r) {
+      with_rows(std::min(per_pass, rows - m), [&](auto r) {  // at most INT8_AVX2_ROWS
         tile_rows<BITS, HALF, decltype(r)::value>(packed + t * tile_bytes, groups, x, m, k,
                                                   out + m * n + n0, n, valid);
-      };
-      switch (std::min(per_pass, rows - m)) {
-        case 1: pass(std::integral_constant<int, 1>{}); break;
-        case 2: pass(std::integral_constant<int, 2>{}); break;
-        default: pass(std::integral_constant<int, 3>{}); break;
-      }
+      });
     }
   }
 }

@@ -209,19 +209,6 @@ inline void tiles_rows(const uint8_t* first, int64_t tile_bytes, int64_t groups,
       store_row(acc[t][r], out + r * n_out + t * TILE, t + 1 < T ? TILE : valid_last);
 }
 
-// f(std::integral_constant<int, R>{}) for R = r, 1..AVX2_ROWS
-template <typename F>
-inline void with_avx2_rows(int64_t r, F&& f) {
-  switch (r) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
-  }
-}
-
 template <int BITS, bool HALF>
 void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int64_t n,
                 const uint8_t* packed, float* out, int64_t begin, int64_t end) {
@@ -242,7 +229,7 @@ void tiles_pass(const float* x, const float* xsum, int64_t rows, int64_t k, int6
   const int64_t per_pass = (rows + passes - 1) / passes;  // 8 rows: 2 passes of 4
   for (; t < end; ++t)
     for (int64_t m = 0; m < rows; m += per_pass)
-      with_avx2_rows(std::min(per_pass, rows - m), [&](auto r) {
+      with_rows(std::min(per_pass, rows - m), [&](auto r) {  // at most AVX2_ROWS
         tiles_rows<BITS, HALF, 1, decltype(r)::value>(packed + t * tile_bytes, tile_bytes,
                                                       groups, x + m * k, k, xsum + m * groups,
                                                       out + m * n + t * TILE, n, valid(t));

@@ -21,6 +21,7 @@ METRICS = {
     "CompressGeneratedTokens": ("Count", "counter"),  # its rate: tokens/s
     "CompressBadRequests": ("Count", "counter"),  # answered 4xx by the handler
     "CompressFailedRequests": ("Count", "counter"),  # answered 5xx by the handler
+    "CompressPrefixCacheBytes": ("Bytes", "gauge"),  # keys and values the prefix cache holds
 }
 
 

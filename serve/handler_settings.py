@@ -45,6 +45,7 @@ class HandlerSettings:
     prefill_chunk: int = 32  # prompt tokens prefilled per step
     prefill_compile: bool = False  # the prefill through torch.compile too
     prefix_cache: bool | int = True  # reuse prompt prefixes (a number: positions kept)
+    prefix_cache_mb: float | None = None  # the prefix cache's bound in MB (wins over positions)
     expert_parallel: int | None = None  # ranks that split a MoE model's experts
 
     @classmethod

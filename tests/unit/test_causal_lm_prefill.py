@@ -11,6 +11,7 @@ import torch
 from batcher_checks import CACHE, alone, batcher_of, prompt, varied_model
 
 from serve.causal_lm.runtime.attention import attention
+from serve.causal_lm.runtime.static_cache import position_bytes
 from serve.causal_lm.server.batcher import ContinuousBatcher, Row
 from serve.causal_lm.server.prefill import Prefiller
 from serve.causal_lm.server.prefix_cache import MIN_REUSE, PrefixCache
@@ -76,6 +77,24 @@ def test_prompts_admitted_together_are_prefilled_as_one_batch(model) -> None:
     rows.run()
     assert chunks == [(3, 0, 0)]  # one batch, all of it at once (nothing was decoding)
     rows.check_alone(model)
+
+
+def test_jobs_of_any_size_share_one_prefill_workspace_as_large_as_the_largest(model) -> None:
+    batcher = batcher_of(model, own_thread=False)
+    chunks = spy(batcher.prefiller, batcher)
+    rows = Rows(batcher)
+    for batch in ((1,), (2, 3, 4), (5, 6), (7,)):  # jobs of 1, 3, 2 and 1 prompts
+        for seed in batch:
+            rows.submit(prompt(4 + seed, seed), 6)
+        rows.run()
+    assert [c[0] for c in chunks] == [1, 3, 2, 1]
+    prefiller = batcher.prefiller
+    row_bytes = prefiller.cache_len * position_bytes(model)
+    assert prefiller.cache_bytes() == 3 * row_bytes  # one workspace of 3 rows, not 1+3+2
+    storage = prefiller.workspace.layers[0].keys.untyped_storage().data_ptr()
+    assert all(c.layers[0].keys.untyped_storage().data_ptr() == storage
+               for c in prefiller.caches.values())
+    rows.check_alone(model)  # stale positions of an earlier job change no token
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(model) -> None:
@@ -144,7 +163,7 @@ def test_a_batch_whose_prefill_fails_goes_again_row_by_row(model) -> None:
 
 
 def test_a_shared_prefix_is_copied_not_computed_and_decodes_the_same_tokens(model) -> None:
-    cache = PrefixCache(4 * CACHE)
+    cache = PrefixCache(4 * CACHE * position_bytes(model))
     batcher = batcher_of(model, own_thread=False, prefix_cache=cache)
     computed: list[int] = []
     run = batcher.prefiller.run
@@ -158,7 +177,9 @@ def test_a_shared_prefix_is_copied_not_computed_and_decodes_the_same_tokens(mode
     rows.submit(second, 8)
     rows.run()
     assert computed == [len(first), len(second) - len(shared)]
+    held = (len(first) + len(second)) * position_bytes(model)
     assert cache.stats() | {"entries": 0} == {"entries": 0, "tokens": len(first) + len(second),
+                                              "bytes": held, "max_bytes": cache.max_bytes,
                                               "hits": 1, "misses": 1, "reused_tokens": 20}
     rows.check_alone(model)  # the copied positions give the tokens a full prefill gives
 
@@ -168,13 +189,15 @@ def test_the_prefix_cache_is_bounded_and_evicts_the_least_recently_used() -> Non
         values = torch.tensor(ids, dtype=torch.float32)[None, :, None].expand(2, -1, 3)
         return [values.clone(), values + 1], [values - 1, values * 2]
 
-    cache = PrefixCache(max_tokens=30)
+    position = 4 * 2 * 3 * 4  # bytes: 4 tensors of 2 x 3 float32 a position
+    cache = PrefixCache(max_bytes=30 * position)
     prompts = [[k] * 12 for k in (1, 2, 3)]
     for ids in prompts[:2]:
         cache.store(ids, *kv(ids))
     assert cache.lookup(prompts[0] + [9]).length == 12  # the first is now the most recent
     cache.store(prompts[2], *kv(prompts[2]))  # 36 > 30: the least recent (the second) goes
     assert cache.tokens == 24 and cache.lookup(prompts[1] + [9]) is None
+    assert cache.bytes == 24 * position
     hit = cache.lookup(prompts[2][:10] + [7, 7])
     keys, _ = kv(prompts[2])
     assert hit.length == 10
@@ -184,3 +207,6 @@ def test_the_prefix_cache_is_bounded_and_evicts_the_least_recently_used() -> Non
     longer = prompts[0] + [4] * 5
     cache.store(longer, *kv(longer))  # it extends the first, which it replaces
     assert sorted(len(k) for k in cache.entries) == [12, 17] and cache.tokens == 29
+    assert cache.bytes == 29 * position <= cache.max_bytes
+    cache.store([5] * 31, *kv([5] * 31))  # larger than the whole bound: not kept
+    assert cache.lookup([5] * 31 + [1]) is None and cache.bytes == 29 * position

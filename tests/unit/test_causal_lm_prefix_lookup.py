@@ -12,6 +12,9 @@ import torch
 from serve.causal_lm.server.prefix_cache import MIN_REUSE, PrefixCache
 
 
+POSITION = 2 * 2 * 4  # bytes a position: keys and values of 2 float32 each (`kv`)
+
+
 def kv(ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     values = torch.tensor(ids, dtype=torch.float32)[None, :, None].expand(1, -1, 2)
     return [values.clone()], [values + 1]
@@ -32,7 +35,7 @@ def scanned(cache: PrefixCache, ids: list[int]) -> int:
 
 def test_a_lookup_finds_the_longest_prefix_a_scan_finds() -> None:
     rng = random.Random(0)
-    cache = PrefixCache(max_tokens=400)
+    cache = PrefixCache(max_bytes=400 * POSITION)
     stems = [[rng.randrange(5) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
     hits = 0
     for turn in range(600):
@@ -48,11 +51,12 @@ def test_a_lookup_finds_the_longest_prefix_a_scan_finds() -> None:
             keys, values = kv(ids[:hit.length])
             assert torch.equal(hit.keys[0], keys[0]) and torch.equal(hit.values[0], values[0])
         assert cache.tokens == sum(len(k) for k in cache.entries) <= 400
+        assert cache.bytes == cache.tokens * POSITION <= cache.max_bytes
     assert 50 < hits < 400 and cache.stats()["hits"] == hits
 
 
 def test_a_lookup_visits_the_prompts_tokens_not_the_entries() -> None:
-    small, large = PrefixCache(max_tokens=10**6), PrefixCache(max_tokens=10**6)
+    small, large = PrefixCache(10**6 * POSITION), PrefixCache(10**6 * POSITION)
     prompts = [[k, *range(1000, 1063)] for k in range(2000)]  # 2000 entries of 64 tokens
     for ids in prompts[:2]:
         small.store(ids, *kv(ids))

@@ -23,6 +23,7 @@ SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
 # the options only a causal LM's archive takes (its generation handler's)
 CAUSAL_LM_ONLY_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
                           "precompile", "prefill_chunk", "prefill_compile", "prefix_cache",
+                          "prefix_cache_mb",
                           *PARALLEL)
 
 
@@ -105,6 +106,11 @@ class PackageConfig(StrictModel):
         description="Causal LMs, continuous batching: reuse the keys and values of "
         "prompt prefixes seen before (true: up to 4 x cache_len positions; a number: that "
         "many; false: off).")
+    prefix_cache_mb: float | None = Field(
+        HandlerSettings.prefix_cache_mb, gt=0,
+        description="Causal LMs, continuous batching: the prefix cache's bound in MB of keys "
+        "and values (wins over prefix_cache's positions; SmolLM2-135M's float32 cache takes "
+        "45 KB a position: 4 x 512 positions are 90 MB).")
 
 
 def export_stage_index(recipe: Any, i: int) -> int:

@@ -58,10 +58,12 @@ class GroupedLinear(FusableLinear):
         self.group_size, self.bits = group_size, bits
         groups = in_features // group_size
         dtype, width = (torch.int8, in_features) if bits == 8 else (torch.uint8, in_features // 2)
-        self.register_buffer("qweight", torch.zeros(out_features, width, dtype=dtype))
-        self.register_buffer("scale", torch.ones(out_features, groups))
-        self.register_buffer("offset", torch.zeros(out_features, groups))
-        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        # unwritten: every value is set by `from_weight` or by the state dict loaded next (a
+        # worker's modules are made before their weights: zeroed, they were a 195 MB peak)
+        self.register_buffer("qweight", torch.empty(out_features, width, dtype=dtype))
+        self.register_buffer("scale", torch.empty(out_features, groups))
+        self.register_buffer("offset", torch.empty(out_features, groups))
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout
         self.half_scales = False  # whether `packed` holds float16 scales and offsets
         self.activations = "float32"  # one of ACTIVATIONS: see `forward`

@@ -45,6 +45,7 @@ CAUSAL_LM_FILE = "causal_lm.json"
 SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", *GROUPED_BITS,
            *SPARSE24_BITS)
 KERNEL_SCHEMES = (*GROUPED_BITS, *SPARSE24_BITS)  # compress's own kernels, float32 activations
+PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # `load_tokenizer`
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -153,12 +154,12 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
 
 def load_folder(folder: str | Path) -> LoadedCausalLM:
     """The model, tokenizer and facts of a causal-LM folder, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     facts = json.loads((folder / CAUSAL_LM_FILE).read_text())
     dtype = DTYPES[facts.get("dtype") or "float32"]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not facts.get("scheme"):
@@ -170,7 +171,10 @@ def load_folder(folder: str | Path) -> LoadedCausalLM:
         quantize_weights(model, facts["scheme"], facts.get("group_size") or 32,
                          facts.get("head_scheme") or facts["scheme"], fit=False,
                          activations=facts.get("activations") or "float32")
-        state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+        # mapped, not read: the weights' pages come from the file as the modules take them
+        # (the grouped kernels' records are packed from them, then the sources dropped)
+        state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True,
+                           mmap=True)
         model.load_state_dict(state, assign=True)
         if facts["scheme"] in KERNEL_SCHEMES:  # a 2:4 model: its grouped head's alone
             fuse_projections(model)
@@ -179,6 +183,23 @@ def load_folder(folder: str | Path) -> LoadedCausalLM:
 
             model.generation_config = GenerationConfig.from_pretrained(folder)
     return LoadedCausalLM(model.eval(), tokenizer, facts)
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer. One whose class is the plain `tokenizers` backend (what the
+    export writes) is built by that class itself: AutoTokenizer resolves to the same class
+    but first imports some 700 modules (torch.distributed, sympy, accelerate), 2.3 s and
+    ~50 MB more in a worker (`benchmarks/results/worker_memory_zen1.md`)."""
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if config.get("tokenizer_class") in PLAIN_TOKENIZERS and \
+            (folder / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _no_init() -> Any:

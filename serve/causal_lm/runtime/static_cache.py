@@ -1,6 +1,8 @@
 """The static KV caches the decoders write (torch and transformers only; shipped beside
 `decode.py`): a zeroed one made ahead of the first generation (`empty_cache`), and how a
-compiled graph is kept to the cache it was compiled for (`tie_graphs_to`)."""
+compiled graph is kept to the cache it was compiled for (`tie_graphs_to`), and a cache that
+is a view of another's first rows (`first_rows`), as the smaller decode buckets and the
+prefill's jobs hold theirs."""
 
 from __future__ import annotations
 
@@ -29,6 +31,38 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
                 if hasattr(tensor, "_dynamo_static_input_type"):
                     del tensor._dynamo_static_input_type
             for tensor in (layer.keys, layer.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return cache
+
+
+def position_bytes(model: nn.Module) -> int:
+    """Bytes that one position of one row takes in a cache of `model` (keys and values, every
+    layer): 46,080 for SmolLM2-135M in float32."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = getattr(model, "dtype", torch.float32)
+    return 2 * config.num_hidden_layers * heads * dim * dtype.itemsize
+
+
+def first_rows(model: nn.Module, big: Any, rows: int, cache_len: int, dynamic_rows: bool,
+               shared_lengths: bool = True) -> Any:
+    """A `StaticCache` whose keys and values are views of the first `rows` rows of `big`'s
+    (no memory of its own); its write positions are `big`'s where `shared_lengths`, else its
+    own; with `dynamic_rows`, its rows may vary from graph input to graph input."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    for mine, whole in zip(cache.layers, big.layers, strict=True):
+        mine.lazy_initialization(whole.keys[:rows], whole.values[:rows])
+        mine.keys, mine.values = whole.keys[:rows], whole.values[:rows]
+        if shared_lengths:
+            mine.cumulative_length = whole.cumulative_length
+        for tensor in (mine.keys, mine.values, mine.cumulative_length):
+            if dynamic_rows and hasattr(tensor, "_dynamo_static_input_type"):
+                del tensor._dynamo_static_input_type
+        if dynamic_rows:
+            for tensor in (mine.keys, mine.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
     return cache
 

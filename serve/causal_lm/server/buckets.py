@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ..runtime.decode import StaticDecoder
+from ..runtime.static_cache import first_rows
 
 
 def shared_caches(decoders: dict[int, StaticDecoder]) -> None:
@@ -18,21 +17,12 @@ def shared_caches(decoders: dict[int, StaticDecoder]) -> None:
     (initialized by a first `generate` on the largest, or `allocate`), sharing its write
     positions; where the largest's rows are dynamic (`allocate`), so are the views'."""
     largest = decoders[max(decoders)]
-    from transformers import StaticCache
-
     for rows, decoder in decoders.items():
         if decoder is largest:
             continue
-        cache = StaticCache(config=decoder.model.config, max_cache_len=decoder.max_cache_len)
-        for mine, big in zip(cache.layers, largest.cache.layers, strict=True):
-            mine.lazy_initialization(big.keys[:rows], big.values[:rows])
-            mine.keys, mine.values = big.keys[:rows], big.values[:rows]
-            mine.cumulative_length = big.cumulative_length
-            if largest.dynamic_rows:
-                for tensor in (mine.keys, mine.values):
-                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        decoder.cache, decoder.cache_rows = cache, rows
-        decoder.dynamic_rows = largest.dynamic_rows
+        decoder.cache = first_rows(decoder.model, largest.cache, rows, decoder.max_cache_len,
+                                   largest.dynamic_rows)
+        decoder.cache_rows, decoder.dynamic_rows = rows, largest.dynamic_rows
 
 
 def buckets(batch_size: int) -> list[int]:

@@ -115,6 +115,9 @@ async def follow(context, i: int, batcher: Any, run: RowRun,
             record(context, "CompressBatchRows", busy)
             record(context, "CompressQueueTime", 1000 * (row.admitted - began))
             record(context, "CompressTimeToFirstToken", 1000 * (time.perf_counter() - began))
+            held = getattr(getattr(batcher, "prefiller", None), "prefix_cache", None)
+            if held is not None:
+                record(context, "CompressPrefixCacheBytes", held.bytes)
         piece = stream.add(token)
         if stream.stopped:
             batcher.cancel(row)

@@ -20,7 +20,7 @@ from serve.handler_settings import HandlerSettings
 
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import left_pad
-from ..runtime.static_cache import empty_cache
+from ..runtime.static_cache import empty_cache, first_rows, position_bytes
 from .prefix_cache import PrefixCache
 from .rows import Row
 
@@ -88,7 +88,8 @@ class Prefiller:
                  last_only: bool = True, budgeted: bool = True):
         self.model, self.cache_len, self.chunk = model, cache_len, max(1, chunk)
         self.prefix_cache, self.last_only = prefix_cache, last_only
-        self.caches: dict[int, Any] = {}
+        self.workspace: Any = None  # the caches' storage (`_cache`)
+        self.caches: dict[int, Any] = {}  # by rows: views of the workspace's first rows
         self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
         self.compiled = compiled
         self.windowed = decode_attention_for(model) is not None  # see `prefill_chunk`
@@ -189,23 +190,49 @@ class Prefiller:
                 [layer.values[slot:slot + 1, :, pad:job.length] for layer in cache.layers])
 
     def _cache(self, rows: int) -> Any:
-        """The cache for `rows` rows, zeroed: its tensors plain graph inputs, their rows
-        dynamic, so one compiled graph serves every count (transformers marks them static
-        addresses, which a graph would take for constants)."""
+        """The cache for `rows` rows: the first rows of one workspace, as many rows as the
+        largest job so far (made anew, zeroed, when a job needs more), so a worker holds one
+        prefill cache, not one for each number of prompts (1 + 2 + ... + 8 rows of 512
+        positions were 850 MB for SmolLM2-135M). Its tensors are plain graph inputs, their
+        rows dynamic, so one compiled graph serves every count (transformers marks them
+        static addresses, which a graph would take for constants)."""
+        if self.workspace is None or self.workspace.layers[0].keys.shape[0] < rows:
+            self.caches.clear()
+            self.workspace = None  # its memory goes before the larger one is made
+            self.workspace = empty_cache(self.model, rows, self.cache_len, dynamic_rows=True)
         if rows not in self.caches:
-            cache = empty_cache(self.model, rows, self.cache_len, dynamic_rows=True)
-            self.caches[rows] = cache
+            self.caches[rows] = first_rows(self.model, self.workspace, rows, self.cache_len,
+                                           dynamic_rows=True)
         return self.caches[rows]
+
+    def cache_bytes(self) -> int:
+        """Bytes of the prefill's workspace (0 before the first prompt)."""
+        if self.workspace is None:
+            return 0
+        return sum(t.nbytes for layer in self.workspace.layers
+                   for t in (layer.keys, layer.values))
 
 
 def prefiller_of(model: nn.Module, settings: HandlerSettings, cache_len: int,
                  compiled: bool) -> Prefiller:
     """The handler's prefiller from model-config's `handler:` settings: `prefill_chunk`
     (positions a chunk), `prefix_cache` (true, false, or the positions it holds; true:
-    4 x cache_len), `prefill_compile` (true: where the decode step is compiled)."""
-    held = settings.prefix_cache
-    tokens = 4 * cache_len if held is True else int(held or 0)
+    4 x cache_len) and `prefix_cache_mb` (its bound in MB, where given: wins over the
+    positions), `prefill_compile` (true: where the decode step is compiled)."""
     return Prefiller(model, cache_len, settings.prefill_chunk,
-                     PrefixCache(tokens) if tokens else None,
+                     prefix_cache_of(model, settings, cache_len),
                      compiled and settings.prefill_compile,
                      "logits_to_keep" in inspect.signature(model.forward).parameters)
+
+
+def prefix_cache_of(model: nn.Module, settings: HandlerSettings, cache_len: int
+                    ) -> PrefixCache | None:
+    """The prefix cache the settings ask for (None: off), bounded in bytes."""
+    held = settings.prefix_cache
+    if held is False:
+        return None
+    if settings.prefix_cache_mb is not None:
+        bound = int(settings.prefix_cache_mb * 2**20)
+    else:
+        bound = (4 * cache_len if held is True else int(held or 0)) * position_bytes(model)
+    return PrefixCache(bound) if bound > 0 else None

@@ -7,8 +7,9 @@ its token ids. A new prompt takes the entry sharing its longest common prefix: t
 values of a position depend on the tokens up to it alone (a causal model, rotary positions
 counted from the prompt's first token), so those positions are copied once, at admission,
 and only the rest is computed. At least the prompt's last token is always computed, for
-its logits. The cache holds at most `max_tokens` positions in all and evicts the least
-recently used entries past it.
+its logits. The cache holds at most `max_bytes` of keys and values in all (the handler's
+`prefix_cache` positions, or `prefix_cache_mb`) and evicts the least recently used entries
+past it; `stats()` says what it holds (the handler's metrics and `/metrics` show it).
 
 Lookups walk a token trie over the entries (as SGLang's radix cache does): one node a
 position, each node knowing the entries that pass through it, so a lookup visits at most
@@ -34,6 +35,7 @@ class Prefix:
     keys: list[torch.Tensor]  # per layer: heads x length x dim
     values: list[torch.Tensor]
     length: int
+    nbytes: int = 0  # of the entry's keys and values (a lookup's views: 0)
 
 
 class _Node:
@@ -50,17 +52,17 @@ class _Node:
 
 
 class PrefixCache:
-    """Least-recently-used entries of prompts' keys and values, `max_tokens` positions in
-    all."""
+    """Least-recently-used entries of prompts' keys and values, `max_bytes` in all."""
 
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max(0, max_tokens)
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(0, int(max_bytes))
         self.entries: collections.OrderedDict[tuple[int, ...], Prefix] = \
             collections.OrderedDict()
         self.root = _Node()  # the entries' ids, one node a position
         self.serials: dict[tuple[int, ...], int] = {}  # each entry's number in the trie
         self.stored = 0  # entries stored so far (the next serial number)
         self.tokens = 0  # positions held
+        self.bytes = 0  # bytes of their keys and values
         self.hits = self.misses = self.reused = 0  # lookups, and positions not computed
         self.last_visited = 0  # trie nodes the last lookup visited
 
@@ -88,10 +90,12 @@ class PrefixCache:
     def store(self, ids: list[int], keys: list[torch.Tensor],
               values: list[torch.Tensor]) -> None:
         """Keep a prompt's keys and values (per layer heads x len(ids) x dim; copied here)
-        and evict the least recently used entries past `max_tokens`. An entry that a stored
-        one extends is dropped (the longer one answers for both)."""
+        and evict the least recently used entries past `max_bytes` (one larger than that
+        alone is not kept). An entry that a stored one extends is dropped (the longer one
+        answers for both)."""
         key = tuple(ids)
-        if len(key) > self.max_tokens or len(key) < MIN_REUSE:
+        size = sum(t.nbytes for t in (*keys, *values))
+        if size > self.max_bytes or len(key) < MIN_REUSE:
             return
         if key in self.entries:
             self.entries.move_to_end(key)
@@ -108,14 +112,15 @@ class PrefixCache:
         for other in extended:
             self._drop(other)
         self.entries[key] = Prefix([k.clone() for k in keys], [v.clone() for v in values],
-                                   len(key))
-        self.tokens += len(key)
-        while self.tokens > self.max_tokens:
+                                   len(key), size)
+        self.tokens, self.bytes = self.tokens + len(key), self.bytes + size
+        while self.bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: tuple[int, ...]) -> None:
         """Remove an entry, and the trie nodes only it passed through."""
-        self.tokens -= self.entries.pop(key).length
+        entry = self.entries.pop(key)
+        self.tokens, self.bytes = self.tokens - entry.length, self.bytes - entry.nbytes
         serial = self.serials.pop(key)
         node = self.root
         for token in key:
@@ -128,6 +133,8 @@ class PrefixCache:
         node.ends = None
 
     def stats(self) -> dict[str, int]:
-        """Entries, positions held, hits, misses and positions reused so far."""
-        return {"entries": len(self.entries), "tokens": self.tokens, "hits": self.hits,
-                "misses": self.misses, "reused_tokens": self.reused}
+        """Entries, positions and bytes held (and the bound), hits, misses and positions
+        reused so far."""
+        return {"entries": len(self.entries), "tokens": self.tokens, "bytes": self.bytes,
+                "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
+                "reused_tokens": self.reused}

@@ -11,7 +11,6 @@ import torch
 
 from serve.causal_lm.server.prefix_cache import MIN_REUSE, PrefixCache
 
-
 POSITION = 2 * 2 * 4  # bytes a position: keys and values of 2 float32 each (`kv`)
 
 

@@ -36,7 +36,13 @@ from benchmarks.causal_lm import served_archives as archives
 from benchmarks.causal_lm import served_build as build
 from benchmarks.causal_lm.inputs import MODEL
 from benchmarks.causal_lm.served_items import measure, our_items, peer_items
-from benchmarks.causal_lm.served_table import ratios, render_markdown, render_text, table_rows
+from benchmarks.causal_lm.served_table import (
+    memory_lines,
+    ratios,
+    render_markdown,
+    render_text,
+    table_rows,
+)
 from benchmarks.harness.cli import Parser, echo, exit_code, fill, numbers
 from benchmarks.harness.paths import REPO, RESULTS
 from benchmarks.harness.provenance import results_header, scrubbed
@@ -145,7 +151,7 @@ def _main(args: argparse.Namespace) -> int:
                             build.binary(build.build_dir(), "llama-server"))
     measure(items, args, work, echo)
     rows = table_rows(items, args.levels)
-    lines = ratios(items, rows, args.levels) + [
+    lines = ratios(items, rows, args.levels) + memory_lines(items) + [
         f"{i['name']} {i['scheme']}: round {r + 1} failed: {f['error']}"
         for i in items for r, f in enumerate(i["rounds"]) if f.get("error")]
     print(render_text(rows, lines), end="")
@@ -188,7 +194,9 @@ def _header(args: argparse.Namespace, archives_of: dict, llama: dict[str, Any],
         "alone on the machine; cold start is from launching its command to its first "
         "answered request (compress's with an empty Inductor cache), median of the starts.",
         "RSS: the largest resident memory of the server's whole process tree, sampled every "
-        "0.5 s from the launch to the stop. Figures are medians over rounds; errors a sum.",
+        "0.5 s from the launch to the stop (a page two processes share counted twice); PSS: "
+        "the largest proportional set size of the tree (shared pages once), sampled with "
+        "it. Figures are medians over rounds; errors a sum.",
         f"Requests carry `ignore_eos` where the server takes it (every answer "
         f"{args.max_tokens} tokens); " + (f"{', '.join(refused)} refused it: answers end at "
                                           f"EOS, tok/req is what they averaged." if refused

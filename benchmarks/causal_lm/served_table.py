@@ -16,7 +16,8 @@ COLUMNS = (("server", "name"), ("scheme", "scheme"), ("conc", "concurrency"),
            ("tok/s", "tokens_per_s"), ("TTFT p50 ms", "ttft_ms_p50"),
            ("TTFT p99 ms", "ttft_ms_p99"), ("ITL p50 ms", "itl_ms_p50"),
            ("ITL p99 ms", "itl_ms_p99"), ("tok/req", "tokens_per_request"),
-           ("errors", "errors"), ("RSS MB", "rss_mb"), ("cold start s", "cold_start_s"))
+           ("errors", "errors"), ("RSS MB", "rss_mb"), ("PSS MB", "pss_mb"),
+           ("cold start s", "cold_start_s"))
 
 
 def table_rows(items: list[dict[str, Any]], levels: list[int]) -> list[dict[str, Any]]:
@@ -26,6 +27,7 @@ def table_rows(items: list[dict[str, Any]], levels: list[int]) -> list[dict[str,
         rounds = item["rounds"]
         colds = [r["cold_start_s"] for r in rounds if r.get("cold_start_s") is not None]
         rss = max((r.get("rss_peak_bytes") or 0 for r in rounds), default=0)
+        pss = max((r.get("pss_peak_bytes") or 0 for r in rounds), default=0)
         for level in levels:
             runs = [run for r in rounds for run in r.get("runs", [])
                     if run["concurrency"] == level]
@@ -33,10 +35,26 @@ def table_rows(items: list[dict[str, Any]], levels: list[int]) -> list[dict[str,
                    "concurrency": level, "rounds": len(runs),
                    "errors": sum(run["errors"] for run in runs) if runs else None,
                    "rss_mb": round(rss / 2**20) if rss else None,
+                   "pss_mb": round(pss / 2**20) if pss else None,
                    "cold_start_s": servers.median(colds),
                    **{k: servers.median([run.get(k) for run in runs]) for k in FIGURES}}
             rows.append(row)
     return rows
+
+
+def memory_lines(items: list[dict[str, Any]]) -> list[str]:
+    """Each server's largest PSS over its rounds, and where it went: each process's share
+    at that moment (pid and command line), largest first."""
+    lines = []
+    for item in items:
+        best = max(item["rounds"], key=lambda r: r.get("pss_peak_bytes") or 0, default={})
+        if not best.get("pss_peak_bytes"):
+            continue
+        parts = sorted((best.get("pss_parts_mb") or {}).items(), key=lambda kv: -kv[1])
+        lines.append(f"memory of {item['name']} {item['scheme']}: PSS "
+                     f"{best['pss_peak_bytes'] / 2**20:.0f} MB at its peak; "
+                     + "; ".join(f"{mb:.0f} MB {name}" for name, mb in parts))
+    return lines
 
 
 def _at(rows: list[dict[str, Any]], key: str, level: int) -> dict[str, Any] | None:

@@ -6,7 +6,9 @@ rounds per concurrency level), ratios, cells and Markdown.
 Cold start is the time from launching the command to the first answered request (one
 every quarter second); resident memory is sampled every half second over the server's
 process tree (its root and every descendant: TorchServe's Java frontend and its Python
-workers) and its maximum kept."""
+workers) and its maximum kept, as the resident sum (RSS: a page shared by two processes
+counted twice) and as the proportional set size (PSS: shared pages once), with each
+process's share at the PSS peak."""
 
 from __future__ import annotations
 
@@ -47,20 +49,30 @@ def tree_rss_bytes(root: int) -> int:
 
 
 class RssSampler:
-    """A thread that samples the resident memory of a process tree whose root `root()`
-    names (None: not known yet); `peak` is the largest sum seen."""
+    """A thread that samples the memory of a process tree whose root `root()` names (None:
+    not known yet): `peak` is the largest resident sum seen; `pss_peak` the largest
+    proportional set size (shared pages once, `compress.system.processes.tree_pss_bytes`)
+    and `pss_parts` each process's share at that moment, by its command line."""
 
     def __init__(self, root: Callable[[], int | None], every_s: float = 0.5):
         self.root, self.every_s, self.peak = root, every_s, 0
+        self.pss_peak, self.pss_parts = 0, {}
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
         self.thread.start()
 
     def _run(self) -> None:
+        from compress.system.processes import command_line, tree_pss_bytes
+
         while not self.stopped.is_set():
             pid = self.root()
             if pid is not None:
                 self.peak = max(self.peak, tree_rss_bytes(pid))
+                parts = tree_pss_bytes(pid)
+                if sum(parts.values()) > self.pss_peak:
+                    self.pss_peak = sum(parts.values())
+                    self.pss_parts = {f"{member} {' '.join(command_line(member).split())[:80]}":
+                                      size for member, size in parts.items()}
             self.stopped.wait(self.every_s)
 
     def stop(self) -> int:
@@ -113,6 +125,11 @@ def visit(server: Any, timeout_s: float, load: Callable[[Any, dict[str, Any]], N
         figures["error"] = one_line(exc)
     finally:
         figures["rss_peak_bytes"] = server.stop()
+        sampler = getattr(server, "sampler", None)
+        if getattr(sampler, "pss_peak", 0):
+            figures["pss_peak_bytes"] = sampler.pss_peak
+            figures["pss_parts_mb"] = {name: round(size / 2**20, 1)
+                                       for name, size in sampler.pss_parts.items()}
     return figures
 
 

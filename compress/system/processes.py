@@ -1,7 +1,7 @@
 """This machine's processes as Linux's /proc shows them: every process id, whether one is
 alive, its state, process group and start time (`/proc/<pid>/stat`), its command line,
 environment, children and whole tree, the TCP sockets a tree listens on, this boot's id,
-and this process's peak resident memory.
+this process's peak resident memory, and a process's or a tree's proportional set size.
 
 Where /proc does not say (another OS, a process that ended meanwhile, another user's
 environment) each answers None, "" or nothing rather than raising.
@@ -196,3 +196,22 @@ def peak_rss_mb() -> float | None:
     except OSError:
         return None
     return None
+
+
+def pss_bytes(pid: int) -> int:
+    """Process `pid`'s proportional set size in bytes (`/proc/<pid>/smaps_rollup`: each
+    page it maps divided by the processes that map it, so a tree's sum counts a shared page
+    once); 0 where /proc does not say (it ended, another user's)."""
+    try:
+        for line in (PROC / str(pid) / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return 0
+
+
+def tree_pss_bytes(pid: int) -> dict[int, int]:
+    """PSS in bytes of process `pid` and of each process it started, by process id (their
+    sum is the tree's memory, shared pages once)."""
+    return {member: pss_bytes(member) for member in tree(pid)}

@@ -332,17 +332,59 @@ def test_prometheus_metrics_show_the_models_batches_tokens_and_errors(served: di
         return float(lines[name].split()[-1]) if name in lines else 0.0
 
     before = read()  # cumulative counters: this test's own requests are the difference
-    generate(served, {"prompt": PROMPTS[0], "max_new_tokens": 12})
+    generate(served, {"prompt": PROMPTS[1], "max_new_tokens": 12})  # long enough to keep
     generate(served, {"prompt": ""})
     lines = read()
     for name in ("CompressTimeToFirstToken_count", "CompressQueueTime_count",
                  "CompressBatchRows", "CompressGeneratedTokens", "CompressBadRequests",
-                 "ts_queue_latency_microseconds", "Requests4XX"):
+                 "CompressPrefixCacheBytes", "ts_queue_latency_microseconds", "Requests4XX"):
         assert name in lines, (name, sorted(lines))
+    # the prompts' keys and values: 2 layers x 2 heads x 8 dims, keys and values, float32 a
+    # position; at most the default bound of 4 x cache_len positions
+    held, position = value(lines, "CompressPrefixCacheBytes"), 2 * 2 * 2 * 8 * 4
+    assert 0 < held <= 4 * 256 * position and held % position == 0, held
     assert 'ModelName="tiny_lm"' in lines["CompressGeneratedTokens"]
     for name, least in (("CompressGeneratedTokens", 12), ("CompressBadRequests", 1),
                         ("CompressTimeToFirstToken_count", 1), ("Requests4XX", 1)):
         assert value(lines, name) - value(before, name) >= least, (name, before, lines)
+
+
+def mixed_request(k: int) -> tuple[str, dict]:
+    """Request `k` of a mixed load: native and OpenAI, streamed and whole, one choice or
+    two, distinct prompts (the prefix cache fills to its bound) and every 10th a bad one."""
+    prompt = f"{PROMPTS[k % len(PROMPTS)]} number {k}"
+    if k % 10 == 9:
+        return "", {"prompt": "", "max_new_tokens": 2}  # a 400
+    if k % 3 == 0:
+        return "/1.0/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 1 + k % 4,
+            "temperature": 0, "stream": k % 2 == 0, "n": 1 + k % 2}
+    return "", {"prompt": prompt, "max_new_tokens": 1 + k % 5, "stream": k % 2 == 0}
+
+
+def test_memory_after_a_thousand_mixed_requests_is_within_a_tenth_of_after_ten(
+        served: dict, engine: str) -> None:
+    """The server's whole process tree (PSS: shared pages once), after 10 requests and
+    after 1,000, 8 at a time: no request leaves memory behind (a row, a cache, a stream)."""
+    from compress.system.processes import tree_pss_bytes
+
+    def ask(k: int) -> int:
+        path, body = mixed_request(k)
+        status, _, _ = generate({**served, "url": served["url"] + path}, body)
+        return status
+
+    def memory() -> int:
+        return sum(tree_pss_bytes(served["pid"]).values())
+
+    with ThreadPoolExecutor(8) as pool:
+        first = list(pool.map(ask, range(10)))
+        after_ten = memory()
+        rest = list(pool.map(ask, range(10, 1000)))
+    after_thousand = memory()
+    statuses = first + rest
+    assert statuses.count(400) == 100 and statuses.count(200) == 900, set(statuses)
+    assert after_thousand <= 1.1 * after_ten, (engine, after_ten / 2**20,
+                                               after_thousand / 2**20)
 
 
 def test_fuzzing_the_openapi_description_gets_no_server_error(served: dict) -> None:

@@ -74,6 +74,9 @@ def child(folder: Path, rows: int, cache_len: int) -> dict[str, Any]:
     import torch
 
     stages.append(("import torch", pss_mb()))
+    from serve import worker_imports
+
+    worker_imports.leave_out(worker_imports.UNUSED + ("torchao",))  # as the handler does
     import transformers  # noqa: F401 (what a worker imports: its cost is measured)
 
     stages.append(("import transformers", pss_mb()))

@@ -152,6 +152,12 @@ def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
     quantize_(model, weight_config(scheme, group_size), filter_fn=chosen)
 
 
+def needs_torchao(folder: str | Path) -> bool:
+    """Whether the folder's weights are torchao's (its scheme one of torchao's configs)."""
+    facts = json.loads((Path(folder) / CAUSAL_LM_FILE).read_text())
+    return bool(facts.get("scheme")) and facts["scheme"] not in KERNEL_SCHEMES
+
+
 def load_folder(folder: str | Path) -> LoadedCausalLM:
     """The model, tokenizer and facts of a causal-LM folder, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -171,10 +177,9 @@ def load_folder(folder: str | Path) -> LoadedCausalLM:
         quantize_weights(model, facts["scheme"], facts.get("group_size") or 32,
                          facts.get("head_scheme") or facts["scheme"], fit=False,
                          activations=facts.get("activations") or "float32")
-        # mapped, not read: the weights' pages come from the file as the modules take them
-        # (the grouped kernels' records are packed from them, then the sources dropped)
-        state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True,
-                           mmap=True)
+        # read, not mapped: a mapping's pages stay resident while any tensor of the file
+        # lives (the embedding's codes, bound into the AOTI steps), sources dropped or not
+        state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(state, assign=True)
         if facts["scheme"] in KERNEL_SCHEMES:  # a 2:4 model: its grouped head's alone
             fuse_projections(model)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from ts.torch_handler.base_handler import BaseHandler
 
+from serve import worker_imports
 from serve.handler_settings import HandlerSettings
 from serve.http_answers import request_content_type
 from serve.worker_memory import return_freed_memory
@@ -95,6 +96,8 @@ class CausalLMHandler(BaseHandler):
         torch.set_num_threads(worker_threads(settings.threads,
                                              int(config.get("maxWorkers", 1)) * self.ranks))
         logger.info("%sloading %s", PROGRESS, model_dir.name)
+        worker_imports.leave_out(worker_imports.UNUSED + (
+            () if loading.needs_torchao(model_dir) else ("torchao",)))
         self.causal_lm = loading.load_folder(model_dir)
         self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
         # by every rank in step; or, with expert_parallel, this rank's experts, rank 0 leading

@@ -3,7 +3,9 @@
 fresh process after each step of a worker's start, as `serve/causal_lm/server/handler.py`
 takes them (imports, the tokenizer and model through `load_folder`, the kernel library, the
 state dict's copies of the weights released and freed memory returned to the system, the
-decoders' KV cache for the rows, a warm-up generation of every row), and what the model's
+decoders' KV cache for the rows, a warm-up generation of every row, a prefill of a prompt
+for every row at once as the continuous batcher runs it, with the prefix cache on), and
+what the model's
 tensors hold by kind (the state dict's codes, scales and offsets; the kernels' records; the
 float tensors left).
 
@@ -103,7 +105,32 @@ def child(folder: Path, rows: int, cache_len: int) -> dict[str, Any]:
     stages.append((f"a warm-up generation of {rows} rows", pss_mb()))
     cache = sum(t.untyped_storage().nbytes() for layer in decoder.cache.layers
                 for t in (layer.keys, layer.values)) / MB
-    return {"stages": stages, "tensors": tensor_kinds(lm.model), "cache_mb": cache}
+    prefiller = prefill_of(lm.model, rows, cache_len)
+    stages.append((f"a prefill of {rows} prompts of {PROMPT} tokens at once", pss_mb()))
+    held = prefiller.prefix_cache.stats() if prefiller.prefix_cache else {"bytes": 0}
+    return {"stages": stages, "tensors": tensor_kinds(lm.model), "cache_mb": cache,
+            "prefill_mb": prefiller.cache_bytes() / MB, "prefix_mb": held["bytes"] / MB}
+
+
+PROMPT = 100  # tokens of each prompt the continuous batcher's prefill takes at once
+
+
+def prefill_of(model: Any, rows: int, cache_len: int) -> Any:
+    """The handler's prefiller (default settings: the prefix cache on) after a prefill of
+    `rows` distinct prompts admitted together, as the continuous batcher runs one."""
+    import torch
+
+    from serve.causal_lm.runtime.attention import attention, decode_attention_for
+    from serve.causal_lm.server.prefill import prefiller_of
+    from serve.causal_lm.server.rows import Row
+    from serve.handler_settings import HandlerSettings
+
+    prefiller = prefiller_of(model, HandlerSettings(), cache_len, compiled=False)
+    prompts = [[1 + (k * PROMPT + i) % 1000 for i in range(PROMPT)] for k in range(rows)]
+    with torch.inference_mode(), attention(model, decode_attention_for(model)):
+        job = prefiller.start([Row(ids, 1, lambda token, end: None) for ids in prompts])
+        prefiller.step(job, whole=True)
+    return prefiller
 
 
 def make_folder(scheme: str, out: Path) -> Path:
@@ -135,7 +162,9 @@ def table(scheme: str, found: dict[str, Any]) -> list[str]:
         last = mem["pss"]
     lines.append("  the model's tensors by kind (MB): " + ", ".join(
         f"{kind} {size:.1f}" for kind, size in sorted(found["tensors"].items())))
-    lines.append(f"  the KV cache: {found['cache_mb']:.1f} MB")
+    lines.append(f"  the KV cache: {found['cache_mb']:.1f} MB; the prefill's workspace: "
+                 f"{found.get('prefill_mb', 0):.1f} MB; the prefix cache: "
+                 f"{found.get('prefix_mb', 0):.1f} MB")
     return lines
 
 

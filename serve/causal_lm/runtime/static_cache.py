@@ -6,6 +6,8 @@ prefill's jobs hold theirs."""
 
 from __future__ import annotations
 
+import mmap
+import warnings
 from typing import Any
 
 import torch
@@ -13,26 +15,52 @@ from torch import nn
 
 
 def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool) -> Any:
-    """A zeroed `StaticCache` of `rows` rows and `cache_len` positions for `model`. With
-    `dynamic_rows`, its tensors are no static addresses (transformers marks them so; a graph
-    compiled under Inductor's freezing would take them for constants) and their rows may
-    vary from graph input to graph input."""
+    """A zeroed `StaticCache` of `rows` rows and `cache_len` positions for `model`, its keys
+    and values in memory the system zeroes as it is first written (`untouched_zeros`): a
+    position no row has reached takes none. With `dynamic_rows`, its tensors are no static
+    addresses (transformers marks them so; a graph compiled under Inductor's freezing would
+    take them for constants) and their rows may vary from graph input to graph input."""
     from transformers import StaticCache
 
     config = model.config
     cache = StaticCache(config=config, max_cache_len=cache_len)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache.early_initialization(rows, heads, dim, getattr(model, "dtype", torch.float32),
-                               torch.device("cpu"))
-    if dynamic_rows:
-        for layer in cache.layers:
-            for tensor in (layer.keys, layer.values, layer.cumulative_length):
-                if hasattr(tensor, "_dynamo_static_input_type"):
-                    del tensor._dynamo_static_input_type
+    dtype = getattr(model, "dtype", torch.float32)
+    cache.early_initialization(rows, heads, dim, dtype, torch.device("meta"))  # no memory
+    sizes = [layer.keys.numel() + layer.values.numel() for layer in cache.layers]
+    flat = untouched_zeros(sum(sizes), dtype)
+    begin = 0
+    for layer, size in zip(cache.layers, sizes, strict=True):
+        keys, values = flat[begin:begin + size].split([layer.keys.numel(),
+                                                       layer.values.numel()])
+        begin += size
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, torch.device) and value.type == "meta":
+                setattr(layer, name, torch.device("cpu"))
+            elif isinstance(value, torch.Tensor) and value.is_meta:
+                made = {"keys": keys, "values": values}.get(name)
+                made = (made.view(value.shape) if made is not None else
+                        torch.zeros(value.shape, dtype=value.dtype))
+                if not dynamic_rows:  # as transformers marks them
+                    torch._dynamo.mark_static_address(made)
+                setattr(layer, name, made)
+        if dynamic_rows:
             for tensor in (layer.keys, layer.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
     return cache
+
+
+def untouched_zeros(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """`count` zeros of `dtype` in fresh anonymous memory (an mmap): the system gives each
+    page when it is first touched, so a cache's positions take memory once written (the
+    prefill's workspace holds the prompts' positions, not cache_len's); torch.zeros writes
+    every page at once."""
+    size = max(1, count * dtype.itemsize)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():  # the buffer is writable: torch's warning is not ours
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(memory, dtype=dtype, count=count)
 
 
 def position_bytes(model: nn.Module) -> int:

@@ -173,7 +173,8 @@ class ContinuousBatcher(Placement):
                 self._leave(slot, CANCELLED)
 
     def _admit(self) -> None:
-        """Start prefilling waiting requests, as many as there are free slots and they fit:
+        """Start prefilling waiting requests, as many as there are free slots and they fit
+        (and the prefiller's `max_rows` allows):
         the oldest that fit first, none past the oldest once it has waited `patience` steps
         (a request whose batch failed goes again alone, first)."""
         if self.job is not None:
@@ -191,7 +192,8 @@ class ContinuousBatcher(Placement):
         if self.steps - waiting[0].queued >= self.patience:
             waiting = waiting[:1]  # the oldest has waited long enough: it goes next
         fitting = (r for r in waiting if self._place(len(r.ids), r.max_new_tokens))
-        chosen = list(itertools.islice(fitting, free))  # no more checks than free slots
+        # no more checks than free slots; no more rows than a prefill takes at once
+        chosen = list(itertools.islice(fitting, min(free, self.prefiller.max_rows or free)))
         with self.wake:
             chosen = [r for r in chosen if r in self.waiting]  # not cancelled meanwhile
             for row in chosen:

@@ -15,7 +15,8 @@ from serve.causal_lm.runtime.static_cache import empty_cache, position_bytes
 MB = 2**20
 
 
-def test_a_cache_takes_memory_as_its_positions_are_written() -> None:
+def test_a_cache_takes_memory_as_its_positions_are_written_and_a_reset_gives_it_back(
+        ) -> None:
     model = varied_model()
     rows, positions = 8, 32768  # 256 B a position: 64 MB in all
     whole = rows * positions * position_bytes(model)
@@ -35,3 +36,7 @@ def test_a_cache_takes_memory_as_its_positions_are_written() -> None:
     assert 0.2 * whole < written - made < 0.35 * whole, (written - made) / MB
     assert float(layer.values[3, 1, positions // 4 - 1].sum()) == 16.0
     assert float(layer.values[3, 1, positions // 4].sum()) == 0.0
+    cache.reset()  # zeros again, its pages handed back: not a write of every page
+    assert pss_bytes(os.getpid()) - made < 4 * MB
+    assert not layer.keys.any() and not layer.values.any()
+    assert int(layer.cumulative_length) == 0

@@ -103,7 +103,7 @@ def child(folder: Path, rows: int, cache_len: int) -> dict[str, Any]:
     torch.set_num_threads(2)
     decoder.generate([[1, 2, 3]] * rows, 4)
     stages.append((f"a warm-up generation of {rows} rows", pss_mb()))
-    cache = sum(t.untyped_storage().nbytes() for layer in decoder.cache.layers
+    cache = sum(t.nbytes for layer in decoder.cache.layers
                 for t in (layer.keys, layer.values)) / MB
     prefiller = prefill_of(lm.model, rows, cache_len)
     stages.append((f"a prefill of {rows} prompts of {PROMPT} tokens at once", pss_mb()))

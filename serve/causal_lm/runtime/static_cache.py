@@ -6,6 +6,7 @@ prefill's jobs hold theirs."""
 
 from __future__ import annotations
 
+import functools
 import mmap
 import warnings
 from typing import Any
@@ -29,7 +30,7 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
     dtype = getattr(model, "dtype", torch.float32)
     cache.early_initialization(rows, heads, dim, dtype, torch.device("meta"))  # no memory
     sizes = [layer.keys.numel() + layer.values.numel() for layer in cache.layers]
-    flat = untouched_zeros(sum(sizes), dtype)
+    flat, memory = untouched_zeros(sum(sizes), dtype)
     begin = 0
     for layer, size in zip(cache.layers, sizes, strict=True):
         keys, values = flat[begin:begin + size].split([layer.keys.numel(),
@@ -48,19 +49,30 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
         if dynamic_rows:
             for tensor in (layer.keys, layer.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    cache.reset = functools.partial(_give_back, memory, cache)  # not a write of every page
     return cache
 
 
-def untouched_zeros(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """`count` zeros of `dtype` in fresh anonymous memory (an mmap): the system gives each
-    page when it is first touched, so a cache's positions take memory once written (the
-    prefill's workspace holds the prompts' positions, not cache_len's); torch.zeros writes
-    every page at once."""
-    size = max(1, count * dtype.itemsize)
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def _give_back(memory: mmap.mmap, cache: Any) -> None:
+    """A cache's `reset`: its keys and values zeros again by handing their pages back to the
+    system (madvise DONTNEED on their mmap: the next write takes a fresh zeroed page), where
+    transformers' writes every page; its write positions to 0."""
+    memory.madvise(mmap.MADV_DONTNEED)
+    for layer in cache.layers:
+        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            layer.cumulative_length.zero_()
+
+
+def untouched_zeros(count: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """`count` zeros of `dtype` in fresh anonymous memory, and that mmap (the tensor keeps it
+    alive): the system gives each page when it is first written, so a cache's positions take
+    memory once written (the prefill's workspace holds the prompts' positions, not
+    cache_len's); torch.zeros writes every page at once."""
+    memory = mmap.mmap(-1, max(1, count * dtype.itemsize),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with warnings.catch_warnings():  # the buffer is writable: torch's warning is not ours
         warnings.simplefilter("ignore")
-        return torch.frombuffer(memory, dtype=dtype, count=count)
+        return torch.frombuffer(memory, dtype=dtype, count=count), memory
 
 
 def position_bytes(model: nn.Module) -> int:
@@ -92,7 +104,17 @@ def first_rows(model: nn.Module, big: Any, rows: int, cache_len: int, dynamic_ro
         if dynamic_rows:
             for tensor in (mine.keys, mine.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    if "reset" in vars(big):  # zeroed through the whole one's (one cache in use at a time)
+        cache.reset = functools.partial(_reset_view, big, cache)
     return cache
+
+
+def _reset_view(big: Any, cache: Any) -> None:
+    """A `first_rows` cache's `reset`: the whole cache's, and its own write positions."""
+    big.reset()
+    for layer in cache.layers:
+        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            layer.cumulative_length.zero_()
 
 
 def tie_graphs_to(cache: Any) -> None:

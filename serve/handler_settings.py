@@ -44,9 +44,6 @@ class HandlerSettings:
     max_schema_waiting: int = 2
     prefill_chunk: int = 32  # prompt tokens prefilled per step
     prefill_compile: bool = False  # the prefill through torch.compile too
-    # rows admitted to one prefill (None: every free row): its workspace holds as many rows
-    # of cache_len positions (8 x 512 are 180 MB for SmolLM2-135M)
-    prefill_rows: int | None = None
     prefix_cache: bool | int = True  # reuse prompt prefixes (a number: positions kept)
     prefix_cache_mb: float | None = None  # the prefix cache's bound in MB (wins over positions)
     expert_parallel: int | None = None  # ranks that split a MoE model's experts

@@ -87,7 +87,9 @@ class Prefiller:
                  prefix_cache: PrefixCache | None = None, compiled: bool = False,
                  last_only: bool = True, budgeted: bool = True, max_rows: int | None = None):
         self.model, self.cache_len, self.chunk = model, cache_len, max(1, chunk)
-        self.max_rows = max_rows  # rows the batcher admits to one job (None: every free one)
+        # rows the batcher admits to one job (None: every free one; fewer delay first tokens:
+        # benchmarks/causal_lm/micro/prefill_rows.py)
+        self.max_rows = max_rows
         self.prefix_cache, self.last_only = prefix_cache, last_only
         self.workspace: Any = None  # the caches' storage (`_cache`)
         self.caches: dict[int, Any] = {}  # by rows: views of the workspace's first rows
@@ -219,13 +221,11 @@ def prefiller_of(model: nn.Module, settings: HandlerSettings, cache_len: int,
     """The handler's prefiller from model-config's `handler:` settings: `prefill_chunk`
     (positions a chunk), `prefix_cache` (true, false, or the positions it holds; true:
     4 x cache_len) and `prefix_cache_mb` (its bound in MB, where given: wins over the
-    positions), `prefill_compile` (true: where the decode step is compiled), `prefill_rows`
-    (the most rows one prefill takes: its workspace's rows)."""
+    positions), `prefill_compile` (true: where the decode step is compiled)."""
     return Prefiller(model, cache_len, settings.prefill_chunk,
                      prefix_cache_of(model, settings, cache_len),
                      compiled and settings.prefill_compile,
-                     "logits_to_keep" in inspect.signature(model.forward).parameters,
-                     max_rows=settings.prefill_rows)
+                     "logits_to_keep" in inspect.signature(model.forward).parameters)
 
 
 def prefix_cache_of(model: nn.Module, settings: HandlerSettings, cache_len: int

@@ -30,6 +30,7 @@ from ts.torch_handler.base_handler import BaseHandler
 from serve import worker_imports
 from serve.handler_settings import HandlerSettings
 from serve.http_answers import request_content_type
+from serve.worker_clock import stamped
 from serve.worker_memory import return_freed_memory
 from serve.worker_threads import worker_threads
 
@@ -95,10 +96,11 @@ class CausalLMHandler(BaseHandler):
         settings = HandlerSettings.from_config(config.get("handler"))
         torch.set_num_threads(worker_threads(settings.threads,
                                              int(config.get("maxWorkers", 1)) * self.ranks))
-        logger.info("%sloading %s", PROGRESS, model_dir.name)
+        logger.info("%s%s", PROGRESS, stamped(f"loading {model_dir.name}"))
         worker_imports.leave_out(worker_imports.UNUSED + (
             () if loading.needs_torchao(model_dir) else ("torchao",)))
         self.causal_lm = loading.load_folder(model_dir)
+        logger.info("%s%s", PROGRESS, stamped("tokenizer and weights loaded"))
         self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
         # by every rank in step; or, with expert_parallel, this rank's experts, rank 0 leading
         self.leads = self.ranks > 1 and bool(settings.expert_parallel)
@@ -120,13 +122,13 @@ class CausalLMHandler(BaseHandler):
         if mode != "none":
             steps, said = compiled_graphs.use_shipped(model_dir / compiled_graphs.FOLDER,
                                                       self.causal_lm.model, settings)
-            logger.info("%s%s", PROGRESS, said)
+            logger.info("%s%s", PROGRESS, stamped(said))
         # the kernel records are all a served model reads: the state dict's copy of each
         # weight goes, and the memory loading freed goes back to the system
         released = grouped.release_sources(self.causal_lm.model)
         return_freed_memory()
-        logger.info("%sweights held once (%d modules' state dict copies dropped)", PROGRESS,
-                    released)
+        logger.info("%s%s", PROGRESS, stamped(
+            f"weights held once ({released} modules' state dict copies dropped)"))
         batch_size = int(config.get("batchSize", 1))
         rows = settings.rows_of(batch_size) if self.continuous else batch_size
         # micro-batches: one a rank where the rows divide; rank 0 alone gets the requests
@@ -139,7 +141,7 @@ class CausalLMHandler(BaseHandler):
                                                        cache_len, mode, settings.cpp_wrapper,
                                                        make, steps)
         compiled_graphs.warm_up(self.decoders, self.continuous,
-                                lambda line: logger.info("%s%s", PROGRESS, line))
+                                lambda line: logger.info("%s%s", PROGRESS, stamped(line)))
         if self.pipe is not None and self.pipe.rank > 0:  # its requests come through rank 0
             pipeline.follow(self.decoders[max(self.decoders)])
         if self.leads and torch.distributed.get_rank() > 0:  # so do an expert rank's
@@ -151,6 +153,7 @@ class CausalLMHandler(BaseHandler):
                 self.decoders, prefiller, self.stop, own_thread=False,
                 max_waiting=settings.max_waiting)
             prefiller.warm_up()
+            logger.info("%s%s", PROGRESS, stamped("prefill warmed up"))
             self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
             self.compiling = grammar.CompileQueue(settings.max_schema_waiting)  # beside it
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",

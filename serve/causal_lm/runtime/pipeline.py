@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from . import decode, leader_call, process_group
 
@@ -84,7 +83,7 @@ class Pipe:
         self.module = StageModule(model, spans[rank], rank == 0, rank == ranks - 1)
         self.rank, self.ranks, self.spans = rank, ranks, spans
         self.hidden, self.vocab = config.hidden_size, config.vocab_size
-        self.schedules: dict[tuple[int, int, int, bool], ScheduleGPipe] = {}
+        self.schedules: dict[tuple[int, int, int, bool], Any] = {}  # ScheduleGPipe
 
     @property
     def last(self) -> bool:
@@ -108,8 +107,10 @@ class Pipe:
             out = schedule.step(ids, mask) if self.rank == 0 else schedule.step()
         return out if self.last else None
 
-    def _schedule(self, rows: int, length: int, chunks: int, every_position: bool
-                  ) -> ScheduleGPipe:
+    def _schedule(self, rows: int, length: int, chunks: int, every_position: bool) -> Any:
+        # imported here: 2.2 s of a worker's start on a Zen 1, which only a pipeline needs
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
         def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device="meta")
 

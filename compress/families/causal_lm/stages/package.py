@@ -95,6 +95,9 @@ def precompile(tree: Path, export_dir: Path, handler: dict, ctx: StageContext) -
     archive's `serve` package and an empty Inductor cache, into the archive's
     `compiled_graphs/` (serve/causal_lm/server/compiled_graphs.py); its lines go to the log."""
     began = time.perf_counter()
+    # absolute: the child runs in `tree`, and a run folder given relative (output_dir=runs)
+    # named the export and the output from where compress runs
+    tree, export_dir = tree.resolve(), export_dir.resolve()
     command = [sys.executable, "-m", "serve.causal_lm.server.compiled_graphs", str(export_dir),
                json.dumps(handler), str(tree / FOLDER)]
     env = os.environ | {"PYTHONPATH": str(tree)}  # the child sets its own Inductor cache

@@ -45,6 +45,12 @@ from compress.system import processes
 
 ENGINE = "torchserve"
 TOKEN_MINUTES = 60 * 24 * 30  # TorchServe's default (60) would expire tokens within the hour
+# the Java frontend only relays requests and answers: its JIT at C1 (no C2 compiles beside
+# the workers' threads), one compiler thread, the serial collector (no concurrent GC threads)
+# and a heap of 64-512 MB, where the JVM's defaults take G1, two compiler threads and a
+# quarter of the machine's memory
+FRONTEND_VMARGS = ("-XX:+UseSerialGC", "-Xms64m", "-Xmx512m", "-XX:TieredStopAtLevel=1",
+                   "-XX:CICompilerCount=1", "-XX:+ExitOnOutOfMemoryError")
 JAVA_HELP = ("java not found: TorchServe needs Java 17; install it (Debian/Ubuntu: "
              "apt-get install openjdk-17-jre-headless) or set JAVA_HOME")
 
@@ -79,7 +85,7 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
         f"model_store={store}", f"token_expiration_min={TOKEN_MINUTES}",
         f"enable_model_api={'true' if model_api else 'false'}",
         "disable_system_metrics=true", "install_py_dep_per_model=false",
-        "metrics_mode=prometheus",
+        "metrics_mode=prometheus", f"vmargs={' '.join(FRONTEND_VMARGS)}",
         f"metrics_config={write_metrics_config(serve_dir / 'metrics.yaml')}", ""]))
     command = [sys.executable, "-m", "ts.model_server", "--start", "--ncs", "--ts-config",
                str(config), "--model-store", str(store), "--models",

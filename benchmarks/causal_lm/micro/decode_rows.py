@@ -9,13 +9,18 @@ Per rows and clients: tokens per second over the load (every request `--new` tok
 time to first token (median and p99, from a request's submission) and a running row's
 inter-token gap (median and p99), medians over alternating rounds. Past the rows, requests
 wait for a free row: more rows bound that wait where a step of more rows costs less than
-the answers it lets start. Prints a table and writes benchmarks/results/llm_decode_rows.md.
+the answers it lets start. Each rows setting runs in a process of its own, its rounds one
+after another (several compiled row counts in one process share Dynamo's recompile limit:
+measured together, the first built fell back to slower graphs). Prints a table and writes
+benchmarks/results/llm_decode_rows.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,6 +83,32 @@ def closed_loop(batcher: ContinuousBatcher, prompts: list[list[int]], clients: i
             "itl_p99_ms": percentile(gaps, 99) * 1e3}
 
 
+def measure_rows(args: argparse.Namespace, rows: int, levels: list[int]
+                 ) -> dict[str, list[dict[str, float]]]:
+    """`args.rounds` rounds of every level at `rows` decode rows, in this process: by
+    clients, each round's figures."""
+    lm = loading.load_folder(args.folder)
+    texts = [t for t in args.prompts.read_text().splitlines() if t.strip()]
+    prompts = [loading.prompt_ids(lm.tokenizer, t, True) for t in texts]
+    began = time.perf_counter()
+    decoders = build_decoders(lm.model, buckets(rows), args.cache_len, args.compile, True)
+    warm_up(decoders, shared=True, log=lambda line: None)
+    prefiller = Prefiller(lm.model, args.cache_len, compiled=False)
+    prefiller.warm_up()
+    print(f"{rows} rows: built in {time.perf_counter() - began:.0f} s", file=sys.stderr,
+          flush=True)
+    found: dict[str, list[dict[str, float]]] = {}
+    for r in range(args.rounds):
+        for clients in (levels if r % 2 == 0 else levels[::-1]):
+            batcher = ContinuousBatcher(decoders, prefiller, set(), own_thread=False,
+                                        max_waiting=4 * max(levels))
+            got = closed_loop(batcher, prompts, clients, args.requests * clients, args.new)
+            found.setdefault(str(clients), []).append(got)
+            print(f"{rows} rows, {clients} clients:",
+                  {k: round(v, 1) for k, v in got.items()}, file=sys.stderr, flush=True)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, metavar="EXPORT_DIR",
@@ -93,33 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompts", type=Path, default=REPO / "recipes/prompts/chat20.txt")
     parser.add_argument("--markdown", type=Path, default=RESULTS / "llm_decode_rows.md")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(r) for r in args.rows.split(",")]
     levels = [int(c) for c in args.clients.split(",")]
-    lm = loading.load_folder(args.folder)
-    texts = [t for t in args.prompts.read_text().splitlines() if t.strip()]
-    prompts = [loading.prompt_ids(lm.tokenizer, t, True) for t in texts]
-    built = {}
-    for rows in sizes:
-        began = time.perf_counter()
-        decoders = build_decoders(lm.model, buckets(rows), args.cache_len, args.compile, True)
-        warm_up(decoders, shared=True, log=lambda line: None)
-        prefiller = Prefiller(lm.model, args.cache_len, compiled=False)
-        prefiller.warm_up()
-        built[rows] = (decoders, prefiller)
-        print(f"{rows} rows: built in {time.perf_counter() - began:.0f} s", flush=True)
+    if args.child:
+        print(json.dumps(measure_rows(args, sizes[0], levels)), flush=True)
+        return 0
     results: dict[tuple[int, int], list[dict[str, float]]] = {}
-    for r in range(args.rounds):
-        for rows in (sizes if r % 2 == 0 else sizes[::-1]):
-            decoders, prefiller = built[rows]
-            for clients in levels:
-                batcher = ContinuousBatcher(decoders, prefiller, set(), own_thread=False,
-                                            max_waiting=4 * max(levels))
-                got = closed_loop(batcher, prompts, clients, args.requests * clients,
-                                  args.new)
-                results.setdefault((rows, clients), []).append(got)
-                print(f"{rows} rows, {clients} clients:",
-                      {k: round(v, 1) for k, v in got.items()}, flush=True)
+    for rows in sizes:  # a process each: see the module's docstring
+        child = [sys.executable, "-m", "benchmarks.causal_lm.micro.decode_rows",
+                 str(args.folder), "--rows", str(rows), "--clients", args.clients,
+                 "--requests", str(args.requests), "--new", str(args.new), "--cache-len",
+                 str(args.cache_len), "--compile", args.compile, "--rounds", str(args.rounds),
+                 "--prompts", str(args.prompts), "--child"]
+        done = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"llm_decode_rows: {rows} rows failed (exit {done.returncode})")
+        for clients, runs in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            results[(rows, int(clients))] = runs
     header = results_header("benchmarks.causal_lm.micro.decode_rows",
                             sys.argv[1:] if argv is None else argv)
     lines = ["# How many rows to decode together: closed-loop clients on the served batcher",
@@ -127,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
              f"- {args.folder.name}: cache_len {args.cache_len}, compile {args.compile} "
              f"(dynamic rows), eager prefill, {args.new} new tokens a request, "
              f"{args.requests} x clients requests a level, prompts from {args.prompts.name} "
-             f"(chat template), {args.rounds} alternating rounds (medians)",
-             f"- threads: {torch.get_num_threads()}", "",
+             f"(chat template), {args.rounds} rounds (medians), each rows setting in a "
+             f"process of its own", f"- threads: {torch.get_num_threads()}", "",
              "| rows | clients | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
              "ITL p99 ms |", "|---|---|---|---|---|---|---|"]
     for (rows, clients), runs in sorted(results.items()):

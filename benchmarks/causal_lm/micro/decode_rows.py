@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.causal_lm.micro.chunked_prefill import percentile
 from benchmarks.harness.paths import REPO, RESULTS
 from benchmarks.harness.provenance import header_lines, results_header, scrubbed
 from serve.causal_lm.runtime import loading
@@ -35,11 +36,6 @@ from serve.causal_lm.server.batcher import ContinuousBatcher, Row
 from serve.causal_lm.server.buckets import buckets
 from serve.causal_lm.server.compiled_graphs import build_decoders, warm_up
 from serve.causal_lm.server.prefill import Prefiller
-
-
-def percentile(values: list[float], q: float) -> float:
-    ranked = sorted(values)
-    return ranked[min(len(ranked) - 1, max(0, round(q / 100 * len(ranked) + 0.5) - 1))]
 
 
 def closed_loop(batcher: ContinuousBatcher, prompts: list[list[int]], clients: int,

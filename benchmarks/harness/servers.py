@@ -71,7 +71,7 @@ class RssSampler:
                 parts = tree_pss_bytes(pid)
                 if sum(parts.values()) > self.pss_peak:
                     self.pss_peak = sum(parts.values())
-                    self.pss_parts = {f"{member} {' '.join(command_line(member).split())[:80]}":
+                    self.pss_parts = {f"{member} {short_command(command_line(member))}":
                                       size for member, size in parts.items()}
             self.stopped.wait(self.every_s)
 
@@ -79,6 +79,27 @@ class RssSampler:
         self.stopped.set()
         self.thread.join()
         return self.peak
+
+
+def short_command(line: str) -> str:
+    """A process's command line as a results file may hold it: the program's file name and
+    its module (`-m`) or script's, no paths ("python -m compress.serving.litserve.main",
+    "java org.pytorch.serve.ModelServer", "llama-server")."""
+    words = line.split()
+    if not words:
+        return "?"
+    shown = [Path(words[0]).name]
+    if not shown[0].startswith("python") and shown[0] != "java":
+        return shown[0]
+    if "-m" in words[1:-1]:
+        shown += ["-m", words[words.index("-m") + 1]]
+    elif "-c" in words[1:-1]:
+        shown.append("-c " + " ".join(words[words.index("-c") + 1:])[:40])
+    elif any(w.startswith("org.pytorch.") for w in words):
+        shown.append(next(w for w in words if w.startswith("org.pytorch.")))
+    elif len(words) > 1 and words[1].endswith(".py"):
+        shown.append(Path(words[1]).name)
+    return " ".join(shown)
 
 
 def tail(log: Path) -> str:

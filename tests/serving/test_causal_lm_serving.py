@@ -464,7 +464,7 @@ def test_a_compiled_two_kv_head_qwen2_starts_and_streams_the_offline_text(
         assert started.returncode == 0, started.stderr[-2000:]
         # from the decode steps the package stage compiled ahead of time for this CPU,
         # shipped in the archive: loaded, warmed up, nothing compiled as it started
-        assert ": shipped decode steps loaded\n" in started.stderr  # `W-9000: ...`
+        assert ": shipped decode steps loaded (at " in started.stderr  # `W-9000: ...`
         for n, rows in enumerate((4, 2, 1), 1):  # what the worker said while it started
             assert f"warming up bucket {n} of 3 ({rows} rows)" in started.stderr
         assert "compiling bucket" not in started.stderr

@@ -23,11 +23,8 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
     take them for constants) and their rows may vary from graph input to graph input."""
     from transformers import StaticCache
 
-    config = model.config
-    cache = StaticCache(config=config, max_cache_len=cache_len)
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = getattr(model, "dtype", torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    heads, dim, dtype = _layout(model)
     cache.early_initialization(rows, heads, dim, dtype, torch.device("meta"))  # no memory
     sizes = [layer.keys.numel() + layer.values.numel() for layer in cache.layers]
     flat, memory = untouched_zeros(sum(sizes), dtype)
@@ -78,26 +75,30 @@ def untouched_zeros(count: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.
 def position_bytes(model: nn.Module) -> int:
     """Bytes that one position of one row takes in a cache of `model` (keys and values, every
     layer): 46,080 for SmolLM2-135M in float32."""
+    heads, dim, dtype = _layout(model)
+    return 2 * model.config.num_hidden_layers * heads * dim * dtype.itemsize
+
+
+def _layout(model: nn.Module) -> tuple[int, int, torch.dtype]:
+    """A cache layer's key-value heads, head dimension and dtype for `model`."""
     config = model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = getattr(model, "dtype", torch.float32)
-    return 2 * config.num_hidden_layers * heads * dim * dtype.itemsize
+    return heads, dim, getattr(model, "dtype", torch.float32)
 
 
-def first_rows(model: nn.Module, big: Any, rows: int, cache_len: int, dynamic_rows: bool,
-               shared_lengths: bool = True) -> Any:
+def first_rows(model: nn.Module, big: Any, rows: int, cache_len: int, dynamic_rows: bool
+               ) -> Any:
     """A `StaticCache` whose keys and values are views of the first `rows` rows of `big`'s
-    (no memory of its own); its write positions are `big`'s where `shared_lengths`, else its
-    own; with `dynamic_rows`, its rows may vary from graph input to graph input."""
+    (no memory of its own) and whose write positions and reset are `big`'s; with
+    `dynamic_rows`, its rows may vary from graph input to graph input."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
     for mine, whole in zip(cache.layers, big.layers, strict=True):
         mine.lazy_initialization(whole.keys[:rows], whole.values[:rows])
         mine.keys, mine.values = whole.keys[:rows], whole.values[:rows]
-        if shared_lengths:
-            mine.cumulative_length = whole.cumulative_length
+        mine.cumulative_length = whole.cumulative_length
         for tensor in (mine.keys, mine.values, mine.cumulative_length):
             if dynamic_rows and hasattr(tensor, "_dynamo_static_input_type"):
                 del tensor._dynamo_static_input_type
@@ -105,16 +106,8 @@ def first_rows(model: nn.Module, big: Any, rows: int, cache_len: int, dynamic_ro
             for tensor in (mine.keys, mine.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
     if "reset" in vars(big):  # zeroed through the whole one's (one cache in use at a time)
-        cache.reset = functools.partial(_reset_view, big, cache)
+        cache.reset = big.reset
     return cache
-
-
-def _reset_view(big: Any, cache: Any) -> None:
-    """A `first_rows` cache's `reset`: the whole cache's, and its own write positions."""
-    big.reset()
-    for layer in cache.layers:
-        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-            layer.cumulative_length.zero_()
 
 
 def tie_graphs_to(cache: Any) -> None:

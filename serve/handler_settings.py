@@ -43,7 +43,7 @@ class HandlerSettings:
     # it, a request with a schema not yet compiled gets a 503 with Retry-After (0: no bound)
     max_schema_waiting: int = 2
     prefill_chunk: int = 32  # prompt tokens prefilled per step
-    prefill_compile: bool = False  # the prefill through torch.compile too
+    prefill_compile: bool = True  # the prefill compiled ahead of time (where the steps are)
     prefix_cache: bool | int = True  # reuse prompt prefixes (a number: positions kept)
     prefix_cache_mb: float | None = None  # the prefix cache's bound in MB (wins over positions)
     expert_parallel: int | None = None  # ranks that split a MoE model's experts

@@ -88,16 +88,17 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
                                                        compile_mode: str | None = None,
-                                                       steps: dict | None = None) -> None:
+                                                       steps: dict | None = None,
+                                                       **prefill) -> None:
     """Rows joining at any step, through cursor moves both ways, each decode the tokens
-    their prompt gets alone."""
+    their prompt gets alone; `prefill`: the Prefiller's options (a shipped `package`)."""
     moves: list[int] = []
     move = ContinuousBatcher._move
     monkeypatch.setattr(ContinuousBatcher, "_move",
                         lambda self, *a: (moves.append(a[2]), move(self, *a))[1])
     from torch._dynamo.utils import counters
 
-    batcher = batcher_of(model, compile_mode=compile_mode, steps=steps)
+    batcher = batcher_of(model, compile_mode=compile_mode, steps=steps, **prefill)
     graphs = counters["stats"]["unique_graphs"]
     rows = []
 

@@ -11,8 +11,9 @@ Two modes:
   `StaticDecoder` compiled (or, with `step` "aoti", decoding through AOTInductor packages
   exported into `aoti_dir` once, as the package stage ships them); then perplexity and greedy
   tokens (when asked), decode tok/s at batch 1 and 8, time to first token (`ttft_ms`: the
-  prefill a served archive runs by default, `served_prefill`; with `ttft_compiled`, also
-  `ttft_compiled_ms`, the compiled prefill, which is not the served default), and the
+  prefill a served archive runs by default, `served_prefill`: ahead of time beside "aoti"
+  steps, else eager; with `ttft_compiled`, also `ttft_compiled_ms`, torch.compile's
+  prefill, which is not the served default), and the
   weight bytes a decode step reads.
 - "triad": memory bandwidth, a = b + s * c on float32 arrays far larger than the caches,
   on all cores, and the machine (CPU, flags, library versions).
@@ -164,17 +165,28 @@ def _decoder(model: nn.Module, longest: int, mode: str, step: str, rows: int = 1
     return decoder.compile(mode, cpp_wrapper=cpp, skip_guards=cpp)
 
 
-def served_prefiller(model: nn.Module, cache_len: int, step_compiled: bool) -> Any:
+def served_prefiller(model: nn.Module, cache_len: int, aoti_dir: Path | None) -> Any:
     """The prefiller a served archive builds by default (`prefiller_of` with the default
-    handler settings: `prefill_compile` decides whether the prefill compiles where the decode
-    step does), without the prefix cache, which would answer a repeated prompt from memory."""
+    handler settings), without the prefix cache, which would answer a repeated prompt from
+    memory: where the decode steps ship compiled ahead of time (`aoti_dir`: step "aoti"),
+    through the prefill package the package stage ships beside them (`prefill_compile`,
+    exported into `aoti_dir` once), else eager."""
     import dataclasses
 
-    from serve.causal_lm.server.prefill import prefiller_of
+    from serve.causal_lm.server import aot_steps
+    from serve.causal_lm.server.prefill import last_only, prefiller_of
     from serve.handler_settings import HandlerSettings
 
     settings = dataclasses.replace(HandlerSettings(), prefix_cache=False)
-    return prefiller_of(model, settings, cache_len, step_compiled)
+    package = None
+    if aoti_dir is not None and settings.prefill_compile:
+        folder = aoti_dir / "prefill"
+        if not (folder / aot_steps.PREFILL).is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            aot_steps.export_prefill(model, 1, cache_len, "default", folder, last_only(model))
+        package = aot_steps.LoadedPrefill(aot_steps.load_prefill(folder, model), 1,
+                                          last_only(model))
+    return prefiller_of(model, settings, cache_len, package)
 
 
 def ttft_ms(model: nn.Module, prefiller: Any, prompt: list[int], repeats: int) -> float:
@@ -197,14 +209,14 @@ def ttft_ms(model: nn.Module, prefiller: Any, prompt: list[int], repeats: int) -
 
 
 def ttft_figures(model: nn.Module, cache_len: int, prompt: list[int], repeats: int,
-                 step_compiled: bool, also_compiled: bool) -> dict[str, Any]:
-    """`ttft_ms` through the served default prefill (`served_prefill`: "compiled" or
-    "eager"); with `also_compiled`, where the served default is eager and the step compiles,
-    `ttft_compiled_ms` through the compiled prefill too (not the served default)."""
-    served = served_prefiller(model, cache_len, step_compiled)
-    figures: dict[str, Any] = {
-        "ttft_ms": ttft_ms(model, served, prompt, repeats),
-        "served_prefill": "compiled" if served.compiled else "eager"}
+                 aoti_dir: Path | None, step_compiled: bool, also_compiled: bool
+                 ) -> dict[str, Any]:
+    """`ttft_ms` through the served default prefill (`served_prefiller`; `served_prefill`:
+    its kind, "ahead of time" or "eager"); with `also_compiled`, where the step compiles,
+    `ttft_compiled_ms` through torch.compile's prefill too (not the served default)."""
+    served = served_prefiller(model, cache_len, aoti_dir)
+    figures: dict[str, Any] = {"ttft_ms": ttft_ms(model, served, prompt, repeats),
+                               "served_prefill": served.kind}
     if also_compiled and step_compiled and not served.compiled:
         compiled = Prefiller(model, cache_len, compiled=True)
         figures["ttft_compiled_ms"] = ttft_ms(model, compiled, prompt, repeats)
@@ -236,7 +248,9 @@ def compress(spec: dict[str, Any]) -> dict[str, Any]:
     decoder.generate([timing], 4)  # warm-up (and the compile, when not done above)
     runs = [decoder.generate([timing], tokens) for _ in range(repeats)]
     figures["tok_s_b1"] = statistics.median(r.decode_tokens_per_s for r in runs)
+    shipped = step == "aoti" and mode != "none"  # the prefill ships beside such steps
     figures.update(ttft_figures(model, decoder.max_cache_len, inputs["ttft_prompt"], repeats,
+                                Path(spec.get("aoti_dir") or ".") if shipped else None,
                                 mode != "none", bool(spec.get("ttft_compiled"))))
     batch = prompts[:spec.get("batch", 8)]
     decoder = _decoder(model, longest, mode, step, len(batch), spec.get("aoti_dir"))

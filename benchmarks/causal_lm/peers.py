@@ -91,16 +91,16 @@ def make_inputs(gguf: Path, args: argparse.Namespace, path: Path) -> dict[str, A
     return inputs
 
 
-def served_prefill(compile_mode: str) -> str:
+def served_prefill(compile_mode: str, step: str) -> str:
     """How a served archive prefills by default, as compress's TTFT column times it: the
-    handler's `prefill_compile` default (serve/handler_settings.py), compiled only where
-    the decode step is."""
+    handler's `prefill_compile` default (serve/handler_settings.py), the prefill compiled
+    ahead of time where the decode steps are (`--step aoti`), else eager."""
     from serve.handler_settings import HandlerSettings
 
     default = HandlerSettings().prefill_compile
-    compiled = default and compile_mode != "none"
-    return (f"{'compiled' if compiled else 'eager'} (the handler's default "
-            f"prefill_compile: {str(default).lower()})")
+    ahead = default and compile_mode != "none" and step == "aoti"
+    return (f"{'ahead of time' if ahead else 'eager'} (the handler's default "
+            f"prefill_compile: {str(default).lower()}, shipped beside ahead-of-time steps)")
 
 
 def llama_items(gguf: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict]:
@@ -273,7 +273,7 @@ def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
               "ppl_texts": len(inputs["texts"]), "prompts": len(inputs["prompts"]),
               "greedy_tokens": args.greedy_tokens, "bandwidth_gbs": bandwidth,
               "source_gguf": gguf.name, "compress_step": f"{args.compile}, {args.step}",
-              "served_prefill": served_prefill(args.compile),
+              "served_prefill": served_prefill(args.compile, args.step),
               "llama_build": f"CMAKE_ARGS={facts.get('cmake_args')}: "
                              f"{facts.get('system_info')}" if facts else None}
     print(render_text(rows), end="")

@@ -317,31 +317,42 @@ def test_the_ttft_column_is_the_served_prefill_and_a_compiled_one_says_it_is_not
                                      {"ttft_compiled_ms": 8.0}]) == {"ttft_compiled_ms": 8.0}
 
 
-def test_ttft_goes_through_the_prefill_a_served_archive_builds_by_default(monkeypatch) -> None:
+def test_ttft_goes_through_the_prefill_a_served_archive_builds_by_default(monkeypatch,
+                                                                           tmp_path) -> None:
     """The served default (the handler's prefill_compile) decides which prefiller compress's
-    TTFT times; a compiled one is timed besides only when asked and not the default."""
+    TTFT times: the prefill compiled ahead of time beside ahead-of-time steps, as the package
+    stage ships it (exported once into the row's folder), else eager; torch.compile's
+    prefill is timed besides only when asked."""
+    from serve.causal_lm.server import aot_steps
     from serve.handler_settings import HandlerSettings
 
+    assert HandlerSettings.prefill_compile is True  # as shipped
     model = tiny(tied=True)
-    served = child.served_prefiller(model, 64, step_compiled=True)
-    assert served.compiled is HandlerSettings.prefill_compile  # False as shipped
+    exported: list[Path] = []
+    monkeypatch.setattr(aot_steps, "export_prefill", lambda m, rows, cache_len, mode, out,
+                        last_only: (exported.append(out),
+                                    (out / aot_steps.PREFILL).write_bytes(b"")))
+    monkeypatch.setattr(aot_steps, "load_prefill", lambda folder, m: {1: "package"})
+    served = child.served_prefiller(model, 64, tmp_path)
+    assert served.kind == "ahead of time" and served.run.packages == {1: "package"}
     assert served.prefix_cache is None  # a repeated prompt is prefilled every time
-    assert child.served_prefiller(model, 64, step_compiled=False).compiled is False
-    timed: list[bool] = []
+    assert exported == [tmp_path / "prefill"]
+    child.served_prefiller(model, 64, tmp_path)
+    assert exported == [tmp_path / "prefill"]  # once: the next round loads it
+    assert child.served_prefiller(model, 64, None).kind == "eager"  # steps not shipped
+    timed: list[str] = []
     monkeypatch.setattr(child, "ttft_ms", lambda m, prefiller, prompt, repeats: (
-        timed.append(prefiller.compiled) or 10.0 + 5 * prefiller.compiled))
-    figures = child.ttft_figures(model, 64, [1, 2, 3], 1, step_compiled=True,
-                                 also_compiled=True)
-    assert figures == {"ttft_ms": 10.0, "served_prefill": "eager", "ttft_compiled_ms": 15.0}
-    assert child.ttft_figures(model, 64, [1, 2, 3], 1, True, also_compiled=False) == {
+        timed.append(prefiller.kind) or {"eager": 10.0, "compiled": 15.0,
+                                         "ahead of time": 8.0}[prefiller.kind]))
+    assert child.ttft_figures(model, 64, [1, 2, 3], 1, tmp_path, True, also_compiled=True) == {
+        "ttft_ms": 8.0, "served_prefill": "ahead of time", "ttft_compiled_ms": 15.0}
+    assert child.ttft_figures(model, 64, [1, 2, 3], 1, None, True, also_compiled=False) == {
         "ttft_ms": 10.0, "served_prefill": "eager"}
-    assert child.ttft_figures(model, 64, [1, 2, 3], 1, False, also_compiled=True) == {
+    assert child.ttft_figures(model, 64, [1, 2, 3], 1, None, False, also_compiled=True) == {
         "ttft_ms": 10.0, "served_prefill": "eager"}  # an eager step: nothing to compile
-    # were it to ship on: the compiled prefiller is the served one, timed once
-    monkeypatch.setattr(child, "served_prefiller", lambda m, cache_len, step_compiled: (
-        child.Prefiller(m, cache_len, compiled=step_compiled)))
-    assert child.ttft_figures(model, 64, [1, 2, 3], 1, True, also_compiled=True) == {
-        "ttft_ms": 15.0, "served_prefill": "compiled"}
-    assert peers_llm.served_prefill("max-autotune") == peers_llm.served_prefill("none") == \
-        "eager (the handler's default prefill_compile: false)"
+    assert peers_llm.served_prefill("max-autotune", "aoti").startswith("ahead of time (the "
+                                                                      "handler's default "
+                                                                      "prefill_compile: true")
+    assert peers_llm.served_prefill("none", "aoti").startswith("eager")
+    assert peers_llm.served_prefill("max-autotune", "cpp").startswith("eager")
     assert peers_llm.parse_args(["--ttft-compiled"]).ttft_compiled is True

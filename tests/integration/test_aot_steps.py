@@ -19,10 +19,13 @@ from batcher_checks import (
 )
 
 from serve import worker_temp
+from serve.causal_lm.runtime.attention import attention, decode_attention_for
 from serve.causal_lm.runtime.decode import StaticDecoder
 from serve.causal_lm.runtime.kernels import grouped_mm_available
 from serve.causal_lm.runtime.loading import quantize_weights
 from serve.causal_lm.server import aot_steps, compiled_graphs
+from serve.causal_lm.server.prefill import Prefiller
+from serve.causal_lm.server.rows import Row
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +35,20 @@ def model():
 
 @pytest.fixture(scope="module")
 def shipped(model, tmp_path_factory):
-    """The archive's compiled_graphs/ folder of `model`: packages for 1 and 2..4 rows."""
+    """The archive's compiled_graphs/ folder of `model`: packages for 1 and 2..4 rows, and
+    the prefill's for 1..4."""
     folder = tmp_path_factory.mktemp("compiled_graphs")
     aot_steps.export_steps(model, 4, CACHE, "default", folder)
+    aot_steps.export_prefill(model, 4, CACHE, "default", folder)
     (folder / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
     return folder
 
 
 def test_the_steps_read_the_workers_own_weights(shipped, model) -> None:
     """The packages hold no weights: they run on the model's tensors (no copy)."""
-    assert sorted(p.name for p in shipped.glob("*.pt2")) == [aot_steps.ONE, aot_steps.ROWS]
+    # a float model's graph tells one row from more: a prefill for 1 row and one for 2-4
+    assert sorted(p.name for p in shipped.glob("*.pt2")) == sorted([
+        aot_steps.ONE, aot_steps.ROWS, aot_steps.PREFILL, aot_steps.PREFILL_ONE])
     steps = aot_steps.load_steps(shipped, model)
     decoder = aot_steps.use_step(StaticDecoder(model, CACHE, always_mask=True), steps[1])
     decoder.allocate(1)
@@ -69,18 +76,51 @@ def test_the_packages_extract_into_the_workers_own_folder(shipped, model) -> Non
 
 def test_rows_joining_a_batch_of_shipped_steps_decode_their_tokens_alone(
         shipped, model, monkeypatch) -> None:
-    steps, said = compiled_graphs.use_shipped(shipped, model)
-    assert said == "shipped decode steps loaded" and sorted(steps) == [1, 2]
+    steps, prefill, said = compiled_graphs.use_shipped(shipped, model)
+    assert said == "shipped decode steps and prefill loaded" and sorted(steps) == [1, 2]
+    assert isinstance(prefill, aot_steps.LoadedPrefill)
+    calls = []
+    for fewest, package in list(prefill.packages.items()):
+        prefill.packages[fewest] = lambda *a, run=package: (calls.append(a[0].shape),
+                                                            run(*a))[1]
     # nothing compiles while serving (the check counts Dynamo's graphs)
-    rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch, steps=steps)
+    rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch, steps=steps,
+                                                       package=prefill)
+    assert {shape[0] for shape in calls} >= {1, 2}, calls  # through both packages
+
+
+def test_the_shipped_prefill_gives_the_eager_prefill_s_logits_for_any_rows(shipped,
+                                                                          model) -> None:
+    """The package takes 1 to 4 rows of 2 to `cache_len` positions, anywhere in the cache
+    (a later chunk attends to the positions written before it): its last positions' logits
+    are the eager prefill's to float32 rounding (Inductor fuses the norms), a lone row's
+    those it gets in a batch (the same bits on the kernels: test_batch_invariance.py)."""
+    prefill = aot_steps.LoadedPrefill(aot_steps.load_prefill(shipped, model), 4, True)
+    generator = torch.Generator().manual_seed(3)
+    for rows, lengths in ((1, [7]), (3, [2, 9, 30]), (4, [5, 5, 12, 63]), (2, [40, 3])):
+        prompts = [torch.randint(1, 97, (n,), generator=generator).tolist() for n in lengths]
+        got = {}
+        for name, package in (("eager", None), ("shipped", prefill)):
+            prefiller = Prefiller(model, CACHE, chunk=16, package=package)
+            with torch.inference_mode(), attention(model, decode_attention_for(model)):
+                job = prefiller.start([Row(ids, 1, lambda token, end: None) for ids in prompts])
+                while not job.finished:  # in chunks of 16: a chunk after the first
+                    prefiller.step(job, whole=False)
+                got[name] = job.logits.clone()
+                if name == "shipped":
+                    lone = prefiller.start([Row(prompts[-1], 1, lambda token, end: None)])
+                    prefiller.step(lone, whole=True)
+                    torch.testing.assert_close(lone.logits[0], job.logits[-1])
+        assert got["shipped"].shape == (rows, 97)
+        torch.testing.assert_close(got["shipped"], got["eager"], rtol=1e-4, atol=1e-4)
 
 
 def test_a_model_lacking_a_weight_the_packages_name_refuses_them(shipped, caplog) -> None:
     other = varied_model()
     del other.model.layers[1]  # the second layer's weights are gone
     with caplog.at_level(logging.WARNING):
-        steps, said = compiled_graphs.use_shipped(shipped, other)
-    assert steps == {} and said == "shipped steps refused: compiling afresh"
+        steps, prefill, said = compiled_graphs.use_shipped(shipped, other)
+    assert steps == {} and prefill is None and said == "shipped steps refused: compiling afresh"
     [line] = [r.getMessage() for r in caplog.records]
     assert "needs weights the model lacks" in line and "layers.1." in line
 

@@ -108,21 +108,24 @@ def test_compiled_steps_keep_the_rule(monkeypatch) -> None:
 
 
 def test_shipped_aot_steps_keep_the_rule(monkeypatch, tmp_path) -> None:
-    """Through the AOTInductor packages a served archive decodes with by default (one for
-    1 row, one for 2-4): the same bits alone and together."""
+    """Through the AOTInductor packages a served archive decodes and prefills with by
+    default (decode: one for 1 row, one for 2-4; the prefill: one for 1-4): the same bits
+    alone and together."""
     from batcher_checks import CACHE
 
     from serve.causal_lm.server import aot_steps
 
     model = tiny_llama("int8_grouped", "float32")
     aot_steps.export_steps(model, 4, CACHE, "default", tmp_path)
+    aot_steps.export_prefill(model, 4, CACHE, "default", tmp_path)
+    prefill = aot_steps.LoadedPrefill(aot_steps.load_prefill(tmp_path, model), 4, True)
     rows_get_their_alone_logits(model, monkeypatch, "aoti",
-                                steps=aot_steps.load_steps(tmp_path, model))
+                                steps=aot_steps.load_steps(tmp_path, model), package=prefill)
 
 
 def rows_get_their_alone_logits(model, monkeypatch, seed: str,
                                 compile_mode: str | None = None,
-                                steps: dict | None = None) -> None:
+                                steps: dict | None = None, **prefill) -> None:
     seen: dict[int, list[torch.Tensor]] = {}
     pick = batcher_module.pick_for_rows
 
@@ -134,7 +137,8 @@ def rows_get_their_alone_logits(model, monkeypatch, seed: str,
 
     monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
     assert decode_attention_for(model) == INVARIANT_ATTENTION
-    batcher = batcher_of(model, sizes=(1, 2, 4), compile_mode=compile_mode, steps=steps)
+    batcher = batcher_of(model, sizes=(1, 2, 4), compile_mode=compile_mode, steps=steps,
+                         **prefill)
     chance = random.Random(seed)
     requests = [(torch.randint(1, 97, (chance.randint(2, 20),),
                                generator=torch.Generator().manual_seed(seed)).tolist(),

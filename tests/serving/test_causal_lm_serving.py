@@ -462,9 +462,10 @@ def test_a_compiled_two_kv_head_qwen2_starts_and_streams_the_offline_text(
     started = run_cli("serve", str(qwen2_run), "--port", str(port), env=env)
     try:
         assert started.returncode == 0, started.stderr[-2000:]
-        # from the decode steps the package stage compiled ahead of time for this CPU,
-        # shipped in the archive: loaded, warmed up, nothing compiled as it started
-        assert ": shipped decode steps loaded (at " in started.stderr  # `W-9000: ...`
+        # from the decode steps and prefill the package stage compiled ahead of time for
+        # this CPU, shipped in the archive: loaded, warmed up, nothing compiled as it started
+        assert ": shipped decode steps and prefill loaded (at " in started.stderr  # `W-9000:`
+        assert ": prefill (ahead of time) warmed up (at " in started.stderr
         for n, rows in enumerate((4, 2, 1), 1):  # what the worker said while it started
             assert f"warming up bucket {n} of 3 ({rows} rows)" in started.stderr
         assert "compiling bucket" not in started.stderr
@@ -472,7 +473,9 @@ def test_a_compiled_two_kv_head_qwen2_starts_and_streams_the_offline_text(
             target = json.loads(archive.read("compiled_graphs/target.json"))
             assert target["torch"] == __import__("torch").__version__ and target["cpu_flags"]
             names = set(archive.namelist())
-            assert {"compiled_graphs/decode_1.pt2", "compiled_graphs/decode_rows.pt2"} <= names
+            assert {"compiled_graphs/decode_1.pt2", "compiled_graphs/decode_rows.pt2",
+                    # a float model's graph tells one row from more: two prefill packages
+                    "compiled_graphs/prefill.pt2", "compiled_graphs/prefill_1.pt2"} <= names
         info = server.read_info(qwen2_run / "serve")
         offline = loading.load_folder(qwen2_run / "00-export/transformers")
         status, _, lines = generate(info, {"prompt": PROMPTS[0], "max_new_tokens": 40})

@@ -25,7 +25,8 @@ def shipped(tmp_path, monkeypatch):
 
 def test_graphs_built_for_this_cpu_and_torch_are_used_from_a_copy(shipped) -> None:
     (shipped / compiled_graphs.TARGET).write_text(json.dumps(compiled_graphs.target()))
-    assert compiled_graphs.use_shipped(shipped, None) == ({}, "shipped compiled graphs used")
+    assert compiled_graphs.use_shipped(shipped, None) == ({}, None,
+                                                        "shipped compiled graphs used")
     cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
     assert cache != str(shipped / compiled_graphs.INDUCTOR)  # a copy: the archive stays as is
     with open(os.path.join(cache, "fxgraph", "entry")) as entry:
@@ -42,15 +43,15 @@ def test_graphs_built_elsewhere_are_refused_in_one_line(shipped, caplog, change)
     (shipped / compiled_graphs.TARGET).write_text(json.dumps(built))
     with caplog.at_level(logging.WARNING):
         said = compiled_graphs.use_shipped(shipped, None)
-    assert said == ({}, "shipped graphs refused: compiling afresh")
+    assert said == ({}, None, "shipped graphs refused: compiling afresh")
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     [line] = [r.getMessage() for r in caplog.records]
     assert ("cpu_flags" in line and "lacks" in line) if change == "cpu" else "torch" in line
 
 
 def test_an_archive_without_graphs_compiles_at_start(tmp_path) -> None:
-    steps, said = compiled_graphs.use_shipped(tmp_path, None)
-    assert steps == {} and said.startswith("no compiled graphs shipped")
+    steps, prefill, said = compiled_graphs.use_shipped(tmp_path, None)
+    assert steps == {} and prefill is None and said.startswith("no compiled graphs shipped")
 
 
 def test_the_target_names_the_vector_flags_that_march_native_uses() -> None:
@@ -66,11 +67,11 @@ def test_graphs_built_for_another_cache_or_rows_are_refused_in_one_line(shipped,
     (shipped / compiled_graphs.TARGET).write_text(json.dumps(
         compiled_graphs.target() | {"shapes": built}))
     assert compiled_graphs.use_shipped(shipped, None, HandlerSettings(**built)) == (
-        {}, "shipped compiled graphs used")
+        {}, None, "shipped compiled graphs used")
     for change in ({"cache_len": 1024}, {"rows": 4}):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             said = compiled_graphs.use_shipped(shipped, None, HandlerSettings(**built | change))
-        assert said == ({}, "shipped graphs refused: compiling afresh")
+        assert said == ({}, None, "shipped graphs refused: compiling afresh")
         [line] = [r.getMessage() for r in caplog.records]
         assert "were built for" in line and str(next(iter(change.values()))) in line

@@ -125,7 +125,7 @@ def prefill_of(model: Any, rows: int, cache_len: int) -> Any:
     from serve.causal_lm.server.rows import Row
     from serve.handler_settings import HandlerSettings
 
-    prefiller = prefiller_of(model, HandlerSettings(), cache_len, compiled=False)
+    prefiller = prefiller_of(model, HandlerSettings(), cache_len)
     prompts = [[1 + (k * PROMPT + i) % 1000 for i in range(PROMPT)] for k in range(rows)]
     with torch.inference_mode(), attention(model, decode_attention_for(model)):
         job = prefiller.start([Row(ids, 1, lambda token, end: None) for ids in prompts])

@@ -5,8 +5,8 @@ in its archive (torch and transformers only; shipped in the `causal_lm` package)
 A worker that compiles at start spent about 50 s a bucket (180 s before it answered). The
 package stage therefore runs this module in a process of its own (`python -m
 serve.causal_lm.server.compiled_graphs EXPORT SETTINGS OUT`), which exports the decode steps as
-AOTInductor packages (`aot_steps`) and ships them, with the Inductor cache of any graph
-still compiled at start (the prefill, where compiled), in the archive. A worker whose CPU
+AOTInductor packages (`aot_steps`), and the prefill beside them where `prefill_compile` is
+on (the default), and ships them in the archive. A worker whose CPU
 flags and torch match the packager's (`target`) loads the packages in about a second each
 (`use_shipped`); where the export fails (a model torch.export cannot take), the package
 stage ships Inductor's cache of the compiled decoders instead (FX graphs, AOTAutograd
@@ -41,6 +41,7 @@ from serve.handler_settings import HandlerSettings
 from ..runtime.decode import StaticDecoder
 from . import aot_steps
 from .buckets import shared_caches
+from .prefill import last_only
 
 logger = logging.getLogger(__name__)
 TARGET = "target.json"  # the CPU, torch and settings the shipped graphs were built for
@@ -71,13 +72,14 @@ def shapes_of(settings: HandlerSettings) -> dict[str, Any]:
 
 
 def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None = None
-                ) -> tuple[dict[int, Any], str]:
+                ) -> tuple[dict[int, Any], Any, str]:
     """The decode steps shipped in `folder` for this CPU and torch, and for the cache and
     rows of `settings` (the handler's), holding `model`'s weights
     (`aot_steps.load_steps`; empty where none are), with Inductor's cache pointed at a copy
-    of the one shipped; and what happened, in words."""
+    of the one shipped; the prefill shipped with them (`aot_steps.LoadedPrefill`, None where
+    none is); and what happened, in words."""
     if not (folder / TARGET).is_file():
-        return {}, "no compiled graphs shipped: compiling at start"
+        return {}, None, "no compiled graphs shipped: compiling at start"
     shipped, here = json.loads((folder / TARGET).read_text()), target()
     built_for = shipped.pop("shapes", None)
     if shipped != here:
@@ -86,11 +88,11 @@ def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None
         logger.warning("compress worker: the shipped compiled graphs were built for another "
                        "%s%s: compiling afresh", " and ".join(differ),
                        f" (this CPU lacks {', '.join(missing)})" if missing else "")
-        return {}, "shipped graphs refused: compiling afresh"
+        return {}, None, "shipped graphs refused: compiling afresh"
     if settings is not None and built_for is not None and built_for != shapes_of(settings):
         logger.warning("compress worker: the shipped compiled graphs were built for %s, this "
                        "worker serves %s: compiling afresh", built_for, shapes_of(settings))
-        return {}, "shipped graphs refused: compiling afresh"
+        return {}, None, "shipped graphs refused: compiling afresh"
     if (folder / INDUCTOR).is_dir():  # a copy in this worker's own folder, gone with it
         cache = Path(tempfile.mkdtemp(prefix="compress-inductor-", dir=worker_temp.folder()))
         shutil.copytree(folder / INDUCTOR, cache, dirs_exist_ok=True)
@@ -103,11 +105,17 @@ def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None
         # kernel with g++ (3-5 s of a worker's start and a 265 MB compiler on a Zen 1)
         with inductor_config.patch({"cpp.vec_isa_ok": True}):
             steps = aot_steps.load_steps(folder, model)
+            prefill = aot_steps.load_prefill(folder, model) if steps else {}
     except (RuntimeError, ValueError) as error:
         logger.warning("compress worker: the shipped decode steps did not load (%s): "
                        "compiling afresh", first_line(error))
-        return {}, "shipped steps refused: compiling afresh"
-    return steps, ("shipped decode steps loaded" if steps else "shipped compiled graphs used")
+        return {}, None, "shipped steps refused: compiling afresh"
+    loaded = aot_steps.LoadedPrefill(prefill, settings.rows_of(1) if settings else 2,
+                                     last_only(model)) if prefill else None
+    said = "shipped compiled graphs used"
+    if steps:
+        said = f"shipped decode steps{' and prefill' if prefill else ''} loaded"
+    return steps, loaded, said
 
 
 def build_decoders(model: nn.Module, sizes: list[int], cache_len: int, mode: str,
@@ -152,12 +160,11 @@ def warm_up(decoders: dict[int, Any], shared: bool,
 
 def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
     """Export the decode steps a continuous-batching worker of `settings` serves
-    (`aot_steps.export_steps`), or where that fails build and warm up its compiled decoders,
-    over an empty Inductor cache in `out`; warm up its prefiller; record the target they
-    were built for."""
+    (`aot_steps.export_steps`) and its prefill (`export_prefill`), or where the steps' export
+    fails build and warm up its compiled decoders, over an empty Inductor cache in `out`;
+    record the target they were built for."""
     from ..runtime import loading
     from .buckets import buckets
-    from .prefill import prefiller_of
 
     out.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / INDUCTOR)
@@ -168,8 +175,10 @@ def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
     rows = settings.rows_of(1)
     try:
         aot_steps.export_steps(lm.model, rows, cache_len, mode, out)
-        shutil.rmtree(out / INDUCTOR)  # the export's own entries: no worker looks them up
         print("precompile: decode steps exported ahead of time", flush=True)
+        if settings.prefill_compile:
+            export_prefill(lm.model, rows, cache_len, mode, out)
+        shutil.rmtree(out / INDUCTOR)  # the exports' own entries: no worker looks them up
     except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
         for name in (aot_steps.ONE, aot_steps.ROWS):
             (out / name).unlink(missing_ok=True)
@@ -179,9 +188,21 @@ def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
                                   settings.cpp_wrapper)
         warm_up(decoders, shared=True, log=lambda line: print(f"precompile: {line}",
                                                               flush=True))
-    prefiller_of(lm.model, settings, cache_len, mode != "none").warm_up()
     built = target() | {"shapes": shapes_of(settings)}
     (out / TARGET).write_text(json.dumps(built, indent=1) + "\n")
+
+
+def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: Path) -> None:
+    """Export the prefill beside the decode steps (`aot_steps.export_prefill`); where that
+    fails, the archive ships none and its workers prefill eagerly (said in one line)."""
+    try:
+        aot_steps.export_prefill(model, rows, cache_len, mode, out, last_only(model))
+        print("precompile: prefill exported ahead of time", flush=True)
+    except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
+        for name in (aot_steps.PREFILL, aot_steps.PREFILL_ONE):
+            (out / name).unlink(missing_ok=True)
+        print(f"precompile: the prefill's ahead-of-time export failed ({first_line(error)}): "
+              "its workers prefill eagerly", flush=True)
 
 
 if __name__ == "__main__":  # python -m serve.causal_lm.server.compiled_graphs EXPORT SETTINGS OUT

@@ -119,9 +119,10 @@ class CausalLMHandler(BaseHandler):
             settings.max_schema_chars)
         mode = settings.compile if self.ranks == 1 else "none"
         steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
+        shipped_prefill = None  # and the prefill, where shipped
         if mode != "none":
-            steps, said = compiled_graphs.use_shipped(model_dir / compiled_graphs.FOLDER,
-                                                      self.causal_lm.model, settings)
+            steps, shipped_prefill, said = compiled_graphs.use_shipped(
+                model_dir / compiled_graphs.FOLDER, self.causal_lm.model, settings)
             logger.info("%s%s", PROGRESS, stamped(said))
         # the kernel records are all a served model reads: the state dict's copy of each
         # weight goes, and the memory loading freed goes back to the system
@@ -148,12 +149,12 @@ class CausalLMHandler(BaseHandler):
             expert_parallel.follow(self.decoders)
         if self.continuous:  # its loop runs on this thread (`_torch_thread`)
             prefiller = prefill.prefiller_of(self.causal_lm.model, settings, self.limits.cache_len,
-                                             compiled=mode != "none")
+                                             shipped_prefill)
             self.batcher = batcher.ContinuousBatcher(
                 self.decoders, prefiller, self.stop, own_thread=False,
                 max_waiting=settings.max_waiting)
             prefiller.warm_up()
-            logger.info("%s%s", PROGRESS, stamped("prefill warmed up"))
+            logger.info("%s%s", PROGRESS, stamped(f"prefill ({prefiller.kind}) warmed up"))
             self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop
             self.compiling = grammar.CompileQueue(settings.max_schema_waiting)  # beside it
         logger.info("compress LM handler: %s, %d threads, buckets %s, compile %s, %d rank(s)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +80,15 @@ def _size_oblivious(compiled: bool) -> Any:
 class Prefiller:
     """Prefills `PrefillJob`s over caches of its own (one per row count, `cache_len`
     positions), at most `chunk` positions at a time where others are waiting, and where
-    `budgeted` no more than fit a time budget (`step`); `compiled`: through torch.compile,
-    rows and chunk length dynamic (one graph)."""
+    `budgeted` no more than fit a time budget (`step`); through `package` where given (the
+    prefill compiled ahead of time, `aot_steps.LoadedPrefill`), else `compiled`: through
+    torch.compile, rows and chunk length dynamic (one graph)."""
 
     def __init__(self, model: nn.Module, cache_len: int,
                  chunk: int = HandlerSettings.prefill_chunk,
                  prefix_cache: PrefixCache | None = None, compiled: bool = False,
-                 last_only: bool = True, budgeted: bool = True, max_rows: int | None = None):
+                 last_only: bool = True, budgeted: bool = True, max_rows: int | None = None,
+                 package: Callable[..., torch.Tensor] | None = None):
         self.model, self.cache_len, self.chunk = model, cache_len, max(1, chunk)
         # rows the batcher admits to one job (None: every free one; fewer delay first tokens:
         # benchmarks/causal_lm/micro/prefill_rows.py)
@@ -94,7 +97,11 @@ class Prefiller:
         self.workspace: Any = None  # the caches' storage (`_cache`)
         self.caches: dict[int, Any] = {}  # by rows: views of the workspace's first rows
         self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
-        self.compiled = compiled
+        if package is not None:  # compiled ahead of time (`aot_steps.LoadedPrefill`)
+            self.run, compiled = package, False
+        self.compiled = compiled  # through torch.compile
+        self.kind = "ahead of time" if package is not None else (
+            "compiled" if compiled else "eager")
         self.windowed = decode_attention_for(model) is not None  # see `prefill_chunk`
         self.budgeted = budgeted
         self.position_s: dict[int, float] = {}  # by rows: a row's position, averaged
@@ -217,15 +224,23 @@ class Prefiller:
 
 
 def prefiller_of(model: nn.Module, settings: HandlerSettings, cache_len: int,
-                 compiled: bool) -> Prefiller:
+                 package: Callable[..., torch.Tensor] | None = None) -> Prefiller:
     """The handler's prefiller from model-config's `handler:` settings: `prefill_chunk`
     (positions a chunk), `prefix_cache` (true, false, or the positions it holds; true:
     4 x cache_len) and `prefix_cache_mb` (its bound in MB, where given: wins over the
-    positions), `prefill_compile` (true: where the decode step is compiled)."""
+    positions); through the prefill the archive ships compiled ahead of time (`package`,
+    which the package stage exports where `prefill_compile` is on), else eagerly: a worker
+    does not compile its prefill at start (its two graphs took 480 s on a 2-core Zen 1, for
+    13% of a one-row prefill)."""
     return Prefiller(model, cache_len, settings.prefill_chunk,
-                     prefix_cache_of(model, settings, cache_len),
-                     compiled and settings.prefill_compile,
-                     "logits_to_keep" in inspect.signature(model.forward).parameters)
+                     prefix_cache_of(model, settings, cache_len), last_only=last_only(model),
+                     package=package if settings.prefill_compile else None)
+
+
+def last_only(model: nn.Module) -> bool:
+    """Whether `model` computes only the last position's logits when asked (transformers'
+    `logits_to_keep`): the prefill asks it."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def prefix_cache_of(model: nn.Module, settings: HandlerSettings, cache_len: int

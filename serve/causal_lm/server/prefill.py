@@ -231,7 +231,7 @@ def prefiller_of(model: nn.Module, settings: HandlerSettings, cache_len: int,
     positions); through the prefill the archive ships compiled ahead of time (`package`,
     which the package stage exports where `prefill_compile` is on), else eagerly: a worker
     does not compile its prefill at start (its two graphs took 480 s on a 2-core Zen 1, for
-    13% of a one-row prefill)."""
+    a one-prompt prefill in 0.82x the eager one's time)."""
     return Prefiller(model, cache_len, settings.prefill_chunk,
                      prefix_cache_of(model, settings, cache_len), last_only=last_only(model),
                      package=package if settings.prefill_compile else None)

@@ -1,7 +1,9 @@
 """How many rows the continuous batcher should decode together: 8, 16 or 32 rows under a
 closed-loop load of 16 and 32 clients (each sends its next request when its answer ends),
 in process, on a causal-LM export folder, with the worker's own decoders (one graph for
-every bucket of 2 rows or more: the dynamic-rows step) and prefiller:
+every bucket of 2 rows or more: the dynamic-rows step) and prefiller (the handler's default
+settings: the prefix cache on, which reuses the chat template's system prompt; eager,
+where an archive ships it compiled ahead of time):
 
     python -m benchmarks.causal_lm.micro.decode_rows runs/llm_int8/02-export/transformers
 
@@ -35,7 +37,8 @@ from serve.causal_lm.runtime.attention import attention
 from serve.causal_lm.server.batcher import ContinuousBatcher, Row
 from serve.causal_lm.server.buckets import buckets
 from serve.causal_lm.server.compiled_graphs import build_decoders, warm_up
-from serve.causal_lm.server.prefill import Prefiller
+from serve.causal_lm.server.prefill import prefiller_of
+from serve.handler_settings import HandlerSettings
 
 
 def closed_loop(batcher: ContinuousBatcher, prompts: list[list[int]], clients: int,
@@ -89,7 +92,7 @@ def measure_rows(args: argparse.Namespace, rows: int, levels: list[int]
     began = time.perf_counter()
     decoders = build_decoders(lm.model, buckets(rows), args.cache_len, args.compile, True)
     warm_up(decoders, shared=True, log=lambda line: None)
-    prefiller = Prefiller(lm.model, args.cache_len, compiled=False)
+    prefiller = prefiller_of(lm.model, HandlerSettings(), args.cache_len)
     prefiller.warm_up()
     print(f"{rows} rows: built in {time.perf_counter() - began:.0f} s", file=sys.stderr,
           flush=True)

@@ -174,7 +174,7 @@ def served_prefiller(model: nn.Module, cache_len: int, aoti_dir: Path | None) ->
     import dataclasses
 
     from serve.causal_lm.server import aot_steps
-    from serve.causal_lm.server.prefill import prefiller_of
+    from serve.causal_lm.server.prefill import last_only, prefiller_of
     from serve.handler_settings import HandlerSettings
 
     settings = dataclasses.replace(HandlerSettings(), prefix_cache=False)
@@ -183,8 +183,9 @@ def served_prefiller(model: nn.Module, cache_len: int, aoti_dir: Path | None) ->
         folder = aoti_dir / "prefill"
         if not (folder / aot_steps.PREFILL).is_file():
             folder.mkdir(parents=True, exist_ok=True)
-            aot_steps.export_prefill(model, 1, cache_len, "default", folder)
-        package = aot_steps.load_prefill(folder, model, 1)
+            aot_steps.export_prefill(model, 1, cache_len, "default", folder, last_only(model))
+        package = aot_steps.LoadedPrefill(aot_steps.load_prefill(folder, model), 1,
+                                          last_only(model))
     return prefiller_of(model, settings, cache_len, package)
 
 

@@ -329,10 +329,10 @@ def test_ttft_goes_through_the_prefill_a_served_archive_builds_by_default(monkey
     assert HandlerSettings.prefill_compile is True  # as shipped
     model = tiny(tied=True)
     exported: list[Path] = []
-    monkeypatch.setattr(aot_steps, "export_prefill", lambda m, rows, cache_len, mode, out: (
-        exported.append(out), (out / aot_steps.PREFILL).write_bytes(b"")))
-    monkeypatch.setattr(aot_steps, "load_prefill", lambda folder, m, rows: (
-        aot_steps.LoadedPrefill({1: "package"}, rows, True)))
+    monkeypatch.setattr(aot_steps, "export_prefill", lambda m, rows, cache_len, mode, out,
+                        last_only: (exported.append(out),
+                                    (out / aot_steps.PREFILL).write_bytes(b"")))
+    monkeypatch.setattr(aot_steps, "load_prefill", lambda folder, m: {1: "package"})
     served = child.served_prefiller(model, 64, tmp_path)
     assert served.kind == "ahead of time" and served.run.packages == {1: "package"}
     assert served.prefix_cache is None  # a repeated prompt is prefilled every time

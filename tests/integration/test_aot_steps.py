@@ -95,7 +95,7 @@ def test_the_shipped_prefill_gives_the_eager_prefill_s_logits_for_any_rows(shipp
     (a later chunk attends to the positions written before it): its last positions' logits
     are the eager prefill's to float32 rounding (Inductor fuses the norms), a lone row's
     those it gets in a batch (the same bits on the kernels: test_batch_invariance.py)."""
-    prefill = aot_steps.load_prefill(shipped, model, 4)
+    prefill = aot_steps.LoadedPrefill(aot_steps.load_prefill(shipped, model), 4, True)
     generator = torch.Generator().manual_seed(3)
     for rows, lengths in ((1, [7]), (3, [2, 9, 30]), (4, [5, 5, 12, 63]), (2, [40, 3])):
         prompts = [torch.randint(1, 97, (n,), generator=generator).tolist() for n in lengths]

@@ -118,7 +118,7 @@ def test_shipped_aot_steps_keep_the_rule(monkeypatch, tmp_path) -> None:
     model = tiny_llama("int8_grouped", "float32")
     aot_steps.export_steps(model, 4, CACHE, "default", tmp_path)
     aot_steps.export_prefill(model, 4, CACHE, "default", tmp_path)
-    prefill = aot_steps.load_prefill(tmp_path, model, 4)
+    prefill = aot_steps.LoadedPrefill(aot_steps.load_prefill(tmp_path, model), 4, True)
     rows_get_their_alone_logits(model, monkeypatch, "aoti",
                                 steps=aot_steps.load_steps(tmp_path, model), package=prefill)
 

@@ -79,14 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         if not (folder / aot_steps.PREFILL).is_file():
             folder.mkdir(parents=True, exist_ok=True)
             print(f"exporting the prefill for {max(sizes)} rows ...", flush=True)
-            aot_steps.export_prefill(lm.model, max(sizes), args.cache_len, "default", folder)
-    package = aot_steps.load_prefill(folder, lm.model, max(sizes))
-    if package is None:
+            aot_steps.export_prefill(lm.model, max(sizes), args.cache_len, "default", folder,
+                                     last_only(lm.model))
+    packages = aot_steps.load_prefill(folder, lm.model)
+    if not packages:
         raise SystemExit(f"llm_prefill_kinds: no {aot_steps.PREFILL} in {folder}")
     prefillers = {
         "eager": Prefiller(lm.model, args.cache_len, last_only=last_only(lm.model)),
         "ahead of time": Prefiller(lm.model, args.cache_len, last_only=last_only(lm.model),
-                                   package=package)}
+                                   package=aot_steps.LoadedPrefill(
+                                       packages, max(sizes), last_only(lm.model)))}
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode(), attention(lm.model, decode_attention_for(lm.model)):
         for prefiller in prefillers.values():

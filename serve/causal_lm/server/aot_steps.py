@@ -33,7 +33,6 @@ from serve import worker_temp
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import StaticDecoder
 from ..runtime.static_cache import empty_cache
-from .prefill import last_only, prefill_chunk
 
 ONE, ROWS = "decode_1.pt2", "decode_rows.pt2"  # the packages, in the archive's compiled_graphs/
 PREFILL, PREFILL_ONE = "prefill.pt2", "prefill_1.pt2"  # beside them (`export_prefill`)
@@ -154,24 +153,26 @@ class PrefillInputs(nn.Module):
     plain tensors: the workspace's keys, values and lengths come in as inputs and are
     written in place."""
 
-    def __init__(self, model: nn.Module, cache: Any):
+    def __init__(self, model: nn.Module, cache: Any, last_only: bool):
         super().__init__()
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.last_only = model, cache, last_only
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor, window: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], lengths: list[torch.Tensor]) -> torch.Tensor:
+        from .prefill import prefill_chunk
+
         for layer, k, v, n in zip(self.cache.layers, keys, values, lengths, strict=True):
             layer.keys, layer.values, layer.cumulative_length = k, v, n
         with attention(self.model, decode_attention_for(self.model)):
             return prefill_chunk(self.model, self.cache, ids, positions, position_ids, mask,
-                                 window, last_only(self.model))
+                                 window, self.last_only)
 
 
-def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: Path) -> None:
+def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: Path,
+                   last_only: bool = True) -> None:
     """Export and compile the prefill's chunk of `model` for 1..`rows` rows (at least 2) of
-    2..`cache_len` positions into an AOTInductor package in `out` (`inductor_options`), the
-    last position's logits only where the model computes them alone (`last_only`); where
+    2..`cache_len` positions into an AOTInductor package in `out` (`inductor_options`); where
     the graph tells one row from more (a float model's products: matmul folds a row of 1
     apart), one package for 1 row and one for 2..`rows`. Only a model run in the decode
     attention (`decode_attention_for`) has one: a chunk attends through the window of
@@ -179,14 +180,14 @@ def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: 
     if decode_attention_for(model) is None:
         raise ValueError("the prefill is exported for a model in the decode attention only")
     try:
-        _export_prefill(model, 1, max(rows, 2), cache_len, mode, out / PREFILL)
+        _export_prefill(model, 1, max(rows, 2), cache_len, mode, out / PREFILL, last_only)
     except torch._dynamo.exc.UserError:  # the rows' constraint: a row of 1 is guarded
-        _export_prefill(model, 1, 1, cache_len, mode, out / PREFILL_ONE)
-        _export_prefill(model, 2, max(rows, 2), cache_len, mode, out / PREFILL)
+        _export_prefill(model, 1, 1, cache_len, mode, out / PREFILL_ONE, last_only)
+        _export_prefill(model, 2, max(rows, 2), cache_len, mode, out / PREFILL, last_only)
 
 
 def _export_prefill(model: nn.Module, fewest: int, most: int, cache_len: int, mode: str,
-                    path: Path) -> None:
+                    path: Path, last_only: bool) -> None:
     """The prefill's package for `fewest`..`most` rows at `path`."""
     count, length, end = min(most, 2), 6, 10  # sizes unlike each other: no two dims fused
     cache = empty_cache(model, count, cache_len, dynamic_rows=True)
@@ -206,7 +207,7 @@ def _export_prefill(model: nn.Module, fewest: int, most: int, cache_len: int, mo
     from torch.fx.experimental import _config
 
     with torch.no_grad(), _config.patch(backed_size_oblivious=True):  # 1 row: no graph apart
-        program = torch.export.export(PrefillInputs(model, cache), example,
+        program = torch.export.export(PrefillInputs(model, cache, last_only), example,
                                       dynamic_shapes=shapes, strict=False)
         torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                  inductor_configs=inductor_options(mode))
@@ -215,29 +216,30 @@ def _export_prefill(model: nn.Module, fewest: int, most: int, cache_len: int, mo
 class LoadedPrefill:
     """The prefill's AOTInductor packages (by the fewest rows each serves) called as
     `prefill.prefill_chunk`, exported for at most `rows` rows and `last_only` (what a chunk
-    outside them asks, more rows or every position's logits, runs eagerly)."""
+    outside them asks runs eagerly)."""
 
     def __init__(self, packages: dict[int, Any], rows: int, last_only: bool):
         self.packages, self.rows, self.last_only = packages, max(rows, 2), last_only
 
     def __call__(self, model: nn.Module, cache: Any, ids: torch.Tensor,
                  positions: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 window: torch.Tensor, last_only: bool) -> torch.Tensor:
+                 window: torch.Tensor | None, last_only: bool) -> torch.Tensor:
         rows = ids.shape[0]
-        if rows > self.rows or last_only != self.last_only:
+        if window is None or rows > self.rows or last_only != self.last_only:
+            from .prefill import prefill_chunk
+
             return prefill_chunk(model, cache, ids, positions, position_ids, mask, window,
                                  last_only)
         package = self.packages[max(k for k in self.packages if k <= rows)]
         return package(ids, positions, position_ids, mask, window, *cache_tensors(cache))
 
 
-def load_prefill(folder: Path, model: nn.Module, rows: int) -> LoadedPrefill | None:
-    """The prefill shipped in `folder` for at most `rows` rows, holding `model`'s weights
-    (None: none is)."""
+def load_prefill(folder: Path, model: nn.Module) -> dict[int, Any]:
+    """The prefill's packages shipped in `folder` holding `model`'s weights, by the fewest
+    rows each serves (empty: none is)."""
     if not (folder / PREFILL).is_file():
-        return None
-    packages = {1: folder / PREFILL}
-    if (folder / PREFILL_ONE).is_file():  # one for 1 row, the other for 2..rows
-        packages = {1: folder / PREFILL_ONE, 2: folder / PREFILL}
-    return LoadedPrefill({k: load_package(path, model) for k, path in packages.items()}, rows,
-                         last_only(model))
+        return {}
+    if (folder / PREFILL_ONE).is_file():
+        return {1: load_package(folder / PREFILL_ONE, model),
+                2: load_package(folder / PREFILL, model)}
+    return {1: load_package(folder / PREFILL, model)}

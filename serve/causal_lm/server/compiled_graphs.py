@@ -41,6 +41,7 @@ from serve.handler_settings import HandlerSettings
 from ..runtime.decode import StaticDecoder
 from . import aot_steps
 from .buckets import shared_caches
+from .prefill import last_only
 
 logger = logging.getLogger(__name__)
 TARGET = "target.json"  # the CPU, torch and settings the shipped graphs were built for
@@ -104,16 +105,17 @@ def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None
         # kernel with g++ (3-5 s of a worker's start and a 265 MB compiler on a Zen 1)
         with inductor_config.patch({"cpp.vec_isa_ok": True}):
             steps = aot_steps.load_steps(folder, model)
-            prefill = aot_steps.load_prefill(
-                folder, model, settings.rows_of(1) if settings else 2) if steps else None
+            prefill = aot_steps.load_prefill(folder, model) if steps else {}
     except (RuntimeError, ValueError) as error:
         logger.warning("compress worker: the shipped decode steps did not load (%s): "
                        "compiling afresh", first_line(error))
         return {}, None, "shipped steps refused: compiling afresh"
+    loaded = aot_steps.LoadedPrefill(prefill, settings.rows_of(1) if settings else 2,
+                                     last_only(model)) if prefill else None
     said = "shipped compiled graphs used"
     if steps:
         said = f"shipped decode steps{' and prefill' if prefill else ''} loaded"
-    return steps, prefill, said
+    return steps, loaded, said
 
 
 def build_decoders(model: nn.Module, sizes: list[int], cache_len: int, mode: str,
@@ -158,7 +160,7 @@ def warm_up(decoders: dict[int, Any], shared: bool,
 
 def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
     """Export the decode steps a continuous-batching worker of `settings` serves
-    (`aot_steps.export_steps`) and its prefill (`ship_prefill`), or where the steps' export
+    (`aot_steps.export_steps`) and its prefill (`export_prefill`), or where the steps' export
     fails build and warm up its compiled decoders, over an empty Inductor cache in `out`;
     record the target they were built for."""
     from ..runtime import loading
@@ -175,7 +177,7 @@ def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
         aot_steps.export_steps(lm.model, rows, cache_len, mode, out)
         print("precompile: decode steps exported ahead of time", flush=True)
         if settings.prefill_compile:
-            ship_prefill(lm.model, rows, cache_len, mode, out)
+            export_prefill(lm.model, rows, cache_len, mode, out)
         shutil.rmtree(out / INDUCTOR)  # the exports' own entries: no worker looks them up
     except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
         for name in (aot_steps.ONE, aot_steps.ROWS):
@@ -190,11 +192,11 @@ def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
     (out / TARGET).write_text(json.dumps(built, indent=1) + "\n")
 
 
-def ship_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: Path) -> None:
+def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: Path) -> None:
     """Export the prefill beside the decode steps (`aot_steps.export_prefill`); where that
     fails, the archive ships none and its workers prefill eagerly (said in one line)."""
     try:
-        aot_steps.export_prefill(model, rows, cache_len, mode, out)
+        aot_steps.export_prefill(model, rows, cache_len, mode, out, last_only(model))
         print("precompile: prefill exported ahead of time", flush=True)
     except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
         for name in (aot_steps.PREFILL, aot_steps.PREFILL_ONE):

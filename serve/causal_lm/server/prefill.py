@@ -96,11 +96,12 @@ class Prefiller:
         self.prefix_cache, self.last_only = prefix_cache, last_only
         self.workspace: Any = None  # the caches' storage (`_cache`)
         self.caches: dict[int, Any] = {}  # by rows: views of the workspace's first rows
-        self.compiled = compiled and package is None  # through torch.compile
-        self.run = package or (torch.compile(prefill_chunk, fullgraph=True) if self.compiled
-                               else prefill_chunk)
-        self.kind = ("ahead of time" if package is not None
-                     else "compiled" if self.compiled else "eager")
+        self.run = torch.compile(prefill_chunk, fullgraph=True) if compiled else prefill_chunk
+        if package is not None:  # compiled ahead of time (`aot_steps.LoadedPrefill`)
+            self.run, compiled = package, False
+        self.compiled = compiled  # through torch.compile
+        self.kind = "ahead of time" if package is not None else (
+            "compiled" if compiled else "eager")
         self.windowed = decode_attention_for(model) is not None  # see `prefill_chunk`
         self.budgeted = budgeted
         self.position_s: dict[int, float] = {}  # by rows: a row's position, averaged

@@ -47,8 +47,9 @@ def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
     return ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread)
 
 
-def alone(model, ids: list[int], new: int, sampling: Sampling | None = None) -> list[int]:
-    out = StaticDecoder(model, CACHE).generate([ids], new, sampling=[sampling])
+def alone(model, ids: list[int], new: int, sampling: Sampling | None = None,
+          cache_len: int = CACHE) -> list[int]:
+    out = StaticDecoder(model, cache_len).generate([ids], new, sampling=[sampling])
     return out.tokens
 
 

@@ -1,5 +1,6 @@
 """The static KV caches the decoders write (torch and transformers only; shipped beside
-`decode.py`): a zeroed one made ahead of the first generation (`empty_cache`), and how a
+`decode.py`): a zeroed one made ahead of the first generation (`empty_cache`), whose
+positions a row no longer reads go back to the system (`release`), and how a
 compiled graph is kept to the cache it was compiled for (`tie_graphs_to`), and a cache that
 is a view of another's first rows (`first_rows`), as the smaller decode buckets and the
 prefill's jobs hold theirs."""
@@ -47,7 +48,39 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
             for tensor in (layer.keys, layer.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
     cache.reset = functools.partial(_give_back, memory, cache)  # not a write of every page
+    cache.memory, cache.memory_base = memory, flat.data_ptr()  # for `release`
     return cache
+
+
+def release(cache: Any, row: int, begin: int = 0, end: int | None = None) -> None:
+    """Hand positions `begin`..`end`-1 of one row of an `empty_cache` back to the system, in
+    every layer's keys and values (their next read is zeros, their next write takes a
+    fresh page): the pages wholly inside that range, so a position sharing a page with one
+    kept stays. For a cache that is not an `empty_cache` (no mmap of its own), nothing.
+
+    The continuous batcher calls it for the positions no row reads (a slot a row left, the
+    positions before a row's first, those after the cursor once rows moved), so that a
+    cache under steady load holds its rows' positions and not every position the cursor
+    has swept."""
+    memory = getattr(cache, "memory", None)
+    if memory is None:
+        return
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):  # rows x heads x positions x dim
+            stop = tensor.shape[2] if end is None else min(end, tensor.shape[2])
+            if stop <= begin:
+                continue
+            if begin == 0 and stop == tensor.shape[2]:  # the whole row: its heads at once
+                spans = [(tensor[row].data_ptr(), tensor[row].numel())]
+            else:
+                spans = [(tensor[row, head, begin].data_ptr(), (stop - begin) * tensor.stride(2))
+                         for head in range(tensor.shape[1])]
+            for address, count in spans:
+                offset = address - cache.memory_base
+                low = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+                high = (offset + count * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+                if high > low:
+                    memory.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
 def _give_back(memory: mmap.mmap, cache: Any) -> None:

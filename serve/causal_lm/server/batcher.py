@@ -34,6 +34,7 @@ from serve.handler_settings import HandlerSettings
 
 from ..runtime.attention import attention
 from ..runtime.decode import NO_TOKEN, UNUSABLE, StaticDecoder
+from ..runtime.static_cache import release
 from .buckets import buckets, fitting_groups, shared_caches  # noqa: F401 (its API)
 from .picking import pick_for_rows
 from .placement import Placement
@@ -279,6 +280,10 @@ class ContinuousBatcher(Placement):
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - began)
         self.cursor += 1
         self.steps += 1
+        if self.steps % 16 == 0:  # a free slot's row still steps: what it wrote goes back
+            for slot in range(size):
+                if self.slots[slot] is None:
+                    release(self.cache, slot)
         picked = pick_for_rows(logits, rows)
         for slot, row in enumerate(rows):
             if row is not None:
@@ -309,6 +314,7 @@ class ContinuousBatcher(Placement):
         # below its start: softmax of all -inf is NaN, written into the cache, and 0 x NaN
         # poisoned the next row placed in the slot)
         self.mask[slot] = 1
+        release(self.cache, slot)  # its positions are read no more
         if row is not None:
             self._end(row, reason)
 

@@ -2,8 +2,11 @@
 writes its next token at one cursor position, each row's keys and values end just before
 it. A new prompt must end at the cursor with room after it for its new tokens and every
 busy row's rest; where the cursor would run past the cache, every row moves left by the
-oldest row's start, and where the prompt is longer than the cursor, right (torch only;
-shipped in the `causal_lm` package)."""
+oldest row's start, and where the prompt is longer than the cursor, right. The positions
+no row reads (a slot no row holds, a slot's positions before its row's first and after the
+cursor) go back to the system (`static_cache.release`): a cache under steady load holds its
+rows' positions, not every position the cursor swept (torch only; shipped in the
+`causal_lm` package)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.static_cache import release
 from .rows import Row
 
 
@@ -53,9 +57,13 @@ class Placement:
                 t[:, :, begin + by:end + by] = t[:, :, begin:end].clone()
         self._set_cursor(self.cursor + by)
         for slot, row in enumerate(self.slots):
-            if row is not None:
-                row.start += by
-                self._open_from(slot, row.start)
+            if row is None:
+                release(self.cache, slot)
+                continue
+            row.start += by
+            self._open_from(slot, row.start)
+            release(self.cache, slot, 0, row.start)  # what the move left there
+            release(self.cache, slot, self.cursor)
 
     def _set_cursor(self, position: int) -> None:
         """Every row writes at `position` next (each layer's write position with it; a step
@@ -67,7 +75,9 @@ class Placement:
     def _fill(self, slot: int, start: int, keys: list[torch.Tensor],
               values: list[torch.Tensor]) -> None:
         """Write a row's keys and values (per layer 1 x heads x length x dim) into `slot`,
-        ending just before the cursor, and open its mask from `start`."""
+        ending just before the cursor, and open its mask from `start` (the rest of the slot
+        handed back first: what a row before it, or the steps while it was free, wrote)."""
+        release(self.cache, slot)
         for mine, k, v in zip(self.cache.layers, keys, values, strict=True):
             mine.keys[slot, :, start:self.cursor] = k[0]
             mine.values[slot, :, start:self.cursor] = v[0]

@@ -17,15 +17,16 @@ from serve.causal_lm.server.prefill import Prefiller
 CACHE = 64
 
 
-def varied_model():
-    """A 2-layer, 32-wide random Llama over 97 tokens whose greedy tokens vary."""
+def varied_model(**sizes: int):
+    """A 2-layer, 32-wide random Llama over 97 tokens whose greedy tokens vary; `sizes`:
+    LlamaConfig values in place of those."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         initializer_range=0.1)
+    config = LlamaConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "initializer_range": 0.1, **sizes})
     return LlamaForCausalLM(config).eval()
 
 

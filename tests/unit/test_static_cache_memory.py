@@ -5,6 +5,7 @@ prompt writes a few dozen."""
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import warnings
@@ -69,6 +70,7 @@ def page_frames(address: int, count: int) -> list[int | None]:
     return [w & ((1 << 55) - 1) if w >> 63 & 1 else None for w in words]
 
 
+@functools.cache
 def zero_page_frame() -> int:
     """The frame a read of untouched anonymous memory maps (the system's zero page); the
     test needs the frames pagemap shows to privileged processes alone."""
@@ -109,17 +111,14 @@ def test_released_positions_read_zeros_and_take_no_memory_their_neighbours_stay(
     assert float(layer.keys[3, 0, 5].sum()) == 24.0 and float(layer.keys[3, 0, 6].sum()) == 0
 
 
-def test_a_busy_batcher_s_cache_holds_its_rows_positions_not_every_position_swept() -> None:
+def test_a_busy_batcher_s_cache_holds_its_rows_positions_not_every_position_swept(
+        monkeypatch) -> None:
     """Requests through the continuous batcher, the cursor sweeping the cache and rows
     moving left: at every turn the cache holds about the busy rows' positions, and nothing
     once every row left; the rows decode their alone tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)  # heads of 64 as SmolLM2's: 16 positions a page
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=97, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-        initializer_range=0.1)).eval()
+    # heads of 64 as SmolLM2's: 16 positions a page
+    model = varied_model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=1024)
     cache_len = 1024
     decoders = {size: StaticDecoder(model, cache_len, always_mask=True) for size in (1, 2, 4)}
     warm_up(decoders, shared=True)
@@ -131,14 +130,9 @@ def test_a_busy_batcher_s_cache_holds_its_rows_positions_not_every_position_swep
         got[n] = []
         batcher.submit(Row(ids, 100 + 7 * (n % 3),
                            lambda token, end, n=n: got[n].append(token)))
-    held, moved, moves = [], 0, ContinuousBatcher._move
-
-    def counting(*args) -> None:
-        nonlocal moved
-        moved += 1
-        moves(*args)
-
-    batcher._move = lambda *a: counting(batcher, *a)  # type: ignore[method-assign]
+    held, moved, move = [], [], ContinuousBatcher._move
+    monkeypatch.setattr(ContinuousBatcher, "_move",
+                        lambda self, *a: (moved.append(a), move(self, *a))[1])
     with torch.inference_mode():
         while not batcher.idle():
             batcher.turn()

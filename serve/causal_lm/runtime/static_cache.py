@@ -47,8 +47,8 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
         if dynamic_rows:
             for tensor in (layer.keys, layer.values):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
-    cache.reset = functools.partial(_give_back, memory, cache)  # not a write of every page
-    cache.memory, cache.memory_base = memory, flat.data_ptr()  # for `release`
+    cache.memory, cache.memory_base = memory, flat.data_ptr()  # for `release` and `reset`
+    cache.reset = functools.partial(_give_back, cache)  # not a write of every page
     return cache
 
 
@@ -83,11 +83,11 @@ def release(cache: Any, row: int, begin: int = 0, end: int | None = None) -> Non
                     memory.madvise(mmap.MADV_DONTNEED, low, high - low)
 
 
-def _give_back(memory: mmap.mmap, cache: Any) -> None:
+def _give_back(cache: Any) -> None:
     """A cache's `reset`: its keys and values zeros again by handing their pages back to the
     system (madvise DONTNEED on their mmap: the next write takes a fresh zeroed page), where
     transformers' writes every page; its write positions to 0."""
-    memory.madvise(mmap.MADV_DONTNEED)
+    cache.memory.madvise(mmap.MADV_DONTNEED)
     for layer in cache.layers:
         if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             layer.cumulative_length.zero_()

@@ -126,13 +126,12 @@ def test_a_model_lacking_a_weight_the_packages_name_refuses_them(shipped, caplog
 
 
 @pytest.mark.skipif(not grouped_mm_available(), reason="the grouped kernel did not build")
-@pytest.mark.parametrize("activations", ["int8", "bf16"])
+@pytest.mark.parametrize("activations", ["float32", "int8", "bf16"])
 def test_int8_grouped_weights_decode_their_eager_tokens_through_a_shipped_step(
         tmp_path, activations) -> None:
-    """The opt-in int8 and bf16 modes, whose 2-row steps call their own operators
-    (`grouped_mm_int8`, `grouped_mm_bf16`) through the package's proxy executor. Float32
-    activations: test_batch_invariance.py's shipped steps, which decode their eager
-    tokens too."""
+    """Float32 activations, and the opt-in int8 and bf16 modes, whose 2-row steps call
+    their own operators (`grouped_mm_int8`, `grouped_mm_bf16`) through the package's proxy
+    executor."""
     model = varied_model()
     quantize_weights(model, "int8_grouped", 32, activations=activations)
     prompts = [[5, 17, 3, 9], [8, 2, 44, 61, 7]]

@@ -37,7 +37,7 @@ def _private(path: Path) -> bool:
 
 def test_the_servers_processes_and_sockets_are_private_to_the_user(served: dict) -> None:
     pids = soak.group_pids(served["pid"])
-    assert len(pids) >= 3  # the server (the API server its thread), LitServe's manager, the worker
+    assert len(pids) >= 3  # the server, LitServe's manager, the API server, the worker
     masks = {pid: next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
                        .splitlines() if line.startswith("Umask:")) for pid in pids}
     assert set(masks.values()) == {"0077"}, masks

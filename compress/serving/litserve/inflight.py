@@ -13,13 +13,12 @@ decode step's chunks of every stream in one message) under the id `BATCH`; `disp
 each to its request. LitServe's queue passes one message a round trip, so one message a
 chunk fell behind the worker under many streams.
 
-`watch` follows the server's inference workers (the spawned children of the server process,
-whose thread the API server is) and, when one dies, ends with a 503 the requests it took and
-those not yet taken that it may have been taking: a worker killed inside the manager queue's
-`get` loses the requests that get returns (the API server sends those it read in one pass of
-its loop as one group), and those it got but had not yet batched, so every request sent
-before the death was seen, plus `hold_s` (the longest get a worker makes: `IDLE_GET_S`, or
-the batch delay), is ended and cancelled."""
+`watch` follows the server's inference workers (its spawned children) and, when one dies,
+ends with a 503 the requests it took and those not yet taken that it may have been taking:
+a worker killed inside the manager queue's `get` loses the requests that get returns (the
+API server sends those it read in one pass of its loop as one group), and those it got but
+had not yet batched, so every request sent before the death was seen, plus `hold_s` (the
+longest get a worker makes: `IDLE_GET_S`, or the batch delay), is ended and cancelled."""
 
 from __future__ import annotations
 
@@ -158,7 +157,7 @@ async def watch(buffer: dict[str, Any], hold_s: float) -> None:
     died_at: float | None = None
     while True:
         await asyncio.sleep(WATCH_S)
-        alive = worker_pids(os.getpid())  # the API server is a thread of the server process
+        alive = worker_pids(os.getppid())
         dead, known = known - alive, alive
         if dead:
             died_at = time.monotonic()

@@ -1,13 +1,12 @@
 """The LitServe server process that `compress serve --engine litserve` starts in the
 background: `python -m compress.serving.litserve.main SERVE_DIR MODEL_DIR PORT [--no-auth]`.
 
-One uvicorn API server on 127.0.0.1:PORT (a thread of this process: one process fewer than
-LitServe's default) and `maxWorkers` inference workers (LitServe's processes; requests,
-answers and cancels pass through queues of LitServe's `multiprocessing` manager: a Unix
-socket in a private temporary folder, authenticated). The process runs with umask 0o077,
-so every file and socket it or its workers make is private to the user (LitServe's
-`fast_queue` would bind ZeroMQ sockets in /tmp: it stays off). The token is read from the
-serve folder's key file (mode 0600), never from the command line.
+One uvicorn API server on 127.0.0.1:PORT and `maxWorkers` inference workers (LitServe's
+processes; requests, answers and cancels pass through queues of LitServe's
+`multiprocessing` manager: a Unix socket in a private temporary folder, authenticated). The
+process runs with umask 0o077, so every file and socket it or its workers make is private
+to the user (LitServe's `fast_queue` would bind ZeroMQ sockets in /tmp: it stays off). The
+token is read from the serve folder's key file (mode 0600), never from the command line.
 
 A worker that dies is started again (after a pause that grows while it keeps dying, as
 TorchServe's backoff); the API server ends the requests it held with a 503. The server
@@ -21,7 +20,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,32 +33,6 @@ UMASK = 0o077
 MONITOR_S = 0.5  # how often LitServe's monitor looks for dead workers
 BACKOFF_S = (0, 1, 2, 4, 8, 16, 32)  # pauses before restarts that follow each other
 STEADY_S = 60.0  # a worker that lived this long restarts without a pause
-
-
-class _ServerThread:
-    """LitServe's uvicorn API server run as a thread of the server process, one process
-    fewer (about 20 MB of PSS), with what LitServe's shutdown and monitor call on a server
-    process: `terminate` asks uvicorn to stop (its `should_exit`; a thread cannot be
-    signalled), `kill` to stop now, `join` and `is_alive` the thread's. LitServe 0.2.19
-    calls `terminate()` on its threads, which a `threading.Thread` lacks: the non-daemon
-    thread would outlive the shutdown and keep the process alive."""
-
-    def __init__(self, thread: threading.Thread):
-        self.thread, self.name, self.pid = thread, thread.name, os.getpid()
-        # the uvicorn Server whose run() the thread runs (held until the thread ends)
-        self.server = thread._target.__self__  # type: ignore[attr-defined]
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def terminate(self) -> None:
-        self.server.should_exit = True
-
-    def kill(self) -> None:
-        self.server.force_exit = self.server.should_exit = True
-
-    def join(self, timeout: float | None = None) -> None:
-        self.thread.join(timeout)
 
 
 class _NoWorker:
@@ -88,35 +60,6 @@ def server_class() -> type:
         def _perform_graceful_shutdown(self, *args: Any, **kwargs: Any) -> None:
             self._stopping = True  # the monitor restarts nothing from now on
             super()._perform_graceful_shutdown(*args, **kwargs)
-
-        def _start_server(self, *args: Any, **kwargs: Any) -> dict[int, Any]:
-            servers = super()._start_server(*args, **kwargs)
-            return {i: _ServerThread(s) if isinstance(s, threading.Thread) else s
-                    for i, s in servers.items()}
-
-        def _start_worker_monitoring(self, manager: Any, uvicorn_workers: dict) -> None:
-            """LitServe's monitor without its pass over the response buffer, which
-            `inflight.watch` does for us (a dead worker's requests end with a 503): with
-            the API server a thread of this process, that dict changes while LitServe's
-            monitor iterates it (a RuntimeError would end the monitor, and no worker would
-            come back). Each dead worker is started again (paced by
-            `launch_single_inference_worker`); a failed start is tried again."""
-            slots = [(api, k) for api in self.litapi_connector
-                     for k in range(len(self._inference_workers_config_for_api(api.api_path)))]
-
-            def monitor() -> None:
-                while not self._shutdown_event.is_set():
-                    for i, (api, k) in enumerate(slots):
-                        if not self.inference_workers[i].is_alive():
-                            try:
-                                self.inference_workers[i] = \
-                                    self.launch_single_inference_worker(api, k)
-                            except Exception:  # tried again on the next pass
-                                logging.getLogger(__name__).exception(
-                                    "worker %d could not be started", k)
-                    time.sleep(self.monitor_internal)
-
-            threading.Thread(target=monitor, daemon=True, name="compress-monitor").start()
 
         def _init_manager(self, num_api_servers: int) -> Any:
             manager = super()._init_manager(num_api_servers)
@@ -174,13 +117,13 @@ def main(argv: list[str] | None = None) -> None:
     server_pid = os.getpid()
 
     def interrupt(*_: object) -> None:
-        if os.getpid() != server_pid:  # a process forked from this one: not the server
+        if os.getpid() != server_pid:  # a forked API server, already stopped by uvicorn
             raise SystemExit(0)
-        raise KeyboardInterrupt  # LitServer.run shuts its workers and API thread down on it
+        raise KeyboardInterrupt  # LitServer.run shuts its processes down on it
 
     signal.signal(signal.SIGTERM, interrupt)
     server.run(host="127.0.0.1", port=args.port, num_api_servers=1, log_level="warning",
-               generate_client_file=False, api_server_worker_type="thread")
+               generate_client_file=False, api_server_worker_type="process")
 
 
 if __name__ == "__main__":

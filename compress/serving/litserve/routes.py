@@ -69,15 +69,6 @@ class TorchServeRoutes(LitSpec):
         self._watch: asyncio.Task | None = None
         self._dispatch: asyncio.Task | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        """What a worker started again gets (LitServe pickles the API and this spec to
-        spawn it): the routes' settings, not the requests in flight and the tasks that
-        follow them, which belong to the API server (a thread of the server process) and
-        hold asyncio futures, which do not pickle."""
-        state = super().__getstate__()  # LitSpec's: without its server
-        state.update(_watch=None, _dispatch=None, _outgoing=[], response_buffer={})
-        return state
-
     @property
     def stream(self) -> bool:
         return True  # every answer comes as messages: chunks (if any), then the end

@@ -70,10 +70,12 @@ def test_a_killed_search_resumes_and_a_wider_tolerance_reuses_every_trial(
 def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
         finetuned_minilm: Path, data_dir: Path, tmp_path: Path) -> None:
     """recipes/bert_search.yaml from the session's fine-tuned MiniLM (its own fine-tune
-    stage left out)."""
+    stage left out), on three ONNX Runtime candidates, two of them int8: no AOTInductor
+    compile (about 80 s a trial here; the PT2E static .pt2 of this model is bert_int8_run's,
+    the search's AOTInductor trials the killed search's)."""
     recipe = without_finetune(REPO / "recipes/bert_search.yaml", finetuned_minilm,
                               tmp_path / "r.yaml")
-    candidates = "[pt2e_static_aoti, ort_dynamic_int8, onnx_fp32]"
+    candidates = "[ort_static_int8, ort_dynamic_int8, onnx_fp32]"
     args = ["run", str(recipe), f"output_dir={tmp_path}", *SHRUNK_SST2,
             f"stages.0.candidates={candidates}", "stages.0.calibration.samples=64",
             "stages.0.sensitivity_samples=32", "stages.0.max_fallback_layers=2",
@@ -84,7 +86,7 @@ def test_bert_search_recipe_packages_the_fastest_trial_within_the_tolerance(
     run_dir = tmp_path / "bert_search"
     record = _search_json(run_dir, 0)
     trials = [t for t in record["trials"] if t["status"] == "ok"]
-    assert {t["candidate"] for t in trials} >= {"pt2e_static_aoti", "ort_dynamic_int8",
+    assert {t["candidate"] for t in trials} >= {"ort_static_int8", "ort_dynamic_int8",
                                                 "onnx_fp32"}
     ref = record["reference"]["accuracy"]
     for t in trials:  # every trial measured the same way, on the whole (shrunk) split

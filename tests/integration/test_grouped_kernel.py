@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, kernels_env, own_build
+from conftest import AVX2_FLAGS, REPO, kernels_env, own_build
 from torch import nn
 
 from serve.causal_lm.runtime import grouped
@@ -111,7 +111,6 @@ print(json.dumps({"path": kernels.grouped_mm_path(), "errors": errors,
                   "attention_invariant": attention_invariant,
                   "library": kernels.shipped_library().name}))
 """
-AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
 
 @pytest.mark.parametrize(("march", "path"), [
@@ -124,11 +123,11 @@ def test_each_forced_path_computes_the_dequantized_product(
         avx2_kernels_env: dict[str, str], march: str, path: str) -> None:
     """Built for x86-64-v3 (AVX2, FMA, F16C, no AVX-512) or plain x86-64
     (`COMPRESS_KERNEL_MARCH`, each its own library; on an AVX2-only CPU its own build is the
-    x86-64-v3 one), grouped_mm runs that path and gives the
-    dequantized product at 1 to 128 rows in all four record layouts (8 or 4 bits, float16 or
-    float32 scales). On either path every row is also bitwise the row computed alone, at
-    every row count, with float32 and with int8 activations, and the attention gives each
-    row of a padded batch its alone answer."""
+    x86-64-v3 one), grouped_mm runs that path and gives the dequantized product at 1 to 128
+    rows in all four record layouts (8 or 4 bits, float16 or float32 scales). On either path
+    every row is also bitwise the row computed alone, at every row count, with float32 and
+    with int8 activations, and the attention gives each row of a padded batch its alone
+    answer."""
     env = kernels_env(avx2_kernels_env, march)  # x86-64-v3 on an AVX2-only CPU: its own build
     done = subprocess.run([sys.executable, "-c", PATH_CHILD], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)

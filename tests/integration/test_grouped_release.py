@@ -2,8 +2,9 @@
 `release_sources`, called by the causal-LM handler): the state dict's codes, scales and
 offsets are dropped and read back from the kernel records exactly (`unpack_records`),
 fused projections included, so the state dict, the dequantized weights and every logit stay
-the same; an embedding table keeps its codes and no records; the worker's freed memory goes
-back to the system (serve/worker_memory.py)."""
+the same; an embedding table keeps its codes and no records; a worker's load drops each
+module's copy as its records are made (`loading.load_folder(held_once=True)`); the worker's
+freed memory goes back to the system (serve/worker_memory.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from builders import grouped_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from serve.causal_lm.runtime import grouped
+from serve.causal_lm.runtime import grouped, loading
 from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
 from serve.causal_lm.runtime.loading import quantize_weights
 from serve.worker_memory import return_freed_memory
@@ -71,6 +72,64 @@ def test_a_released_model_keeps_its_state_dict_and_logits(scheme) -> None:
     q_proj = model.model.layers[1].self_attn.q_proj
     assert q_proj.packed is None and q_proj.fused_records is not None
     assert torch.equal(q_proj.sources()[0], before["model.layers.1.self_attn.q_proj.qweight"])
+
+
+@pytest.mark.parametrize("scheme", ["int8_grouped", "int4_grouped"])
+def test_a_worker_s_load_drops_each_copy_as_it_goes_and_decodes_as_a_full_load(
+        scheme, varied_llama_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    """`held_once`: each grouped module's codes, scales and offsets go as soon as its records
+    are packed, before the next module loads (so the file's copy of a weight is freed while
+    the others load, not after them all); the loaded model decodes the tokens, and has the
+    state dict, of a full load; a file that does not fit the model is refused."""
+    from transformers import AutoTokenizer
+
+    from compress.families.causal_lm.folder import save_causal_lm
+    from compress.models.bundle import ModelBundle
+
+    model = quantize_weights(LlamaForCausalLM.from_pretrained(varied_llama_folder).eval(),
+                             scheme)
+    save_causal_lm(ModelBundle(model, "causal-lm", [],
+                               tokenizer=AutoTokenizer.from_pretrained(varied_llama_folder),
+                               causal_lm_facts={"scheme": scheme, "group_size": 32,
+                                                "head_scheme": loading.head_scheme_of(scheme)}),
+                   tmp_path)
+    full = loading.load_folder(tmp_path)
+    packed_after = []  # at each module's packing: how many modules had dropped their copy
+    pack = grouped.GroupedLinear.pack
+
+    def counting_pack(module) -> None:
+        packed_after.append(sum(m.qweight is None for m in module_list))
+        pack(module)
+
+    module_list: list[grouped.GroupedLinear] = []
+    monkeypatch.setattr(grouped.GroupedLinear, "pack", counting_pack)
+    original_load = loading.load_releasing
+
+    def load_releasing(model, state):  # noqa: ANN001, ANN202
+        module_list.extend(m for m in model.modules() if isinstance(m, grouped.GroupedLinear))
+        return original_load(model, state)
+
+    monkeypatch.setattr(loading, "load_releasing", load_releasing)
+    once = loading.load_folder(tmp_path, held_once=True)
+    table = once.model.get_input_embeddings().table
+    kept = [m for m in module_list if m is not table]
+    assert full.released == 0 and once.released == len(kept) == 2 * 7 + 1  # the head too
+    assert all(m.qweight is None for m in kept) and table.qweight is not None
+    n = len(module_list)  # one by one, in the loading order (the table keeps its codes)
+    assert packed_after[:n] == [sum(m is not table for m in module_list[:i]) for i in range(n)]
+    assert full.model.state_dict().keys() == once.model.state_dict().keys()
+    assert all(torch.equal(v, once.model.state_dict()[k])
+               for k, v in full.model.state_dict().items())
+    ids = [[5, 17, 3, 9], [40, 2, 7, 7, 1, 30]]
+    want = loading.StaticDecoder(full.model, 32).generate(ids, 8).rows
+    assert len({t for row in want for t in row}) > 4
+    assert loading.StaticDecoder(once.model, 32).generate(ids, 8).rows == want
+
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    del state["model.layers.1.mlp.down_proj.scale"]
+    torch.save(state, tmp_path / "model.pt")
+    with pytest.raises(RuntimeError, match="missing .*down_proj.scale"):
+        loading.load_folder(tmp_path, held_once=True)
 
 
 def test_freed_memory_goes_back_to_the_system() -> None:

@@ -92,9 +92,11 @@ class GroupedLinear(FusableLinear):
             self.packed = torch.ops.compress_lm.grouped_pack(
                 self.qweight, self.scale, self.offset, self.bits, self.half_scales)
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        if self.qweight is None and not any(key.startswith(prefix) for key in state_dict):
+            return  # loaded and released already (`loading.load_releasing`): nothing to load
         self.refuse_when_fused()
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.pack()
 
     @classmethod

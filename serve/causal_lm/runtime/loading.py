@@ -33,7 +33,7 @@ from .decode import Generation, OnTokens, Sampling, StaticDecoder, left_pad
 from .experts import is_experts, quantize_experts
 from .fused import fuse_projections
 from .grouped import BITS as GROUPED_BITS
-from .grouped import quantize_embedding, quantize_grouped
+from .grouped import GroupedLinear, quantize_embedding, quantize_grouped
 from .sparse24 import BITS as SPARSE24_BITS
 from .sparse24 import quantize_sparse24
 
@@ -56,6 +56,7 @@ class LoadedCausalLM:
     model: nn.Module
     tokenizer: Any
     facts: dict[str, Any]
+    released: int = 0  # grouped modules that keep their kernel records alone (`held_once`)
 
 
 def weight_config(scheme: str, group_size: int = 32) -> Any:
@@ -158,8 +159,10 @@ def needs_torchao(folder: str | Path) -> bool:
     return bool(facts.get("scheme")) and facts["scheme"] not in KERNEL_SCHEMES
 
 
-def load_folder(folder: str | Path) -> LoadedCausalLM:
-    """The model, tokenizer and facts of a causal-LM folder, in eval mode."""
+def load_folder(folder: str | Path, held_once: bool = False) -> LoadedCausalLM:
+    """The model, tokenizer and facts of a causal-LM folder, in eval mode. `held_once` (a
+    served worker of one process): each grouped module keeps its kernel records alone,
+    its codes, scales and offsets dropped as it loads (`load_releasing`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
@@ -180,14 +183,41 @@ def load_folder(folder: str | Path) -> LoadedCausalLM:
         # read, not mapped: a mapping's pages stay resident while any tensor of the file
         # lives (the embedding's codes, bound into the AOTI steps), sources dropped or not
         state = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
-        model.load_state_dict(state, assign=True)
+        released = load_releasing(model, state) if held_once else 0
+        model.load_state_dict(state, assign=True, strict=not held_once)
         if facts["scheme"] in KERNEL_SCHEMES:  # a 2:4 model: its grouped head's alone
             fuse_projections(model)
         if (folder / "generation_config.json").is_file():
             from transformers import GenerationConfig
 
             model.generation_config = GenerationConfig.from_pretrained(folder)
+        return LoadedCausalLM(model.eval(), tokenizer, facts, released)
     return LoadedCausalLM(model.eval(), tokenizer, facts)
+
+
+def load_releasing(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Load `state` into `model`'s grouped modules one at a time, each dropping its codes,
+    scales and offsets once its kernel records are packed (`GroupedLinear.release_sources`)
+    and taking its entries out of `state`, whose other entries the caller loads next; how
+    many modules hold their records alone. The file's copy of a weight is freed as its
+    records are made, so the next module's records reuse its memory: a worker's start
+    peaks about one weight copy lower than loading every record beside the whole file.
+    Raises as a strict `load_state_dict` does where `state` names other tensors than the
+    model's."""
+    wanted = set(model.state_dict())  # the unwritten tensors' names: no copy is made
+    if wanted != set(state):
+        missing, unexpected = sorted(wanted - set(state)), sorted(set(state) - wanted)
+        raise RuntimeError(f"the state dict does not fit the model: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    released = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedLinear):
+            continue
+        prefix = f"{name}."
+        own = [key for key in state if key.startswith(prefix) and "." not in key[len(prefix):]]
+        module.load_state_dict({key[len(prefix):]: state.pop(key) for key in own}, assign=True)
+        released += module.release_sources()
+    return released
 
 
 def load_tokenizer(folder: Path) -> Any:

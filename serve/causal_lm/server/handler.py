@@ -99,7 +99,8 @@ class CausalLMHandler(BaseHandler):
         logger.info("%s%s", PROGRESS, stamped(f"loading {model_dir.name}"))
         worker_imports.leave_out(worker_imports.UNUSED + (
             () if loading.needs_torchao(model_dir) else ("torchao",)))
-        self.causal_lm = loading.load_folder(model_dir)
+        # one process: each weight's state dict copy goes as its records are made
+        self.causal_lm = loading.load_folder(model_dir, held_once=self.ranks == 1)
         logger.info("%s%s", PROGRESS, stamped("tokenizer and weights loaded"))
         self.pipe = None  # `parallelType: pp`: this rank's pipeline stage, decoded through
         # by every rank in step; or, with expert_parallel, this rank's experts, rank 0 leading
@@ -126,7 +127,7 @@ class CausalLMHandler(BaseHandler):
             logger.info("%s%s", PROGRESS, stamped(said))
         # the kernel records are all a served model reads: the state dict's copy of each
         # weight goes, and the memory loading freed goes back to the system
-        released = grouped.release_sources(self.causal_lm.model)
+        released = self.causal_lm.released + grouped.release_sources(self.causal_lm.model)
         return_freed_memory()
         logger.info("%s%s", PROGRESS, stamped(
             f"weights held once ({released} modules' state dict copies dropped)"))

@@ -43,7 +43,9 @@ from serve import cpu_features
 SOURCE = Path(__file__).with_name("encoder_attention.cpp")
 NORM_SOURCE = Path(__file__).with_name("encoder_norm.cpp")
 ACTIVATION_SOURCE = Path(__file__).with_name("encoder_activation.cpp")
-SOURCES = (SOURCE, NORM_SOURCE, ACTIVATION_SOURCE)
+# what the compiler is given: one unit that includes the three, torch's headers parsed once
+UNIT = Path(__file__).with_name("encoder_library.cpp")
+SOURCES = (SOURCE, NORM_SOURCE, ACTIVATION_SOURCE, UNIT)
 NAMESPACE = "compress_encoder"
 _state: dict[str, object] = {}
 
@@ -141,7 +143,7 @@ def _load(folder: Path | None) -> bool:
             print(f"compress: removed a killed build's lock in {name}'s build folder",
                   file=sys.stderr)
         try:
-            build(name=name, sources=[str(source) for source in SOURCES], extra_cflags=cflags,
+            build(name=name, sources=[str(UNIT)], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         except (RuntimeError, OSError, ImportError) as exc:  # no compiler, or it failed
             _state["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -53,14 +53,14 @@ constexpr int PAIRS = GROUP / 2;  // input pairs a group: one vdpbf16ps each per
 // pair q of row r of a chunk of R rows is at chunk * INVARIANT_ROWS * k / 2 + q * R + r, so
 // that a chunk's rows of a pair lie side by side; and each row's sum of the rounded values
 // over each group
-struct Rounded {
+struct Bf16Rows {
   std::vector<int32_t> pairs;
   std::vector<float> sums;
 };
 
-Rounded round_rows(const float* x, int64_t rows, int64_t k) {
+Bf16Rows round_rows_bf16(const float* x, int64_t rows, int64_t k) {
   const int64_t groups = k / GROUP, half = k / 2;
-  Rounded r{std::vector<int32_t>(rows * half), std::vector<float>(rows * groups)};
+  Bf16Rows r{std::vector<int32_t>(rows * half), std::vector<float>(rows * groups)};
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> line(half);  // one row's pairs, in order
@@ -153,7 +153,7 @@ inline void tile_rows(const uint8_t* rec, const __m512i* wide, __m512i table, in
 }
 
 template <int BITS, bool HALF>
-void tiles_pass(const Rounded& x, int64_t rows, int64_t k, int64_t n, const uint8_t* packed,
+void bf16_tiles_pass(const Bf16Rows& x, int64_t rows, int64_t k, int64_t n, const uint8_t* packed,
                 float* out, int64_t begin, int64_t end) {
   const int64_t groups = k / GROUP, tile_bytes = groups * record_bytes(BITS, HALF);
   const __m512i table = nibble_table();
@@ -184,12 +184,12 @@ at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& x2, const at::Ten
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
   at::Tensor out = at::empty({rows, n}, x.options());
-  const Rounded rounded = round_rows(x2.data_ptr<float>(), rows, k);
+  const Bf16Rows rounded = round_rows_bf16(x2.data_ptr<float>(), rows, k);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     with_layout(bits, half, [&](auto b, auto h) {
-      tiles_pass<decltype(b)::value, decltype(h)::value>(rounded, rows, k, n, pp, yp, begin, end);
+      bf16_tiles_pass<decltype(b)::value, decltype(h)::value>(rounded, rows, k, n, pp, yp, begin, end);
     });
   });
   return out.view(out_shape);

@@ -154,7 +154,6 @@ inline void tile_rows(const uint8_t* rec, int64_t groups, const int8_t* q, int64
 // (4p, 4p+1) of outputs 0-7 in one half and (4p+2, 4p+3) in the other. Each row's
 // activation codes come arranged to match (`quad_patterns`, once a call).
 
-constexpr int64_t QUADS = GROUP / 4;      // quads of inputs a group
 constexpr int64_t INT8_AVX2_ROWS = 3;    // rows a pass: 3 x (2 sums + 2 accumulators) ymm
 
 // the activation codes of every row arranged for the products: 8-bit weights, per quad

@@ -21,6 +21,7 @@
 namespace compress_lm {
 
 constexpr int64_t GROUP = 32;
+constexpr int64_t QUADS = GROUP / 4;  // quads of inputs a group (int8 activations, 2:4 weights)
 constexpr int64_t TILE = 16;  // output features per record
 constexpr int64_t ROWS = 8;   // activation rows per pass over a tile
 // activation rows per pass of the AVX-512 float32 kernels (grouped_mm, sparse24_mm) and the

@@ -47,7 +47,7 @@
 namespace compress_lm {
 namespace {
 
-constexpr int64_t QUADS = GROUP / 4;  // quads per group: 8, two kept slots each
+// QUADS (grouped_layout.h): quads per group, 8, two kept slots each
 
 constexpr int64_t sparse_code_bytes(int64_t bits) { return TILE * 2 * QUADS * bits / 8; }
 constexpr int64_t sparse_position_bytes() { return TILE * QUADS / 2; }

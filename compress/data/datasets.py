@@ -10,7 +10,9 @@ sentence-transformers' CrossEncoder tokenizes them.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -179,24 +181,57 @@ def _to_id(value: Any, mapping: dict[str, int] | None) -> int:
 
 @cache
 def _digits() -> tuple[Any, tuple[int, ...]]:
-    """scikit-learn's digits (pixels, labels), read from its CSV once a process."""
+    """scikit-learn's digits (pixels, labels), read once a process from the CSV that
+    scikit-learn ships, without importing it: its import (scipy, pandas) took about 2.5 s of
+    CPU in every process that trained or evaluated on digits. Through scikit-learn's loader
+    where the file is not where it was."""
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("data.source sklearn:digits needs scikit-learn: pip install scikit-learn")
+    table = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    if table.is_file():
+        values = np.loadtxt(table, delimiter=",")
+        return values[:, :-1], tuple(int(v) for v in values[:, -1])
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     return digits.data, tuple(int(v) for v in digits.target)
 
 
-def _load_digits(recipe, names: list[str]) -> DataBundle:
-    from sklearn.model_selection import train_test_split
+def stratified_split(labels: list[int], fraction: float, seed: int
+                     ) -> tuple[list[int], list[int]]:
+    """Indices (kept, held out) of a seeded split that holds out `fraction` of each class:
+    ceil(fraction x n) in all, shared among the classes by their sizes (the largest
+    remainders take the rounding), each class's picked at random with `seed`."""
+    rng = random.Random(seed)
+    members: dict[int, list[int]] = {}
+    for index, label in enumerate(labels):
+        members.setdefault(label, []).append(index)
+    wanted = math.ceil(fraction * len(labels))
+    exact = {c: wanted * len(rows) / len(labels) for c, rows in members.items()}
+    counts = {c: math.floor(share) for c, share in exact.items()}
+    by_remainder = sorted(members, key=lambda c: (counts[c] - exact[c], c))
+    for c in by_remainder[:wanted - sum(counts.values())]:
+        counts[c] += 1
+    kept, held = [], []
+    for c in sorted(members):
+        rows = members[c][:]
+        rng.shuffle(rows)
+        held += rows[:counts[c]]
+        kept += rows[counts[c]:]
+    rng.shuffle(kept)
+    rng.shuffle(held)
+    return kept, held
 
+
+def _load_digits(recipe, names: list[str]) -> DataBundle:
     cfg = recipe.data
     pixels, labels = _digits()
     x = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
     y = list(labels)
-    train_idx, held_idx = train_test_split(
-        list(range(len(y))), test_size=cfg.holdout_fraction, random_state=recipe.seed,
-        stratify=y,
-    )
+    train_idx, held_idx = stratified_split(y, cfg.holdout_fraction, recipe.seed)
     parts = {"train": train_idx}
     for alias in ("test", "validation", "eval", "holdout"):
         parts[alias] = held_idx

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import write_sentiment_tables
+from conftest import REPO, write_sentiment_tables
 
-from compress.data.datasets import load_data
+from compress.data.datasets import load_data, stratified_split
 from compress.errors import UserError
 from compress.recipe.datasets import resolve_data
 from compress.recipe.schema import Recipe
@@ -70,6 +74,36 @@ def test_digits_holdout_is_stratified_and_disjoint() -> None:
     train_rows = {tuple(x.flatten().tolist()) for x in train.inputs}
     overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in held.inputs)
     assert overlap < 10  # digits holds a few duplicate images; the split itself is disjoint
+    counts = Counter(held.labels)  # each class held out by its share, to within one
+    everyone = Counter(train.labels) + counts
+    assert all(abs(counts[c] - 0.2 * everyone[c]) <= 1 for c in range(10)), counts
+
+
+def test_digits_are_scikit_learn_s_read_without_importing_it() -> None:
+    """The CSV scikit-learn ships, read as its loader reads it, in a process that never
+    imports scikit-learn (whose import cost every digits process about 2.5 s)."""
+    code = ("import sys; from compress.data.datasets import _digits; x, y = _digits(); "
+            "print(x.shape, len(y), 'sklearn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, check=True)
+    assert done.stdout.split() == ["(1797,", "64)", "1797", "False"]
+    from sklearn.datasets import load_digits
+
+    from compress.data.datasets import _digits
+
+    pixels, labels = _digits()
+    digits = load_digits()
+    assert np.array_equal(pixels, digits.data) and labels == tuple(digits.target.tolist())
+
+
+def test_a_stratified_split_holds_out_each_class_s_share_with_its_seed() -> None:
+    labels = [0] * 50 + [1] * 31 + [2] * 7 + [3] * 2
+    kept, held = stratified_split(labels, 0.25, seed=3)
+    assert sorted(kept + held) == list(range(90)) and len(held) == 23  # ceil(0.25 x 90)
+    shares = Counter(labels[i] for i in held)
+    assert shares == {0: 13, 1: 8, 2: 2}, shares  # 12.78, 7.92, 1.79, 0.51: largest remainders
+    assert stratified_split(labels, 0.25, seed=3) == (kept, held)
+    assert stratified_split(labels, 0.25, seed=4)[1] != held
 
 
 def test_wrong_split_name_is_reported_before_any_work(tmp_path: Path) -> None:

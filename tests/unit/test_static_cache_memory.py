@@ -146,3 +146,23 @@ def test_a_busy_batcher_s_cache_holds_its_rows_positions_not_every_position_swep
     for n in (0, 11, 23):
         ids, new = prompt(10 + n % 7, n), 100 + 7 * (n % 3)
         assert got[n][:-1] == alone(model, ids, new, cache_len=cache_len)
+
+
+def test_the_prefill_s_workspace_gives_a_job_s_pages_back_once_its_rows_are_copied() -> None:
+    """A job of 3 prompts writes positions 0..78 of its 3 workspace rows (5 of each head's
+    64 pages); once the batcher copied its rows out, `release` leaves the page each head
+    shares with the positions past the job, so a worker does not keep the largest prompts
+    it has seen between two jobs."""
+    model = varied_model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=1024)
+    prefiller = Prefiller(model, 1024)  # heads of 64 as SmolLM2's: 16 positions a page
+    rows = [Row(prompt(60 + 9 * n, n), 4, lambda *_: None) for n in range(3)]
+    with torch.inference_mode():
+        job = prefiller.start(rows)
+        while not job.finished:
+            prefiller.step(job, whole=True)
+    assert job.length == 78
+    written = resident_fraction(prefiller.workspace)
+    prefiller.release(job)
+    left = resident_fraction(prefiller.workspace)
+    assert written == pytest.approx(5 / 64) and left == pytest.approx(1 / 64), (written, left)

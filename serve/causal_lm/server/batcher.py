@@ -228,6 +228,7 @@ class ContinuousBatcher(Placement):
         self.job = None
         for index, row in enumerate(job.rows):
             self._join(job, index, row)
+        self.prefiller.release(job)  # its rows' keys and values are in their slots now
 
     def _prefill_failed(self, rows: list[Row], exc: Exception) -> None:
         """A batch's rows go again one at a time; a row alone ends with the error."""

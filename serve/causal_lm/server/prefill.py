@@ -21,7 +21,7 @@ from serve.handler_settings import HandlerSettings
 
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import left_pad
-from ..runtime.static_cache import empty_cache, first_rows, position_bytes
+from ..runtime.static_cache import empty_cache, first_rows, position_bytes, release
 from .prefix_cache import PrefixCache
 from .rows import Row
 
@@ -189,6 +189,15 @@ class Prefiller:
                     keys, values = self.keys_values(job, index)
                     self.prefix_cache.store(row.ids, [k[0] for k in keys],
                                             [v[0] for v in values])
+
+    def release(self, job: PrefillJob) -> None:
+        """Hand back the workspace's pages that `job`'s prompts wrote, once its rows' keys and
+        values were copied out (into the decoders' cache and the prefix cache, which copies):
+        between two jobs the workspace holds nothing, not the largest prompts it has seen
+        (a page is given again on the next job's first write)."""
+        if self.workspace is not None:
+            for slot in range(job.ids.shape[0]):
+                release(self.workspace, slot, 0, job.length)
 
     def keys_values(self, job: PrefillJob, slot: int
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

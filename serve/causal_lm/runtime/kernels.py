@@ -44,12 +44,12 @@ SOURCE = CSRC / "grouped_kernels.cpp"  # the operators' registration
 # every file of the build: float32 activations (and the layout), int8 ones, bfloat16 ones,
 # 2:4 sparse weights (sparse24.py's), MoE experts (experts.py's), the batch-invariant
 # attention (attention.py's), the shared layout
+# what the compiler is given: one unit that includes every source, so torch's headers are
+# parsed once a build (six units took about twice the compiler's CPU time: 151 s on a Zen 1)
+UNIT = CSRC / "library.cpp"
 SOURCES = (SOURCE, CSRC / "grouped_int8_activations.cpp", CSRC / "grouped_bf16_activations.cpp",
            CSRC / "sparse24_kernel.cpp", CSRC / "routed_experts.cpp",
-           CSRC / "cache_attention.cpp", CSRC / "grouped_layout.h", CSRC / "library.cpp")
-# what the compiler is given: one unit that includes every source, so torch's headers are
-# parsed once a build (six units took about twice the compiler's CPU time: 160 s on a Zen 1)
-UNIT = CSRC / "library.cpp"
+           CSRC / "cache_attention.cpp", CSRC / "grouped_layout.h", UNIT)
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 

@@ -153,8 +153,8 @@ inline void tile_rows(const uint8_t* rec, const __m512i* wide, __m512i table, in
 }
 
 template <int BITS, bool HALF>
-void bf16_tiles_pass(const Bf16Rows& x, int64_t rows, int64_t k, int64_t n, const uint8_t* packed,
-                float* out, int64_t begin, int64_t end) {
+void bf16_tiles_pass(const Bf16Rows& x, int64_t rows, int64_t k, int64_t n,
+                     const uint8_t* packed, float* out, int64_t begin, int64_t end) {
   const int64_t groups = k / GROUP, tile_bytes = groups * record_bytes(BITS, HALF);
   const __m512i table = nibble_table();
   // one chunk of rows: codes widened as they are read; more: a tile's widened once, here
@@ -189,7 +189,8 @@ at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& x2, const at::Ten
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     with_layout(bits, half, [&](auto b, auto h) {
-      bf16_tiles_pass<decltype(b)::value, decltype(h)::value>(rounded, rows, k, n, pp, yp, begin, end);
+      bf16_tiles_pass<decltype(b)::value, decltype(h)::value>(rounded, rows, k, n, pp, yp,
+                                                              begin, end);
     });
   });
   return out.view(out_shape);

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from serve import worker_temp
+from serve import aoti_package
 
 Runner = Callable[..., Any]
 
@@ -37,8 +37,7 @@ def load_aoti(path: Path, meta: dict[str, Any], threads: int, spinning: bool) ->
         if not encoder_attention.load(path.parent):  # its library for this CPU may lie beside
             raise RuntimeError(f"{path.name} calls compress's attention kernel, which could "
                                f"not be built here: {encoder_attention.error()}")
-    with worker_temp.extracting():  # its library and weights: in this process's own folder
-        return torch._inductor.aoti_load_package(str(path))
+    return aoti_package.load(path)  # its library and weights: in this process's own folder
 
 
 def load_onnx(path: Path, meta: dict[str, Any], threads: int, spinning: bool) -> Runner:

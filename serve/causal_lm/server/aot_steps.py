@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serve import worker_temp
+from serve import aoti_package
 
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import StaticDecoder
@@ -137,8 +137,7 @@ def load_package(path: Path, model: nn.Module) -> Any:
     where it does not load or names a weight the model lacks."""
     weights = dict(model.named_parameters(remove_duplicate=False))
     weights.update(model.named_buffers(remove_duplicate=False))
-    with worker_temp.extracting():  # its library and weights: in this worker's folder
-        package = torch._inductor.aoti_load_package(str(path))
+    package = aoti_package.load(path)  # its library and weights: in this worker's folder
     names = package.get_constant_fqns()
     missing = [n for n in names if n.removeprefix("model.") not in weights]
     if missing:

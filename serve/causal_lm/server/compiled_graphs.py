@@ -97,15 +97,11 @@ def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None
         cache = Path(tempfile.mkdtemp(prefix="compress-inductor-", dir=worker_temp.folder()))
         shutil.copytree(folder / INDUCTOR, cache, dirs_exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    from torch._inductor import config as inductor_config
-
     try:
-        # built for this CPU's flags and torch (checked above): loading a package asks
-        # which vector ISA the compiler builds, which Inductor answers by compiling a test
-        # kernel with g++ (3-5 s of a worker's start and a 265 MB compiler on a Zen 1)
-        with inductor_config.patch({"cpp.vec_isa_ok": True}):
-            steps = aot_steps.load_steps(folder, model)
-            prefill = aot_steps.load_prefill(folder, model) if steps else {}
+        # built for this CPU's flags and torch (checked above): loaded by AOTInductor's C++
+        # loader, with no g++ probe of the CPU's vector ISA (`serve/aoti_package.py`)
+        steps = aot_steps.load_steps(folder, model)
+        prefill = aot_steps.load_prefill(folder, model) if steps else {}
     except (RuntimeError, ValueError) as error:
         logger.warning("compress worker: the shipped decode steps did not load (%s): "
                        "compiling afresh", first_line(error))

@@ -31,9 +31,13 @@ def test_worker_lines_are_timed_from_the_launch_and_earlier_starts_left_out(tmp_
         f"{stamp(launched - 30)}{prefix}loading llm (at 2.0 s)\n"  # an earlier start's
         f"{stamp(launched + 4.25)}{prefix}loading llm (at 2.1 s)\n"
         "a line that is not the worker's\n"
-        f"{stamp(launched + 7.5)}{prefix}prefill (aoti) warmed up (at 5.4 s)\n")
+        f"{stamp(launched + 7.5)}{prefix}prefill (aoti) warmed up (at 5.4 s)\n"
+        # TorchServe's worker log
+        f"{stamp(launched + 8.0).replace(' ', 'T')} [INFO ] W-9000-llm_1.0-stdout MODEL_LOG - "
+        "ready (at 6.0 s)\n")
     events = worker_lines(log, launched, launched)
-    assert [round(at, 2) for at, _ in events] == [4.25, 7.5]
+    assert [round(at, 2) for at, _ in events] == [4.25, 7.5, 8.0]
+    assert events[2][1] == "worker: ready (at 6.0 s)"
     assert events[0][1] == "worker: loading llm (at 2.1 s)"
     assert worker_lines(tmp_path / "absent.log", launched, launched) == []
 

@@ -38,7 +38,9 @@ from compress.serving.server_process import stop
 from compress.system.processes import command_line
 
 TICK = os.sysconf("SC_CLK_TCK")
-STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?MODEL_LOG - (.*)$")
+# LitServe's worker log (the handler's lines: "2026-12-01 12:00:00,000") and TorchServe's
+# ("2026-12-01T12:00:00,000")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d,\d{3}) .*?MODEL_LOG - (.*)$")
 
 
 def boot_clock() -> float:
@@ -121,9 +123,9 @@ def worker_lines(log: Path, since_wall: float, launched_wall: float) -> list[tup
         match = STAMP.match(line)
         if not match:
             continue
-        wall = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        wall = datetime.strptime(f"{match[1]} {match[2]}", "%Y-%m-%d %H:%M:%S,%f").timestamp()
         if wall >= since_wall - 0.002:
-            events.append((wall - launched_wall, f"worker: {match[2].strip()[:90]}"))
+            events.append((wall - launched_wall, f"worker: {match[3].strip()[:90]}"))
     return events
 
 

@@ -290,9 +290,11 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 def packaged_causal_lm_run(folder: Path, name: str, source: Path, package: dict, data_dir: Path,
-                           cache_len: int, prompts: list[str] | None = None) -> Path:
-    """`compress run` of a causal LM exported (`format: transformers`) and packaged with
-    `package`'s options, measured on 2 prompts x 8 tokens; its run folder."""
+                           cache_len: int, prompts: list[str] | None = None,
+                           scheme: str | None = None) -> Path:
+    """`compress run` of a causal LM (its weights quantized to `scheme` first, where given)
+    exported (`format: transformers`) and packaged with `package`'s options, measured on 2
+    prompts x 8 tokens; its run folder."""
     data = {"source": "stanfordnlp/sst2", "text_column": "sentence", "max_length": 32,
             "eval": {"split": "validation", "max_samples": 8}}
     if prompts:
@@ -302,7 +304,8 @@ def packaged_causal_lm_run(folder: Path, name: str, source: Path, package: dict,
            "evaluation": {"generation": {"prompts": 2, "max_new_tokens": 8, "batch_sizes": [1],
                                          "compile": "none", "eager_generate": False,
                                          "cache_len": cache_len}},
-           "stages": [{"kind": "export", "format": "transformers"},
+           "stages": [*([{"kind": "quantize", "scheme": scheme}] if scheme else []),
+                      {"kind": "export", "format": "transformers"},
                       {"kind": "package", **package}],
            "output_dir": str(folder / "runs")}
     result = run_cli("run", str(write_recipe(folder / f"{name}.yaml", raw)),

@@ -105,7 +105,10 @@ def test_bert_int8_shrunk_quantizes_exports_and_packages(bert_int8_run) -> None:
     mar = stages[5]["outputs"][0]
     assert mar["path"] == "05-package/bert_int8.mar" and mar["format"] == "mar"
     assert package["served_format"] == "onnx" and package["batch_size"] == 16
-    assert 15e6 < mar["bytes"] < stages[4]["outputs"][0]["bytes"]  # the zipped int8 .onnx
+    # the int8 .onnx stored in the archive as it is (weights are not deflated: `compress
+    # serve` unpacks at every start), beside a few hundred KB of code and tokenizer
+    onnx_bytes = stages[4]["outputs"][0]["bytes"]
+    assert 15e6 < onnx_bytes < mar["bytes"] < onnx_bytes + 2e6
     assert ort_int8["onnx_quantize"] == "dynamic" and ort_int8["onnx_exporter"] == "torchscript"
     assert abs(ort_int8["accuracy"] - fp32["accuracy"]) <= 0.03
     assert ort_int8["size_mb"] < 0.3 * fp32["size_mb"]

@@ -82,23 +82,27 @@ def test_packages_extract_into_the_workers_folder(temp: Path, tmp_path, monkeypa
     the worker's folder for that call only."""
     seen = []
 
-    class Package:
+    class Loader:  # AOTInductor's C++ loader, as `serve/aoti_package.py` calls it
+        def __init__(self, path: str, model: str, *args: object) -> None:
+            seen.append((os.environ["TMPDIR"], Path(path).name, model))
+
+        def get_call_spec(self) -> list[str]:
+            return ["", torch.utils._pytree.treespec_dumps(
+                torch.utils._pytree.tree_flatten(torch.zeros(1))[1])]
+
         def get_constant_fqns(self) -> list[str]:
             return []
 
-        def load_constants(self, *args, **kwargs) -> None:
+        def load_constants(self, *args: object) -> None:
             pass
 
-    def load(path: str) -> Package:
-        seen.append(os.environ["TMPDIR"])
-        return Package()
-
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", load)
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
     runtimes.load_aoti(tmp_path / "model.aoti.pt2", {}, 1, False)
     (tmp_path / aot_steps.ONE).write_bytes(b"")
     assert list(aot_steps.load_steps(tmp_path, torch.nn.Linear(2, 2))) == [1]
     own = str(worker_temp.folder())
-    assert seen == [own, own] and os.environ["TMPDIR"] == str(temp)
+    assert seen == [(own, "model.aoti.pt2", "model"), (own, aot_steps.ONE, "model")]
+    assert os.environ["TMPDIR"] == str(temp)
 
 
 def test_the_shipped_inductor_cache_is_copied_into_the_workers_folder(temp: Path,

@@ -16,8 +16,11 @@ DIMENSION = "ModelName"
 # name: (unit, kind) -- kind one of TorchServe's counter, gauge, histogram
 METRICS = {
     "CompressBatchRows": ("Count", "gauge"),  # rows decoding together / a batch's requests
-    "CompressQueueTime": ("Milliseconds", "histogram"),  # arrival to decoding (LM)
-    "CompressTimeToFirstToken": ("Milliseconds", "histogram"),
+    # seconds: TorchServe's Prometheus histograms have the client's default buckets, 5 ms to
+    # 10 s (in milliseconds every time fell in the last one, +Inf: only sum and count said
+    # anything)
+    "CompressQueueTime": ("Seconds", "histogram"),  # arrival to decoding (LM)
+    "CompressTimeToFirstToken": ("Seconds", "histogram"),
     "CompressGeneratedTokens": ("Count", "counter"),  # its rate: tokens/s
     "CompressBadRequests": ("Count", "counter"),  # answered 4xx by the handler
     "CompressFailedRequests": ("Count", "counter"),  # answered 5xx by the handler

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 import zipfile
@@ -325,8 +326,15 @@ def test_prometheus_metrics_show_the_models_batches_tokens_and_errors(served: di
 
     def read() -> dict[str, str]:
         text = urllib.request.urlopen(served["metrics_url"], timeout=30).read().decode()
-        return {line.split("{")[0]: line for line in text.splitlines()
+        return {key(line): line for line in text.splitlines()
                 if line.startswith(("Compress", "ts_queue_latency", "Requests4XX"))}
+
+    def key(line: str) -> str:
+        """A line's metric name, and a histogram bucket's bound after it
+        ("CompressTimeToFirstToken_bucket le=10.0")."""
+        name = line.split("{")[0]
+        bound = re.search(r'le="([^"]+)"', line)
+        return f"{name} le={bound[1]}" if name.endswith("_bucket") and bound else name
 
     def value(lines: dict[str, str], name: str) -> float:
         return float(lines[name].split()[-1]) if name in lines else 0.0
@@ -347,6 +355,10 @@ def test_prometheus_metrics_show_the_models_batches_tokens_and_errors(served: di
     for name, least in (("CompressGeneratedTokens", 12), ("CompressBadRequests", 1),
                         ("CompressTimeToFirstToken_count", 1), ("Requests4XX", 1)):
         assert value(lines, name) - value(before, name) >= least, (name, before, lines)
+    # times in seconds, so that the default buckets (5 ms to 10 s) hold them: a first token
+    # within 10 s of its request's arrival is in a finite bucket, not only in +Inf
+    finite = "CompressTimeToFirstToken_bucket le=10.0"
+    assert value(lines, finite) - value(before, finite) >= 1, sorted(lines)
 
 
 def mixed_request(k: int) -> tuple[str, dict]:

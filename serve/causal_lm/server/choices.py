@@ -113,8 +113,8 @@ async def follow(context, i: int, batcher: Any, run: RowRun,
             busy = row.beside
             context.set_response_header(i, replies.BATCH_HEADER, str(busy))
             record(context, "CompressBatchRows", busy)
-            record(context, "CompressQueueTime", 1000 * (row.admitted - began))
-            record(context, "CompressTimeToFirstToken", 1000 * (time.perf_counter() - began))
+            record(context, "CompressQueueTime", row.admitted - began)
+            record(context, "CompressTimeToFirstToken", time.perf_counter() - began)
             held = getattr(getattr(batcher, "prefiller", None), "prefix_cache", None)
             if held is not None:
                 record(context, "CompressPrefixCacheBytes", held.bytes)

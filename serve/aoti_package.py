@@ -44,9 +44,6 @@ class Package:
     def get_constant_fqns(self) -> list[str]:
         return self.loader.get_constant_fqns()
 
-    def get_metadata(self) -> dict[str, str]:
-        return self.loader.get_metadata()
-
     def load_constants(self, constants: dict[str, torch.Tensor], *, check_full_update: bool,
                        user_managed: bool = False) -> None:
         """Hand the package its weights by name (`user_managed`: the tensors themselves,

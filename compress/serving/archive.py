@@ -91,8 +91,7 @@ def store_large_entries(mar: Path, threshold: int = STORED_BYTES) -> int:
         rewritten = mar.with_name(mar.name + ".stored")
         with zipfile.ZipFile(rewritten, "w", allowZip64=True) as target:
             for entry in entries:
-                kind = (zipfile.ZIP_STORED if entry.file_size >= threshold
-                        else entry.compress_type)
+                kind = zipfile.ZIP_STORED if entry in large else entry.compress_type
                 copy = zipfile.ZipInfo(entry.filename, entry.date_time)
                 copy.compress_type, copy.external_attr = kind, entry.external_attr
                 if entry.is_dir():

@@ -12,7 +12,6 @@ from pathlib import Path
 from benchmarks.causal_lm.micro.cold_start import (
     Watch,
     boot_clock,
-    descendants,
     table,
     worker_lines,
 )
@@ -66,7 +65,6 @@ def test_the_watch_sees_a_child_of_the_launched_process() -> None:
         watch = Watch(child.pid, boot_clock(), lambda: None)
         time.sleep(0.8)
         seen = watch.stop()
-        assert child.pid in descendants(child.pid)
         assert any(what == "process starts: sleep" for _, what in seen), seen
         assert all(-1 < at < 5 for at, _ in seen)
     finally:

@@ -15,7 +15,6 @@ round by round, each with a table of its own.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -32,10 +31,10 @@ from pathlib import Path
 from benchmarks.causal_lm.served_servers import probe
 from benchmarks.harness.provenance import header_text, scrubbed
 from benchmarks.harness.servers import short_command
-from compress.serving.serve_folder import free_ports
+from compress.serving.serve_folder import SERVER_INFO, free_ports, read_info
 from compress.serving.serve_target import resolve_target
 from compress.serving.server_process import stop
-from compress.system.processes import command_line
+from compress.system import processes
 
 TICK = os.sysconf("SC_CLK_TCK")
 # LitServe's worker log (the handler's lines: "2026-12-01 12:00:00,000") and TorchServe's
@@ -45,33 +44,6 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d,\d{3}) .*?MODEL_LOG -
 
 def boot_clock() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
-
-
-def started_at(pid: int) -> float | None:
-    """When process `pid` started, on the boot clock; None where it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[19]) / TICK
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def descendants(root: int) -> list[int]:
-    """`root` and every process below it (`compress serve` starts the server in a session of
-    its own, so a session does not hold the tree)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 class Watch:
@@ -89,12 +61,12 @@ class Watch:
     def _run(self) -> None:
         while not self.done.is_set():
             server = self.server()
-            for pid in {*descendants(self.root), *(descendants(server) if server else ())}:
+            for pid in {*processes.tree(self.root), *(processes.tree(server) if server else ())}:
                 if pid not in self.seen:
-                    began = started_at(pid)
-                    line = command_line(pid)
-                    if began is not None and line:
-                        self.seen[pid] = (began - self.launched, short_command(line))
+                    found, line = processes.stat(pid), processes.command_line(pid)
+                    if found is not None and line:
+                        self.seen[pid] = (found.start_ticks / TICK - self.launched,
+                                          short_command(line))
             self.done.wait(0.02)
 
     def stop(self) -> list[tuple[float, str]]:
@@ -103,14 +75,12 @@ class Watch:
         return [(at, f"process starts: {what}") for at, what in self.seen.values()]
 
 
-def server_pid(serve_dir: Path, since_wall: float) -> int | None:
-    """The server's pid `compress serve` recorded in server.json for this launch."""
-    info = serve_dir / "server.json"
+def this_launch(serve_dir: Path, since_wall: float) -> dict | None:
+    """The server.json `compress serve` wrote for the launch at `since_wall`, or None yet."""
+    info = serve_dir / SERVER_INFO
     try:
-        if info.stat().st_mtime < since_wall:
-            return None
-        return int(json.loads(info.read_text())["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return read_info(serve_dir) if info.stat().st_mtime >= since_wall else None
+    except OSError:
         return None
 
 
@@ -142,7 +112,8 @@ def one_start(target: str, engine: str, timeout_s: float) -> list[tuple[float, s
     launched_wall, launched = time.time(), boot_clock()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=env, start_new_session=True, text=True)
-    watch = Watch(process.pid, launched, lambda: server_pid(serve_dir, launched_wall))
+    watch = Watch(process.pid, launched,
+                  lambda: (this_launch(serve_dir, launched_wall) or {}).get("pid"))
 
     def read_output() -> None:
         assert process.stdout is not None
@@ -154,12 +125,10 @@ def one_start(target: str, engine: str, timeout_s: float) -> list[tuple[float, s
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            if path is None:
-                info = (serve_dir / "server.json")
-                if info.is_file() and info.stat().st_mtime >= launched_wall:
-                    record = json.loads(info.read_text())
-                    path = (f"/predictions/{record['model_name']}/"
-                            f"{record.get('model_version') or '1.0'}/v1/chat/completions")
+            record = None if path else this_launch(serve_dir, launched_wall)
+            if record:
+                path = (f"/predictions/{record['model_name']}/"
+                        f"{record.get('model_version') or '1.0'}/v1/chat/completions")
             if path is not None and probe(port, path, 30) is None:
                 events.append((boot_clock() - launched, "first answer"))
                 break

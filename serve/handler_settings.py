@@ -47,6 +47,7 @@ class HandlerSettings:
     prefix_cache: bool | int = True  # reuse prompt prefixes (a number: positions kept)
     prefix_cache_mb: float | None = None  # the prefix cache's bound in MB (wins over positions)
     expert_parallel: int | None = None  # ranks that split a MoE model's experts
+    speculate: int = 0  # continuous batching: the most prompt-lookup drafts a row verifies
 
     @classmethod
     def from_config(cls, section: dict[str, Any] | None) -> HandlerSettings:

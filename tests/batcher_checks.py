@@ -13,6 +13,7 @@ from serve.causal_lm.server.aot_steps import use_step
 from serve.causal_lm.server.batcher import ContinuousBatcher, Row
 from serve.causal_lm.server.compiled_graphs import warm_up
 from serve.causal_lm.server.prefill import Prefiller
+from serve.causal_lm.server.speculation import eager_verify
 
 CACHE = 64
 
@@ -31,10 +32,12 @@ def varied_model(**sizes: int):
 
 
 def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
-               own_thread: bool = True, steps: dict | None = None, **prefill):
+               own_thread: bool = True, steps: dict | None = None, speculate: int = 0,
+               **prefill):
     """A batcher of decoders (one per bucket, compiled in `compile_mode` where given, or
     decoding through the AOTInductor `steps` by their fewest rows), their caches shared;
-    `prefill`: the Prefiller's options (compiled with the decoders)."""
+    `speculate`: drafts a row verifies at most, eagerly; `prefill`: the Prefiller's options
+    (compiled with the decoders)."""
     decoders = {rows: StaticDecoder(model, CACHE, always_mask=True) for rows in sizes}
     for rows, decoder in decoders.items():
         if steps:
@@ -45,7 +48,9 @@ def batcher_of(model, sizes=(1, 2, 4), compile_mode: str | None = None,
     prefiller = Prefiller(model, CACHE, compiled=bool(compile_mode), **prefill)
     if compile_mode:
         prefiller.warm_up()
-    return ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread)
+    verify = eager_verify(model, {r: d.cache for r, d in decoders.items()}) if speculate else None
+    return ContinuousBatcher(decoders, prefiller, stop=set(), own_thread=own_thread,
+                             speculate=speculate, verify=verify)
 
 
 def alone(model, ids: list[int], new: int, sampling: Sampling | None = None,

@@ -39,6 +39,7 @@ from .decode import Generation, Sampling, StaticDecoder, plan_rows
 from .static_cache import tie_graphs_to
 
 VERIFY_ATTENTION = "compress_verify"  # the attention of the verifying forward
+VERIFY_ROWS_ATTENTION = "compress_verify_rows"  # ... of rows beside each other, masked
 
 
 def draft_tokens(history: Sequence[int], n_max: int = 3, n_min: int = 1,
@@ -65,11 +66,12 @@ def verify_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      dropout: float = 0.0, scaling: float | None = None,
                      decode_window: torch.Tensor | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention of Q new tokens of one unpadded row, the last Q of the first
-    `len(decode_window)` cache positions, each query over the positions up to its own (the
-    mask is not read). `decode_attention`'s arithmetic, query by query: the same float32
-    products and sums, the later positions' scores -inf (weight 0), so each query's output
-    equals, bit for bit, a decode step's at its position (eager and compiled; checked)."""
+    """Attention of Q new tokens a row, the last Q of the first `len(decode_window)` cache
+    positions, each query over the positions up to its own and, where a mask is given
+    (VERIFY_ROWS_ATTENTION: rows beside each other, `server/speculation.py`), those it
+    opens. `decode_attention`'s arithmetic, query by query: the same float32 products and
+    sums, the later positions' scores -inf (weight 0), so each query's output equals, bit
+    for bit, a decode step's at its position (eager and compiled; checked)."""
     if decode_window is None:
         raise ValueError("verify_attention needs the decode window")
     filled, count = decode_window.shape[0], query.shape[2]
@@ -80,6 +82,10 @@ def verify_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     grouped = query.reshape(rows, groups, heads // groups, count, 1, dim).float()
     scores = (grouped * key[:, :, None, None].float()).sum(-1) * scale  # .., queries, L
     seen = torch.arange(filled)[None, :] <= torch.arange(filled - count, filled)[:, None]
+    if attention_mask is not None:  # rows x 1 x queries x positions: bool, or added
+        mask = attention_mask[:, 0, -count:, :filled]
+        mask = mask if mask.dtype == torch.bool else mask == 0
+        seen = (seen & mask).reshape(mask.shape[0], 1, 1, count, filled)
     weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
     out = (weights[..., None] * value[:, :, None, None].float()).sum(-2)  # .., queries, dim
     return out.to(query.dtype).reshape(rows, heads, count, dim).transpose(1, 2), None
@@ -90,12 +96,15 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 
 def register_verify_attention() -> None:
-    """Make `verify_attention` known to transformers under VERIFY_ATTENTION (no mask built)."""
+    """Make `verify_attention` known to transformers under VERIFY_ATTENTION (no mask built)
+    and VERIFY_ROWS_ATTENTION (the padding and causal mask built)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(VERIFY_ATTENTION, verify_attention)
     AttentionMaskInterface.register(VERIFY_ATTENTION, _no_mask)
+    AttentionInterface.register(VERIFY_ROWS_ATTENTION, verify_attention)
+    AttentionMaskInterface.register(VERIFY_ROWS_ATTENTION, sdpa_mask)
 
 
 def verify_forward(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,

@@ -40,21 +40,24 @@ from .picking import pick_for_rows
 from .placement import Placement
 from .prefill import Prefiller, PrefillJob
 from .rows import CANCELLED, Emit, QueueFull, Row, send  # noqa: F401 (its API)
+from .speculation import Speculation, Verify
 
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatcher(Placement):
+class ContinuousBatcher(Placement, Speculation):
     """Decodes the rows of every submitted request on one thread, admitting new ones
     between steps. `decoders`: one per bucket size (compiled and warmed up), their caches
     already shared (`shared_caches`); `prefiller`: prefills admitted prompts (over the
     same model and cache length); `max_waiting`: the queue's bound; `patience`: decode steps
-    the oldest waiting request lets others that fit go first."""
+    the oldest waiting request lets others that fit go first; `speculate`: the most drafts
+    a row verifies in one step, through `verify` (`speculation.py`; 0: plain steps only)."""
 
     def __init__(self, decoders: dict[int, StaticDecoder], prefiller: Prefiller,
                  stop: set[int], own_thread: bool = True,
                  max_waiting: int = HandlerSettings.max_waiting,
-                 patience: int = 32):
+                 patience: int = 32, speculate: int = HandlerSettings.speculate,
+                 verify: Verify | None = None):
         self.decoders, self.prefiller, self.stop = decoders, prefiller, stop
         self.max_waiting, self.patience = max(1, max_waiting), max(0, patience)
         self.step_s = 0.05  # a decode step's time, averaged (`retry_after_s`)
@@ -72,6 +75,7 @@ class ContinuousBatcher(Placement):
         self.arriving = 0  # requests arrived, not yet submitted (`arrive`)
         self.wake = threading.Condition()
         self.steps = 0
+        self._speculation(speculate, verify)
         if own_thread:  # else the caller runs `serve` on the thread that built the model
             threading.Thread(target=self.serve, name="compress-batcher", daemon=True).start()
 
@@ -271,20 +275,27 @@ class ContinuousBatcher(Placement):
         highest = max(i for i, r in enumerate(self.slots) if r is not None)
         size = min(b for b in self.decoders if b > highest)
         rows = self.slots[:size]
+        if self.steps % 16 == 0:  # a free slot's row still steps: what it wrote goes back
+            for slot in range(size):
+                if self.slots[slot] is None:
+                    release(self.cache, slot)
+        drafts, found = self._drafts(rows) if self.speculate else (0, [])
+        if drafts:
+            self._verify_step(rows, drafts, found)
+            return
         tokens = torch.tensor([[r.tokens[-1] if r else 0] for r in rows])
-        positions = torch.tensor([[self.cursor - r.start if r else 0] for r in rows])
+        positions = torch.tensor([[self.cursor - r.start - r.holes if r else 0] for r in rows])
         began = time.perf_counter()
         # Dynamo's guards are checked in full where the bucket changes (`StaticDecoder._stance`)
         logits = self.decoders[size].decode_step(tokens, self.cursor, positions,
                                                  self.mask[:size], first=size != self.size)
         self.size = size
-        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - began)
+        spent = time.perf_counter() - began
+        self.step_s = 0.9 * self.step_s + 0.1 * spent
+        if self.speculate:
+            self._measured(size, 0, spent)
         self.cursor += 1
         self.steps += 1
-        if self.steps % 16 == 0:  # a free slot's row still steps: what it wrote goes back
-            for slot in range(size):
-                if self.slots[slot] is None:
-                    release(self.cache, slot)
         picked = pick_for_rows(logits, rows)
         for slot, row in enumerate(rows):
             if row is not None:

@@ -51,17 +51,21 @@ class Placement:
         return cursor + max(left, new) <= self.cache_len and length <= cursor
 
     def _move(self, begin: int, end: int, by: int) -> None:
-        """Positions begin..end-1 of every slot to begin+by.., and the rows with them."""
+        """Positions begin..end-1 of every slot to begin+by.., and the rows with them (their
+        masks too: a row's holes stay closed, `speculation.py`)."""
         for layer in self.cache.layers:
             for t in (layer.keys, layer.values):
                 t[:, :, begin + by:end + by] = t[:, :, begin:end].clone()
         self._set_cursor(self.cursor + by)
+        moved = torch.zeros_like(self.mask)
+        moved[:, begin + by:end + by] = self.mask[:, begin:end]
+        moved[:, end + by:] = 1  # from the cursor on: open, as `_open_from` leaves them
         for slot, row in enumerate(self.slots):
             if row is None:
                 release(self.cache, slot)
                 continue
             row.start += by
-            self._open_from(slot, row.start)
+            self.mask[slot] = moved[slot]
             release(self.cache, slot, 0, row.start)  # what the move left there
             release(self.cache, slot, self.cursor)
 

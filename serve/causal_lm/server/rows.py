@@ -52,6 +52,10 @@ class Row:
     logprobs: int | None = None  # record each token's log-probability and this many rivals
     # per token, where `logprobs` is set: (its log-probability, [(rival id, its log-prob)])
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # speculation (`speculation.py`): positions in its span it does not hold (refused
+    # drafts, masked), and how often its drafts were kept (a running average)
+    holes: int = 0
+    acceptance: float = 0.5
 
     def seed_sampling(self) -> None:
         """Greedy (no sampling) at temperature 0; a seeded sample its own generator."""

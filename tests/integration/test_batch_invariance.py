@@ -15,7 +15,11 @@ import torch
 from batcher_checks import batcher_of
 
 from serve.causal_lm.runtime import grouped
-from serve.causal_lm.runtime.attention import INVARIANT_ATTENTION, decode_attention_for
+from serve.causal_lm.runtime.attention import (
+    INVARIANT_ATTENTION,
+    attention,
+    decode_attention_for,
+)
 from serve.causal_lm.runtime.kernels import build_error, grouped_mm_available
 from serve.causal_lm.runtime.loading import quantize_weights
 from serve.causal_lm.server import batcher as batcher_module
@@ -177,3 +181,80 @@ def wait_for_end(ends: list[str], timeout: float = 120) -> None:
     while not ends and time.monotonic() < deadline:
         time.sleep(0.002)
     assert ends, "the request never ended"
+
+
+@pytest.mark.parametrize("how", ["eager-float32", "eager-int8", "shipped"])
+def test_speculating_rows_get_their_plain_alone_logits_bit_for_bit(
+        how, monkeypatch, tmp_path) -> None:
+    """Speculation inside the batch (`server/speculation.py`): six requests whose prompts
+    repeat a phrase (drafts found) or do not, in a batcher of 4 rows verifying up to 3
+    drafts a step (eagerly, or through the shipped verification package with the shipped
+    steps), then each alone in a batcher that does not speculate. The logits each token was
+    picked from, and so the tokens, are the same bits both ways; drafts were kept."""
+    from batcher_checks import CACHE
+
+    from serve.causal_lm.server import aot_steps
+    from serve.causal_lm.server import speculation as speculation_module
+    from serve.causal_lm.server.speculation import package_verify
+
+    model = tiny_llama("int8_grouped", "int8" if how == "eager-int8" else "float32")
+    steps = None
+    if how == "shipped":
+        aot_steps.export_steps(model, 4, CACHE, "default", tmp_path)
+        aot_steps.export_verify(model, 4, CACHE, 3, "default", tmp_path)
+        steps = aot_steps.load_steps(tmp_path, model)
+    seen: dict[int, list[torch.Tensor]] = {}
+    pick = batcher_module.pick_for_rows
+
+    def recording(logits: torch.Tensor, rows: list) -> list[int]:
+        for k, row in enumerate(rows):
+            if row is not None:
+                seen.setdefault(id(row), []).append(logits[k].clone())
+        return pick(logits, rows)
+
+    monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
+    monkeypatch.setattr(speculation_module, "pick_for_rows", recording)
+    # driven on this thread, in turn (a batcher's own thread holds the model in its
+    # attention while it lives: a second batcher's decoders would not find the model's own)
+    speculating = batcher_of(model, steps=steps, speculate=3, own_thread=False)
+    plain = batcher_of(model, steps=steps, own_thread=False)
+    if how == "shipped":
+        packages = aot_steps.load_prefill(tmp_path, model, (aot_steps.VERIFY,
+                                                            aot_steps.VERIFY_ONE))
+        caches = {rows: d.cache for rows, d in speculating.decoders.items()}
+        speculating.verify = package_verify(packages, caches, None, 3)  # no fallback
+    chance = random.Random(how)
+    requests = []
+    for seed in range(6):
+        phrase = torch.randint(1, 97, (chance.randint(2, 6),),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        requests.append((phrase * (3 if seed % 3 else 1), chance.randint(8, 20)))
+
+    def run(batcher, ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
+        tokens: list[int] = []
+        ends: list[str] = []
+        row = Row(ids, new, lambda token, end: tokens.append(token) if token is not None
+                  else ends.append(end))
+        batcher.submit(row)
+        return row, tokens, ends
+
+    def drain(batcher) -> None:
+        largest = batcher.decoders[batcher.rows]
+        with torch.inference_mode(), attention(largest.model, largest.attention):
+            while not batcher.idle():
+                batcher.turn()
+
+    together = [run(speculating, ids, new) for ids, new in requests]
+    drain(speculating)
+    assert speculating.verifications > 0 and speculating.accepted > 0
+    kept = []
+    for (ids, new), (row, tokens, ends) in zip(requests, together, strict=True):
+        alone_row, alone_tokens, alone_ends = run(plain, ids, new)
+        kept.append(alone_row)
+        drain(plain)
+        assert ends == alone_ends == ["length"]
+        assert alone_tokens == tokens and len(tokens) == new
+        batched, by_itself = seen[id(row)], seen[id(alone_row)]
+        assert len(batched) == len(by_itself) == new
+        for step, (a, b) in enumerate(zip(batched, by_itself, strict=True)):
+            assert torch.equal(a, b), (ids, step, float((a - b).abs().max()))

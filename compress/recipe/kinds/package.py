@@ -23,7 +23,7 @@ SERVABLE_FORMATS = ("torchscript", "onnx", "aoti", "transformers")
 # the options only a causal LM's archive takes (its generation handler's)
 CAUSAL_LM_ONLY_OPTIONS = ("max_new_tokens", "cache_len", "decode_compile", "decode_cpp_wrapper",
                           "precompile", "prefill_chunk", "prefill_compile", "prefix_cache",
-                          "prefix_cache_mb",
+                          "prefix_cache_mb", "speculate",
                           *PARALLEL)
 
 
@@ -113,6 +113,13 @@ class PackageConfig(StrictModel):
         description="Causal LMs, continuous batching: the prefix cache's bound in MB of keys "
         "and values (wins over prefix_cache's positions; SmolLM2-135M's float32 cache takes "
         "45 KB a position: 4 x 512 positions are 90 MB).")
+    speculate: int = Field(
+        HandlerSettings.speculate, ge=0, le=16,
+        description="Causal LMs, continuous batching: the most prompt-lookup drafts a row "
+        "verifies in one step (0: off). Every row's answer stays its plain one; each step "
+        "speculates only where the measured step times and the rows' acceptance say it "
+        "pays (benchmarks.causal_lm.micro.batched_speculation measures it). With precompile, "
+        "2 or more ships the verification as an AOTInductor package too.")
 
 
 def export_stage_index(recipe: Any, i: int) -> int:

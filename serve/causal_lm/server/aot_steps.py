@@ -36,6 +36,7 @@ from ..runtime.static_cache import empty_cache
 
 ONE, ROWS = "decode_1.pt2", "decode_rows.pt2"  # the packages, in the archive's compiled_graphs/
 PREFILL, PREFILL_ONE = "prefill.pt2", "prefill_1.pt2"  # beside them (`export_prefill`)
+VERIFY, VERIFY_ONE = "verify.pt2", "verify_1.pt2"  # speculation's (`export_verify`)
 
 
 class StepInputs(nn.Module):
@@ -150,11 +151,14 @@ def load_package(path: Path, model: nn.Module) -> Any:
 class PrefillInputs(nn.Module):
     """The prefill's chunk (`prefill.prefill_chunk`, in the decode attention) as a module of
     plain tensors: the workspace's keys, values and lengths come in as inputs and are
-    written in place."""
+    written in place. `every_position`: speculation's verification instead
+    (`speculation.verify_chunk`: every position's logits, in its attention)."""
 
-    def __init__(self, model: nn.Module, cache: Any, last_only: bool):
+    def __init__(self, model: nn.Module, cache: Any, last_only: bool,
+                 every_position: bool = False):
         super().__init__()
         self.model, self.cache, self.last_only = model, cache, last_only
+        self.every_position = every_position
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor, window: torch.Tensor, keys: list[torch.Tensor],
@@ -163,6 +167,11 @@ class PrefillInputs(nn.Module):
 
         for layer, k, v, n in zip(self.cache.layers, keys, values, lengths, strict=True):
             layer.keys, layer.values, layer.cumulative_length = k, v, n
+        if self.every_position:
+            from .speculation import verify_chunk
+
+            return verify_chunk(self.model, self.cache, ids, positions, position_ids, mask,
+                                window)
         with attention(self.model, decode_attention_for(self.model)):
             return prefill_chunk(self.model, self.cache, ids, positions, position_ids, mask,
                                  window, self.last_only)
@@ -185,17 +194,37 @@ def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: 
         _export_prefill(model, 2, max(rows, 2), cache_len, mode, out / PREFILL, last_only)
 
 
+def export_verify(model: nn.Module, rows: int, cache_len: int, drafts: int, mode: str,
+                  out: Path) -> None:
+    """Export and compile speculation's verification of `model` (`speculation.verify_chunk`:
+    every position's logits) for 1..`rows` rows of 2..`drafts`+1 positions (`drafts` at
+    least 2) into an AOTInductor package in `out`, two where the graph tells one row from
+    more (as `export_prefill`)."""
+    if drafts < 2:
+        raise ValueError("a verification package takes 2 drafts or more")
+    try:
+        _export_prefill(model, 1, max(rows, 2), cache_len, mode, out / VERIFY, False,
+                        drafts + 1)
+    except torch._dynamo.exc.UserError:
+        _export_prefill(model, 1, 1, cache_len, mode, out / VERIFY_ONE, False, drafts + 1)
+        _export_prefill(model, 2, max(rows, 2), cache_len, mode, out / VERIFY, False,
+                        drafts + 1)
+
+
 def _export_prefill(model: nn.Module, fewest: int, most: int, cache_len: int, mode: str,
-                    path: Path, last_only: bool) -> None:
-    """The prefill's package for `fewest`..`most` rows at `path`."""
-    count, length, end = min(most, 2), 6, 10  # sizes unlike each other: no two dims fused
+                    path: Path, last_only: bool, verify_width: int = 0) -> None:
+    """The prefill's package for `fewest`..`most` rows at `path` (`verify_width`: a
+    verification's of 2..that many positions instead)."""
+    widest = verify_width or cache_len
+    count, length = min(most, 2), min(6, widest)  # sizes unlike each other: no two dims fused
+    end = 4 + length
     cache = empty_cache(model, count, cache_len, dynamic_rows=True)
     # tensors of their own: as views of the cache's one buffer, AOTAutograd would guard
     # that they do not overlap at the example's rows, fixing the rows to the example's
     keys, values, lengths = ([t.clone() for t in ts] for ts in cache_tensors(cache))
     rows = torch.export.Dim("rows", min=fewest, max=most) if most > fewest else None
     batch = {0: rows} if rows is not None else None
-    chunk = torch.export.Dim("chunk", min=2, max=cache_len)
+    chunk = torch.export.Dim("chunk", min=2, max=widest)
     window = torch.export.Dim("window", min=2, max=cache_len)
     example = (torch.zeros(count, length, dtype=torch.long), torch.arange(4, end),
                torch.arange(4, end).repeat(count, 1),
@@ -206,8 +235,9 @@ def _export_prefill(model: nn.Module, fewest: int, most: int, cache_len: int, mo
     from torch.fx.experimental import _config
 
     with torch.no_grad(), _config.patch(backed_size_oblivious=True):  # 1 row: no graph apart
-        program = torch.export.export(PrefillInputs(model, cache, last_only), example,
-                                      dynamic_shapes=shapes, strict=False)
+        program = torch.export.export(PrefillInputs(model, cache, last_only,
+                                                    every_position=bool(verify_width)),
+                                      example, dynamic_shapes=shapes, strict=False)
         torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                  inductor_configs=inductor_options(mode))
 
@@ -233,12 +263,13 @@ class LoadedPrefill:
         return package(ids, positions, position_ids, mask, window, *cache_tensors(cache))
 
 
-def load_prefill(folder: Path, model: nn.Module) -> dict[int, Any]:
+def load_prefill(folder: Path, model: nn.Module, names: tuple[str, str] = (PREFILL, PREFILL_ONE)
+                 ) -> dict[int, Any]:
     """The prefill's packages shipped in `folder` holding `model`'s weights, by the fewest
-    rows each serves (empty: none is)."""
-    if not (folder / PREFILL).is_file():
+    rows each serves (empty: none is); `names`: (VERIFY, VERIFY_ONE) for speculation's."""
+    rows, one = names
+    if not (folder / rows).is_file():
         return {}
-    if (folder / PREFILL_ONE).is_file():
-        return {1: load_package(folder / PREFILL_ONE, model),
-                2: load_package(folder / PREFILL, model)}
-    return {1: load_package(folder / PREFILL, model)}
+    if (folder / one).is_file():
+        return {1: load_package(folder / one, model), 2: load_package(folder / rows, model)}
+    return {1: load_package(folder / rows, model)}

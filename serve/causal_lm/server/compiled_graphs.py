@@ -114,6 +114,18 @@ def use_shipped(folder: Path, model: nn.Module, settings: HandlerSettings | None
     return steps, loaded, said
 
 
+def use_shipped_verify(folder: Path, model: nn.Module) -> dict[int, Any]:
+    """Speculation's verification packages shipped in `folder` beside the steps that
+    `use_shipped` loaded (so for this CPU and torch), holding `model`'s weights, by the
+    fewest rows each serves (empty: none shipped, or they did not load: said)."""
+    try:
+        return aot_steps.load_prefill(folder, model, (aot_steps.VERIFY, aot_steps.VERIFY_ONE))
+    except (RuntimeError, ValueError) as error:
+        logger.warning("compress worker: the shipped verification did not load (%s): "
+                       "verifying eagerly", first_line(error))
+        return {}
+
+
 def build_decoders(model: nn.Module, sizes: list[int], cache_len: int, mode: str,
                    cpp_wrapper: bool, make: Callable[[], Any] | None = None,
                    steps: dict[int, Any] | None = None) -> dict[int, Any]:
@@ -174,6 +186,8 @@ def precompile(export_dir: Path, settings: HandlerSettings, out: Path) -> None:
         print("precompile: decode steps exported ahead of time", flush=True)
         if settings.prefill_compile:
             export_prefill(lm.model, rows, cache_len, mode, out)
+        if settings.speculate >= 2:
+            export_verify(lm.model, rows, cache_len, settings.speculate, mode, out)
         shutil.rmtree(out / INDUCTOR)  # the exports' own entries: no worker looks them up
     except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
         for name in (aot_steps.ONE, aot_steps.ROWS):
@@ -199,6 +213,20 @@ def export_prefill(model: nn.Module, rows: int, cache_len: int, mode: str, out: 
             (out / name).unlink(missing_ok=True)
         print(f"precompile: the prefill's ahead-of-time export failed ({first_line(error)}): "
               "its workers prefill eagerly", flush=True)
+
+
+def export_verify(model: nn.Module, rows: int, cache_len: int, drafts: int, mode: str,
+                  out: Path) -> None:
+    """Export speculation's verification beside the decode steps
+    (`aot_steps.export_verify`); where that fails, its workers verify eagerly (said)."""
+    try:
+        aot_steps.export_verify(model, rows, cache_len, drafts, mode, out)
+        print("precompile: speculation's verification exported ahead of time", flush=True)
+    except Exception as error:  # noqa: BLE001 (any failure of torch.export or AOTInductor)
+        for name in (aot_steps.VERIFY, aot_steps.VERIFY_ONE):
+            (out / name).unlink(missing_ok=True)
+        print(f"precompile: the verification's ahead-of-time export failed "
+              f"({first_line(error)}): its workers verify eagerly", flush=True)
 
 
 if __name__ == "__main__":  # python -m serve.causal_lm.server.compiled_graphs EXPORT SETTINGS OUT

@@ -35,7 +35,16 @@ from serve.worker_memory import return_freed_memory
 from serve.worker_threads import worker_threads
 
 from ..runtime import expert_parallel, grouped, loading, pipeline, tensor_parallel
-from . import batcher, choices, compiled_graphs, grammar, prefill, replies, requests
+from . import (
+    batcher,
+    choices,
+    compiled_graphs,
+    grammar,
+    prefill,
+    replies,
+    requests,
+    speculation,
+)
 from . import openai as openai_routes
 
 logger = logging.getLogger(__name__)
@@ -121,9 +130,13 @@ class CausalLMHandler(BaseHandler):
         mode = settings.compile if self.ranks == 1 else "none"
         steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
         shipped_prefill = None  # and the prefill, where shipped
+        shipped_verify: dict[int, Any] = {}  # and speculation's verification
         if mode != "none":
             steps, shipped_prefill, said = compiled_graphs.use_shipped(
                 model_dir / compiled_graphs.FOLDER, self.causal_lm.model, settings)
+            if steps and settings.speculate:
+                shipped_verify = compiled_graphs.use_shipped_verify(
+                    model_dir / compiled_graphs.FOLDER, self.causal_lm.model)
             logger.info("%s%s", PROGRESS, stamped(said))
         # the kernel records are all a served model reads: the state dict's copy of each
         # weight goes, and the memory loading freed goes back to the system
@@ -151,9 +164,11 @@ class CausalLMHandler(BaseHandler):
         if self.continuous:  # its loop runs on this thread (`_torch_thread`)
             prefiller = prefill.prefiller_of(self.causal_lm.model, settings, self.limits.cache_len,
                                              shipped_prefill)
+            verify = speculation.verifier(self.causal_lm.model, self.decoders,
+                                          settings.speculate, shipped_verify)
             self.batcher = batcher.ContinuousBatcher(
                 self.decoders, prefiller, self.stop, own_thread=False,
-                max_waiting=settings.max_waiting)
+                max_waiting=settings.max_waiting, speculate=settings.speculate, verify=verify)
             prefiller.warm_up()
             logger.info("%s%s", PROGRESS, stamped(f"prefill ({prefiller.kind}) warmed up"))
             self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # off the loop

@@ -54,42 +54,74 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance ** i for i in range(k + 1))
 
 
+def verify_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
+                 position_ids: torch.Tensor, mask: torch.Tensor, window: torch.Tensor
+                 ) -> torch.Tensor:
+    """Every position's logits (rows x width x vocab) of `ids` (rows x width) written to
+    `cache` at `positions`, attending to the first `len(window)` positions: in the kernels'
+    attention where the model runs on them (each query its decode step's bits), else in
+    `verify_attention` (a decode step's arithmetic query by query; a float model's products
+    still sum as torch's GEMM does for more rows)."""
+    own = getattr(model.config, "_attn_implementation", None)  # inside the batcher's loop:
+    kernels = INVARIANT_ATTENTION in (own, decode_attention_for(model))  # the kernels' one
+    with attention(model, INVARIANT_ATTENTION if kernels else VERIFY_ROWS_ATTENTION):
+        out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
+                    attention_mask=mask, past_key_values=cache, use_cache=True,
+                    decode_window=window)
+    return out.logits
+
+
 def eager_verify(model: nn.Module, caches: dict[int, Any]) -> Verify:
-    """A verification through the model's own forward, on the cache of each bucket
-    (`caches`: rows -> cache): in the kernels' attention where the model runs on them (each
-    query its decode step's bits), else in `verify_attention` (a decode step's arithmetic
-    query by query; the model's float products still sum as torch's GEMM does)."""
+    """A verification through the model's own forward (`verify_chunk`), on the cache of
+    each bucket (`caches`: rows -> cache)."""
     register_verify_attention()
-    kernels = decode_attention_for(model) == INVARIANT_ATTENTION
 
     def verify(rows: int, ids: torch.Tensor, cursor: int, position_ids: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         width = ids.shape[1]
-        with attention(model, INVARIANT_ATTENTION if kernels else VERIFY_ROWS_ATTENTION):
-            out = model(input_ids=ids, cache_position=torch.arange(cursor, cursor + width),
-                        position_ids=position_ids, attention_mask=mask,
-                        past_key_values=caches[rows], use_cache=True,
-                        decode_window=torch.empty(cursor + width, dtype=torch.int8))
-        return out.logits
+        return verify_chunk(model, caches[rows], ids, torch.arange(cursor, cursor + width),
+                            position_ids, mask,
+                            torch.empty(cursor + width, dtype=torch.int8))
 
     return verify
 
 
-def package_verify(package: Any, caches: dict[int, Any], fallback: Verify,
+def package_verify(packages: dict[int, Any], caches: dict[int, Any], fallback: Verify,
                    most_drafts: int) -> Verify:
-    """A verification through the shipped package (`aot_steps.export_verify`: 1..rows rows,
-    2..`most_drafts`+1 positions), else `fallback`."""
+    """A verification through the shipped packages (`aot_steps.export_verify`, by the
+    fewest rows each serves: 2..`most_drafts`+1 positions), else `fallback`."""
     from .aot_steps import cache_tensors
 
     def verify(rows: int, ids: torch.Tensor, cursor: int, position_ids: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         width = ids.shape[1]
-        if width - 1 > most_drafts:
+        if not 2 <= width <= most_drafts + 1:
             return fallback(rows, ids, cursor, position_ids, mask)
+        package = packages[max(k for k in packages if k <= rows)]
         return package(ids, torch.arange(cursor, cursor + width), position_ids, mask,
                        torch.empty(cursor + width, dtype=torch.int8),
                        *cache_tensors(caches[rows]))
 
+    return verify
+
+
+def verifier(model: nn.Module, decoders: dict[int, Any], drafts: int,
+             packages: dict[int, Any]) -> Verify | None:
+    """The batcher's verification for `drafts` drafts at most (None: off, or the model's
+    attention is its own): through the shipped `packages` where there are some, else the
+    model's forward; run once at the largest bucket (a package's first call allocates)."""
+    largest = decoders[max(decoders)]
+    if drafts < 1 or getattr(largest, "attention", None) is None:
+        return None
+    caches = {rows: decoder.cache for rows, decoder in decoders.items()}
+    verify = eager_verify(model, caches)
+    if packages:
+        verify = package_verify(packages, caches, verify, drafts)
+    rows = max(decoders)
+    with torch.inference_mode():
+        verify(rows, torch.zeros(rows, drafts + 1, dtype=torch.long), 0,
+               torch.arange(drafts + 1).repeat(rows, 1),
+               torch.ones(rows, largest.max_cache_len, dtype=torch.long))
     return verify
 
 

@@ -47,7 +47,7 @@ def handler_settings(cfg: PackageConfig, ctx: StageContext, export_dir: Path) ->
             "compile": cfg.decode_compile or facts.get("compile") or "none",
             "cpp_wrapper": cfg.decode_cpp_wrapper, "prefill_chunk": cfg.prefill_chunk,
             "prefill_compile": cfg.prefill_compile, "prefix_cache": cfg.prefix_cache,
-            "prefix_cache_mb": cfg.prefix_cache_mb,
+            "prefix_cache_mb": cfg.prefix_cache_mb, "speculate": cfg.speculate,
             "chat_template": ctx.recipe.data.chat_template}
 
 

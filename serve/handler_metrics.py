@@ -25,6 +25,10 @@ METRICS = {
     "CompressBadRequests": ("Count", "counter"),  # answered 4xx by the handler
     "CompressFailedRequests": ("Count", "counter"),  # answered 5xx by the handler
     "CompressPrefixCacheBytes": ("Bytes", "gauge"),  # keys and values the prefix cache holds
+    # speculation (`speculate`): draft tokens verified, and those kept (their ratio: the
+    # acceptance rate)
+    "CompressDraftTokens": ("Count", "counter"),
+    "CompressDraftTokensKept": ("Count", "counter"),
 }
 
 

@@ -392,3 +392,22 @@ def test_torchserves_raw_message_lets_go_of_the_body(handler) -> None:
     _, inputs, ids = Service.retrieve_data_for_inference(raw)
     assert inputs == [{"body": b'{"prompt": "hi"}'}] and ids == {0: "r-1"}
     assert raw[0]["parameters"][0]["value"] is None
+
+
+def test_a_speculating_handler_answers_as_a_plain_one(varied_llama_folder, handler,
+                                                      tmp_path_factory) -> None:
+    """`speculate` in the archive's settings: the handler's batcher verifies prompt-lookup
+    drafts (eagerly, the archive ships no packages), and every answer, streamed and final,
+    is the plain handler's (whether the tiny model's drafts are kept or not: the batcher's
+    own tests keep them)."""
+    speculating = build(varied_llama_folder, tmp_path_factory, speculate=3)
+    assert speculating.batcher.speculate == 3 and speculating.batcher.verify is not None
+    prompts = ["the film was " * 4, "a movie a movie a movie a movie", "hi"]
+    bodies = [{"prompt": p, "max_new_tokens": 16} for p in prompts]
+    answers = {}
+    for name, served in (("plain", handler), ("speculating", speculating)):
+        data, context, chunks = batch(bodies)
+        answers[name] = [json.loads(a)["text"] for a in run(served, data, context)]
+        assert [native_deltas(chunks[i]) for i in range(len(bodies))] == answers[name]
+    assert answers["speculating"] == answers["plain"]
+    assert speculating.batcher.verifications > 0

@@ -124,6 +124,9 @@ async def follow(context, i: int, batcher: Any, run: RowRun,
         if piece and parsed.stream:
             _send_piece(context, i, answer, run, piece)
     record(context, "CompressGeneratedTokens", len(stream.tokens))
+    if row.drafts_verified:
+        record(context, "CompressDraftTokens", row.drafts_verified)
+        record(context, "CompressDraftTokensKept", row.drafts_kept)
     if finish.startswith("error"):
         return finish
     # "cancelled": the batcher's end of a row that a stop string let go

@@ -55,7 +55,12 @@ class Row:
     # speculation (`speculation.py`): positions in its span it does not hold (refused
     # drafts, masked), and how often its drafts were kept (a running average)
     holes: int = 0
-    acceptance: float = 0.5
+    acceptance: float | None = None
+    # a draft found beside a plain step, scored by the tokens after it: (its first token's
+    # index in `tokens`, the draft)
+    shadow: tuple[int, list[int]] | None = None
+    drafts_verified: int = 0  # its drafts checked, and kept (the engine's metrics)
+    drafts_kept: int = 0
 
     def seed_sampling(self) -> None:
         """Greedy (no sampling) at temperature 0; a seeded sample its own generator."""

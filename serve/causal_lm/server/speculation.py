@@ -22,8 +22,13 @@ cursor (`placement.py`).
 Whether to speculate, and how far, is decided each step by measurement: a verification of
 k drafts over `rows` rows costs what `rows x (k+1)` tokens cost (on a 2-core CPU the step
 is compute-bound past a few rows: 4 rows x 5 positions took 3.6x a 4-row step, llm_int4),
-and pays in the tokens the rows' acceptance rates promise. Each (rows, k) is tried once,
-then its time is an average of what it took; k = 0 is a plain step."""
+and pays in the tokens the rows' acceptance rates promise: a row's own running rate, learnt
+from its verifications and, where it takes plain steps, from the drafts it would have
+verified (each checked against the tokens the steps then gave: no forward spent), the
+batcher's before its first. Each (rows, k) is tried once, then its
+time is an average of what it took; k = 0 is a plain step. A verification goes ahead only
+where it promises `MARGIN` times a plain step's rate: the promise is an estimate, and one
+that falls short costs a whole step."""
 
 from __future__ import annotations
 
@@ -46,6 +51,9 @@ from .rows import Row
 # verify(rows, ids rows x k+1, cursor, position_ids rows x k+1, mask rows x cache_len) ->
 # logits rows x k+1 x vocab, the keys and values written to the batcher's cache
 Verify = Callable[[int, torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]
+MARGIN = 1.1
+SHORTEST_MATCH = 2  # tokens a draft's lookup matches at least (one matched too often in
+# chat to pay: benchmarks/results/llm_speculative.md)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -145,6 +153,7 @@ class Speculation:
         self.verify = verify
         self.step_cost: dict[tuple[int, int], float] = {}  # (rows, drafts) -> seconds
         self.drafted = self.accepted = self.verifications = 0  # what `/metrics` may show
+        self.acceptance = 0.5  # a running rate over every row: a new row's
 
     def _drafts(self, rows: Sequence[Row | None]) -> tuple[int, list[list[int] | None]]:
         """How many drafts to verify at this step (0: a plain step) and each slot's drafts
@@ -154,19 +163,47 @@ class Speculation:
         most = min(self.speculate, self.cache_len - self.cursor - left)  # room past the rest
         if most < 1:
             return 0, []
-        found = [draft_tokens(r.ids + r.tokens, k=most) or None if r is not None else None
+        found = [draft_tokens(r.ids + r.tokens, k=most, n_min=SHORTEST_MATCH) or None
+                 if r is not None else None
                  for r in rows]
+        for row, draft in zip(rows, found, strict=True):
+            if row is not None:
+                self._shadow(row, draft)
         if not any(found):
             return 0, []
         size = len(rows)
-        best, best_rate = 0, len(busy) / self._cost(size, 0)
+        best, best_rate = 0, MARGIN * len(busy) / self._cost(size, 0)
         for k in range(1, most + 1):
-            promised = sum(expected_tokens(r.acceptance if d else 0.0, k)
+            promised = sum(expected_tokens(self._acceptance_of(r) if d else 0.0, k)
                            for r, d in zip(rows, found, strict=True) if r is not None)
             rate = promised / self._cost(size, k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, [d[:best] if d else None for d in found]
+
+    def _acceptance_of(self, row: Row) -> float:
+        return self.acceptance if row.acceptance is None else row.acceptance
+
+    def _shadow(self, row: Row, draft: list[int] | None) -> None:
+        """Score the draft a row last had beside plain steps (`Row.shadow`) against the
+        tokens made since, once they decide it (a token differs, or every draft is
+        matched); then keep `draft` as the next one to score."""
+        if row.shadow is not None:
+            at, earlier = row.shadow
+            made = row.tokens[at:at + len(earlier)]
+            matched = next((i for i, (a, b) in enumerate(zip(made, earlier, strict=False))
+                            if a != b), len(made))
+            if matched == len(made) < len(earlier):
+                return  # not decided yet: the next tokens will say
+            self._learn(row, matched / len(earlier))
+            row.shadow = None
+        if draft:
+            row.shadow = (len(row.tokens), draft)
+
+    def _learn(self, row: Row, rate: float) -> None:
+        """A row kept `rate` of a draft's tokens: its running rate and the batcher's."""
+        row.acceptance = 0.7 * self._acceptance_of(row) + 0.3 * rate
+        self.acceptance = 0.9 * self.acceptance + 0.1 * rate
 
     def _cost(self, size: int, k: int) -> float:
         """A step's measured time at `size` rows and `k` drafts; one not yet measured is
@@ -220,4 +257,7 @@ class Speculation:
             if found[slot]:
                 self.drafted += k
                 self.accepted += kept[slot] - 1
-                row.acceptance = 0.7 * row.acceptance + 0.3 * (kept[slot] - 1) / k
+                row.drafts_verified += k
+                row.drafts_kept += kept[slot] - 1
+                self._learn(row, (kept[slot] - 1) / k)
+            row.shadow = None  # this verification scored the drafts

@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16, help="prompts a set")
     parser.add_argument("--work", type=Path, default=CACHE, help="where the archive is "
                         "unpacked and the verification exported")
-    parser.add_argument("--write", action="store_true",
-                        help="write benchmarks/results/llm_batched_speculation.md")
+    parser.add_argument("--markdown", type=Path, default=RESULTS / "llm_batched_speculation.md",
+                        help="where --write puts the table")
+    parser.add_argument("--write", action="store_true", help="write the table (--markdown)")
     args = parser.parse_args(argv)
     folder = unpacked(args.archive, args.work)
     settings = HandlerSettings.from_config(yaml.safe_load(
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in MODES:
                     key = (name, clients, mode)
                     same[key] = same.get(key, True) and answers[mode] == answers["off"]
-    lines = ["| set | clients | mode | tok/s (min-max) | x off | drafts kept | steps "
-             "verifying | answers = off |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | clients | mode | tok/s (min-max) | x off | drafts kept (last round) | "
+             "steps verifying (last round) | answers = off |", "|---|---|---|---|---|---|---|---|"]
     for (name, clients, mode), got in rates.items():
         off = rates[name, clients, "off"]
         ratio = statistics.median(a / b for a, b in zip(got, off, strict=True))
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"- threads: {torch.get_num_threads()}; {said}"
                 f"{', verification shipped' if packages else ', verifying eagerly'}", "",
                 *lines]
-        (RESULTS / "llm_batched_speculation.md").write_text(scrubbed("\n".join(text) + "\n"))
+        args.markdown.write_text(scrubbed("\n".join(text) + "\n"))
     return 0
 
 

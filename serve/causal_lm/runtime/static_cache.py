@@ -52,6 +52,14 @@ def empty_cache(model: nn.Module, rows: int, cache_len: int, dynamic_rows: bool)
     return cache
 
 
+def cache_tensors(cache: Any) -> tuple[list[torch.Tensor], ...]:
+    """A static cache's keys, values and lengths, layer by layer (what a compiled step or
+    prefill takes as inputs it writes in place)."""
+    layers = cache.layers
+    return ([x.keys for x in layers], [x.values for x in layers],
+            [x.cumulative_length for x in layers])
+
+
 def release(cache: Any, row: int, begin: int = 0, end: int | None = None) -> None:
     """Hand positions `begin`..`end`-1 of one row of an `empty_cache` back to the system, in
     every layer's keys and values (their next read is zeros, their next write takes a

@@ -32,7 +32,8 @@ from serve import aoti_package
 
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import StaticDecoder
-from ..runtime.static_cache import empty_cache
+from ..runtime.static_cache import cache_tensors, empty_cache
+from .speculation import verify_chunk
 
 ONE, ROWS = "decode_1.pt2", "decode_rows.pt2"  # the packages, in the archive's compiled_graphs/
 PREFILL, PREFILL_ONE = "prefill.pt2", "prefill_1.pt2"  # beside them (`export_prefill`)
@@ -56,13 +57,6 @@ class StepInputs(nn.Module):
             layer.keys, layer.values, layer.cumulative_length = k, v, n
         with attention(self.model, self.decoder.attention):
             return self.decoder._forward(tokens, positions, position_ids, mask, window)
-
-
-def cache_tensors(cache: Any) -> tuple[list[torch.Tensor], ...]:
-    """A static cache's keys, values and lengths, layer by layer."""
-    layers = cache.layers
-    return ([x.keys for x in layers], [x.values for x in layers],
-            [x.cumulative_length for x in layers])
 
 
 def inductor_options(mode: str) -> dict[str, Any]:
@@ -168,8 +162,6 @@ class PrefillInputs(nn.Module):
         for layer, k, v, n in zip(self.cache.layers, keys, values, lengths, strict=True):
             layer.keys, layer.values, layer.cumulative_length = k, v, n
         if self.every_position:
-            from .speculation import verify_chunk
-
             return verify_chunk(self.model, self.cache, ids, positions, position_ids, mask,
                                 window)
         with attention(self.model, decode_attention_for(self.model)):

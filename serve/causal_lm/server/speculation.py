@@ -45,6 +45,7 @@ from ..runtime.speculative import (
     draft_tokens,
     register_verify_attention,
 )
+from ..runtime.static_cache import cache_tensors
 from .picking import pick_for_rows
 from .rows import Row
 
@@ -98,8 +99,6 @@ def package_verify(packages: dict[int, Any], caches: dict[int, Any], fallback: V
                    most_drafts: int) -> Verify:
     """A verification through the shipped packages (`aot_steps.export_verify`, by the
     fewest rows each serves: 2..`most_drafts`+1 positions), else `fallback`."""
-    from .aot_steps import cache_tensors
-
     def verify(rows: int, ids: torch.Tensor, cursor: int, position_ids: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         width = ids.shape[1]

@@ -63,6 +63,32 @@ def test_the_steps_read_the_workers_own_weights(shipped, model) -> None:
     assert before.abs().max() > 0 and torch.allclose(after, 2 * before, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not grouped_mm_available(), reason="the grouped kernel did not build")
+def test_the_kernel_librarys_operators_run_a_package_as_the_binding_does(shipped,
+                                                                         model) -> None:
+    """Where the kernel library is loaded, a package runs through its operators
+    (`package_runner.cpp`: the call lets go of the GIL): the same logits, bit for bit, and
+    the same writes to the cache, as through torch._C._aoti's binding."""
+    assert aot_steps.operators_loaded()
+    steps = aot_steps.load_steps(shipped, model)
+    assert type(steps[2].loader) is aot_steps.OperatorLoader
+    with pytest.MonkeyPatch.context() as patch:  # the binding's path, as without the library
+        patch.setattr(aot_steps, "operators_loaded", lambda: False)
+        binding = aot_steps.load_package(shipped / aot_steps.ROWS, model)
+    assert type(binding.loader) is not aot_steps.OperatorLoader
+    got = {}
+    for name, package in (("operators", steps[2]), ("binding", binding)):
+        decoder = aot_steps.use_step(StaticDecoder(model, CACHE, always_mask=True), package)
+        decoder.allocate(3, dynamic_rows=True)
+        tokens = torch.tensor([[5], [9], [2]])
+        with torch.inference_mode(), attention(model, decoder.attention):
+            logits = decoder.decode_step(tokens, 3, torch.tensor([[3], [3], [3]]),
+                                         torch.ones(3, CACHE, dtype=torch.long))
+        got[name] = (logits.clone(), decoder.cache.layers[0].keys[:, :, 3].clone())
+    assert got["operators"][0].abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(got["operators"], got["binding"], strict=True))
+
+
 def test_the_packages_extract_into_the_workers_own_folder(shipped, model) -> None:
     """AOTInductor's loader extracts a package (its C++ library) into TMPDIR as it is when
     the package loads: a worker's extractions lie in its own folder (serve/worker_temp.py),

@@ -97,6 +97,7 @@ def test_packages_extract_into_the_workers_folder(temp: Path, tmp_path, monkeypa
             pass
 
     monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    monkeypatch.setattr(aot_steps, "operators_loaded", lambda: False)  # the binding's path
     runtimes.load_aoti(tmp_path / "model.aoti.pt2", {}, 1, False)
     (tmp_path / aot_steps.ONE).write_bytes(b"")
     assert list(aot_steps.load_steps(tmp_path, torch.nn.Linear(2, 2))) == [1]

@@ -14,7 +14,9 @@ out_features, bits)` multiplies by 2:4 sparse weights (`sparse24_kernel.cpp`, la
 layer's routed experts on their packed records (`routed_experts.cpp`, for `experts.py`), and
 `torch.ops.compress_lm.cache_attention(query, key, value, valid, scale)` attends over a KV
 cache so that a row's answer is its own whatever the batch (`cache_attention.cpp`, for
-`attention.py`).
+`attention.py`), and `torch.ops.compress_lm.package_load` / `package_run` run an
+AOTInductor package with the GIL let go (`package_runner.cpp`, for the served steps:
+`server/aot_steps.py`).
 
 The build goes through `torch.utils.cpp_extension.load` into its cache (TORCH_EXTENSIONS_DIR,
 by default ~/.cache/torch_extensions), under a name that carries the source, torch's version
@@ -49,7 +51,8 @@ SOURCE = CSRC / "grouped_kernels.cpp"  # the operators' registration
 UNIT = CSRC / "library.cpp"
 SOURCES = (SOURCE, CSRC / "grouped_int8_activations.cpp", CSRC / "grouped_bf16_activations.cpp",
            CSRC / "sparse24_kernel.cpp", CSRC / "routed_experts.cpp",
-           CSRC / "cache_attention.cpp", CSRC / "grouped_layout.h", UNIT)
+           CSRC / "cache_attention.cpp", CSRC / "package_runner.cpp", CSRC / "grouped_layout.h",
+           UNIT)
 GROUP = 32  # inputs per group, fixed by the kernels
 _state: dict[str, object] = {}
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serve import aoti_package
+from serve import aoti_package, worker_temp
 
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import StaticDecoder
@@ -127,12 +127,52 @@ def load_steps(folder: Path, model: nn.Module) -> dict[int, Any]:
             for fewest, name in ((1, ONE), (2, ROWS)) if (folder / name).is_file()}
 
 
+def operators_loaded() -> bool:
+    """Whether the kernel library's package operators are loaded in this process (not
+    built for the asking: a model on the kernels loaded them)."""
+    try:
+        return hasattr(torch.ops.compress_lm, "package_run")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class OperatorLoader:
+    """What `aoti_package.Package` calls of torch._C._aoti.AOTIModelPackageLoader, through
+    the kernel library's operators (`runtime/csrc/package_runner.cpp`), whose run lets go
+    of the GIL: through the binding, a step held it throughout, and the worker's other
+    Python threads (the engine's event loop, the tokenizer) waited for the step to end."""
+
+    def __init__(self, path: Path):
+        with worker_temp.extracting():  # its library and weights: in this worker's folder
+            self.handle = torch.ops.compress_lm.package_load(str(path), aoti_package.MODEL)
+
+    def get_call_spec(self) -> list[str]:
+        return torch.ops.compress_lm.package_call_spec(self.handle)
+
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return torch.ops.compress_lm.package_run(self.handle, inputs)
+
+    def get_constant_fqns(self) -> list[str]:
+        return torch.ops.compress_lm.package_constant_fqns(self.handle)
+
+    def load_constants(self, constants: dict[str, torch.Tensor], use_inactive: bool,
+                       check_full_update: bool, user_managed: bool, allow_copy: bool) -> None:
+        names = list(constants)
+        torch.ops.compress_lm.package_load_constants(
+            self.handle, names, [constants[n] for n in names], check_full_update, user_managed)
+
+
 def load_package(path: Path, model: nn.Module) -> Any:
-    """The AOTInductor package at `path`, holding `model`'s own weights (no copy). Raises
-    where it does not load or names a weight the model lacks."""
+    """The AOTInductor package at `path`, holding `model`'s own weights (no copy), run with
+    the GIL let go where the kernel library is loaded (`OperatorLoader`: every model on
+    the kernels; a float model's packages hold it). Raises where it does not load or names
+    a weight the model lacks."""
     weights = dict(model.named_parameters(remove_duplicate=False))
     weights.update(model.named_buffers(remove_duplicate=False))
-    package = aoti_package.load(path)  # its library and weights: in this worker's folder
+    if operators_loaded():
+        package = aoti_package.Package(OperatorLoader(path))
+    else:
+        package = aoti_package.load(path)  # its library and weights: in this worker's folder
     names = package.get_constant_fqns()
     missing = [n for n in names if n.removeprefix("model.") not in weights]
     if missing:

@@ -11,3 +11,4 @@
 #include "sparse24_kernel.cpp"
 #include "routed_experts.cpp"
 #include "cache_attention.cpp"
+#include "package_runner.cpp"

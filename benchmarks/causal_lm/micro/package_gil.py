@@ -2,8 +2,9 @@
 shipped decode steps loaded both ways (`aot_steps.OperatorLoader`, the kernel library's
 operators, and torch._C._aoti's binding), each run in a loop at `--rows` rows while a
 second thread sleeps 1 ms at a time, as an engine's event loop waits for its sockets. Per
-loader, alternating rounds: the step's time, and how late that thread wakes (median, p99
-and max over every wake-up; a thread that waits for the GIL wakes when the step ends).
+loader, alternating rounds: the step's time alone and beside that thread, and how late it
+wakes (median, p99 and max over every wake-up; a thread that waits for the GIL wakes when
+the step ends).
 
     python -m benchmarks.causal_lm.micro.package_gil runs/llm_int4/03-package/llm_int4.mar \\
         --rows 1,8 --rounds 4 --write
@@ -48,8 +49,10 @@ def loaded_both_ways(graphs: Path, model: torch.nn.Module) -> dict[str, dict[int
     return {"operators": through_operators, "binding": through_binding}
 
 
-def run(decoder: StaticDecoder, rows: int, steps: int) -> tuple[float, list[float]]:
-    """(a step's mean ms, every wake-up's lateness in ms of a thread sleeping 1 ms)."""
+def run(decoder: StaticDecoder, rows: int, steps: int, beside: bool = True
+        ) -> tuple[float, list[float]]:
+    """(a step's mean ms, every wake-up's lateness in ms of a thread sleeping 1 ms beside
+    the steps; `beside` False: no such thread)."""
     late: list[float] = []
     running = True
 
@@ -62,13 +65,15 @@ def run(decoder: StaticDecoder, rows: int, steps: int) -> tuple[float, list[floa
     tokens, positions = torch.zeros(rows, 1, dtype=torch.long), torch.full((rows, 1), 100)
     mask = torch.ones(rows, decoder.max_cache_len, dtype=torch.long)
     thread = threading.Thread(target=sleeper)
-    thread.start()
+    if beside:
+        thread.start()
     began = time.perf_counter()
     for _ in range(steps):
         decoder.decode_step(tokens, 100, positions, mask, first=False)
     spent = (time.perf_counter() - began) / steps * 1e3
     running = False
-    thread.join()
+    if beside:
+        thread.join()
     return spent, late
 
 
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = loading.load_folder(folder)
     packages = loaded_both_ways(folder / compiled_graphs.FOLDER, lm.model)
     times: dict[tuple[int, str], list[float]] = {}
+    quiet: dict[tuple[int, str], list[float]] = {}
     lateness: dict[tuple[int, str], list[float]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
         decoders = {}
@@ -101,17 +107,22 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for name in LOADERS if r % 2 == 0 else LOADERS[::-1]:
                     run(decoders[name], rows, 3)  # warm
+                    quiet.setdefault((rows, name), []).append(
+                        run(decoders[name], rows, args.steps, beside=False)[0])
                     spent, late = run(decoders[name], rows, args.steps)
                     times.setdefault((rows, name), []).append(spent)
                     lateness.setdefault((rows, name), []).extend(late)
-                    print(f"round {r + 1} rows {rows} {name}: step {spent:.2f} ms, wake-up "
-                          f"late p50 {statistics.median(late):.2f} ms", flush=True)
-    lines = ["| rows | loader | step ms (min-max) | wake-ups | late p50 ms | late p99 ms | "
-             "late max ms |", "|---|---|---|---|---|---|---|"]
+                    print(f"round {r + 1} rows {rows} {name}: step alone "
+                          f"{quiet[rows, name][-1]:.2f} ms, beside the thread {spent:.2f} ms, "
+                          f"wake-up late p50 {statistics.median(late):.2f} ms", flush=True)
+    lines = ["| rows | loader | step ms alone (min-max) | step ms beside the thread | "
+             "wake-ups | late p50 ms | late p99 ms | late max ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for (rows, name), spent in times.items():
-        late = sorted(lateness[rows, name])
-        lines.append(f"| {rows} | {name} | {statistics.median(spent):.2f} ({min(spent):.2f}-"
-                     f"{max(spent):.2f}) | {len(late)} | {statistics.median(late):.2f} | "
+        late, alone = sorted(lateness[rows, name]), quiet[rows, name]
+        lines.append(f"| {rows} | {name} | {statistics.median(alone):.2f} ({min(alone):.2f}-"
+                     f"{max(alone):.2f}) | {statistics.median(spent):.2f} | {len(late)} | "
+                     f"{statistics.median(late):.2f} | "
                      f"{late[int(0.99 * (len(late) - 1))]:.2f} | {late[-1]:.2f} |")
     print("\n".join(lines))
     if args.write:

@@ -25,10 +25,10 @@ is compute-bound past a few rows: 4 rows x 5 positions took 3.6x a 4-row step, l
 and pays in the tokens the rows' acceptance rates promise: a row's own running rate, learnt
 from its verifications and, where it takes plain steps, from the drafts it would have
 verified (each checked against the tokens the steps then gave: no forward spent), the
-batcher's before its first. Each (rows, k) is tried once, then its
-time is an average of what it took; k = 0 is a plain step. A verification goes ahead only
-where it promises `MARGIN` times a plain step's rate: the promise is an estimate, and one
-that falls short costs a whole step."""
+batcher's before its first. Each (rows, k) is tried once, then its time is an average of
+what it took; k = 0 is a plain step. A verification goes ahead only where it promises
+`MARGIN` times a plain step's rate: the promise is an estimate, and one that falls short
+costs a whole step (benchmarks/results/llm_batched_speculation.md: the `always` rows)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from .rows import Row
 # verify(rows, ids rows x k+1, cursor, position_ids rows x k+1, mask rows x cache_len) ->
 # logits rows x k+1 x vocab, the keys and values written to the batcher's cache
 Verify = Callable[[int, torch.Tensor, int, torch.Tensor, torch.Tensor], torch.Tensor]
-MARGIN = 1.1
+MARGIN = 1.1  # what a verification must promise over a plain step's tokens a second
 SHORTEST_MATCH = 2  # tokens a draft's lookup matches at least (one matched too often in
 # chat to pay: benchmarks/results/llm_speculative.md)
 

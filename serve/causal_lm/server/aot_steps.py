@@ -33,7 +33,7 @@ from serve import aoti_package, worker_temp
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import StaticDecoder
 from ..runtime.static_cache import cache_tensors, empty_cache
-from .speculation import verify_chunk
+from .speculation import verify_attention_of, verify_chunk
 
 ONE, ROWS = "decode_1.pt2", "decode_rows.pt2"  # the packages, in the archive's compiled_graphs/
 PREFILL, PREFILL_ONE = "prefill.pt2", "prefill_1.pt2"  # beside them (`export_prefill`)
@@ -186,7 +186,8 @@ class PrefillInputs(nn.Module):
     """The prefill's chunk (`prefill.prefill_chunk`, in the decode attention) as a module of
     plain tensors: the workspace's keys, values and lengths come in as inputs and are
     written in place. `every_position`: speculation's verification instead
-    (`speculation.verify_chunk`: every position's logits, in its attention)."""
+    (`speculation.verify_chunk`: every position's logits, in `verify_attention_of`'s
+    attention)."""
 
     def __init__(self, model: nn.Module, cache: Any, last_only: bool,
                  every_position: bool = False):
@@ -202,8 +203,9 @@ class PrefillInputs(nn.Module):
         for layer, k, v, n in zip(self.cache.layers, keys, values, lengths, strict=True):
             layer.keys, layer.values, layer.cumulative_length = k, v, n
         if self.every_position:
-            return verify_chunk(self.model, self.cache, ids, positions, position_ids, mask,
-                                window)
+            with attention(self.model, verify_attention_of(self.model)):
+                return verify_chunk(self.model, self.cache, ids, positions, position_ids,
+                                    mask, window)
         with attention(self.model, decode_attention_for(self.model)):
             return prefill_chunk(self.model, self.cache, ids, positions, position_ids, mask,
                                  window, self.last_only)

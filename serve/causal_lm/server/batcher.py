@@ -284,7 +284,7 @@ class ContinuousBatcher(Placement, Speculation):
             self._verify_step(rows, drafts, found)
             return
         tokens = torch.tensor([[r.tokens[-1] if r else 0] for r in rows])
-        positions = torch.tensor([[self.cursor - r.start - r.holes if r else 0] for r in rows])
+        positions = torch.tensor([[self._position(r)] for r in rows])
         began = time.perf_counter()
         # Dynamo's guards are checked in full where the bucket changes (`StaticDecoder._stance`)
         logits = self.decoders[size].decode_step(tokens, self.cursor, positions,

@@ -50,6 +50,11 @@ class Placement:
             cursor = length
         return cursor + max(left, new) <= self.cache_len and length <= cursor
 
+    def _position(self, row: Row | None) -> int:
+        """The rotary position of the token `row` writes at the cursor: the positions of
+        its span it holds (its holes left out, `speculation.py`); 0 for a free slot."""
+        return self.cursor - row.start - row.holes if row is not None else 0
+
     def _move(self, begin: int, end: int, by: int) -> None:
         """Positions begin..end-1 of every slot to begin+by.., and the rows with them (their
         masks too: a row's holes stay closed, `speculation.py`)."""

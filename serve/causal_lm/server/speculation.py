@@ -63,34 +63,41 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance ** i for i in range(k + 1))
 
 
+def verify_attention_of(model: nn.Module) -> str:
+    """The attention a verification runs `model` in, decided once: the kernels' where the
+    model runs on them (each query its decode step's bits; inside the batcher's loop the
+    model's config names it already), else `verify_attention` (a decode step's arithmetic
+    query by query; a float model's products still sum as torch's GEMM does for more rows)."""
+    register_verify_attention()
+    own = getattr(model.config, "_attn_implementation", None)
+    kernels = INVARIANT_ATTENTION in (own, decode_attention_for(model))
+    return INVARIANT_ATTENTION if kernels else VERIFY_ROWS_ATTENTION
+
+
 def verify_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
                  position_ids: torch.Tensor, mask: torch.Tensor, window: torch.Tensor
                  ) -> torch.Tensor:
     """Every position's logits (rows x width x vocab) of `ids` (rows x width) written to
-    `cache` at `positions`, attending to the first `len(window)` positions: in the kernels'
-    attention where the model runs on them (each query its decode step's bits), else in
-    `verify_attention` (a decode step's arithmetic query by query; a float model's products
-    still sum as torch's GEMM does for more rows)."""
-    own = getattr(model.config, "_attn_implementation", None)  # inside the batcher's loop:
-    kernels = INVARIANT_ATTENTION in (own, decode_attention_for(model))  # the kernels' one
-    with attention(model, INVARIANT_ATTENTION if kernels else VERIFY_ROWS_ATTENTION):
-        out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
-                    attention_mask=mask, past_key_values=cache, use_cache=True,
-                    decode_window=window)
+    `cache` at `positions`, attending to the first `len(window)` positions (run in
+    `verify_attention_of(model)`)."""
+    out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
+                attention_mask=mask, past_key_values=cache, use_cache=True,
+                decode_window=window)
     return out.logits
 
 
 def eager_verify(model: nn.Module, caches: dict[int, Any]) -> Verify:
     """A verification through the model's own forward (`verify_chunk`), on the cache of
     each bucket (`caches`: rows -> cache)."""
-    register_verify_attention()
+    chosen = verify_attention_of(model)
 
     def verify(rows: int, ids: torch.Tensor, cursor: int, position_ids: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
         width = ids.shape[1]
-        return verify_chunk(model, caches[rows], ids, torch.arange(cursor, cursor + width),
-                            position_ids, mask,
-                            torch.empty(cursor + width, dtype=torch.int8))
+        with attention(model, chosen):
+            return verify_chunk(model, caches[rows], ids,
+                                torch.arange(cursor, cursor + width), position_ids, mask,
+                                torch.empty(cursor + width, dtype=torch.int8))
 
     return verify
 
@@ -134,9 +141,9 @@ def verifier(model: nn.Module, decoders: dict[int, Any], drafts: int,
 
 class Speculation:
     """The speculative turn of `ContinuousBatcher` (its state: `slots`, `cursor`, `mask`,
-    `cache_len`, `steps`; its `_take`, `_set_cursor`). `speculate`: the most drafts a row
-    verifies at once (0: never); `verify`: the forward that verifies (`eager_verify`,
-    `package_verify`)."""
+    `cache_len`, `steps`; its `_take`, `_set_cursor`, `_position`). `speculate`: the most
+    drafts a row verifies at once (0: never); `verify`: the forward that verifies
+    (`eager_verify`, `package_verify`)."""
 
     slots: list[Row | None]
     cursor: int
@@ -146,6 +153,7 @@ class Speculation:
     step_s: float
     _take: Callable[[int, int], None]
     _set_cursor: Callable[[int], None]
+    _position: Callable[[Row | None], int]
 
     def _speculation(self, speculate: int, verify: Verify | None) -> None:
         self.speculate = max(0, speculate) if verify is not None else 0
@@ -225,7 +233,7 @@ class Speculation:
                                                                                strict=True)]
         ids = torch.tensor([[r.tokens[-1] if r else 0, *d] for r, d in zip(rows, drafts,
                                                                             strict=True)])
-        first = torch.tensor([[self.cursor - r.start - r.holes if r else 0] for r in rows])
+        first = torch.tensor([[self._position(r)] for r in rows])
         began = time.perf_counter()
         logits = self.verify(size, ids, self.cursor, first + torch.arange(k + 1),
                              self.mask[:size])

@@ -127,9 +127,9 @@ def test_shipped_aot_steps_keep_the_rule(monkeypatch, tmp_path) -> None:
                                 steps=aot_steps.load_steps(tmp_path, model), package=prefill)
 
 
-def rows_get_their_alone_logits(model, monkeypatch, seed: str,
-                                compile_mode: str | None = None,
-                                steps: dict | None = None, **prefill) -> None:
+def recorded_picks(monkeypatch, *modules) -> dict[int, list[torch.Tensor]]:
+    """Every logits row each row's tokens are picked from, by `id(row)`, through the
+    `pick_for_rows` of `modules` (the batcher's, and speculation's where it verifies)."""
     seen: dict[int, list[torch.Tensor]] = {}
     pick = batcher_module.pick_for_rows
 
@@ -139,7 +139,41 @@ def rows_get_their_alone_logits(model, monkeypatch, seed: str,
                 seen.setdefault(id(row), []).append(logits[k].clone())
         return pick(logits, rows)
 
-    monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
+    for module in modules:
+        monkeypatch.setattr(module, "pick_for_rows", recording)
+    return seen
+
+
+def submitted(batcher, ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
+    """A request queued: (its row, its tokens as they come, its end once it comes)."""
+    tokens: list[int] = []
+    ends: list[str] = []
+    row = Row(ids, new, lambda token, end: tokens.append(token) if token is not None
+              else ends.append(end))
+    batcher.submit(row)
+    return row, tokens, ends
+
+
+def assert_alone_logits(seen: dict[int, list[torch.Tensor]], requests: list, together: list,
+                        alone) -> None:
+    """Each request run again by `alone(ids, new)` (to its end) ends as it did together,
+    with the same tokens, each picked from the same logits bit for bit."""
+    kept = []  # every row stays alive: `seen` goes by id
+    for (ids, new), (row, tokens, ends) in zip(requests, together, strict=True):
+        alone_row, alone_tokens, alone_ends = alone(ids, new)
+        kept.append(alone_row)
+        assert ends == alone_ends == ["length"]
+        assert alone_tokens == tokens and len(tokens) == new
+        batched, by_itself = seen[id(row)], seen[id(alone_row)]
+        assert len(batched) == len(by_itself) == new
+        for step, (a, b) in enumerate(zip(batched, by_itself, strict=True)):
+            assert torch.equal(a, b), (ids, step, float((a - b).abs().max()))
+
+
+def rows_get_their_alone_logits(model, monkeypatch, seed: str,
+                                compile_mode: str | None = None,
+                                steps: dict | None = None, **prefill) -> None:
+    seen = recorded_picks(monkeypatch, batcher_module)
     assert decode_attention_for(model) == INVARIANT_ATTENTION
     batcher = batcher_of(model, sizes=(1, 2, 4), compile_mode=compile_mode, steps=steps,
                          **prefill)
@@ -148,32 +182,20 @@ def rows_get_their_alone_logits(model, monkeypatch, seed: str,
                                generator=torch.Generator().manual_seed(seed)).tolist(),
                  chance.randint(3, 16)) for seed in range(12)]
 
-    def run(ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
-        tokens: list[int] = []
-        ends: list[str] = []
-        row = Row(ids, new, lambda token, end: tokens.append(token) if token is not None
-                  else ends.append(end))
-        batcher.submit(row)
-        return row, tokens, ends
-
     together = []
     for ids, new in requests:  # random arrivals: some join a full batch, some an idle one
-        together.append(run(ids, new))
+        together.append(submitted(batcher, ids, new))
         time.sleep(chance.choice([0, 0, 0.002, 0.01, 0.03]))
     for _, _, ends in together:
         wait_for_end(ends)
     assert batcher.steps > 0
-    kept = []  # every row stays alive: `seen` goes by id
-    for (ids, new), (row, tokens, ends) in zip(requests, together, strict=True):
-        alone_row, alone_tokens, alone_ends = run(ids, new)
-        kept.append(alone_row)
-        wait_for_end(alone_ends)
-        assert ends == alone_ends == ["length"]
-        assert alone_tokens == tokens and len(tokens) == new
-        batched, by_itself = seen[id(row)], seen[id(alone_row)]
-        assert len(batched) == len(by_itself) == new
-        for step, (a, b) in enumerate(zip(batched, by_itself, strict=True)):
-            assert torch.equal(a, b), (ids, step, float((a - b).abs().max()))
+
+    def alone(ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
+        answer = submitted(batcher, ids, new)
+        wait_for_end(answer[2])
+        return answer
+
+    assert_alone_logits(seen, requests, together, alone)
 
 
 def wait_for_end(ends: list[str], timeout: float = 120) -> None:
@@ -203,17 +225,7 @@ def test_speculating_rows_get_their_plain_alone_logits_bit_for_bit(
         aot_steps.export_steps(model, 4, CACHE, "default", tmp_path)
         aot_steps.export_verify(model, 4, CACHE, 3, "default", tmp_path)
         steps = aot_steps.load_steps(tmp_path, model)
-    seen: dict[int, list[torch.Tensor]] = {}
-    pick = batcher_module.pick_for_rows
-
-    def recording(logits: torch.Tensor, rows: list) -> list[int]:
-        for k, row in enumerate(rows):
-            if row is not None:
-                seen.setdefault(id(row), []).append(logits[k].clone())
-        return pick(logits, rows)
-
-    monkeypatch.setattr(batcher_module, "pick_for_rows", recording)
-    monkeypatch.setattr(speculation_module, "pick_for_rows", recording)
+    seen = recorded_picks(monkeypatch, batcher_module, speculation_module)
     # driven on this thread, in turn (a batcher's own thread holds the model in its
     # attention while it lives: a second batcher's decoders would not find the model's own)
     speculating = batcher_of(model, steps=steps, speculate=3, own_thread=False)
@@ -230,31 +242,19 @@ def test_speculating_rows_get_their_plain_alone_logits_bit_for_bit(
                                generator=torch.Generator().manual_seed(seed)).tolist()
         requests.append((phrase * (3 if seed % 3 else 1), chance.randint(8, 20)))
 
-    def run(batcher, ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
-        tokens: list[int] = []
-        ends: list[str] = []
-        row = Row(ids, new, lambda token, end: tokens.append(token) if token is not None
-                  else ends.append(end))
-        batcher.submit(row)
-        return row, tokens, ends
-
     def drain(batcher) -> None:
         largest = batcher.decoders[batcher.rows]
         with torch.inference_mode(), attention(largest.model, largest.attention):
             while not batcher.idle():
                 batcher.turn()
 
-    together = [run(speculating, ids, new) for ids, new in requests]
+    together = [submitted(speculating, ids, new) for ids, new in requests]
     drain(speculating)
     assert speculating.verifications > 0 and speculating.accepted > 0
-    kept = []
-    for (ids, new), (row, tokens, ends) in zip(requests, together, strict=True):
-        alone_row, alone_tokens, alone_ends = run(plain, ids, new)
-        kept.append(alone_row)
+
+    def alone(ids: list[int], new: int) -> tuple[Row, list[int], list[str]]:
+        answer = submitted(plain, ids, new)
         drain(plain)
-        assert ends == alone_ends == ["length"]
-        assert alone_tokens == tokens and len(tokens) == new
-        batched, by_itself = seen[id(row)], seen[id(alone_row)]
-        assert len(batched) == len(by_itself) == new
-        for step, (a, b) in enumerate(zip(batched, by_itself, strict=True)):
-            assert torch.equal(a, b), (ids, step, float((a - b).abs().max()))
+        return answer
+
+    assert_alone_logits(seen, requests, together, alone)

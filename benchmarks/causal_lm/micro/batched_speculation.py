@@ -33,7 +33,7 @@ import yaml
 from benchmarks.causal_lm.inputs import PROMPTS
 from benchmarks.causal_lm.micro.speculative import extractive_prompts
 from benchmarks.harness.paths import RESULTS
-from benchmarks.harness.provenance import header_lines, results_header, scrubbed
+from benchmarks.harness.provenance import header_text, scrubbed
 from serve.causal_lm.runtime import loading
 from serve.causal_lm.runtime.attention import attention
 from serve.causal_lm.server import aot_steps, compiled_graphs, prefill
@@ -185,10 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{share:.2f} | {'yes' if same[name, clients, mode] else 'NO'} |")
     print("\n".join(lines))
     if args.write:
-        header = results_header("benchmarks.causal_lm.micro.batched_speculation",
-                                sys.argv[1:] if argv is None else argv)
         text = ["# Speculation inside the continuous batch: prompt-lookup drafts verified "
-                "together", "", *header_lines(header),
+                "together", "", header_text("benchmarks.causal_lm.micro.batched_speculation",
+                                            argv),
                 f"- {args.archive.name}: {settings.rows_of(1)} rows, cache_len "
                 f"{settings.cache_len}, compile {settings.compile}, up to {args.drafts} "
                 f"drafts a row, {args.new} new tokens at most (stop tokens end an answer), "

@@ -24,7 +24,8 @@ import yaml
 
 from benchmarks.causal_lm.micro.batched_speculation import CACHE, unpacked
 from benchmarks.harness.paths import RESULTS
-from benchmarks.harness.provenance import header_lines, results_header, scrubbed
+from benchmarks.harness.provenance import header_text, scrubbed
+from benchmarks.harness.rounds import alternating
 from serve.causal_lm.runtime import loading
 from serve.causal_lm.runtime.attention import attention
 from serve.causal_lm.runtime.decode import StaticDecoder
@@ -104,17 +105,16 @@ def main(argv: list[str] | None = None) -> int:
             decoders[name] = aot_steps.use_step(decoder, packages[name][min(rows, 2)])
             decoders[name].allocate(rows, dynamic_rows=rows > 1)
         with torch.inference_mode(), attention(lm.model, decoders["operators"].attention):
-            for r in range(args.rounds):
-                for name in LOADERS if r % 2 == 0 else LOADERS[::-1]:
-                    run(decoders[name], rows, 3)  # warm
-                    quiet.setdefault((rows, name), []).append(
-                        run(decoders[name], rows, args.steps, beside=False)[0])
-                    spent, late = run(decoders[name], rows, args.steps)
-                    times.setdefault((rows, name), []).append(spent)
-                    lateness.setdefault((rows, name), []).extend(late)
-                    print(f"round {r + 1} rows {rows} {name}: step alone "
-                          f"{quiet[rows, name][-1]:.2f} ms, beside the thread {spent:.2f} ms, "
-                          f"wake-up late p50 {statistics.median(late):.2f} ms", flush=True)
+            for r, name in alternating(list(LOADERS), args.rounds):
+                run(decoders[name], rows, 3)  # warm
+                quiet.setdefault((rows, name), []).append(
+                    run(decoders[name], rows, args.steps, beside=False)[0])
+                spent, late = run(decoders[name], rows, args.steps)
+                times.setdefault((rows, name), []).append(spent)
+                lateness.setdefault((rows, name), []).extend(late)
+                print(f"round {r + 1} rows {rows} {name}: step alone "
+                      f"{quiet[rows, name][-1]:.2f} ms, beside the thread {spent:.2f} ms, "
+                      f"wake-up late p50 {statistics.median(late):.2f} ms", flush=True)
     lines = ["| rows | loader | step ms alone (min-max) | step ms beside the thread | "
              "wake-ups | late p50 ms | late p99 ms | late max ms |",
              "|---|---|---|---|---|---|---|---|"]
@@ -126,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{late[int(0.99 * (len(late) - 1))]:.2f} | {late[-1]:.2f} |")
     print("\n".join(lines))
     if args.write:
-        header = results_header("benchmarks.causal_lm.micro.package_gil",
-                                sys.argv[1:] if argv is None else argv)
         text = ["# A shipped decode step and the worker's other threads: operators against "
-                "the binding", "", *header_lines(header),
+                "the binding", "", header_text("benchmarks.causal_lm.micro.package_gil", argv),
                 f"- {args.archive.name}: cache_len {settings.cache_len}, {args.steps} steps a "
                 f"round, {args.rounds} rounds alternating the loaders (step: the median of "
                 f"the rounds' means; wake-ups: every one of a thread sleeping 1 ms, how much "

@@ -130,10 +130,7 @@ def load_steps(folder: Path, model: nn.Module) -> dict[int, Any]:
 def operators_loaded() -> bool:
     """Whether the kernel library's package operators are loaded in this process (not
     built for the asking: a model on the kernels loaded them)."""
-    try:
-        return hasattr(torch.ops.compress_lm, "package_run")
-    except (AttributeError, RuntimeError):
-        return False
+    return hasattr(torch.ops.compress_lm, "package_run")
 
 
 class OperatorLoader:

@@ -124,14 +124,14 @@ def verifier(model: nn.Module, decoders: dict[int, Any], drafts: int,
     """The batcher's verification for `drafts` drafts at most (None: off, or the model's
     attention is its own): through the shipped `packages` where there are some, else the
     model's forward; run once at the largest bucket (a package's first call allocates)."""
-    largest = decoders[max(decoders)]
+    rows = max(decoders)
+    largest = decoders[rows]
     if drafts < 1 or getattr(largest, "attention", None) is None:
         return None
     caches = {rows: decoder.cache for rows, decoder in decoders.items()}
     verify = eager_verify(model, caches)
     if packages:
         verify = package_verify(packages, caches, verify, drafts)
-    rows = max(decoders)
     with torch.inference_mode():
         verify(rows, torch.zeros(rows, drafts + 1, dtype=torch.long), 0,
                torch.arange(drafts + 1).repeat(rows, 1),

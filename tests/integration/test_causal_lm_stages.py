@@ -20,6 +20,7 @@ from compress.cli.main import main
 from compress.models.folders import load_saved
 from compress.pipeline.loop import run_recipe
 from compress.recipe.schema import load_recipe
+from serve import cpu_features
 from serve.causal_lm.runtime import grouped
 
 
@@ -85,7 +86,8 @@ def test_the_stage_saves_a_model_that_reloads_and_refuses_bfloat16(
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("mode, scheme", [("int8", "int4_grouped"), ("bf16", "int8_grouped")])
+@pytest.mark.parametrize("mode, scheme", [("int8", "int4_grouped"), ("bf16", "int8_grouped"),
+                                          ("int8_where_vnni", "int8_grouped")])
 def test_rounded_activations_are_a_saved_opt_in_of_the_grouped_schemes(
         tmp_path, varied_llama_folder, monkeypatch, capsys, mode, scheme) -> None:
     stages = [{"kind": "quantize", "scheme": scheme, "activations": mode}]
@@ -93,12 +95,14 @@ def test_rounded_activations_are_a_saved_opt_in_of_the_grouped_schemes(
                          check_sources=True)
     run_dir = run_recipe(recipe, echo=lambda _: None)
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    assert stage["metrics"]["activation_dtype"] == mode
+    vnni = bool(cpu_features.INT32_DOT_PRODUCTS & cpu_features.flags())
+    kept = {"int8_where_vnni": "int8" if vnni else "float32"}.get(mode, mode)
+    assert stage["metrics"]["activation_dtype"] == kept
 
     saved = load_saved(run_dir / stage["outputs"][0]["model_dir"])
     modes = {m.activations for name, m in saved.model.named_modules()
              if isinstance(m, grouped.GroupedLinear) and "embed" not in name}
-    assert modes == {mode}  # the body's and the head's, as saved in the folder's facts
+    assert modes == {kept}  # the body's and the head's, as saved in the folder's facts
 
     bad = causal_lm_recipe(tmp_path, varied_llama_folder, [
         {"kind": "quantize", "scheme": "int8_weight_only", "activations": mode}])

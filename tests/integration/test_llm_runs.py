@@ -11,6 +11,7 @@ import yaml
 from conftest import REPO, removed_after_module, run_cli, write_recipe
 
 from compress.recipe.sources import shipped_gguf
+from serve import cpu_features
 
 pytestmark = pytest.mark.skipif(
     shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct") is None,
@@ -52,9 +53,16 @@ def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(llm_run: Path) -> N
     assert 50 < base["perplexity"] < 2000  # a real LM on SST-2's lower-cased fragments
     assert base["decode_tok_s_b1"] > 0 and base["eager_generate_tok_s_b1"] > 0
     quant = manifest["stages"][0]["metrics"]
-    assert quant["scheme"] == "int8_grouped" and quant["activation_dtype"] == "float32"
-    assert abs(quant["perplexity_delta_vs_float_pct"]) < 0.1  # the GGUF's grids are kept
-    assert quant["agreement"] >= 0.95 and quant["next_token_agreement"] >= 0.95
+    # the recipe's `activations: int8_where_vnni`: int8 where this CPU has VNNI
+    vnni = bool(cpu_features.INT32_DOT_PRODUCTS & cpu_features.flags())
+    assert quant["scheme"] == "int8_grouped"
+    assert quant["activation_dtype"] == ("int8" if vnni else "float32")
+    if vnni:  # llama.cpp's Q8_0 rounding of every row: a little perplexity, some tokens
+        assert abs(quant["perplexity_delta_vs_float_pct"]) < 5
+        assert quant["next_token_agreement"] >= 0.75
+    else:  # exact: the GGUF's grids are kept and so are the float model's tokens
+        assert abs(quant["perplexity_delta_vs_float_pct"]) < 0.1
+        assert quant["agreement"] >= 0.95 and quant["next_token_agreement"] >= 0.95
     assert quant["size_mb"] < 0.45 * base["size_mb"]
     reference = json.loads((run_dir / "causal_lm_reference.json").read_text())
     from transformers import AutoTokenizer

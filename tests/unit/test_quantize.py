@@ -120,3 +120,22 @@ def test_only_static_int8_keeps_activations_to_7_bits(monkeypatch) -> None:
     assert [reduce_range(mode) for mode in ("static", "dynamic", "qat")] == [True, False, False]
     monkeypatch.setattr(cpu_features, "int8_products_saturate", lambda *a: False)
     assert not any(reduce_range(mode) for mode in ("static", "dynamic", "qat"))
+
+
+@pytest.mark.parametrize(("cpu_flags", "rounding"), [
+    ({"avx2", "avx512_vnni"}, "int8"), ({"avx2", "avx_vnni"}, "int8"),
+    ({"avx512f", "amx_int8"}, "int8"), ({"avx2", "fma"}, None), (set(), None)])
+def test_int8_where_vnni_rounds_activations_to_int8_only_on_a_cpu_with_int32_dot_products(
+        cpu_flags: set[str], rounding: str | None, monkeypatch) -> None:
+    """The shipped LLM recipes' mode: llama.cpp's int8 rounding where the CPU multiplies u8 by
+    s8 into int32 in one instruction, exact float32 elsewhere; the explicit modes whatever
+    the CPU."""
+    from compress.families.causal_lm.stages.quantize import activation_dtype, rounding_of
+    from serve import cpu_features
+
+    monkeypatch.setattr(cpu_features, "flags", lambda: frozenset(cpu_flags))
+    assert rounding_of("int8_where_vnni") == rounding
+    assert [rounding_of(m) for m in ("int8", "bf16", "float32", "auto")] == [
+        "int8", "bf16", None, None]
+    # the grouped schemes keep float32 tensors in every mode: their kernels round
+    assert activation_dtype("int8_where_vnni", "int4_grouped") == "float32"

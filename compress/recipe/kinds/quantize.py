@@ -42,7 +42,7 @@ class QuantizeConfig(StrictModel):
                          "int8_grouped", "float"] = Field(
         "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
         "weight-only under int4, else the model's scheme; float keeps it in float).")
-    activations: Literal["auto", "bfloat16", "float32", "int8", "bf16"] = Field(
+    activations: Literal["auto", "bfloat16", "float32", "int8", "bf16", "int8_where_vnni"] = Field(
         "auto", description="Causal LMs: activation dtype (auto: bfloat16 for the weight-only "
         "schemes, whose compiled int8/int4 kernels take bf16 inputs, and for int8_dynamic on "
         "a CPU that computes bf16 natively; else float32). The grouped schemes take float32 "
@@ -51,9 +51,11 @@ class QuantizeConfig(StrictModel):
         "faster prefills on a VNNI CPU (slower than float32 without VNNI), at the price of "
         "some tokens; or bf16: an opt-in mode that rounds them to bfloat16 for AVX512-BF16's "
         "vdpbf16ps (prefills about 1.8x float32's on such a CPU, fewer tokens changed than "
-        "int8; exact float32 on a CPU without it). Every mode is batch-invariant: a row's "
-        "tokens are the same alone and in any batch. (bfloat16 casts the model for torchao's "
-        "schemes.)")
+        "int8; exact float32 on a CPU without it); or int8_where_vnni: int8 where the CPU "
+        "that runs the stage multiplies int8 into int32 in one instruction (AVX512-VNNI, "
+        "AVX-VNNI, AMX), float32 elsewhere (the shipped LLM recipes' mode). Every mode is "
+        "batch-invariant: a row's tokens are the same alone and in any batch. (bfloat16 casts "
+        "the model for torchao's schemes.)")
     equalize: bool = Field(
         False, description="Causal LMs, weight-only schemes: activation-aware scaling (AWQ) "
         "before quantizing: each Linear's input channels scaled by mean|x|^alpha (alpha searched "
@@ -107,8 +109,9 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                             "is float32 activations), or in the opt-in modes int8 and bf16 "
                             "(its kernels round float32 activations); drop `activations`, "
                             "use `activations: bf16`, or use int8_weight_only")
-        if cfg.activations == "int8" and cfg.scheme not in GROUPED:
-            problems.append(f"{where}.activations: int8 activations are a mode of the grouped "
+        if cfg.activations in ("int8", "int8_where_vnni") and cfg.scheme not in GROUPED:
+            problems.append(f"{where}.activations: {cfg.activations} activations are a mode of "
+                            "the grouped "
                             f"schemes ({', '.join(GROUPED)}), not of {cfg.scheme}; "
                             "int8_dynamic quantizes activations per token")
         if cfg.activations == "bf16" and cfg.scheme not in GROUPED:

@@ -97,7 +97,9 @@ def test_langchain_gets_structured_output_and_tool_calls_from_the_served_smollm2
         chat = langchain_openai.ChatOpenAI(
             model="llm_int8_small", base_url=f"{info['url']}/1.0/v1", api_key=info["token"],
             temperature=0, max_tokens=48, max_retries=0)
-        assert "Paris" in chat.invoke("What is the capital of France?").content
+        # a question both activation modes answer right (in the int8 mode, as llama.cpp on the
+        # same weights, SmolLM2 names no Paris for "What is the capital of France?")
+        assert "Berlin" in chat.invoke("What is the capital of Germany?").content
         for method in ("json_schema", "function_calling"):
             city = chat.with_structured_output(City, method=method).invoke(
                 "Name the capital of France and its country.")

@@ -343,7 +343,9 @@ def native_summary(data: bytes) -> tuple[Any, list[float]]:
 
 def openai_summary(route: str, data: bytes) -> tuple[Any, list[float]]:
     """(per choice: text, tool calls (name, arguments), finish reason, logprob tokens; the
-    usage) of an OpenAI answer, whole or streamed, and its log-probabilities in order."""
+    usage) of an OpenAI answer, whole or streamed, and its log-probabilities in order, choice
+    after choice (a stream interleaves its choices' events as their tokens come: that order
+    is the batch's, not the answer's)."""
     text = data.decode()
     if text.startswith("data:") or "\ndata:" in text:
         events = [json.loads(line[len("data: "):], parse_constant=_refuse)
@@ -352,13 +354,12 @@ def openai_summary(route: str, data: bytes) -> tuple[Any, list[float]]:
     else:
         events = [json.loads(text, parse_constant=_refuse)]
     choices: dict[int, dict] = {}
-    floats: list[float] = []
     usage = None
     for event in events:
         usage = event.get("usage") or usage
         for position, choice in enumerate(event.get("choices") or []):
-            mine = choices.setdefault(choice.get("index", position),
-                                      {"text": "", "calls": [], "finish": None, "tokens": []})
+            mine = choices.setdefault(choice.get("index", position), {
+                "text": "", "calls": [], "finish": None, "tokens": [], "floats": []})
             part = choice.get("delta") or choice.get("message") or {}
             mine["text"] += (part.get("content") if route == CHAT else choice.get("text")) or ""
             for k, call in enumerate(part.get("tool_calls") or []):
@@ -372,13 +373,15 @@ def openai_summary(route: str, data: bytes) -> tuple[Any, list[float]]:
             logprobs = choice.get("logprobs") or {}
             for entry in logprobs.get("content") or []:  # chat
                 mine["tokens"].append(entry["token"])
-                floats += [entry["logprob"]] + [t["logprob"] for t in entry["top_logprobs"]]
+                mine["floats"] += [entry["logprob"]] + [t["logprob"]
+                                                        for t in entry["top_logprobs"]]
             mine["tokens"] += logprobs.get("tokens") or []  # completions
-            floats += [v for v in logprobs.get("token_logprobs") or [] if v is not None]
+            mine["floats"] += [v for v in logprobs.get("token_logprobs") or [] if v is not None]
             for top in logprobs.get("top_logprobs") or []:
-                floats += sorted((top or {}).values())
-    return ([(k, c["text"], c["calls"], c["finish"], c["tokens"])
-             for k, c in sorted(choices.items())], usage), floats
+                mine["floats"] += sorted((top or {}).values())
+    ordered = sorted(choices.items())
+    return ([(k, c["text"], c["calls"], c["finish"], c["tokens"]) for k, c in ordered],
+            usage), [v for _, c in ordered for v in c["floats"]]
 
 
 def summary(route: str, data: bytes) -> tuple[Any, list[float]]:

@@ -22,6 +22,12 @@ def flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def int32_dot_products(cpu_flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU multiplies u8 by s8 into int32 in one instruction (AVX512-VNNI,
+    AVX-VNNI or AMX); False where the flags cannot be read."""
+    return bool(INT32_DOT_PRODUCTS & (flags() if cpu_flags is None else cpu_flags))
+
+
 def int8_products_saturate(cpu_flags: frozenset[str] | None = None) -> bool:
     """Whether int8 matrix products here go through AVX2's vpmaddubsw, which adds two
     u8 x s8 products into a *saturating* int16 before widening (an x86 CPU without
@@ -30,4 +36,4 @@ def int8_products_saturate(cpu_flags: frozenset[str] | None = None) -> bool:
     and ONNX Runtime advise for such CPUs), so no pair can reach the int16 limit
     (127 x 128 x 2 < 32767). False where the flags cannot be read or the CPU is not x86."""
     found = flags() if cpu_flags is None else cpu_flags
-    return "avx2" in found and not INT32_DOT_PRODUCTS & found
+    return "avx2" in found and not int32_dot_products(found)

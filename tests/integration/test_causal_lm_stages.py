@@ -95,7 +95,7 @@ def test_rounded_activations_are_a_saved_opt_in_of_the_grouped_schemes(
                          check_sources=True)
     run_dir = run_recipe(recipe, echo=lambda _: None)
     stage = json.loads((run_dir / "manifest.json").read_text())["stages"][0]
-    vnni = bool(cpu_features.INT32_DOT_PRODUCTS & cpu_features.flags())
+    vnni = cpu_features.int32_dot_products()
     kept = {"int8_where_vnni": "int8" if vnni else "float32"}.get(mode, mode)
     assert stage["metrics"]["activation_dtype"] == kept
 

@@ -54,7 +54,7 @@ def test_llm_int8_recipe_shrunk_keeps_perplexity_and_answers(llm_run: Path) -> N
     assert base["decode_tok_s_b1"] > 0 and base["eager_generate_tok_s_b1"] > 0
     quant = manifest["stages"][0]["metrics"]
     # the recipe's `activations: int8_where_vnni`: int8 where this CPU has VNNI
-    vnni = bool(cpu_features.INT32_DOT_PRODUCTS & cpu_features.flags())
+    vnni = cpu_features.int32_dot_products()
     assert quant["scheme"] == "int8_grouped"
     assert quant["activation_dtype"] == ("int8" if vnni else "float32")
     if vnni:  # llama.cpp's Q8_0 rounding of every row: a little perplexity, some tokens

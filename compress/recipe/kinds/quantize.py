@@ -111,8 +111,7 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                             "use `activations: bf16`, or use int8_weight_only")
         if cfg.activations in ("int8", "int8_where_vnni") and cfg.scheme not in GROUPED:
             problems.append(f"{where}.activations: {cfg.activations} activations are a mode of "
-                            "the grouped "
-                            f"schemes ({', '.join(GROUPED)}), not of {cfg.scheme}; "
+                            f"the grouped schemes ({', '.join(GROUPED)}), not of {cfg.scheme}; "
                             "int8_dynamic quantizes activations per token")
         if cfg.activations == "bf16" and cfg.scheme not in GROUPED:
             problems.append(f"{where}.activations: bf16 activations are a mode of the grouped "

@@ -28,6 +28,9 @@ from compress.stages.context import StageContext, State
 from serve import cpu_features
 from serve.causal_lm.runtime.loading import DTYPES, head_scheme_of
 
+# the grouped schemes' modes whose kernels round float32 activations (`rounding_of`)
+ROUNDED = ("int8", "bf16", "int8_where_vnni")
+
 
 def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
     """The activation dtype of `choice` on this machine. auto: bfloat16 for the weight-only
@@ -38,7 +41,7 @@ def activation_dtype(choice: str, scheme: str = "int8_weight_only") -> str:
     natively (AVX512-BF16 or AMX); the grouped schemes float32 (their int8 and bf16 modes
     keep float32 tensors: the kernels round the activations, see `run`)."""
     if scheme in ("int8_grouped", "int4_grouped", "int8_sparse24", "int4_sparse24"):
-        return "float32" if choice in ("auto", "int8", "bf16", "int8_where_vnni") else choice
+        return "float32" if choice == "auto" or choice in ROUNDED else choice
     if choice != "auto":
         return choice
     from compress.runfolder.files import bf16_supported
@@ -51,11 +54,11 @@ def rounding_of(choice: str) -> str | None:
     """The rounding the grouped schemes' kernels give float32 activations under `choice`
     on this machine: "int8" or "bf16", or None (exact float32). int8_where_vnni is int8
     where this CPU multiplies u8 by s8 into int32 in one instruction
-    (serve.cpu_features.INT32_DOT_PRODUCTS: 1.9x the float32 products of an 8-row step on
+    (serve.cpu_features.int32_dot_products: 1.9x the float32 products of an 8-row step on
     an Emerald Rapids), exact float32 elsewhere (on AVX2 alone the int8 products run
     0.86-1.24x the float32 ones: not worth their rounding)."""
     if choice == "int8_where_vnni":
-        return "int8" if cpu_features.INT32_DOT_PRODUCTS & cpu_features.flags() else None
+        return "int8" if cpu_features.int32_dot_products() else None
     return choice if choice in ("int8", "bf16") else None
 
 

@@ -145,6 +145,44 @@ def test_logprobs_equal_an_offline_log_softmax(client, offline) -> None:
     assert all(len(top) == 2 for top in got.top_logprobs)
 
 
+def test_echo_with_logprobs_scores_every_prompt_token_as_offline(client, offline) -> None:
+    """What lm-eval's local-completions sends for likelihood tasks: prompts as token ids,
+    several a request, echo with logprobs; and the openai client's max_tokens=0 form."""
+    texts = ["the film was a joy", "a dull, tired and lifeless remake of a remake"]
+    prompts = [loading.prompt_ids(offline.tokenizer, t, chat_template=False) for t in texts]
+    scored = client.completions.create(model="smol_lm", prompt=texts[0], echo=True,
+                                       logprobs=5, max_tokens=0, temperature=0)
+    (choice,) = scored.choices
+    assert choice.text == texts[0] and scored.usage.completion_tokens == 0
+    want = offline_logprobs(offline, prompts[0][:1], prompts[0][1:])
+    got = choice.logprobs
+    assert got.tokens == [offline.tokenizer.decode([t]) for t in prompts[0]]
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.token_logprobs[1:] == pytest.approx(
+        [float(want[k, t]) for k, t in enumerate(prompts[0][1:])], abs=1e-4)
+    assert [sorted(top.values(), reverse=True) for top in got.top_logprobs[1:]] == [
+        pytest.approx(want[k].topk(5).values.tolist(), abs=1e-4)
+        for k in range(len(prompts[0]) - 1)]
+    both = client.completions.create(model="smol_lm", prompt=prompts, echo=True, logprobs=1,
+                                     max_tokens=1, temperature=0, seed=1234)
+    assert sorted(c.index for c in both.choices) == [0, 1]
+    for c in both.choices:
+        ids = prompts[c.index]
+        assert c.text.startswith(offline.tokenizer.decode(ids))
+        assert len(c.logprobs.token_logprobs) == len(ids) + 1  # the prompt, then one token
+        want = offline_logprobs(offline, ids[:1], ids[1:])
+        assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+            [float(want[k, t]) for k, t in enumerate(ids[1:])], abs=1e-4)
+    assert both.usage.prompt_tokens == sum(len(p) for p in prompts)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="smol_lm", prompt=texts[0], echo=True, logprobs=1,
+                                  max_tokens=1, stream=True)
+    assert "stream: false" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="smol_lm", prompt=[[1, 2, 10**9]], max_tokens=1)
+    assert "vocabulary" in bad.value.message
+
+
 def test_n_choices_the_usage_chunk_and_what_clients_send_as_null(client, served) -> None:
     three = client.chat.completions.create(model="smol_lm", messages=ASK, n=3, max_tokens=6,
                                            temperature=1.0, seed=7, logprobs=True)

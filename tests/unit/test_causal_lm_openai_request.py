@@ -69,13 +69,38 @@ def test_what_would_change_the_output_is_refused_by_name(body: dict, named: str)
 def test_completions_echo_logprobs_and_a_refused_suffix() -> None:
     native, wanted = native_body(COMPLETIONS, {"prompt": ["the film"], "echo": True,
                                                "stream": True})
-    assert native["prompt"] == "the film" and wanted.echo == "the film"
+    assert native["prompts"] == ["the film"] and wanted.echo
+    assert "prompt_logprobs" not in native
     native, wanted = native_body(COMPLETIONS, {"prompt": "x", "logprobs": 3})
     assert native["logprobs"] == 3 and wanted.logprobs and wanted.top == 3
+    assert not wanted.echo and "prompt_logprobs" not in native
     with pytest.raises(ValueError, match="suffix"):
         native_body(COMPLETIONS, {"prompt": "x", "suffix": "y"})
-    with pytest.raises(ValueError, match="echo with logprobs"):
-        native_body(COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1})
+    native, wanted = native_body(COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1,
+                                               "max_tokens": 0})
+    assert native["prompt_logprobs"] and native["max_new_tokens"] == 0 and wanted.echo
+    with pytest.raises(ValueError, match="stream: false"):  # scored prompts come whole
+        native_body(COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
+    with pytest.raises(ValueError, match="max_tokens: 0 only with echo"):
+        native_body(COMPLETIONS, {"prompt": "x", "max_tokens": 0})
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("a", ["a"]),
+    (["a", "b"], ["a", "b"]),
+    ([5, 6, 7], [[5, 6, 7]]),  # token ids: one prompt
+    ([[5, 6], [7]], [[5, 6], [7]]),  # lm-eval's batches
+    (["a", [7]], ["a", [7]]),
+])
+def test_completions_prompts_are_strings_or_token_ids_one_or_many(prompt, prompts) -> None:
+    assert native_body(COMPLETIONS, {"prompt": prompt})[0]["prompts"] == prompts
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [1, "a"], [-1], [True], [[1], 2], {"a": 1},
+                                    ["a"] * 65])
+def test_a_prompt_of_no_known_shape_is_refused(prompt) -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        native_body(COMPLETIONS, {"prompt": prompt})
 
 
 def test_usage_chunk_only_when_asked_and_only_on_streams() -> None:

@@ -251,6 +251,11 @@ class ContinuousBatcher(Placement, Speculation):
         if row.cancelled:
             self._end(row, CANCELLED)
             return
+        if row.score_prompt:
+            row.prompt_logprobs = job.prompt_scores(index)
+        if row.max_new_tokens == 0:  # its prompt alone (OpenAI's echo): no slot, no token
+            self._end(row, "length")
+            return
         length = len(row.ids)
         if None not in self.slots or not self._place(length, row.max_new_tokens):
             with self.wake:

@@ -37,9 +37,10 @@ class RowRun:
 
 def parse_choices(request: dict[str, Any], route: str | None, encode,
                   limits: requests.Limits, content_type: str = "") -> tuple[Any, ...]:
-    """(the request parsed, what its OpenAI answer carries). ValueError: a 400."""
+    """(the request parsed: one per prompt, what its OpenAI answer carries). ValueError: a
+    400."""
     parsed, wanted = requests.parse_request(request, route, encode, limits, content_type)
-    if route is None and (parsed.n > 1 or parsed.logprobs is not None):
+    if route is None and (parsed[0].n > 1 or parsed[0].logprobs is not None):
         raise ValueError("n and logprobs: on the OpenAI routes (v1/chat/completions, "
                          "v1/completions)")
     return parsed, wanted
@@ -57,9 +58,11 @@ async def constraints_of(parsed: requests.GenerationRequest, tokenizer: Any,
 
 
 def row_run(k: int, parsed: requests.GenerationRequest, loop: asyncio.AbstractEventLoop,
-            constraint: Any, tokenizer: Any) -> RowRun:
-    """Choice `k` of a request: its row (its tokens put in a queue of its own; a seed of
-    its own, the request's + k) and its text."""
+            constraint: Any, tokenizer: Any, index: int | None = None, echo: bool = False
+            ) -> RowRun:
+    """Choice `k` of a prompt: its row (its tokens put in a queue of its own; a seed of
+    its own, the request's + k) and its text; the request's choice `index` (k where None),
+    its prompt's text written before its own where `echo`."""
     queue: asyncio.Queue = asyncio.Queue()
     seed = None if parsed.seed is None else (parsed.seed + k) % requests.SEED_LIMIT
     sampling = (Sampling(parsed.temperature, parsed.top_p, seed)
@@ -67,17 +70,22 @@ def row_run(k: int, parsed: requests.GenerationRequest, loop: asyncio.AbstractEv
     row = Row(parsed.ids, parsed.max_new_tokens,
               lambda token, end: loop.call_soon_threadsafe(queue.put_nowait, (token, end)),
               sampling, ignore_eos=parsed.ignore_eos, constraint=constraint,
-              logprobs=parsed.logprobs)
-    return RowRun(row, queue, requests.TextStream(tokenizer, parsed.stop),
-                  openai_routes.Choice(k))
+              logprobs=parsed.logprobs, score_prompt=parsed.score_prompt)
+    choice = openai_routes.Choice(k if index is None else index)
+    if echo:
+        choice.echo = parsed.prompt_text if parsed.prompt_text is not None else \
+            tokenizer.decode(parsed.ids)
+    return RowRun(row, queue, requests.TextStream(tokenizer, parsed.stop), choice)
 
 
 async def answer_rows(context, i: int, batcher: Any, runs: list[RowRun],
-                      parsed: requests.GenerationRequest,
+                      prompts: list[requests.GenerationRequest],
                       answer: openai_routes.Answer | None, began: float) -> str:
-    """Request `i`'s last answer once every one of its rows has ended: the native NDJSON
-    line, OpenAI's stream end or whole completion, or a 500 naming the request's id where a
-    row failed (what failed goes to the log)."""
+    """Request `i`'s last answer once every one of its rows has ended (`prompts`: the
+    request parsed, one per prompt): the native NDJSON line, OpenAI's stream end or whole
+    completion, or a 500 naming the request's id where a row failed (what failed goes to
+    the log)."""
+    parsed = prompts[0]  # what every prompt of a request shares (stream, stop, ...)
     ends = await asyncio.gather(*(follow(context, i, batcher, run, parsed, answer, began)
                                   for run in runs))
     failure = next((end for end in ends if end), None)
@@ -90,7 +98,7 @@ async def answer_rows(context, i: int, batcher: Any, runs: list[RowRun],
         return json.dumps(replies.native_answer(run.stream.text, len(parsed.ids),
                                                 completion, run.choice.finish or "stop")
                           ) + "\n"
-    usage = openai_routes.usage(len(parsed.ids), completion)
+    usage = openai_routes.usage(sum(len(p.ids) for p in prompts), completion)
     if parsed.stream:
         return answer.end(usage)
     return json.dumps(answer.whole([run.choice for run in runs], usage))
@@ -133,6 +141,8 @@ async def follow(context, i: int, batcher: Any, run: RowRun,
     choice.finish = "stop" if stream.stopped or finish not in ("length", "stop") else finish
     held = stream.flush()
     choice.text, choice.tokens, choice.logprobs = stream.text, stream.tokens, row.token_logprobs
+    if row.score_prompt:
+        choice.prompt, choice.prompt_logprobs = row.ids, row.prompt_logprobs
     if parsed.stream and answer is not None:
         replies.send(context, i, answer.last_chunks(choice, "" if answer.holds_text
                                                     else held))

@@ -126,7 +126,7 @@ class CausalLMHandler(BaseHandler):
             settings.max_new_tokens, settings.default_new_tokens, cache_len,
             settings.chat_template,
             requests.prompt_chars_bound(self.causal_lm.tokenizer, cache_len),
-            settings.max_schema_chars)
+            settings.max_schema_chars, int(self.causal_lm.model.config.vocab_size))
         mode = settings.compile if self.ranks == 1 else "none"
         steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
         shipped_prefill = None  # and the prefill, where shipped
@@ -224,11 +224,11 @@ class CausalLMHandler(BaseHandler):
         try:  # off the event loop: a body of up to the request limit, a chat template; a
             # grammar on a thread of its own (compiled once a schema, its tokenizer view once
             # a worker), so that plain prompts keep flowing while it compiles
-            parsed, wanted = await asyncio.get_running_loop().run_in_executor(
+            prompts, wanted = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizing, choices.parse_choices, request, route, encode, self.limits,
                 request_content_type(context, i, request))
-            constraints = await choices.constraints_of(parsed, self.causal_lm.tokenizer,
-                                                       self.compiling)
+            constraints = [c for one in prompts for c in await choices.constraints_of(
+                one, self.causal_lm.tokenizer, self.compiling)]
         except ValueError as exc:
             return replies.error(context, i, str(exc), 400, openai=route is not None)
         except QUEUE_FULL as exc:  # schemas waiting to compile, past the bound
@@ -241,19 +241,22 @@ class CausalLMHandler(BaseHandler):
             self.batcher.depart()  # submitted below with no await between: always counted
         answer = (openai_routes.Answer(route, self.model_name, wanted, self.token_text)
                   if route else None)
+        parsed = prompts[0]  # what a request's prompts share: stream, n, stop, ...
         context.set_response_content_type(
             i, (openai_routes.STREAM_TYPE if answer else replies.STREAM_TYPE)
             if parsed.stream else "application/json")
         loop = asyncio.get_running_loop()
-        runs = [choices.row_run(k, parsed, loop, constraints[k], self.causal_lm.tokenizer)
-                for k in range(parsed.n)]
+        runs = [choices.row_run(k, one, loop, constraints[j * one.n + k],
+                                self.causal_lm.tokenizer, j * one.n + k,
+                                wanted is not None and wanted.echo)
+                for j, one in enumerate(prompts) for k in range(one.n)]
         try:
             self.batcher.submit_all([run.row for run in runs])
         except QUEUE_FULL as exc:
             return replies.queue_full(context, i, str(exc), exc.retry_after_s,
                                       openai=answer is not None)
         try:
-            return await choices.answer_rows(context, i, self.batcher, runs, parsed, answer,
+            return await choices.answer_rows(context, i, self.batcher, runs, prompts, answer,
                                              began)
         except Exception as exc:  # noqa: BLE001 (a failed send, say: this request alone)
             return replies.failed(context, i, exc, openai=answer is not None,

@@ -12,6 +12,7 @@ error objects.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -58,6 +59,9 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     reported: int = 0  # tokens whose log-probabilities went out in a chunk
     chars: int = 0  # the length of those tokens' texts (completions' `text_offset`)
+    echo: str = ""  # completions' echo: the prompt, written before the text
+    prompt: list[int] = field(default_factory=list)  # and its tokens, where they were scored,
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # each after the first
 
 
 class Answer:
@@ -102,7 +106,7 @@ class Answer:
             self.started.add(choice.index)
             return {"index": choice.index, "delta" if streamed else "message": delta,
                     "logprobs": logprobs, "finish_reason": finish}
-        text = (self.wanted.echo or "") + piece if not streamed or (
+        text = choice.echo + piece if not streamed or (
             choice.index not in self.started) else piece
         self.started.add(choice.index)
         return {"index": choice.index, "text": text, "logprobs": logprobs,
@@ -120,15 +124,23 @@ class Answer:
                 self._token(r, rlp) for r, rlp in rivals]} for t, (lp, rivals) in entries],
                     "refusal": None}
         texts = [self.token_text(t) for t, _ in entries]
-        at = len(self.wanted.echo or "") + (choice.chars if streamed else 0)
+        at = len(choice.echo) + (choice.chars if streamed else 0)
         offsets = []
         for text in texts:
             offsets.append(at)
             at += len(text)
-        choice.chars = at - len(self.wanted.echo or "")
-        return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in entries],
-                "top_logprobs": [{self.token_text(r): rlp for r, rlp in rivals}
-                                 for _, (_, rivals) in entries],
+        choice.chars = at - len(choice.echo)
+        logprobs: list[float | None] = [lp for _, (lp, _) in entries]
+        tops: list[dict[str, float] | None] = [{self.token_text(r): rlp for r, rlp in rivals}
+                                               for _, (_, rivals) in entries]
+        if choice.prompt and not streamed:  # the prompt's tokens first, the first unscored
+            prompt = [self.token_text(t) for t in choice.prompt]
+            starts = [0, *itertools.accumulate(len(p) for p in prompt[:-1])]
+            texts, offsets = prompt + texts, starts + offsets
+            logprobs = [None] + [lp for lp, _ in choice.prompt_logprobs] + logprobs
+            tops = [None] + [{self.token_text(r): rlp for r, rlp in rivals}
+                             for _, rivals in choice.prompt_logprobs] + tops
+        return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def _token(self, token: int, logprob: float) -> dict[str, Any]:

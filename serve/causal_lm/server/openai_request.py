@@ -11,6 +11,10 @@ carry (`Wanted`), as OpenAI documents the fields (no torch; shipped in `causal_l
 - `max_completion_tokens` wins over `max_tokens`.
 - `response_format` json_object / json_schema, and tools, constrain the answer
   (`grammar.py`).
+- Completions' `prompt` is a string, token ids, or a list of either (each prompt its own
+  `n` choices, indexed in order). `echo` with `logprobs` also scores the prompt: each of
+  its tokens after the first gets its log-probability and rivals from the prefill (the
+  answer comes whole, not streamed); `max_tokens: 0` with `echo` asks for the prompt alone.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 from . import tools as tool_calls
 
 CHAT, COMPLETIONS = "v1/chat/completions", "v1/completions"
+MAX_PROMPTS = 64  # completions: prompts in one request (each its own `n` choices)
 # fields that do not change what is generated here
 IGNORED = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key",
            "safety_identifier", "stream_options", "parallel_tool_calls"}
@@ -46,7 +51,8 @@ class Wanted:
     logprobs: bool = False  # each token's log-probability (and `top` rivals)
     top: int = 0
     tools: tool_calls.ToolUse | None = None  # the answer is read back as tool calls
-    echo: str | None = None  # completions: the prompt, written before the text
+    echo: bool = False  # completions: each prompt written before its text (with `logprobs`,
+    # its tokens' log-probabilities before the text's)
 
 
 def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], Wanted]:
@@ -68,7 +74,7 @@ def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], Wante
     if route == CHAT:
         native["messages"], tool_use, schema = _chat(body)
     else:
-        native["prompt"], tool_use, schema = _prompt(body), None, None
+        native["prompts"], tool_use, schema = _prompts(body), None, None
     new = body.get("max_completion_tokens", body.get("max_tokens"))
     if new is not None:
         native["max_new_tokens"] = new
@@ -82,14 +88,17 @@ def native_body(route: str, body: dict[str, Any]) -> tuple[dict[str, Any], Wante
         native["logprobs"] = top
     if schema is not None:
         native["json_schema"] = schema
-    echo = None
-    if route == COMPLETIONS and body.get("echo") not in (None, False):
-        if body["echo"] is not True:
-            raise ValueError("echo: true or false")
-        if logprobs:
-            raise ValueError("echo with logprobs is not supported (the prompt's tokens have "
-                             "no log-probabilities here); drop one of them")
-        echo = native["prompt"]
+    echo = route == COMPLETIONS and body.get("echo") not in (None, False)
+    if echo and body["echo"] is not True:
+        raise ValueError("echo: true or false")
+    if echo and logprobs and native["stream"]:
+        raise ValueError("echo with logprobs is answered whole, not streamed: send "
+                         "stream: false")
+    if new == 0 and not echo:
+        raise ValueError("max_tokens: 0 only with echo: true (the prompt alone, scored "
+                         "where logprobs is set)")
+    if echo and logprobs:
+        native["prompt_logprobs"] = True
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ValueError('stream_options: an object such as {"include_usage": true}')
@@ -117,15 +126,30 @@ def _logprobs(route: str, body: dict[str, Any]) -> tuple[bool, int]:
     return asked, top
 
 
-def _prompt(body: dict[str, Any]) -> Any:
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The request's prompts, each a string or token ids (OpenAI's legacy `prompt`: a
+    string, a list of strings, a list of token ids, or a list of such lists)."""
     if "prompt" not in body:
         raise ValueError("prompt is required")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]  # a list of one prompt
-    if not isinstance(prompt, str):
-        raise ValueError("prompt: a string (or a list of one string)")
-    return prompt
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(_is_id(i) for i in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(i) for i in p))
+            for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise ValueError("prompt: a string, a list of strings, a list of token ids (integers "
+                         "from 0), or a list of such lists")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts a request, got "
+                         f"{len(prompts)}")
+    return prompts
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _chat(body: dict[str, Any]) -> tuple[list[dict[str, str]], Any, dict[str, Any] | None]:

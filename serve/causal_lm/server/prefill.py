@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,23 +22,30 @@ from serve.handler_settings import HandlerSettings
 from ..runtime.attention import attention, decode_attention_for
 from ..runtime.decode import left_pad
 from ..runtime.static_cache import empty_cache, first_rows, position_bytes, release
+from .picking import MAX_TOP_LOGPROBS
 from .prefix_cache import PrefixCache
 from .rows import Row
+
+# a prompt token's log-probability and its likeliest rivals' (OpenAI's echo with logprobs)
+Scored = tuple[float, list[tuple[int, float]]]
+SCORED_CHUNK = 64  # positions a chunk where a prompt is scored: each position's logits are
+# kept (rows x 64 x a 49k vocabulary: 12.6 MB a row)
 
 
 def prefill_chunk(model: nn.Module, cache: Any, ids: torch.Tensor, positions: torch.Tensor,
                   position_ids: torch.Tensor, mask: torch.Tensor, window: torch.Tensor | None,
-                  last_only: bool) -> torch.Tensor:
-    """The last position's logits (rows x vocab) of a chunk of `ids` (rows x chunk) written
-    to `cache` at `positions` (the cache's write position must be set there), attending to
-    the first `len(window)` cache positions where given (those written once this chunk is;
-    the model runs the decode attention)."""
+                  last_only: bool, every: bool = False) -> torch.Tensor:
+    """The last position's logits (rows x vocab; `every`: each position's, rows x chunk x
+    vocab) of a chunk of `ids` (rows x chunk) written to `cache` at `positions` (the cache's
+    write position must be set there), attending to the first `len(window)` cache
+    positions where given (those written once this chunk is; the model runs the decode
+    attention)."""
     extra: dict[str, Any] = {"decode_window": window} if window is not None else {}
-    if last_only:
+    if last_only and not every:
         extra["logits_to_keep"] = 1
     out = model(input_ids=ids, cache_position=positions, position_ids=position_ids,
                 attention_mask=mask, past_key_values=cache, use_cache=True, **extra)
-    return out.logits[:, -1]
+    return out.logits if every else out.logits[:, -1]
 
 
 @dataclass(eq=False)
@@ -51,12 +58,26 @@ class PrefillJob:
     source: list[int]  # per row: its prompt's index (its slot in the prefill's cache)
     done: int = 0  # positions written so far
     logits: torch.Tensor | None = None  # the last position's, per prompt, once done
+    # per prompt: the rivals its tokens' scores name, where a row asks for its prompt's
+    # scores (None: not scored), and those scores by token index (the first has none)
+    rivals: list[int | None] = field(default_factory=list)
+    scores: list[dict[int, Scored]] = field(default_factory=list)
 
     def row_logits(self, index: int) -> torch.Tensor:
         """Row `index`'s logits (1 x vocab), a copy (the batcher masks them in place)."""
         assert self.logits is not None
         slot = self.source[index]
         return self.logits[slot:slot + 1].clone()
+
+    def prompt_scores(self, index: int) -> list[Scored]:
+        """Row `index`'s prompt tokens after the first, each its log-probability and rivals
+        (the job must have scored its prompt)."""
+        slot = self.source[index]
+        return [self.scores[slot][k] for k in range(1, self.length - self.pads[slot])]
+
+    @property
+    def scoring(self) -> bool:
+        return any(top is not None for top in self.rivals)
 
     @property
     def length(self) -> int:
@@ -125,9 +146,16 @@ class Prefiller:
         source = [prompts.setdefault(tuple(r.ids), len(prompts)) for r in rows]
         ids, _, pads = left_pad([list(p) for p in prompts])
         job = PrefillJob(rows, ids, pads.tolist(), source)
+        job.rivals = [None] * len(prompts)
+        for row, slot in zip(rows, source, strict=True):
+            if row.score_prompt:
+                job.rivals[slot] = max(job.rivals[slot] or 0, row.logprobs or 0)
+        job.scores = [{} for _ in prompts]
         cache = self._cache(len(prompts))
-        hits = [self.prefix_cache.lookup(list(p)) if self.prefix_cache else None
-                for p in prompts]
+        # a prompt to score is computed whole: the cache holds no scores of its prefix
+        hits = [self.prefix_cache.lookup(list(p))
+                if self.prefix_cache and job.rivals[slot] is None else None
+                for slot, p in enumerate(prompts)]
         for slot, (hit, pad) in enumerate(zip(hits, job.pads, strict=True)):
             if hit is not None:
                 for layer, keys, values in zip(cache.layers, hit.keys, hit.values, strict=True):
@@ -153,6 +181,8 @@ class Prefiller:
         rows = job.ids.shape[0]
         end = job.length if whole else min(job.length,
                                            job.done + self.chunk_for(rows, budget_s))
+        if job.scoring:
+            end = min(end, job.done + SCORED_CHUNK)
         if end - job.done < 2 <= job.length:  # positions already written are written again:
             job.done = end - 2  # the graph's chunks are 2 or longer, and a chunk of one
             # would run the decode attention, whose softmax over a pad's fully masked
@@ -177,9 +207,15 @@ class Prefiller:
             if window is not None:  # (a full window slices nothing: a guard of its own)
                 torch._dynamo.maybe_mark_dynamic(window, 0)
         began = time.perf_counter()
-        with _size_oblivious(self.compiled):
-            job.logits = self.run(self.model, cache, ids, positions, position_ids, mask,
-                                  window, self.last_only)
+        if job.scoring:  # every position's logits: the model's own forward
+            every = prefill_chunk(self.model, cache, ids, positions, position_ids, mask,
+                                  window, self.last_only, every=True)
+            score(job, every, job.done)
+            job.logits = every[:, -1]
+        else:
+            with _size_oblivious(self.compiled):
+                job.logits = self.run(self.model, cache, ids, positions, position_ids, mask,
+                                      window, self.last_only)
         spent = (time.perf_counter() - began) / (rows * (end - job.done))
         self.position_s[rows] = 0.5 * (self.position_s.get(rows, spent) + spent)
         job.done = end
@@ -230,6 +266,27 @@ class Prefiller:
             return 0
         return sum(t.nbytes for layer in self.workspace.layers
                    for t in (layer.keys, layer.values))
+
+
+def score(job: PrefillJob, logits: torch.Tensor, start: int) -> None:
+    """Record the scores of the prompt tokens that a chunk's logits (rows x chunk x vocab,
+    its first position `start`) predict, for each prompt of `job` that is scored: the
+    logits at position q give the token at q + 1 its log-probability."""
+    for slot, rivals in enumerate(job.rivals):
+        pad = job.pads[slot]
+        low, high = max(start, pad), min(start + logits.shape[1], job.length - 1)
+        if rivals is None or low >= high:
+            continue
+        logprobs = torch.log_softmax(logits[slot, low - start:high - start].float(), dim=-1)
+        following = job.ids[slot, low + 1:high + 1]
+        chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+        if rivals:
+            values, ids = logprobs.topk(min(rivals, MAX_TOP_LOGPROBS), dim=-1)
+            tops = [list(zip(i, v, strict=True))
+                    for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        for k, position in enumerate(range(low, high)):
+            job.scores[slot][position + 1 - pad] = (chosen[k], tops[k])
 
 
 def prefiller_of(model: nn.Module, settings: HandlerSettings, cache_len: int,

@@ -3,14 +3,15 @@
 Shipped in the causal-LM TorchServe archive beside `handler.py` (which may define only
 one class) and the runtime; imports no compress code, and no torch.
 
-A request is a JSON object: `prompt` (a string) or `messages` (chat messages, through the
-tokenizer's chat template), and optionally `max_new_tokens`, `temperature` (0: greedy),
-`top_p`, `stop` (strings that end the text, not included), `seed` (for sampling),
-`ignore_eos` (true: the end token does not end the text, as vLLM's and llama-server's
-option; on continuous-batching archives) and `stream` (default true: the text comes in
-NDJSON chunks as it is generated). On continuous-batching archives also `n` (answers that
-share one prefill), `logprobs` (0-20: each token's log-probability and that many likeliest
-rivals) and `json_schema` (the answer is JSON valid against it: `grammar.py`).
+A request is a JSON object: `prompt` (a string, or token ids: a list of integers) or
+`messages` (chat messages, through the tokenizer's chat template), and optionally
+`max_new_tokens`, `temperature` (0: greedy), `top_p`, `stop` (strings that end the text,
+not included), `seed` (for sampling), `ignore_eos` (true: the end token does not end the
+text, as vLLM's and llama-server's option; on continuous-batching archives) and `stream`
+(default true: the text comes in NDJSON chunks as it is generated). On
+continuous-batching archives also `n` (answers that share one prefill), `logprobs` (0-20:
+each token's log-probability and that many likeliest rivals) and `json_schema` (the answer
+is JSON valid against it: `grammar.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Limits:
     cache_len: int = HandlerSettings.cache_len  # prompt + new tokens per row
     chat_template: bool = HandlerSettings.chat_template  # a plain `prompt` through it too
     max_prompt_chars: int = 0  # more characters cannot fit cache_len tokens (0: no bound)
+    vocab: int = 0  # a prompt's token ids are below it (0: unchecked)
     max_schema_chars: int = HandlerSettings.max_schema_chars  # a json_schema's JSON text
 
 
@@ -61,6 +63,8 @@ class GenerationRequest:
     n: int = 1
     logprobs: int | None = None
     json_schema: dict[str, Any] | None = None
+    prompt_text: str | None = None  # the prompt as sent, where it was a string
+    score_prompt: bool = False  # each prompt token's log-probability too (OpenAI's echo)
 
 
 def read_body(request: dict[str, Any], content_type: str = "") -> dict[str, Any]:
@@ -91,21 +95,30 @@ def read_body(request: dict[str, Any], content_type: str = "") -> dict[str, Any]
 
 
 def parse_request(request: dict[str, Any], route: str | None, encode, limits: Limits,
-                  content_type: str = "") -> tuple[GenerationRequest, openai_request.Wanted | None]:
-    """(a TorchServe request parsed, what its OpenAI answer carries beyond the text: None
-    on the native API), on OpenAI's `route` where given. ValueError: a 400 that says why."""
+                  content_type: str = ""
+                  ) -> tuple[list[GenerationRequest], openai_request.Wanted | None]:
+    """(a TorchServe request parsed: one per prompt, several where OpenAI's completions
+    name several; what its OpenAI answer carries beyond the text: None on the native API),
+    on OpenAI's `route` where given. ValueError: a 400 that says why."""
     body = read_body(request, content_type)
     if route is None:
-        return parse(body, encode, limits), None
+        return [parse(body, encode, limits)], None
     body, wanted = openai_request.native_body(route, body)
-    # a tool's schema is in the prompt already (its instructions): counted there
-    return parse(body, encode, limits, schema_in_prompt=wanted.tools is not None), wanted
+    scored = body.pop("prompt_logprobs", False)
+    prompts = body.pop("prompts", None)
+    if prompts is None:  # a tool's schema is in the prompt already (its instructions)
+        return [parse(body, encode, limits, schema_in_prompt=wanted.tools is not None)], wanted
+    return [parse(body | {"prompt": prompt}, encode, limits, echoed=wanted.echo,
+                  score_prompt=scored) for prompt in prompts], wanted
 
 
-def parse(body: dict[str, Any], encode, limits: Limits,
-          schema_in_prompt: bool = False) -> GenerationRequest:
-    """Check a request body against `limits`; `encode(prompt or messages)` -> token ids.
-    The json_schema's text counts in the prompt's characters unless `schema_in_prompt`."""
+def parse(body: dict[str, Any], encode, limits: Limits, schema_in_prompt: bool = False,
+          echoed: bool = False, score_prompt: bool = False) -> GenerationRequest:
+    """Check a request body against `limits`; `encode(prompt or messages)` -> token ids
+    (a prompt of token ids is taken as it is). The json_schema's text counts in the
+    prompt's characters unless `schema_in_prompt`. `echoed` (OpenAI's echo): the prompt
+    alone may be asked for (`max_new_tokens` 0); `score_prompt`: its tokens'
+    log-probabilities too."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r} (fields: {', '.join(FIELDS)})")
@@ -113,7 +126,9 @@ def parse(body: dict[str, Any], encode, limits: Limits,
         raise ValueError('give exactly one of "prompt" (a string) and "messages" (a list '
                          'of {"role", "content"})')
     prompt = body.get("prompt", body.get("messages"))
-    if "prompt" in body and (not isinstance(prompt, str) or not prompt.strip()):
+    ids = _token_ids(prompt, limits.vocab) if isinstance(prompt, list) and (
+        "prompt" in body) else None
+    if "prompt" in body and ids is None and (not isinstance(prompt, str) or not prompt.strip()):
         raise ValueError("empty prompt: send a non-empty string")
     if "messages" in body and (not isinstance(prompt, list) or not prompt or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -121,7 +136,7 @@ def parse(body: dict[str, Any], encode, limits: Limits,
         raise ValueError('messages: a non-empty list of {"role": str, "content": str}')
     if "messages" in body and not any(m["content"].strip() for m in prompt):
         raise ValueError("empty prompt: every message is empty")
-    new = _number(body, "max_new_tokens", limits.default_new_tokens, 1,
+    new = _number(body, "max_new_tokens", limits.default_new_tokens, 0 if echoed else 1,
                   limits.max_new_tokens, integer=True)
     temperature = _number(body, "temperature", 0.0, 0.0, 10.0)
     if 0 < temperature < MIN_TEMPERATURE:
@@ -149,7 +164,8 @@ def parse(body: dict[str, Any], encode, limits: Limits,
         logprobs = _number(body, "logprobs", 0, 0, MAX_LOGPROBS, integer=True)
     schema = body.get("json_schema")
     schema_chars = 0 if schema is None else _schema_chars(schema, limits.max_schema_chars)
-    chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+    chars = 0 if ids is not None else len(prompt) if isinstance(prompt, str) else sum(
+        len(m["content"]) for m in prompt)
     if limits.max_prompt_chars and schema_chars and not schema_in_prompt and (
             chars + schema_chars > limits.max_prompt_chars):
         raise ValueError(f"prompt too long: {chars} characters and a JSON schema of "
@@ -158,13 +174,26 @@ def parse(body: dict[str, Any], encode, limits: Limits,
     if limits.max_prompt_chars and chars > limits.max_prompt_chars:
         raise ValueError(f"prompt too long: {chars} characters cannot fit the context of "
                          f"{limits.cache_len} tokens")
-    ids = _encoded(encode, prompt)
+    if ids is None:
+        ids = _encoded(encode, prompt)
     if len(ids) + new > limits.cache_len:
         raise ValueError(f"prompt too long: {len(ids)} tokens + max_new_tokens {new} exceed "
                          f"the context of {limits.cache_len} tokens")
     return GenerationRequest(ids, int(new), float(temperature), float(top_p), list(stop),
                              seed, body.get("stream", True), body.get("ignore_eos", False),
-                             int(n), logprobs, schema)
+                             int(n), logprobs, schema,
+                             prompt if isinstance(prompt, str) else None, score_prompt)
+
+
+def _token_ids(prompt: list[Any], vocab: int) -> list[int]:
+    """A prompt given as token ids, checked: integers from 0, below the vocabulary's size."""
+    if not prompt or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                             for i in prompt):
+        raise ValueError("prompt: token ids are a non-empty list of integers from 0")
+    if vocab and max(prompt) >= vocab:
+        raise ValueError(f"prompt: token id {max(prompt)} is past the vocabulary "
+                         f"({vocab} tokens)")
+    return [int(i) for i in prompt]
 
 
 def _schema_chars(schema: Any, bound: int) -> int:

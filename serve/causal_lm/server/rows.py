@@ -52,6 +52,10 @@ class Row:
     logprobs: int | None = None  # record each token's log-probability and this many rivals
     # per token, where `logprobs` is set: (its log-probability, [(rival id, its log-prob)])
     token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # the prompt's tokens after the first, as its prefill scores them (OpenAI's echo with
+    # logprobs): each one's log-probability and its `logprobs` likeliest rivals
+    score_prompt: bool = False
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # speculation (`speculation.py`): positions in its span it does not hold (refused
     # drafts, masked), and how often its drafts were kept (a running average)
     holes: int = 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fuzz_routes, packaged_causal_lm_run, serving
+from conftest import REPO, fuzz_routes, packaged_causal_lm_run, serving
 
 pytest.importorskip("ts")
 openai = pytest.importorskip("openai")
@@ -181,6 +181,36 @@ def test_echo_with_logprobs_scores_every_prompt_token_as_offline(client, offline
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="smol_lm", prompt=[[1, 2, 10**9]], max_tokens=1)
     assert "vocabulary" in bad.value.message
+
+
+def test_lm_eval_scores_the_endpoint_as_it_scores_the_export_folder(
+        served: dict, causal_lm_run: Path, data_dir: Path, monkeypatch) -> None:
+    """lm-eval's local-completions through the endpoint (token ids, 4 prompts a request, 2
+    requests at once) and its `compress` model on the export folder agree: the two-choice
+    task's accuracy exactly, the rolling perplexity within 0.1%."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from compress.families.causal_lm.lm_eval_model import CompressLM
+
+    monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
+    monkeypatch.setenv("OPENAI_API_KEY", served["token"])
+    folder = causal_lm_run / "01-export/transformers"
+    tasks = TaskManager(include_path=str(REPO / "recipes" / "tasks"))
+    scores = {}
+    for name, model, args in (
+            ("served", "local-completions",
+             f"base_url={served['url']}/1.0/v1/completions,tokenizer={folder},"
+             "tokenized_requests=True,batch_size=4,num_concurrent=2,max_retries=1"),
+            ("offline", CompressLM(str(folder)), None)):
+        scores[name] = lm_eval.simple_evaluate(
+            model=model, model_args=args, tasks=["sst2_local", "sst2_rolling"],
+            task_manager=tasks, limit=16, log_samples=False)["results"]
+    served_scores, offline_scores = scores["served"], scores["offline"]
+    assert served_scores["sst2_local"]["acc,none"] == offline_scores["sst2_local"]["acc,none"]
+    assert served_scores["sst2_rolling"]["word_perplexity,none"] == pytest.approx(
+        offline_scores["sst2_rolling"]["word_perplexity,none"], rel=1e-3)
+    assert 1 < offline_scores["sst2_rolling"]["word_perplexity,none"] < float("inf")
 
 
 def test_n_choices_the_usage_chunk_and_what_clients_send_as_null(client, served) -> None:

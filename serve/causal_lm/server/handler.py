@@ -126,7 +126,7 @@ class CausalLMHandler(BaseHandler):
             settings.max_new_tokens, settings.default_new_tokens, cache_len,
             settings.chat_template,
             requests.prompt_chars_bound(self.causal_lm.tokenizer, cache_len),
-            settings.max_schema_chars, int(self.causal_lm.model.config.vocab_size))
+            settings.max_schema_chars, vocab=int(self.causal_lm.model.config.vocab_size))
         mode = settings.compile if self.ranks == 1 else "none"
         steps: dict[int, Any] = {}  # decode steps compiled ahead of time, shipped
         shipped_prefill = None  # and the prefill, where shipped

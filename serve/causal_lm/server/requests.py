@@ -44,8 +44,8 @@ class Limits:
     cache_len: int = HandlerSettings.cache_len  # prompt + new tokens per row
     chat_template: bool = HandlerSettings.chat_template  # a plain `prompt` through it too
     max_prompt_chars: int = 0  # more characters cannot fit cache_len tokens (0: no bound)
-    vocab: int = 0  # a prompt's token ids are below it (0: unchecked)
     max_schema_chars: int = HandlerSettings.max_schema_chars  # a json_schema's JSON text
+    vocab: int = 0  # a prompt's token ids are below it (0: unchecked)
 
 
 @dataclass

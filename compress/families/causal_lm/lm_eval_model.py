@@ -1,0 +1,140 @@
+"""EleutherAI's lm-evaluation-harness (lm-eval) over a causal-LM export folder: the model
+`compress`, which loads the folder through the shipped runtime (`serve.causal_lm.runtime
+.loading`: its real weights, grouped int8/int4, 2:4 or experts, in the activation mode its
+facts name) and answers lm-eval's three request kinds: loglikelihood, rolling
+loglikelihood and generation.
+
+lm-eval's own CLI finds no model outside its package (its registry reads no entry points),
+so `compress-lm-eval` is lm-eval's CLI with `compress` registered first:
+
+    compress-lm-eval --model compress --model_args folder=runs/llm_int8/02-export/transformers \\
+        --tasks sst2_local --include_path recipes/tasks --limit 100
+
+In Python: `lm_eval.simple_evaluate(model=CompressLM(folder), tasks=[...])`.
+
+Scores are the model's own forward over each request's tokens, one request a forward (a
+request's score never depends on what else is scored beside it), log-softmax in float32:
+what the served `/v1/completions` returns for `echo` with `logprobs`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lm_eval.models  # noqa: F401 (lm-eval's own models: registered before ours, or never)
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from serve.causal_lm.runtime import loading
+
+DEFAULT_MAX_LENGTH = 2048  # tokens a forward scores at most (a rolling window's length)
+
+
+@register_model("compress")
+class CompressLM(LM):
+    """A causal-LM export folder as an lm-eval model (`folder=`; `max_length=`: the longest
+    forward, at most the model's context)."""
+
+    def __init__(self, folder: str, max_length: int | str | None = None,
+                 batch_size: int | str = 1, **_: Any) -> None:
+        super().__init__()
+        path = Path(folder)
+        if not (path / loading.CAUSAL_LM_FILE).is_file():
+            raise ValueError(f"{folder}: not a causal-LM export folder (no "
+                             f"{loading.CAUSAL_LM_FILE}); pass folder=<run>/NN-export/"
+                             "transformers")
+        self.lm = loading.load_folder(path)
+        context = int(getattr(self.lm.model.config, "max_position_embeddings", 0) or 0)
+        wanted = int(max_length) if max_length else DEFAULT_MAX_LENGTH
+        self.max_length = min(wanted, context) if context else wanted
+        self.stop = loading.stop_ids(self.lm.model, self.lm.tokenizer)
+        # what precedes a text scored from its start: the beginning token, else the end one
+        # (lm-eval's own models' choice, so that both score the same tokens)
+        tokenizer = self.lm.tokenizer
+        first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else \
+            tokenizer.eos_token_id
+        self.prefix_token = int(first if isinstance(first, int) else sorted(self.stop)[0])
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None
+                               ) -> CompressLM:
+        args = dict(part.split("=", 1) for part in arg_string.split(",") if part)
+        return cls(**args, **{k: v for k, v in (additional_config or {}).items()
+                              if v is not None and k not in args})
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    @torch.inference_mode()
+    def token_logprobs(self, ids: list[int]) -> tuple[list[float], list[bool]]:
+        """For each token of `ids` after the first: its log-probability after the tokens
+        before it, and whether it is the likeliest token there."""
+        logits = self.lm.model(torch.tensor([ids])).logits[0, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        following = torch.tensor(ids[1:])
+        chosen = logprobs.gather(1, following[:, None])[:, 0]
+        greedy = logprobs.argmax(dim=-1) == following
+        return chosen.tolist(), greedy.tolist()
+
+    def _continuation(self, context: list[int], continuation: list[int]
+                      ) -> tuple[float, bool]:
+        """The log-probability of `continuation` after `context` (the last max_length
+        tokens of both), and whether each of its tokens is the greedy one."""
+        ids = (context + continuation)[-(self.max_length + 1):]
+        scores, greedy = self.token_logprobs(ids)
+        count = len(continuation)
+        return float(sum(scores[-count:])), all(greedy[-count:])
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False
+                      ) -> list[tuple[float, bool]]:
+        answers = []
+        for request in requests:
+            context, continuation = request.args
+            if context:  # the continuation's tokens as lm-eval's own models split them
+                whole = self.encode(context + continuation)
+                context_ids = self.encode(context)
+                context_ids, continuation_ids = whole[:len(context_ids)], whole[
+                    len(context_ids):]
+            else:
+                context_ids, continuation_ids = [self.prefix_token], self.encode(continuation)
+            answers.append(self._continuation(context_ids, continuation_ids))
+        return answers
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False
+                              ) -> list[float]:
+        answers = []
+        for request in requests:
+            (text,) = request.args
+            total = 0.0
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    self.encode(text), self.prefix_token, self.max_length, 1)):
+                total += self._continuation(list(context), list(continuation))[0]
+            answers.append(total)
+        return answers
+
+    @torch.inference_mode()
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        answers = []
+        for request in requests:
+            context, options = request.args
+            until = options.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            new = int(options.get("max_gen_toks", 256))
+            ids = self.encode(context)[-(self.max_length - new):]
+            decoder = loading.StaticDecoder(self.lm.model, len(ids) + new)
+            tokens = decoder.generate([ids], new, self.stop).tokens
+            text = self.lm.tokenizer.decode(tokens, skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0]
+            answers.append(text)
+        return answers
+
+
+def main() -> None:
+    """lm-eval's command line, with the `compress` model registered (by this import)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

@@ -62,7 +62,7 @@ FAMILIES = {
         "causal-lm", "a causal LM", f"{CAUSAL_LM}.family",
         ("perplexity", "perplexity_delta_pct", "decode_tok_s_b1", "decode_speedup_b1",
          "ttft_ms", "agreement", "next_token_agreement", "size_mb"),
-        ("data.prompts", "data.chat_template", "evaluation.generation"),
+        ("data.prompts", "data.chat_template", "evaluation.generation", "evaluation.lm_eval"),
         stages=f"{CAUSAL_LM}.stages",
         # save_causal_lm(bundle, folder), load_causal_lm_folder(folder)
         parts={"folder": f"{CAUSAL_LM}.folder"},

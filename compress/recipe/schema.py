@@ -151,6 +151,21 @@ class GenerationConfig(StrictModel):
                            description="Static KV cache positions.")
 
 
+class LmEvalConfig(StrictModel):
+    """lm-evaluation-harness tasks scored for a causal LM before any stage and after each."""
+
+    tasks: list[Annotated[str, Field(min_length=1)]] = Field(
+        min_length=1, description="lm-eval task names: the local ones in recipes/tasks "
+        "(sst2_local, sst2_rolling), or any installed task whose data can be reached.")
+    limit: int | None = Field(None, ge=1, le=1_000_000,
+                              description="Documents per task (none: every one).")
+    include_path: str | None = Field(
+        None, description="A folder of task YAML files beside lm-eval's own (default: "
+        "compress's recipes/tasks).")
+    max_length: int = Field(2048, ge=16, le=131_072,
+                            description="Tokens one forward scores at most.")
+
+
 class EvaluationConfig(StrictModel):
     """Evaluation after every stage."""
 
@@ -159,13 +174,18 @@ class EvaluationConfig(StrictModel):
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
     generation: GenerationConfig = Field(
         default_factory=GenerationConfig, description="Causal LMs: generation figures.")
+    lm_eval: LmEvalConfig | None = Field(
+        None, description="Causal LMs: lm-evaluation-harness tasks scored for every stage.")
 
     @model_serializer(mode="wrap")
     def _drop_default_generation(self, handler) -> dict[str, Any]:
-        """Leave `generation` out while unset, so classifier recipes keep their cache keys."""
+        """Leave `generation` and `lm_eval` out while unset, so recipes without them keep
+        their cache keys."""
         data = handler(self)
         if isinstance(data, dict) and "generation" not in self.model_fields_set:
             data.pop("generation", None)
+        if isinstance(data, dict) and data.get("lm_eval") is None:
+            data.pop("lm_eval", None)
         return data
 
 

@@ -134,6 +134,8 @@ def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list
                 "eager_generate_tok_s_b1", "peak_rss_mb"):
         if m.get(key) is not None:
             row[key] = m[key]
+    row.update({key: value for key, value in m.items()
+                if key.startswith(LM_EVAL) and value is not None})  # evaluation.lm_eval
     if m.get("perplexity") and r.get("perplexity"):
         row["ppl_delta_pct"] = round(100 * (m["perplexity"] / r["perplexity"] - 1), 2)
     for b in decode_batches:
@@ -143,6 +145,7 @@ def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list
         row["decode_speedup_b1"] = round(m["decode_tok_s_b1"] / r["decode_tok_s_b1"], 2)
 
 
+LM_EVAL = "lm_eval_"  # a causal LM's lm-eval scores: lm_eval_<task>_<metric>
 RERANKER_QUALITY = ("ndcg_at_10", "mrr_at_10", "kendall_tau", "score_max_abs_diff")
 EMBEDDING_QUALITY = re.compile(r"(fidelity|fidelity_p1|recall_at_\d+|knn_accuracy)(_\w+)?")
 

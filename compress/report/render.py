@@ -36,6 +36,11 @@ def causal_lm_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str |
     cols = list(CAUSAL_LM_COLUMNS)
     for b in report.get("decode_batch_sizes") or []:
         cols.append((f"decode_tok_s_b{b}", f"decode tok/s b{b}", 1, "high"))
+    scored = sorted({k for row in report.get("rows", []) for k in row
+                     if k.startswith("lm_eval_")})  # evaluation.lm_eval: each task's metrics
+    cols += [(key, key.removeprefix("lm_eval_"), 4,
+              "low" if "perplexity" in key or key.endswith("bits_per_byte") else "high")
+             for key in scored]
     cols += [("decode_speedup_b1", "speedup b1", 2, "high"),
              ("peak_rss_mb", "peak RSS MB", 0, "low")]
     return cols + [c for c in SIZE_COLUMNS if c[0] != "sparsity"]

@@ -101,6 +101,9 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     if "perplexity" not in metrics:
         metrics.update(perplexity(bundle.model, bundle.tokenizer, data.splits["eval"].texts,
                                   data.max_length, PPL_BATCH))
+    if recipe.evaluation.lm_eval is not None and not any(k.startswith("lm_eval_")
+                                                         for k in metrics):
+        metrics.update(lm_eval_scores(bundle, recipe.evaluation.lm_eval))
     prompts = [prompt_ids(bundle.tokenizer, p, recipe.data.chat_template)
                for p in data.prompts]
     figures = time_generation(bundle, prompts, gen)
@@ -133,6 +136,20 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     if not (bundle.causal_lm_facts or {}).get("scheme"):  # torchao's int tensors have no `==`
         metrics["sparsity"] = round(sparsity(bundle.model), 6)
     return metrics
+
+
+def lm_eval_scores(bundle: ModelBundle, config) -> dict[str, float]:
+    """The recipe's lm-eval tasks scored for the bundle's model (`evaluation.lm_eval`)."""
+    try:
+        from compress.families.causal_lm.lm_eval_model import task_scores
+    except ImportError as exc:
+        raise UserError(f"evaluation.lm_eval needs lm-eval ({exc}): pip install "
+                        "'compress-pipeline[eval]'") from None
+    try:
+        return task_scores(bundle.model, bundle.tokenizer, config.tasks, config.limit,
+                           config.include_path, config.max_length)
+    except ValueError as exc:
+        raise UserError(f"evaluation.lm_eval: {exc}") from None
 
 
 def reference_file(run_dir: Path) -> Path:

@@ -31,6 +31,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from serve.causal_lm.runtime import loading
 
 DEFAULT_MAX_LENGTH = 2048  # tokens a forward scores at most (a rolling window's length)
+LOCAL_TASKS = Path(__file__).resolve().parents[3] / "recipes" / "tasks"  # over local data
 
 
 @register_model("compress")
@@ -38,15 +39,18 @@ class CompressLM(LM):
     """A causal-LM export folder as an lm-eval model (`folder=`; `max_length=`: the longest
     forward, at most the model's context)."""
 
-    def __init__(self, folder: str, max_length: int | str | None = None,
-                 batch_size: int | str = 1, **_: Any) -> None:
+    def __init__(self, folder: str | None = None, max_length: int | str | None = None,
+                 batch_size: int | str = 1, loaded: loading.LoadedCausalLM | None = None,
+                 **_: Any) -> None:
         super().__init__()
-        path = Path(folder)
-        if not (path / loading.CAUSAL_LM_FILE).is_file():
-            raise ValueError(f"{folder}: not a causal-LM export folder (no "
-                             f"{loading.CAUSAL_LM_FILE}); pass folder=<run>/NN-export/"
-                             "transformers")
-        self.lm = loading.load_folder(path)
+        if loaded is None:
+            path = Path(folder or ".")
+            if folder is None or not (path / loading.CAUSAL_LM_FILE).is_file():
+                raise ValueError(f"{folder}: not a causal-LM export folder (no "
+                                 f"{loading.CAUSAL_LM_FILE}); pass folder=<run>/NN-export/"
+                                 "transformers")
+            loaded = loading.load_folder(path)
+        self.lm = loaded
         context = int(getattr(self.lm.model.config, "max_position_embeddings", 0) or 0)
         wanted = int(max_length) if max_length else DEFAULT_MAX_LENGTH
         self.max_length = min(wanted, context) if context else wanted
@@ -131,6 +135,35 @@ class CompressLM(LM):
                 text = text.split(stop)[0]
             answers.append(text)
         return answers
+
+
+def task_scores(model: Any, tokenizer: Any, tasks: list[str], limit: int | None = None,
+                include_path: str | Path | None = None, max_length: int = DEFAULT_MAX_LENGTH
+                ) -> dict[str, float]:
+    """lm-eval's scores of `tasks` for an in-memory causal LM (`model`, `tokenizer`), as
+    metrics named `lm_eval_<task>_<metric>` (their standard errors left out); local
+    task files from `include_path` (default: LOCAL_TASKS)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    lm = CompressLM(loaded=loading.LoadedCausalLM(model.eval(), tokenizer, {}),
+                    max_length=max_length)
+    folder = Path(include_path or LOCAL_TASKS)
+    manager = TaskManager(include_path=str(folder))
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        local = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+        raise ValueError(f"task {unknown[0]!r} not found: not one of lm-eval's, nor in "
+                         f"{folder} ({local or 'no task files'})")
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager,
+                                      limit=limit, log_samples=False)["results"]
+    scores = {}
+    for task, figures in results.items():
+        for name, value in figures.items():
+            metric = name.split(",")[0]
+            if isinstance(value, int | float) and not metric.endswith("_stderr"):
+                scores[f"lm_eval_{task}_{metric}"] = round(float(value), 6)
+    return scores
 
 
 def main() -> None:

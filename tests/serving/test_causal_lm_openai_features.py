@@ -8,6 +8,7 @@ unchanged (invoke, stream, with_structured_output both ways, bind_tools)."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 
@@ -181,6 +182,34 @@ def test_echo_with_logprobs_scores_every_prompt_token_as_offline(client, offline
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="smol_lm", prompt=[[1, 2, 10**9]], max_tokens=1)
     assert "vocabulary" in bad.value.message
+
+
+def test_scored_prompts_beside_streaming_chats_answer_as_each_alone(client, offline) -> None:
+    """Batch invariance with scoring: a batch of echo + logprobs prompts and streamed chat
+    answers, sent together, get what each gets alone, to the bit."""
+    texts = ["the film was a joy", "a dull , tired remake", "it 's a charming and often "
+             "affecting journey"]
+    prompts = [loading.prompt_ids(offline.tokenizer, t, chat_template=False) for t in texts]
+    chats = [[{"role": "user", "content": q}] for q in ("Name a colour.", "Count to five.")]
+
+    def scored() -> list[list]:
+        answer = client.completions.create(model="smol_lm", prompt=prompts, echo=True,
+                                           logprobs=2, max_tokens=3, temperature=0)
+        return [[c.logprobs.token_logprobs, c.logprobs.top_logprobs, c.text]
+                for c in sorted(answer.choices, key=lambda c: c.index)]
+
+    def chat(messages: list[dict]) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="smol_lm", messages=messages, max_tokens=24, temperature=0, stream=True)
+            if c.choices)
+
+    alone_scores, alone_chats = scored(), [chat(m) for m in chats]
+    with ThreadPoolExecutor(4) as pool:
+        together = [pool.submit(chat, chats[0]), pool.submit(scored), pool.submit(chat, chats[1]),
+                    pool.submit(scored)]
+        got = [f.result(timeout=120) for f in together]
+    assert [got[0], got[2]] == alone_chats
+    assert got[1] == alone_scores and got[3] == alone_scores
 
 
 def test_lm_eval_scores_the_endpoint_as_it_scores_the_export_folder(

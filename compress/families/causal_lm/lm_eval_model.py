@@ -19,6 +19,7 @@ what the served `/v1/completions` returns for `echo` with `logprobs`.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
 
 from serve.causal_lm.runtime import loading
 
@@ -95,7 +97,7 @@ class CompressLM(LM):
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False
                       ) -> list[tuple[float, bool]]:
         answers = []
-        for request in requests:
+        for request in shown(requests, "loglikelihood", disable_tqdm):
             context, continuation = request.args
             if context:  # the continuation's tokens as lm-eval's own models split them
                 whole = self.encode(context + continuation)
@@ -110,7 +112,7 @@ class CompressLM(LM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False
                               ) -> list[float]:
         answers = []
-        for request in requests:
+        for request in shown(requests, "rolling loglikelihood", disable_tqdm):
             (text,) = request.args
             total = 0.0
             for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
@@ -122,7 +124,7 @@ class CompressLM(LM):
     @torch.inference_mode()
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         answers = []
-        for request in requests:
+        for request in shown(requests, "generation", disable_tqdm):
             context, options = request.args
             until = options.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
@@ -135,6 +137,12 @@ class CompressLM(LM):
                 text = text.split(stop)[0]
             answers.append(text)
         return answers
+
+
+def shown(requests: list[Any], what: str, disabled: bool) -> Any:
+    """`requests` with a progress bar (rate and ETA) on a terminal, quiet elsewhere."""
+    return tqdm(requests, desc=f"compress {what}", unit="req",
+                disable=disabled or not sys.stderr.isatty())
 
 
 def task_scores(model: Any, tokenizer: Any, tasks: list[str], limit: int | None = None,

@@ -110,20 +110,27 @@ def rows_joining_at_any_step_decode_their_tokens_alone(model, monkeypatch,
     rows = []
 
     def submit(length: int, new: int, seed: int, hold_at: int | None = None) -> Collect:
-        got = Collect(hold_at)
-        ids = prompt(length, seed)
-        batcher.submit(Row(ids, new, got.emit))
-        rows.append((ids, new, got))
-        return got
+        return together((length, new, seed, hold_at))[0]
+
+    def together(*asked: tuple[int, int, int, int | None]) -> list[Collect]:
+        """Rows queued at once (the batcher admits those that fit in one prefill: however
+        the test's thread is scheduled, two or more rows are prefilled together)."""
+        made = []
+        for length, new, seed, hold_at in asked:
+            got = Collect(hold_at)
+            ids = prompt(length, seed)
+            made.append((Row(ids, new, got.emit), ids, new, got))
+        batcher.submit_all([row for row, *_ in made])
+        rows.extend((ids, new, got) for _, ids, new, got in made)
+        return [got for *_, got in made]
 
     first = submit(3, 20, 1, hold_at=2)
     first.wait_for(2)
     second = submit(9, 12, 2)  # longer than the cursor (5): every row moves right
     first.release.set()
     second.wait_for(1)
-    submit(5, 30, 3)
-    submit(2, 6, 4)
-    submit(7, 4, 5)  # a fifth row waits for a free slot
+    together((5, 30, 3, None), (2, 6, 4, None),
+             (7, 4, 5, None))  # two join the two running rows; a fifth waits for a slot
     ends = [got.wait() if got not in (first, second) else None for _, _, got in rows]
     ends[0], ends[1] = first.wait(), second.wait()
     # a late row stays; the cursor would run past the cache for the next: rows move left

@@ -763,3 +763,10 @@ def fuzz_routes(served: dict, model: str) -> None:
             call()
     print(f"fuzz: {sum(statuses.values())} cases, statuses {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= 4 * examples and statuses[400] > 0
+
+
+def model_log(serve_dir: Path) -> str:
+    """Everything a TorchServe worker logged: `logs/model_log.log` and the files it rolled
+    into (log4j rolls it at midnight: a test running across it reads both)."""
+    files = sorted((serve_dir / "logs").glob("model_log.log*"), key=lambda p: p.stat().st_mtime)
+    return "".join(f.read_text(errors="replace") for f in files)

@@ -220,7 +220,7 @@ def test_lm_eval_scores_the_endpoint_as_it_scores_the_export_folder(
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    from compress.families.causal_lm.lm_eval_model import CompressLM
+    from compress.families.causal_lm.evaluation_harness import CompressLM
 
     monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
     monkeypatch.setenv("OPENAI_API_KEY", served["token"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import packaged_causal_lm_run, run_cli
+from conftest import model_log, packaged_causal_lm_run, run_cli
 from loopback_checks import assert_only_loopback_listeners
 from moe_models import tiny_moe_folder
 
@@ -64,7 +64,7 @@ def test_an_expert_parallel_worker_streams_the_offline_greedy_text_and_batches(
         from test_causal_lm_serving import split_model_answers_like_one_process
 
         split_model_answers_like_one_process(info, want)
-        log = (target.serve_dir / "logs/model_log.log").read_text()
+        log = model_log(target.serve_dir)
         assert "compile none, 2 rank(s)" in log
         assert_only_loopback_listeners(info, 2)
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import packaged_causal_lm_run
+from conftest import model_log, packaged_causal_lm_run
 from loopback_checks import assert_only_loopback_listeners
 
 pytest.importorskip("ts")
@@ -60,7 +60,7 @@ def test_a_pipeline_parallel_worker_streams_the_offline_greedy_text_and_batches(
 
         texts = split_model_answers_like_one_process(info, want)
         assert want[PROMPTS[1]] not in texts  # sampling happened
-        log = (target.serve_dir / "logs/model_log.log").read_text()
+        log = model_log(target.serve_dir)
         assert "compile none, 2 rank(s)" in log
         assert_only_loopback_listeners(info, 2)
     finally:

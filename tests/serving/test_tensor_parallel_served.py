@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import packaged_causal_lm_run
+from conftest import model_log, packaged_causal_lm_run
 from loopback_checks import assert_only_loopback_listeners
 
 pytest.importorskip("ts")
@@ -73,7 +73,7 @@ def test_a_tensor_parallel_worker_streams_the_offline_greedy_text_and_batches(
         assert [status for status, _, _ in sampled] == [200] * 4
         texts = [json.loads(lines[-1][1])["text"] for _, _, lines in sampled]
         assert texts[0] == texts[1] != texts[2]
-        log = (target.serve_dir / "logs/model_log.log").read_text()
+        log = model_log(target.serve_dir)
         assert "compile none, 2 rank(s)" in log
         assert_only_loopback_listeners(info, 2)
     finally:

@@ -28,6 +28,11 @@ def child() -> Iterator[subprocess.Popen]:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "marker-arg"],
                             env={**os.environ, "PROCESSES_TEST_MARK": "1"},
                             start_new_session=True)
+    # Popen returns once the exec began; its command line is readable a moment later (a
+    # loaded CI machine read it empty)
+    deadline = time.monotonic() + 10
+    while "marker-arg" not in processes.command_line(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
     yield proc
     proc.kill()
     proc.wait()

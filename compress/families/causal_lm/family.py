@@ -141,7 +141,7 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
 def lm_eval_scores(bundle: ModelBundle, config) -> dict[str, float]:
     """The recipe's lm-eval tasks scored for the bundle's model (`evaluation.lm_eval`)."""
     try:
-        from compress.families.causal_lm.lm_eval_model import task_scores
+        from compress.families.causal_lm.evaluation_harness import task_scores
     except ImportError as exc:
         raise UserError(f"evaluation.lm_eval needs lm-eval ({exc}): pip install "
                         "'compress-pipeline[eval]'") from None

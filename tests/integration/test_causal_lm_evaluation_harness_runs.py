@@ -12,7 +12,7 @@ from conftest import cli, write_recipe
 
 pytest.importorskip("lm_eval")
 
-from compress.families.causal_lm.lm_eval_model import CompressLM  # noqa: E402
+from compress.families.causal_lm.evaluation_harness import CompressLM  # noqa: E402
 from compress.pipeline.loop import run_recipe  # noqa: E402
 from compress.recipe.schema import load_recipe  # noqa: E402
 from compress.report.build import build_report  # noqa: E402
@@ -58,7 +58,7 @@ def test_lm_eval_tasks_are_scored_for_every_stage_and_reported(
     folder = run_dir / "01-export" / "transformers"
     from lm_eval.tasks import TaskManager
 
-    from compress.families.causal_lm.lm_eval_model import LOCAL_TASKS
+    from compress.families.causal_lm.evaluation_harness import LOCAL_TASKS
 
     offline = lm_eval.simple_evaluate(
         model="compress", model_args=f"folder={folder}", tasks=TASKS, limit=12,

@@ -1,4 +1,4 @@
-"""lm-eval's `compress` model (compress/families/causal_lm/lm_eval_model.py) refuses a folder
+"""lm-eval's `compress` model (compress/families/causal_lm/evaluation_harness.py) refuses a folder
 that is no causal-LM export in one line, and is registered beside lm-eval's own models;
 tests/serving/test_causal_lm_openai_features.py scores a real export with it."""
 
@@ -12,7 +12,7 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.registry import get_model  # noqa: E402
 
-from compress.families.causal_lm.lm_eval_model import CompressLM  # noqa: E402
+from compress.families.causal_lm.evaluation_harness import CompressLM  # noqa: E402
 
 
 def test_compress_is_an_lm_eval_model_beside_lm_evals_own() -> None:

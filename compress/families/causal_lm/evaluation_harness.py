@@ -167,9 +167,9 @@ def task_scores(model: Any, tokenizer: Any, tasks: list[str], limit: int | None 
                                       limit=limit, log_samples=False)["results"]
     scores = {}
     for task, figures in results.items():
-        for name, value in figures.items():
+        for name, value in figures.items():  # "acc,none": a metric under its filter
             metric = name.split(",")[0]
-            if isinstance(value, int | float) and not metric.endswith("_stderr"):
+            if "," in name and isinstance(value, int | float) and not metric.endswith("_stderr"):
                 scores[f"lm_eval_{task}_{metric}"] = round(float(value), 6)
     return scores
 

@@ -12,9 +12,10 @@ so `compress-lm-eval` is lm-eval's CLI with `compress` registered first:
 
 In Python: `lm_eval.simple_evaluate(model=CompressLM(folder), tasks=[...])`.
 
-Scores are the model's own forward over each request's tokens, one request a forward (a
-request's score never depends on what else is scored beside it), log-softmax in float32:
-what the served `/v1/completions` returns for `echo` with `logprobs`.
+Scores are the served prefill's over each request's tokens (`CompressLM.token_logprobs`), one
+request at a time (a request's score never depends on what else is scored beside it),
+log-softmax in float32: what the served `/v1/completions` returns for `echo` with
+`logprobs`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from serve.causal_lm.runtime import loading
+from serve.causal_lm.runtime.attention import attention, decode_attention_for
+from serve.causal_lm.server.prefill import Prefiller
+from serve.causal_lm.server.rows import Row
 
 DEFAULT_MAX_LENGTH = 2048  # tokens a forward scores at most (a rolling window's length)
 LOCAL_TASKS = Path(__file__).resolve().parents[3] / "recipes" / "tasks"  # over local data
@@ -53,6 +57,7 @@ class CompressLM(LM):
                                  "transformers")
             loaded = loading.load_folder(path)
         self.lm = loaded
+        self.prefiller: Prefiller | None = None  # made at the first score (its cache's length)
         context = int(getattr(self.lm.model.config, "max_position_embeddings", 0) or 0)
         wanted = int(max_length) if max_length else DEFAULT_MAX_LENGTH
         self.max_length = min(wanted, context) if context else wanted
@@ -77,13 +82,25 @@ class CompressLM(LM):
     @torch.inference_mode()
     def token_logprobs(self, ids: list[int]) -> tuple[list[float], list[bool]]:
         """For each token of `ids` after the first: its log-probability after the tokens
-        before it, and whether it is the likeliest token there."""
-        logits = self.lm.model(torch.tensor([ids])).logits[0, :-1]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        following = torch.tensor(ids[1:])
-        chosen = logprobs.gather(1, following[:, None])[:, 0]
-        greedy = logprobs.argmax(dim=-1) == following
-        return chosen.tolist(), greedy.tolist()
+        before it, and whether it is the likeliest token there. Scored as the served
+        prefill scores a prompt (`serve.causal_lm.server.prefill`: the runtime's decode
+        attention, the same chunks), so that these are the endpoint's numbers for echo with
+        logprobs in every activation mode: in the int8 mode, another attention's rounding
+        flips some activations' int8 codes (transformers' SDPA put SmolLM2's scores up to
+        0.24 nats a token away from the runtime's)."""
+        model = self.lm.model
+        if self.prefiller is None:
+            self.prefiller = Prefiller(model, self.max_length + 1)
+        row = Row(ids, 0, lambda token, end: None, logprobs=1, score_prompt=True)
+        with attention(model, decode_attention_for(model)):
+            job = self.prefiller.start([row])
+            while not job.finished:
+                self.prefiller.step(job, whole=True)
+        self.prefiller.release(job)
+        scored = job.prompt_scores(0)
+        return ([logprob for logprob, _ in scored],
+                [rivals[0][0] == token for (_, rivals), token in zip(scored, ids[1:],
+                                                                     strict=True)])
 
     def _continuation(self, context: list[int], continuation: list[int]
                       ) -> tuple[float, bool]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import UserError
-from compress.report.render import render_markdown, render_table  # noqa: F401 (API)
+from compress.report.render import LM_EVAL, render_markdown, render_table  # noqa: F401 (API)
 from compress.report.runtimes import reference_index, runtime_label
 from compress.runfolder.files import atomic_write_json, atomic_write_text, now
 from compress.runfolder.records import Baseline, Manifest, StageRecord, require_manifest
@@ -145,7 +145,6 @@ def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list
         row["decode_speedup_b1"] = round(m["decode_tok_s_b1"] / r["decode_tok_s_b1"], 2)
 
 
-LM_EVAL = "lm_eval_"  # a causal LM's lm-eval scores: lm_eval_<task>_<metric>
 RERANKER_QUALITY = ("ndcg_at_10", "mrr_at_10", "kendall_tau", "score_max_abs_diff")
 EMBEDDING_QUALITY = re.compile(r"(fidelity|fidelity_p1|recall_at_\d+|knn_accuracy)(_\w+)?")
 

@@ -20,6 +20,7 @@ SIZE_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
 )
 
 
+LM_EVAL = "lm_eval_"  # a causal LM's lm-eval scores: lm_eval_<task>_<metric>
 CAUSAL_LM_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
     ("perplexity", "ppl", 2, "low"),
     ("ppl_delta_pct", "Δ ppl %", 2, None),
@@ -37,8 +38,8 @@ def causal_lm_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str |
     for b in report.get("decode_batch_sizes") or []:
         cols.append((f"decode_tok_s_b{b}", f"decode tok/s b{b}", 1, "high"))
     scored = sorted({k for row in report.get("rows", []) for k in row
-                     if k.startswith("lm_eval_")})  # evaluation.lm_eval: each task's metrics
-    cols += [(key, key.removeprefix("lm_eval_"), 4,
+                     if k.startswith(LM_EVAL)})  # evaluation.lm_eval: each task's metrics
+    cols += [(key, key.removeprefix(LM_EVAL), 4,
               "low" if "perplexity" in key or key.endswith("bits_per_byte") else "high")
              for key in scored]
     cols += [("decode_speedup_b1", "speedup b1", 2, "high"),

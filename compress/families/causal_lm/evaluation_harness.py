@@ -69,13 +69,6 @@ class CompressLM(LM):
             tokenizer.eos_token_id
         self.prefix_token = int(first if isinstance(first, int) else sorted(self.stop)[0])
 
-    @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None
-                               ) -> CompressLM:
-        args = dict(part.split("=", 1) for part in arg_string.split(",") if part)
-        return cls(**args, **{k: v for k, v in (additional_config or {}).items()
-                              if v is not None and k not in args})
-
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]]
 

@@ -246,10 +246,11 @@ class CausalLMHandler(BaseHandler):
             i, (openai_routes.STREAM_TYPE if answer else replies.STREAM_TYPE)
             if parsed.stream else "application/json")
         loop = asyncio.get_running_loop()
-        runs = [choices.row_run(k, one, loop, constraints[j * one.n + k],
-                                self.causal_lm.tokenizer, j * one.n + k,
-                                wanted is not None and wanted.echo)
-                for j, one in enumerate(prompts) for k in range(one.n)]
+        echo = wanted is not None and wanted.echo
+        runs = [choices.row_run(k, one, loop, constraints[index], self.causal_lm.tokenizer,
+                                index, echo)
+                for index, (one, k) in enumerate((one, k) for one in prompts
+                                                 for k in range(one.n))]
         try:
             self.batcher.submit_all([run.row for run in runs])
         except QUEUE_FULL as exc:

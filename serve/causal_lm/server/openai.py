@@ -131,17 +131,20 @@ class Answer:
             at += len(text)
         choice.chars = at - len(choice.echo)
         logprobs: list[float | None] = [lp for _, (lp, _) in entries]
-        tops: list[dict[str, float] | None] = [{self.token_text(r): rlp for r, rlp in rivals}
+        tops: list[dict[str, float] | None] = [self._rivals(rivals)
                                                for _, (_, rivals) in entries]
         if choice.prompt and not streamed:  # the prompt's tokens first, the first unscored
             prompt = [self.token_text(t) for t in choice.prompt]
             starts = [0, *itertools.accumulate(len(p) for p in prompt[:-1])]
             texts, offsets = prompt + texts, starts + offsets
             logprobs = [None] + [lp for lp, _ in choice.prompt_logprobs] + logprobs
-            tops = [None] + [{self.token_text(r): rlp for r, rlp in rivals}
-                             for _, rivals in choice.prompt_logprobs] + tops
+            tops = [None] + [self._rivals(rivals) for _, rivals in choice.prompt_logprobs] + tops
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _rivals(self, rivals: list[tuple[int, float]]) -> dict[str, float]:
+        """Completions' `top_logprobs` entry: each rival's text and log-probability."""
+        return {self.token_text(r): logprob for r, logprob in rivals}
 
     def _token(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token)

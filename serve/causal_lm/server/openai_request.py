@@ -133,10 +133,10 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
         raise ValueError("prompt is required")
     prompt = body["prompt"]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                   and all(_is_id(i) for i in prompt)):
+                                   and all(is_token_id(i) for i in prompt)):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(i) for i in p))
+            isinstance(p, str) or (isinstance(p, list) and p and all(is_token_id(i) for i in p))
             for p in prompt):
         prompts = list(prompt)
     else:
@@ -148,7 +148,8 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     return prompts
 
 
-def _is_id(value: Any) -> bool:
+def is_token_id(value: Any) -> bool:
+    """An integer from 0 (not a bool): what a prompt of token ids holds."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

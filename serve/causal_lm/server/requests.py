@@ -187,8 +187,7 @@ def parse(body: dict[str, Any], encode, limits: Limits, schema_in_prompt: bool =
 
 def _token_ids(prompt: list[Any], vocab: int) -> list[int]:
     """A prompt given as token ids, checked: integers from 0, below the vocabulary's size."""
-    if not prompt or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                             for i in prompt):
+    if not prompt or not all(openai_request.is_token_id(i) for i in prompt):
         raise ValueError("prompt: token ids are a non-empty list of integers from 0")
     if vocab and max(prompt) >= vocab:
         raise ValueError(f"prompt: token id {max(prompt)} is past the vocabulary "

@@ -202,11 +202,12 @@ def schema() -> None:
     click.echo(json.dumps(Recipe.model_json_schema(), indent=2))
 
 
+from compress.cli.evaluation_harness import mteb  # noqa: E402
 from compress.cli.reports import bench, compare, report  # noqa: E402
 from compress.cli.search import search  # noqa: E402
 from compress.cli.serve import loadtest, serve  # noqa: E402
 
-for _command in (search, report, bench, compare, serve, loadtest):
+for _command in (search, report, bench, compare, serve, loadtest, mteb):
     cli.add_command(_command)
 
 

@@ -71,7 +71,7 @@ FAMILIES = {
         "embedding", "an embedding model", f"{EMBEDDING}.family",
         ("fidelity", "fidelity_p1", "recall_at_10", "knn_accuracy", "latency_ms_b1",
          "real_items_per_s_b32", "latency_ratio_b32", "size_mb"),
-        (),
+        ("evaluation.mteb",),
         stages=f"{EMBEDDING}.stages",
         # save_encoder(bundle, folder), load_encoder_folder(folder)
         parts={"folder": f"{EMBEDDING}.folder"},

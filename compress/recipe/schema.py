@@ -166,6 +166,18 @@ class LmEvalConfig(StrictModel):
                             description="Tokens one forward scores at most.")
 
 
+class MtebConfig(StrictModel):
+    """MTEB tasks scored for an embedding model before any stage and after each."""
+
+    tasks: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["SST2LocalClassification", "SST2KnownItemRetrieval"],
+        min_length=1, description="MTEB task names: the local ones (SST2LocalClassification, "
+        "SST2KnownItemRetrieval, over the SST-2 mirror), or any of MTEB's own whose data "
+        "can be reached.")
+    limit: int | None = Field(None, ge=1, le=1_000_000, description="Local tasks: the first "
+                              "N validation sentences (none: all 872).")
+
+
 class EvaluationConfig(StrictModel):
     """Evaluation after every stage."""
 
@@ -176,16 +188,19 @@ class EvaluationConfig(StrictModel):
         default_factory=GenerationConfig, description="Causal LMs: generation figures.")
     lm_eval: LmEvalConfig | None = Field(
         None, description="Causal LMs: lm-evaluation-harness tasks scored for every stage.")
+    mteb: MtebConfig | None = Field(
+        None, description="Embedding models: MTEB tasks scored for every stage.")
 
     @model_serializer(mode="wrap")
     def _drop_default_generation(self, handler) -> dict[str, Any]:
-        """Leave `generation` and `lm_eval` out while unset, so recipes without them keep
-        their cache keys."""
+        """Leave `generation`, `lm_eval` and `mteb` out while unset, so recipes without them
+        keep their cache keys."""
         data = handler(self)
         if isinstance(data, dict) and "generation" not in self.model_fields_set:
             data.pop("generation", None)
-        if isinstance(data, dict) and data.get("lm_eval") is None:
-            data.pop("lm_eval", None)
+        for optional in ("lm_eval", "mteb"):
+            if isinstance(data, dict) and data.get(optional) is None:
+                data.pop(optional, None)
         return data
 
 

@@ -146,13 +146,14 @@ def derive_causal_lm(row: dict[str, Any], ref: dict | None, decode_batches: list
 
 
 RERANKER_QUALITY = ("ndcg_at_10", "mrr_at_10", "kendall_tau", "score_max_abs_diff")
-EMBEDDING_QUALITY = re.compile(r"(fidelity|fidelity_p1|recall_at_\d+|knn_accuracy)(_\w+)?")
+EMBEDDING_QUALITY = re.compile(r"(fidelity|fidelity_p1|recall_at_\d+|knn_accuracy)(_\w+)?"
+                               r"|mteb_\w+")  # evaluation.mteb: each task's main score
 
 
 def derive_embedding(row: dict[str, Any]) -> None:
     """An embedding model's quality columns as measured: fidelity (mean cosine with the
     reference, and its 1st percentile), recall@k, k-NN accuracy, and the same at each
-    Matryoshka width (`_d<N>`) and with each other prompt (`_<name>`)."""
+    Matryoshka width (`_d<N>`) and with each other prompt (`_<name>`); MTEB scores."""
     for key, value in row["metrics"].items():
         if value is not None and EMBEDDING_QUALITY.fullmatch(key):
             row[key] = value

@@ -21,6 +21,7 @@ SIZE_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
 
 
 LM_EVAL = "lm_eval_"  # a causal LM's lm-eval scores: lm_eval_<task>_<metric>
+MTEB = "mteb_"  # an embedding model's MTEB scores: mteb_<task>_<main score>
 CAUSAL_LM_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
     ("perplexity", "ppl", 2, "low"),
     ("ppl_delta_pct", "Δ ppl %", 2, None),
@@ -58,7 +59,7 @@ EMBEDDING_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (
 def embedding_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str | None]]:
     """An embedding model's quality columns: cosine with the reference, recall@10, k-NN
     accuracy; then recall@10 (and cosine) at each Matryoshka width, widest first, and with
-    each other prompt, where a row has them."""
+    each other prompt, where a row has them; then each MTEB task's main score."""
     keys = {k for row in report["rows"] for k in row}
     found = [re.fullmatch(r"recall_at_10_(?:d(\d+)|(\w+))", k) for k in keys]
     widths = sorted({int(m[1]) for m in found if m and m[1]}, reverse=True)
@@ -68,7 +69,8 @@ def embedding_columns(report: dict[str, Any]) -> list[tuple[str, str, int, str |
         cols += [(f"fidelity_d{width}", f"cosine d{width}", 4, "high"),
                  (f"recall_at_10_d{width}", f"recall@10 d{width}", 3, "high")]
     cols += [(f"recall_at_10_{name}", f"recall@10 {name}", 3, "high") for name in prompted]
-    return cols
+    scored = sorted(k for k in keys if k.startswith(MTEB))  # evaluation.mteb
+    return cols + [(key, key.removeprefix(MTEB), 4, "high") for key in scored]
 
 
 RERANKER_COLUMNS: tuple[tuple[str, str, int, str | None], ...] = (

@@ -54,11 +54,8 @@ class EmbeddingHandler(ExportedEncoderHandler):
     def make_reader(self) -> embedding_requests.Reader:
         facts = self.facts
         self.normalize = bool(facts.get("normalize"))
-        limits = embedding_requests.Limits(
-            self.settings.max_items, self.settings.max_text_chars, self.max_tokens,
-            int(facts["dimensions"]), bool(facts.get("matryoshka")),
-            dict(facts.get("prompts") or {}), facts.get("default_prompt_name"),
-            facts.get("truncate_dim"))
+        limits = embedding_requests.Limits.of_export(
+            facts, self.settings.max_items, self.settings.max_text_chars, self.max_tokens)
         logger.info("compress embedding handler: %s %s, %d threads, %d dimensions, %s "
                     "pooling, max_seq_length %d", self.meta["format"], self.meta["file"],
                     self.threads, limits.width, facts.get("pooling"), limits.max_tokens)
@@ -77,20 +74,11 @@ class EmbeddingHandler(ExportedEncoderHandler):
         if not torch.isfinite(matrix).all():
             return (422, "the model's embedding of this input is not a finite number (NaN "
                          "or infinity)")
-        matrix = narrowed(matrix, one.dimensions, self.normalize)
+        matrix = embedding_requests.narrowed(matrix, one.dimensions, self.normalize)
         if not one.openai:
             return native_answer(matrix, one.many)
         return openai_answer(matrix, self.model_name, one.tokens, one.base64)
 
-
-
-def narrowed(vectors: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
-    """The embeddings cut to their first `dimensions` values (None: whole), made unit length
-    again where the model normalizes (sentence-transformers' truncate_dim, then Normalize)."""
-    if dimensions is None:
-        return vectors
-    cut = vectors[:, :dimensions]
-    return torch.nn.functional.normalize(cut, p=2, dim=-1) if normalize else cut
 
 
 def as_base64(vector: torch.Tensor) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from serve.batching import Row, check_texts, complete_row, text_items, token_rows
 
 FIELDS = ("input", "model", "encoding_format", "dimensions", "input_type", "user")
@@ -45,6 +47,14 @@ class Limits:
     prompts: dict[str, str] = field(default_factory=dict)  # name -> text put before a text
     default_prompt_name: str | None = None  # the prompt of a request that names none
     truncate_dim: int | None = None  # the width of an answer that asks for none
+
+    @classmethod
+    def of_export(cls, facts: dict[str, Any], max_items: int, max_chars: int,
+                  max_tokens: int) -> Limits:
+        """The limits of an export whose `export.json` embedding block is `facts`."""
+        return cls(max_items, max_chars, max_tokens, int(facts["dimensions"]),
+                   bool(facts.get("matryoshka")), dict(facts.get("prompts") or {}),
+                   facts.get("default_prompt_name"), facts.get("truncate_dim"))
 
     @property
     def default_width(self) -> int | None:
@@ -186,6 +196,15 @@ class Reader:
                       + self.suffix[name] for name in self.prefix}
             rows.append(complete_row(tokens, self.names))
         return rows
+
+
+def narrowed(vectors: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """The embeddings cut to their first `dimensions` values (None: whole), made unit length
+    again where the model normalizes (sentence-transformers' truncate_dim, then Normalize)."""
+    if dimensions is None:
+        return vectors
+    cut = vectors[:, :dimensions]
+    return torch.nn.functional.normalize(cut, p=2, dim=-1) if normalize else cut
 
 
 def _inputs(value: Any) -> tuple[list[str], list[list[int]]]:

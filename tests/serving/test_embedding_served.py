@@ -31,13 +31,13 @@ pytestmark = pytest.mark.serving
 MODEL = "tiny_embed"
 TEXTS = ["the film was wonderful", "a dull, lifeless movie", "hi",
          "one of the best performances of the year, and a script to match it"]
-MAX_CHARS, MAX_ITEMS = 200, 64
+MAX_CHARS, MAX_ITEMS = 300, 64  # characters: SST-2's longest sentence has 267 (MTEB)
 
 
 @pytest.fixture(scope="module")
 def embedding_run(cls_bert_folder: Path, tmp_path_factory) -> Path:
     """recipes/embed_int8.yaml on cls_bert_folder and a small sentiment table: its fp32 ONNX
-    export, packaged (batch size 8, 50 ms delay, 200 characters a text); the run folder."""
+    export, packaged (batch size 8, 50 ms delay, 300 characters a text); the run folder."""
     from builders import run_in_process
 
     tmp = tmp_path_factory.mktemp("embedding_served")
@@ -178,6 +178,25 @@ BAD_OPENAI = {
     "encoding format": {"input": "a film", "encoding_format": "int8"},
     "lone surrogate": {"input": ["good", "\ud800"]},
 }
+
+
+def test_mteb_scores_the_endpoint_as_the_export_folder(served, embedding_run, data_dir,
+                                                      monkeypatch) -> None:
+    """Issue 75 item 4: MTEB's local tasks through the served `v1/embeddings` give the
+    scores of the export folder scored offline (within 1e-3), from the same embeddings."""
+    harness = pytest.importorskip("compress.families.embedding.evaluation_harness")
+    monkeypatch.setenv("COMPRESS_DATA_DIR", str(data_dir))
+    endpoint = harness.EndpointEmbedder(f"{served['url']}/1.0/v1", served.get("token"))
+    export = harness.ExportEmbedder(embedding_run / "00-export/onnx", threads=1)
+    for kind in (None, "query", "document"):
+        assert close(endpoint.embed(TEXTS, kind), export.embed(TEXTS, kind), 1e-5)
+    tasks = ["SST2LocalClassification", "SST2KnownItemRetrieval"]
+    online = harness.task_scores(endpoint, tasks, limit=120, progress=False)
+    offline = harness.task_scores(export, tasks, limit=120, progress=False)
+    assert set(online) == set(offline) == {"mteb_SST2LocalClassification_accuracy",
+                                           "mteb_SST2KnownItemRetrieval_ndcg_at_10"}
+    assert all(abs(online[k] - offline[k]) <= 1e-3 for k in online), (online, offline)
+    assert 0.0 < offline["mteb_SST2KnownItemRetrieval_ndcg_at_10"] <= 1.0
 
 
 def post_together(served: dict, calls: list[tuple]) -> list[tuple[int, dict, object]]:

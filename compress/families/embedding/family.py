@@ -10,7 +10,8 @@ keeps the prompts it was made with (its metadata), so every later model reads th
 texts. A Matryoshka model adds `fidelity_d<N>` / `recall_at_10_d<N>` at each declared width
 (`measures.widths_to_measure`). Labels, where the data has them, give k-NN accuracy.
 Speed is the recipe's latency sweep plus the eval texts at their real lengths
-(`real_items_per_s_bN`: sentences per second at batch N).
+(`real_items_per_s_bN`: sentences per second at batch N). A recipe's `evaluation.mteb`
+adds each task's MTEB main score (`mteb_<task>_<metric>`, `evaluation_harness`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from compress.families.embedding.measures import (
 from compress.measure.evaluate import logits_of
 from compress.measure.figures import compare_to_input, latency_of, speed_and_size
 from compress.models.bundle import ModelBundle
+from compress.report.render import MTEB
 
 REFERENCE = "embedding_reference.safetensors"
 RECALL_K = 10
@@ -117,7 +119,26 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
                                bool(facts.get("matryoshka")))
     if ref is not None and widths:
         metrics.update(quality_at_widths(embeddings, ref, widths, RECALL_K))
+    if cfg.mteb is not None and not any(key.startswith(MTEB) for key in metrics):
+        metrics.update(mteb_scores(bundle, cfg.mteb, data.max_length, cfg.batch_size))
     return {**metrics, **speed_and_size(bundle, examples, recipe, data.max_length)}
+
+
+def mteb_scores(bundle: ModelBundle, config, max_length: int, batch_size: int
+                ) -> dict[str, float]:
+    """The recipe's MTEB tasks scored for the bundle's model (`evaluation.mteb`)."""
+    from compress.errors import UserError
+
+    try:
+        from compress.families.embedding import evaluation_harness as harness
+    except ImportError as exc:
+        raise UserError(f"evaluation.mteb needs MTEB ({exc}): pip install "
+                        "'compress-pipeline[eval]'") from None
+    embedder = harness.ModuleEmbedder(bundle, max_length, batch_size)
+    try:
+        return harness.task_scores(embedder, config.tasks, config.limit)
+    except ValueError as exc:
+        raise UserError(f"evaluation.mteb: {exc}") from None
 
 
 def model_facts(model: torch.nn.Module) -> dict[str, Any]:

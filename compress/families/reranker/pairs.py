@@ -6,10 +6,10 @@
   `data.label_column`. Rows with the same query text are one query's documents. A split's
   `max_samples` counts queries (a seeded subset of them, each with all its documents).
 - Otherwise a known-item set built from the split's sentences (`data.text_column`), for
-  when no retrieval set is at hand (these machines have only SST-2): each sentence of at
-  least `MIN_WORDS` words gives a query, `QUERY_WORDS` consecutive words of it from its
-  middle third, whose documents are the sentence itself (relevant, label 1) and the
-  `DISTRACTORS` other sentences sharing the most distinct words with it (label 0; ties:
+  when no retrieval set is at hand (these machines have only SST-2): each sentence's
+  known-item query (`compress.data.known_items`: a few words from its middle), whose
+  documents are the sentence itself (relevant, label 1) and the `DISTRACTORS` other
+  sentences sharing the most distinct words with it (label 0; ties:
   the earlier sentence). `max_samples` counts sentences. Deterministic for a seed.
 
 Either way each split is an `Examples` of pairs: `texts` the queries, `pairs` the documents,
@@ -29,12 +29,11 @@ from compress.data.datasets import (
     read_table,
     seeded_subset,
 )
+from compress.data.known_items import MIN_WORDS, known_item_queries
 from compress.errors import UserError
 from compress.recipe.chain import used_splits
 from compress.recipe.datasets import DataSource, split_file
 
-QUERY_WORDS = 4
-MIN_WORDS = 6
 DISTRACTORS = 4
 WORD = re.compile(r"\w+")
 
@@ -98,16 +97,8 @@ def known_item_pairs(sentences: list[str]) -> Examples:
     """Known-item pairs of `sentences` (the module's docstring says how)."""
     words = [set(WORD.findall(s.lower())) for s in sentences]
     out = Examples(labels=[], texts=[], pairs=[])
-    seen: set[str] = set()
-    for i, sentence in enumerate(sentences):
-        tokens = sentence.split()
-        if len(tokens) < MIN_WORDS:
-            continue
-        start = len(tokens) // 3
-        query = " ".join(tokens[start:start + QUERY_WORDS])
-        if query in seen:
-            continue
-        seen.add(query)
+    for query, i in known_item_queries(sentences):
+        sentence = sentences[i]
         overlap = heapq.nsmallest(DISTRACTORS, (j for j in range(len(sentences))
                                                 if sentences[j] != sentence),
                                   key=lambda j: (-len(words[i] & words[j]), j))

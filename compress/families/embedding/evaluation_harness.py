@@ -1,0 +1,224 @@
+"""MTEB (the Massive Text Embedding Benchmark) over compress's embedding models: one MTEB
+encoder (`MtebEncoder`) over three embedders that answer alike:
+
+- `ExportEmbedder`: an embedding export folder (`export.json`'s `embedding` block), run as
+  its served handler runs it: the archive's own request reader (prompts, truncation at
+  max_seq_length, `dimensions`), passes of similar length, the file in its own runtime;
+- `EndpointEmbedder`: a served OpenAI `/v1/embeddings` (TorchServe or LitServe), with the
+  archive's inference token;
+- `ModuleEmbedder`: a stage's in-memory model, for a recipe's `evaluation.mteb`.
+
+MTEB's query and document texts become OpenAI's `input_type` query and document (the
+model's prompt of that kind, none where it has none), so that the three read the same
+tokens. `task_scores` runs tasks (the local ones in `local_tasks`, or any of MTEB's own
+whose data can be reached) and names each main score `mteb_<task>_<metric>`.
+
+    compress-mteb --folder runs/embed_int8/04-int8_aoti --tasks SST2LocalClassification
+    compress-mteb --url http://127.0.0.1:8080/predictions/embed_int8/1.0/v1 --token T ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from compress.data.datasets import Examples
+from compress.report.render import MTEB  # a metric's prefix: mteb_<task>_<main score>
+from export.folder import META, load_export
+from serve.batching import by_length, padded
+from serve.embedding.requests import INPUT_TYPES, Limits, Reader, narrowed
+
+REQUEST_TEXTS = 32  # texts in one request to an endpoint (and one offline read)
+
+
+class Embedder(Protocol):
+    """Texts in, one float32 row per text out (`input_type`: query, document or None)."""
+
+    name: str
+
+    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor: ...
+
+
+class ExportEmbedder:
+    """An embedding export folder, embedding texts as its served endpoint does."""
+
+    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+        folder = Path(folder)
+        meta_file = folder / META
+        if not meta_file.is_file():
+            raise ValueError(f"{folder}: not an export folder (no {META})")
+        meta = json.loads(meta_file.read_text())
+        facts = meta.get("embedding")
+        if not facts:
+            raise ValueError(f"{folder}: not an embedding export (its {META} has no "
+                             "embedding block); export an embedding recipe's model")
+        loaded = load_export(folder, threads)
+        self.name = folder.name
+        self.run = loaded.model.run
+        self.tokenizer = loaded.tokenizer
+        self.names = list(meta["inputs"])
+        self.buckets = not meta.get("aoti_packed")  # a packed file takes one pass
+        self.normalize = bool(facts.get("normalize"))
+        max_tokens = int(facts.get("max_seq_length") or self.tokenizer.model_max_length)
+        limits = Limits.of_export(facts, REQUEST_TEXTS, 1 << 30, max_tokens)
+        self.reader = Reader(self.tokenizer, self.names, limits)
+
+    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor:
+        read = self.reader.openai({"input": texts, "input_type": input_type})
+        vectors = torch.stack(by_length(read.rows, self.run_padded, self.buckets))
+        return narrowed(vectors, read.dimensions, self.normalize)
+
+    @torch.inference_mode()
+    def run_padded(self, rows: list[Any]) -> list[torch.Tensor]:
+        out = self.run(*padded(rows, self.tokenizer.pad_token_id or 0, self.names))
+        out = out[0] if isinstance(out, list | tuple) else out
+        return list(out.float())
+
+
+class EndpointEmbedder:
+    """A served OpenAI `/v1/embeddings`: `url` is the route's base (`.../v1`)."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 300.0) -> None:
+        self.url = url.rstrip("/") + "/embeddings"
+        self.token, self.timeout_s = token, timeout_s
+        self.name = url
+
+    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor:
+        body = {"input": texts, "model": "compress"}
+        if input_type:
+            body["input_type"] = input_type
+        request = urllib.request.Request(self.url, json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                answer = json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"{self.url} answered {exc.code}: "
+                               f"{exc.read()[:300].decode(errors='replace')}") from None
+        rows = sorted(answer["data"], key=lambda row: row["index"])
+        return torch.tensor([row["embedding"] for row in rows], dtype=torch.float32)
+
+
+class ModuleEmbedder:
+    """A stage's in-memory sentence encoder (a pipeline `ModelBundle`), with the prompt of
+    each input type chosen as the served reader chooses it."""
+
+    def __init__(self, bundle: Any, max_length: int, batch_size: int, name: str = "model"
+                 ) -> None:
+        from compress.families.embedding.family import embed
+
+        self.bundle, self.max_length, self.batch_size = bundle, max_length, batch_size
+        self.embed_examples, self.name = embed, name
+        model = bundle.model
+        self.prompts = dict(getattr(model, "prompts", {}) or {})
+        self.default_prompt = self.prompts.get(getattr(model, "default_prompt_name", None)
+                                               or "", "")
+
+    def prompt(self, input_type: str | None) -> str:
+        if input_type is None:
+            return self.default_prompt
+        names = [n for n in INPUT_TYPES[input_type] if n in self.prompts]
+        return self.prompts[names[0]] if names else ""
+
+    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor:
+        prompt = self.prompt(input_type)
+        examples = Examples(labels=[0] * len(texts), texts=[prompt + t for t in texts])
+        return self.embed_examples(self.bundle.model, examples, self.batch_size,
+                                   self.bundle.tokenizer, self.max_length)
+
+
+class MtebEncoder:
+    """An `Embedder` as an MTEB encoder (its EncoderProtocol), cosine similarity."""
+
+    def __init__(self, embedder: Embedder, progress: bool | None = None) -> None:
+        from mteb.models.model_meta import ModelMeta
+
+        self.embedder = embedder
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.mteb_model_meta = ModelMeta.create_empty(overwrites={
+            "name": f"compress/{embedder.name}", "revision": "local",
+            "similarity_fn_name": "cosine", "framework": ["PyTorch"]})
+
+    def encode(self, inputs: Any, *, task_metadata: Any, hf_split: str, hf_subset: str,
+               prompt_type: Any = None, **kwargs: Any) -> np.ndarray:
+        texts = [str(text) for batch in inputs for text in batch["text"]]
+        input_type = getattr(prompt_type, "value", prompt_type)  # PromptType.query: "query"
+        if input_type not in INPUT_TYPES:
+            input_type = None
+        chunks = range(0, len(texts), REQUEST_TEXTS)
+        rows = [self.embedder.embed(texts[i:i + REQUEST_TEXTS], input_type)
+                for i in tqdm(chunks, desc=f"embed {task_metadata.name}", unit="batch",
+                              disable=not self.progress)]
+        return torch.cat(rows).numpy() if rows else np.zeros((0, 0), np.float32)
+
+    def similarity(self, embeddings1: Any, embeddings2: Any) -> Any:
+        from mteb.similarity_functions import cos_sim
+
+        return cos_sim(embeddings1, embeddings2)
+
+    def similarity_pairwise(self, embeddings1: Any, embeddings2: Any) -> Any:
+        from mteb.similarity_functions import pairwise_cos_sim
+
+        return pairwise_cos_sim(embeddings1, embeddings2)
+
+
+def tasks_named(names: list[str], limit: int | None = None) -> list[Any]:
+    """The MTEB tasks `names`: the local ones (`local_tasks.LOCAL_TASKS`, shrunk to `limit`
+    validation sentences), else MTEB's own (ValueError: neither)."""
+    import mteb
+
+    from compress.families.embedding.local_tasks import LOCAL_TASKS
+
+    tasks = []
+    for name in names:
+        if name in LOCAL_TASKS:
+            task = LOCAL_TASKS[name]()
+            task.limit = limit
+        else:
+            try:
+                task = mteb.get_task(name)
+            except KeyError:
+                raise ValueError(f"MTEB task {name!r} not found: not one of MTEB's, nor a "
+                                 f"local one ({', '.join(LOCAL_TASKS)})") from None
+        tasks.append(task)
+    return tasks
+
+
+def task_scores(embedder: Embedder, tasks: list[str], limit: int | None = None,
+                progress: bool | None = None) -> dict[str, float]:
+    """MTEB's main score of each of `tasks` for `embedder`, as `mteb_<task>_<metric>`
+    (rounded to 6 places; scores on a 0-1 scale, as MTEB gives them)."""
+    import datasets
+    import mteb
+
+    encoder = MtebEncoder(embedder, progress)
+    chosen = tasks_named(tasks, limit)
+    metrics = {task.metadata.name: task.metadata.main_score for task in chosen}
+    bars = datasets.is_progress_bar_enabled()
+    if not encoder.progress:
+        datasets.disable_progress_bars()  # its map's bars, in MTEB's data preparation
+    try:
+        result = mteb.evaluate(encoder, chosen, cache=None,
+                               show_progress_bar=encoder.progress,
+                               encode_kwargs={"batch_size": REQUEST_TEXTS,
+                                              "show_progress_bar": encoder.progress})
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    scores = {}
+    for task in result.task_results:  # each split's and subset's main score: their mean
+        values = [float(subset["main_score"]) for split in task.scores.values()
+                  for subset in split]
+        scores[f"{MTEB}{task.task_name}_{metrics[task.task_name]}"] = round(
+            sum(values) / len(values), 6)
+    return scores

@@ -106,22 +106,24 @@ def test_a_folder_that_is_no_embedding_export_is_one_line(tmp_path) -> None:
         harness.ExportEmbedder(tmp_path)
 
 
-def test_the_module_embedder_picks_prompts_as_the_served_reader_does(tiny_bert) -> None:
-    from types import SimpleNamespace
+def test_the_module_embedder_reads_texts_as_the_server_does(cls_bert_folder) -> None:
+    from compress.families.embedding.folder import load_recipe_encoder
 
-    from transformers import AutoTokenizer
-
-    from serve.embedding.requests import Limits, Reader
-
-    model = SimpleNamespace(prompts={"query": "query: ", "passage": "passage: "},
-                            default_prompt_name="passage")
-    embedder = harness.ModuleEmbedder(SimpleNamespace(model=model), 64, 8)
-    reader = Reader(AutoTokenizer.from_pretrained(tiny_bert), ["input_ids"],
-                    Limits(8, 100, 64, 32, prompts=model.prompts,
-                           default_prompt_name="passage"))
-    for kind in (None, "query", "document"):
-        assert embedder.prompt(kind) == reader.typed_prompt(kind)
-    assert embedder.prompt("query") == "query: " and embedder.prompt(None) == "passage: "
+    bundle = load_recipe_encoder(str(cls_bert_folder))
+    facts = {"prompts": {"query": "query: ", "passage": "passage: "},
+             "default_prompt_name": "passage", "truncate_dim": 16}
+    embedder = harness.ModuleEmbedder(bundle, facts, 64)
+    plain = harness.ModuleEmbedder(bundle, {}, 64)
+    texts = ["a gripping film", "dull", "one of the year's best performances " * 9]
+    cut = plain.embed(["query: " + t for t in texts], None)[:, :16]
+    assert torch.allclose(embedder.embed(texts, "query"), cut, atol=1e-5)  # its prompt, cut
+    passage = plain.embed(["passage: " + t for t in texts], None)[:, :16]
+    for kind in (None, "document"):  # the default prompt; a document's prompt: passage
+        assert torch.allclose(embedder.embed(texts, kind), passage, atol=1e-5)
+    whole = plain.embed(texts, None)
+    assert whole.shape == (3, 32)
+    alone = torch.cat([plain.embed([t], None) for t in texts])  # passes of similar length
+    assert torch.allclose(whole, alone, atol=1e-5)  # change nothing but the padding
 
 
 def recipe_with(tmp_path, task: str, evaluation: str) -> str:

@@ -6,7 +6,8 @@ encoder (`MtebEncoder`) over three embedders that answer alike:
   max_seq_length, `dimensions`), passes of similar length, the file in its own runtime;
 - `EndpointEmbedder`: a served OpenAI `/v1/embeddings` (TorchServe or LitServe), with the
   archive's inference token;
-- `ModuleEmbedder`: a stage's in-memory model, for a recipe's `evaluation.mteb`.
+- `ModuleEmbedder`: a stage's model (in memory, or an exported file), for a recipe's
+  `evaluation.mteb`, its texts read as the server reads them too.
 
 MTEB's query and document texts become OpenAI's `input_type` query and document (the
 model's prompt of that kind, none where it has none), so that the three read the same
@@ -30,9 +31,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from compress.data.datasets import Examples
 from compress.report.render import MTEB  # a metric's prefix: mteb_<task>_<main score>
 from export.folder import META, load_export
+from export.graphs import TEXT_INPUTS
 from serve.batching import by_length, padded
 from serve.embedding.requests import INPUT_TYPES, Limits, Reader, narrowed
 
@@ -47,7 +48,39 @@ class Embedder(Protocol):
     def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor: ...
 
 
-class ExportEmbedder:
+class ServedReading:
+    """Texts read as the served handler reads them (`serve.embedding.requests.Reader`: the
+    prompt of the input type, truncation at max_seq_length tokens), run in passes of similar
+    length and cut at the width an answer has: a subclass says how a pass runs."""
+
+    name = "model"
+    buckets = True  # passes of similar length (a packed file: one pass)
+
+    def __init__(self, tokenizer: Any, names: list[str], facts: dict[str, Any],
+                 max_tokens: int) -> None:
+        self.tokenizer, self.names = tokenizer, list(names)
+        self.normalize = bool(facts.get("normalize"))
+        facts = {**facts, "dimensions": facts.get("dimensions") or 1 << 30}
+        self.reader = Reader(tokenizer, self.names,
+                             Limits.of_export(facts, REQUEST_TEXTS, 1 << 30, max_tokens))
+
+    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor:
+        read = self.reader.openai({"input": texts, "input_type": input_type})
+        vectors = torch.stack(by_length(read.rows, self.run_padded, self.buckets))
+        return narrowed(vectors, read.dimensions, self.normalize)
+
+    @torch.inference_mode()
+    def run_padded(self, rows: list[Any]) -> list[torch.Tensor]:
+        inputs = padded(rows, self.tokenizer.pad_token_id or 0, self.names)
+        out = self.forward(inputs)
+        out = out[0] if isinstance(out, list | tuple) else out
+        return list(out.float())
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        raise NotImplementedError
+
+
+class ExportEmbedder(ServedReading):
     """An embedding export folder, embedding texts as its served endpoint does."""
 
     def __init__(self, folder: str | Path, threads: int | None = None) -> None:
@@ -61,26 +94,14 @@ class ExportEmbedder:
             raise ValueError(f"{folder}: not an embedding export (its {META} has no "
                              "embedding block); export an embedding recipe's model")
         loaded = load_export(folder, threads)
-        self.name = folder.name
         self.run = loaded.model.run
-        self.tokenizer = loaded.tokenizer
-        self.names = list(meta["inputs"])
-        self.buckets = not meta.get("aoti_packed")  # a packed file takes one pass
-        self.normalize = bool(facts.get("normalize"))
-        max_tokens = int(facts.get("max_seq_length") or self.tokenizer.model_max_length)
-        limits = Limits.of_export(facts, REQUEST_TEXTS, 1 << 30, max_tokens)
-        self.reader = Reader(self.tokenizer, self.names, limits)
+        max_tokens = int(facts.get("max_seq_length") or loaded.tokenizer.model_max_length)
+        super().__init__(loaded.tokenizer, meta["inputs"], facts, max_tokens)
+        self.name = folder.name
+        self.buckets = not meta.get("aoti_packed")
 
-    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor:
-        read = self.reader.openai({"input": texts, "input_type": input_type})
-        vectors = torch.stack(by_length(read.rows, self.run_padded, self.buckets))
-        return narrowed(vectors, read.dimensions, self.normalize)
-
-    @torch.inference_mode()
-    def run_padded(self, rows: list[Any]) -> list[torch.Tensor]:
-        out = self.run(*padded(rows, self.tokenizer.pad_token_id or 0, self.names))
-        out = out[0] if isinstance(out, list | tuple) else out
-        return list(out.float())
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        return self.run(*inputs)
 
 
 class EndpointEmbedder:
@@ -109,32 +130,21 @@ class EndpointEmbedder:
         return torch.tensor([row["embedding"] for row in rows], dtype=torch.float32)
 
 
-class ModuleEmbedder:
-    """A stage's in-memory sentence encoder (a pipeline `ModelBundle`), with the prompt of
-    each input type chosen as the served reader chooses it."""
+class ModuleEmbedder(ServedReading):
+    """A stage's model (a pipeline `ModelBundle`: an in-memory encoder, or an exported file
+    in its runtime) read as its server would read it: `facts` says what export.json's
+    embedding block would (prompts, default prompt, truncate_dim), `max_tokens` where texts
+    are cut."""
 
-    def __init__(self, bundle: Any, max_length: int, batch_size: int, name: str = "model"
-                 ) -> None:
-        from compress.families.embedding.family import embed
+    def __init__(self, bundle: Any, facts: dict[str, Any], max_tokens: int,
+                 name: str = "model") -> None:
+        from compress.measure.evaluate import logits_of
 
-        self.bundle, self.max_length, self.batch_size = bundle, max_length, batch_size
-        self.embed_examples, self.name = embed, name
-        model = bundle.model
-        self.prompts = dict(getattr(model, "prompts", {}) or {})
-        self.default_prompt = self.prompts.get(getattr(model, "default_prompt_name", None)
-                                               or "", "")
+        super().__init__(bundle.tokenizer, list(TEXT_INPUTS), facts, max_tokens)
+        self.model, self.logits_of, self.name = bundle.model.eval(), logits_of, name
 
-    def prompt(self, input_type: str | None) -> str:
-        if input_type is None:
-            return self.default_prompt
-        names = [n for n in INPUT_TYPES[input_type] if n in self.prompts]
-        return self.prompts[names[0]] if names else ""
-
-    def embed(self, texts: list[str], input_type: str | None) -> torch.Tensor:
-        prompt = self.prompt(input_type)
-        examples = Examples(labels=[0] * len(texts), texts=[prompt + t for t in texts])
-        return self.embed_examples(self.bundle.model, examples, self.batch_size,
-                                   self.bundle.tokenizer, self.max_length)
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        return self.logits_of(self.model, dict(zip(self.names, inputs, strict=True)))
 
 
 class MtebEncoder:

@@ -120,13 +120,15 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     if ref is not None and widths:
         metrics.update(quality_at_widths(embeddings, ref, widths, RECALL_K))
     if cfg.mteb is not None and not any(key.startswith(MTEB) for key in metrics):
-        metrics.update(mteb_scores(bundle, cfg.mteb, data.max_length, cfg.batch_size))
+        metrics.update(mteb_scores(bundle, cfg.mteb, facts, data.max_length))
     return {**metrics, **speed_and_size(bundle, examples, recipe, data.max_length)}
 
 
-def mteb_scores(bundle: ModelBundle, config, max_length: int, batch_size: int
+def mteb_scores(bundle: ModelBundle, config, facts: dict[str, Any], max_length: int
                 ) -> dict[str, float]:
-    """The recipe's MTEB tasks scored for the bundle's model (`evaluation.mteb`)."""
+    """The recipe's MTEB tasks scored for the bundle's model (`evaluation.mteb`), its texts
+    read as its server would read them (`facts`: the reference's prompts and widths), cut at
+    the recipe's `data.max_length` tokens."""
     from compress.errors import UserError
 
     try:
@@ -134,7 +136,7 @@ def mteb_scores(bundle: ModelBundle, config, max_length: int, batch_size: int
     except ImportError as exc:
         raise UserError(f"evaluation.mteb needs MTEB ({exc}): pip install "
                         "'compress-pipeline[eval]'") from None
-    embedder = harness.ModuleEmbedder(bundle, max_length, batch_size)
+    embedder = harness.ModuleEmbedder(bundle, facts, max_length)
     try:
         return harness.task_scores(embedder, config.tasks, config.limit)
     except ValueError as exc:
@@ -143,9 +145,12 @@ def mteb_scores(bundle: ModelBundle, config, max_length: int, batch_size: int
 
 def model_facts(model: torch.nn.Module) -> dict[str, Any]:
     """What the reference keeps of its model for every later measure: prompts, default
-    prompt, Matryoshka training and widths (a model that is no SentenceEncoder: none)."""
+    prompt, Matryoshka training and widths, the width an embedding is cut at and whether it
+    is normalized (a model that is no SentenceEncoder: none)."""
     return {"prompts": dict(getattr(model, "prompts", {}) or {}),
             "default_prompt_name": getattr(model, "default_prompt_name", None),
+            "truncate_dim": getattr(model, "truncate_dim", None),
+            "normalize": bool(getattr(model, "normalize", False)),
             "matryoshka": bool(getattr(model, "matryoshka", False)),
             "matryoshka_dims": list(getattr(model, "matryoshka_dims", ()) or ())}
 

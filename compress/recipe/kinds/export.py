@@ -22,8 +22,10 @@ ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
 AOTI_ONLY = ("autocast", "attention")
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
-            "tensorrt": "TensorRT", "transformers": "transformers + torchao (causal_lm.runtime)"}
-CAUSAL_LM_FORMAT = "transformers"  # the one format of a causal LM
+            "tensorrt": "TensorRT", "transformers": "transformers + torchao (causal_lm.runtime)",
+            "gguf": "llama.cpp (GGUF)", "executorch": "ExecuTorch (XNNPACK)"}
+CAUSAL_LM_FORMAT = "transformers"  # a causal LM's folder with its runtime
+GGUF_FORMAT = "gguf"  # a causal LM as one GGUF file, for llama.cpp and Ollama
 # every option a causal-LM export accepts (the rest are a classifier's)
 CAUSAL_LM_EXPORT_OPTIONS = ("kind", "name", "format", "source", "min_agreement",
                             "parity_samples", *PARALLEL, "tolerance")
@@ -55,10 +57,12 @@ class ExportConfig(StrictModel):
 
     kind: Literal["export"] = "export"
     name: StageName = None
-    format: Literal["torchscript", "onnx", "aoti", "tensorrt", "transformers"] = Field(
+    format: Literal["torchscript", "onnx", "aoti", "tensorrt", "executorch", "transformers",
+                    "gguf"] = Field(
         description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package), "
-        "tensorrt (torch-tensorrt, CUDA only); causal LMs: transformers (the model folder "
-        "that plain transformers + torchao load, with the causal_lm.runtime package to decode it).")
+        "tensorrt (torch-tensorrt, CUDA only), executorch (.pte with XNNPACK); causal LMs: "
+        "transformers (the model folder that plain transformers + torchao load, with the "
+        "causal_lm.runtime package to decode it) or gguf (one file for llama.cpp and Ollama).")
     source: str | int | None = Field(
         None, description="Export the model of this earlier stage (name, kind or index) "
         "instead of the current one.")
@@ -197,19 +201,18 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
         if split:
             return [f"{where}.{split[0]}: splits a causal LM's decoder layers across "
                     "processes; this model exports whole"]
-        if cfg.format == CAUSAL_LM_FORMAT:
-            return [f"{where}.format: transformers exports a causal LM (its folder with a "
-                    "standalone decoding runtime); this model exports with torchscript, "
-                    "onnx, aoti or tensorrt"]
+        if cfg.format in (CAUSAL_LM_FORMAT, GGUF_FORMAT):
+            return [f"{where}.format: {cfg.format} exports a causal LM; this model exports "
+                    "with torchscript, onnx, aoti, tensorrt or executorch"]
         own, held = PARITY_BOUNDS[task]
         theirs = [o for bounds, _ in PARITY_BOUNDS.values() for o in bounds if o not in own]
         return [f"{where}.{o}: not a parity bound of this model (model.task: {task}); {held}"
                 for o in theirs if o in cfg.model_fields_set]
-    if cfg.format != CAUSAL_LM_FORMAT:
+    if cfg.format not in (CAUSAL_LM_FORMAT, GGUF_FORMAT):
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
                 f"LM exports with format: {CAUSAL_LM_FORMAT} (its folder with the "
                 "causal_lm.runtime package, which decodes it with torch, transformers and "
-                "torchao alone)"]
+                f"torchao alone) or {GGUF_FORMAT} (one file for llama.cpp and Ollama)"]
     return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
             "greedy token agreement on the prompts (min_agreement, parity_samples)"
             for o in sorted(cfg.model_fields_set - set(CAUSAL_LM_EXPORT_OPTIONS))]

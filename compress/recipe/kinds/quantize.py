@@ -14,7 +14,8 @@ WEIGHT_SCHEMES = ("int8_weight_only", "int4_weight_only", "int8_dynamic", "int8_
 GROUPED = ("int8_grouped", "int4_grouped")
 SPARSE24 = ("int8_sparse24", "int4_sparse24")  # 2:4 weights, compress's sparse kernel
 PT2E_OPTIONS = ("per_channel", "keep_float", "calibration", "compile", "smoothing")
-CAUSAL_LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize")
+CAUSAL_LM_ONLY_OPTIONS = ("scheme", "group_size", "head_scheme", "activations", "equalize",
+                          "grid")
 
 
 class QuantizeConfig(StrictModel):
@@ -38,6 +39,11 @@ class QuantizeConfig(StrictModel):
         "(serve/causal_lm/runtime/sparse24.py; the output projection int8_grouped).")
     group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
                             "scale group (int8_grouped: it must divide every Linear's inputs).")
+    grid: Literal["free", "gguf"] = Field(
+        "free", description="Causal LMs, grouped schemes: free (each int8 group on the better "
+        "of an affine and a symmetric grid, float32 scales) or gguf (int8 groups on llama.cpp's "
+        "Q8_0 grid: symmetric, a float16 scale per 32 inputs; int4 is Q4_1's grid either way), "
+        "so that an export to format gguf holds the weights exactly.")
     head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
                          "int8_grouped", "float"] = Field(
         "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
@@ -125,6 +131,12 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                             f"blocks), not {cfg.group_size}; drop group_size")
         if cfg.group_size < 1:
             problems.append(f"{where}.group_size: {cfg.group_size} must be positive")
+        if cfg.grid == "gguf" and cfg.scheme not in GROUPED:
+            problems.append(f"{where}.grid: gguf fits the grouped schemes' groups "
+                            f"({', '.join(GROUPED)}), not {cfg.scheme}'s")
+        elif cfg.grid == "gguf" and cfg.group_size != 32:
+            problems.append(f"{where}.group_size: llama.cpp's blocks hold 32 inputs, so grid "
+                            f"gguf needs group_size 32, not {cfg.group_size}")
         if cfg.scheme == "int4_weight_only" and cfg.group_size not in (32, 64, 128, 256):
             problems.append(f"{where}.group_size: {cfg.group_size} is not one of 32, 64, "
                             "128, 256 (torchao's int4 CPU packing)")

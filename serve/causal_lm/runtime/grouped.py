@@ -71,10 +71,10 @@ class GroupedLinear(FusableLinear):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                    group_size: int, bits: int = 8) -> GroupedLinear:
-        """An out x in float weight (and bias) fitted onto per-group grids."""
+                    group_size: int, bits: int = 8, grid: str = "free") -> GroupedLinear:
+        """An out x in float weight (and bias) fitted onto per-group grids (`fit_groups`)."""
         module = cls(weight.shape[1], weight.shape[0], bias is not None, group_size, bits)
-        q, scale, offset = fit_groups(weight.detach().float(), group_size, bits)
+        q, scale, offset = fit_groups(weight.detach().float(), group_size, bits, grid)
         module.qweight.copy_(q if bits == 8 else pack_nibbles(q))
         module.scale.copy_(scale)
         module.offset.copy_(offset)
@@ -100,9 +100,10 @@ class GroupedLinear(FusableLinear):
         self.pack()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int, bits: int = 8) -> GroupedLinear:
+    def from_linear(cls, linear: nn.Linear, group_size: int, bits: int = 8,
+                    grid: str = "free") -> GroupedLinear:
         """The Linear's weight fitted onto per-group grids (`fit_groups`)."""
-        return cls.from_weight(linear.weight, linear.bias, group_size, bits)
+        return cls.from_weight(linear.weight, linear.bias, group_size, bits, grid)
 
     def sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qweight, scale, offset) as the state dict holds them: the buffers, or, once
@@ -182,8 +183,9 @@ class GroupedEmbedding(nn.Module):
         table.records_wanted, table.packed = False, None
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group_size: int) -> GroupedEmbedding:
-        return cls(GroupedLinear.from_weight(embedding.weight, None, group_size))
+    def from_embedding(cls, embedding: nn.Embedding, group_size: int, grid: str = "free"
+                       ) -> GroupedEmbedding:
+        return cls(GroupedLinear.from_weight(embedding.weight, None, group_size, 8, grid))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.table
@@ -245,7 +247,10 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     return (grouped * scale[..., None] + offset[..., None]).view(q.shape)
 
 
-def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
+GRIDS = ("free", "gguf")  # fit_groups' choice of grid at 8 bits
+
+
+def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8, grid: str = "free"
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, scale, offset) of a float32 weight. 8 bits: int8 codes, per group of
     `group_size` input channels the affine grid (255 steps over [min, max]) or the symmetric
@@ -255,9 +260,16 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
     float16), so the kernel can hold its scales in float16 (`GroupedLinear.pack`). 4 bits:
     codes 0..15 (uint8, unpacked) on the affine grid of 15 steps from the group's minimum,
     step and minimum rounded to float16 first (as a GGUF's Q4_1 stores them, so its groups
-    are kept exactly and the kernel's float16 copy loses nothing)."""
+    are kept exactly and the kernel's float16 copy loses nothing). `grid="gguf"` at 8 bits:
+    every group on Q8_0's grid (symmetric, amax / 127 rounded to float16, codes rounded as
+    llama.cpp rounds), so that a GGUF holds the weights exactly (4 bits: Q4_1's already)."""
     rows, cols = weight.shape
     groups = weight.reshape(rows, cols // group_size, group_size)
+    if grid == "gguf" and bits == 8:
+        scale = (groups.abs().amax(-1) / 127).half().float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(groups / safe[..., None]).clamp(-127, 127)
+        return q.to(torch.int8).reshape(rows, cols), scale, torch.zeros_like(scale)
     low, high = groups.amin(-1), groups.amax(-1)
     if bits == 4:
         low = low.half().float()
@@ -296,12 +308,13 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8
 
 def quantize_grouped(model: nn.Module, group_size: int,
                      filter_fn: Callable[[nn.Module, str], bool], bits: int = 8,
-                     fit: bool = True, activations: str = "float32") -> int:
+                     fit: bool = True, activations: str = "float32", grid: str = "free"
+                     ) -> int:
     """Replace the Linears of `model` that `filter_fn(module, name)` picks (torchao
     `quantize_`'s filter) by `GroupedLinear`s in place; how many were replaced. `fit=False`:
     empty modules of the same shapes, for weights loaded next from a state dict (fitting
     weights about to be replaced took 30 of a worker's 42 s start). `activations`: the
-    modules' mode, one of ACTIVATIONS (`GroupedLinear.forward`)."""
+    modules' mode, one of ACTIVATIONS (`GroupedLinear.forward`); `grid`: `fit_groups`'s."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"grouped weights: activations {activations!r} is not one of "
                          f"{', '.join(ACTIVATIONS)}")
@@ -310,7 +323,7 @@ def quantize_grouped(model: nn.Module, group_size: int,
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        module = (GroupedLinear.from_linear(linear, group_size, bits) if fit else
+        module = (GroupedLinear.from_linear(linear, group_size, bits, grid) if fit else
                   GroupedLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                 group_size, bits))
         module.activations = activations
@@ -318,12 +331,14 @@ def quantize_grouped(model: nn.Module, group_size: int,
     return len(chosen)
 
 
-def quantize_embedding(model: nn.Module, group_size: int, fit: bool = True) -> None:
+def quantize_embedding(model: nn.Module, group_size: int, fit: bool = True,
+                       grid: str = "free") -> None:
     """The input embedding of a Hugging Face model as a `GroupedEmbedding`, in place
     (untie the output head from it first; `fit`: as `quantize_grouped`'s)."""
     table = model.get_input_embeddings()
     if isinstance(table, nn.Embedding):
         rows, width = table.weight.shape
-        model.set_input_embeddings(GroupedEmbedding.from_embedding(table, group_size) if fit
+        model.set_input_embeddings(GroupedEmbedding.from_embedding(table, group_size, grid)
+                                   if fit
                                    else GroupedEmbedding(GroupedLinear(width, rows, False,
                                                                        group_size)))

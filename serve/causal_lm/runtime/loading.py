@@ -107,7 +107,7 @@ def untie_head(model: nn.Module) -> nn.Module | None:
 
 def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
                      head_scheme: str | None = None, fit: bool = True,
-                     activations: str = "float32") -> nn.Module:
+                     activations: str = "float32", grid: str = "free") -> nn.Module:
     """Apply a weight scheme to every Linear of `model` (and, grouped schemes only, to every
     mixture-of-experts layer's experts: `experts.py`; other schemes refuse such a model) in
     place and `head_scheme_of` to the
@@ -116,32 +116,34 @@ def quantize_weights(model: nn.Module, scheme: str, group_size: int = 32,
     Linear that is not 2:4 with `sparse24.NotSparse24Error`). `fit=False`, grouped schemes:
     modules of the right shapes only, their weights loaded next (`load_folder`).
     `activations`: the grouped schemes' mode, float32 or the opt-in int8 or bf16
-    (`grouped.GroupedLinear`).
+    (`grouped.GroupedLinear`); `grid`: the grouped schemes' (`grouped.fit_groups`).
     Fitted grouped weights get their blocks' projections fused (`fused.py`)."""
     if scheme not in GROUPED_BITS and any(is_experts(m) for m in model.modules()):
         raise ValueError(f"scheme {scheme!r} cannot quantize a mixture-of-experts model's "
                          f"3D expert weights; use {' or '.join(GROUPED_BITS)}")
     head = untie_head(model)
-    _apply(model, scheme, group_size, head=False, fit=fit, activations=activations)
+    _apply(model, scheme, group_size, head=False, fit=fit, activations=activations, grid=grid)
     if scheme in KERNEL_SCHEMES:  # its float32 activations leave a float32 table otherwise
-        quantize_embedding(model, group_size, fit)
+        quantize_embedding(model, group_size, fit, grid)
     head_scheme = head_scheme_of(scheme, head_scheme)
     if head is not None and head_scheme != "float":
-        _apply(model, head_scheme, group_size, head=True, fit=fit, activations=activations)
+        _apply(model, head_scheme, group_size, head=True, fit=fit, activations=activations,
+               grid=grid)
     if fit and scheme in KERNEL_SCHEMES:  # else once the weights are loaded (`load_folder`)
         fuse_projections(model)
     return model
 
 
 def _apply(model: nn.Module, scheme: str, group_size: int, head: bool,
-           fit: bool = True, activations: str = "float32") -> None:
+           fit: bool = True, activations: str = "float32", grid: str = "free") -> None:
     """`scheme` on the output projection (`head`) or on every other Linear."""
     def chosen(module: nn.Module, name: str) -> bool:
         return (name == "lm_head") if head else (isinstance(module, nn.Linear)
                                                  and name != "lm_head")
 
     if scheme in GROUPED_BITS:
-        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations)
+        quantize_grouped(model, group_size, chosen, GROUPED_BITS[scheme], fit, activations,
+                         grid)
         if not head:  # a mixture of experts' 3D expert weights, per expert
             quantize_experts(model, GROUPED_BITS[scheme], fit, group_size, activations)
         return

@@ -79,12 +79,12 @@ def run(state: State, cfg: QuantizeConfig, ctx: StageContext) -> State:
     rounded = rounding_of(cfg.activations)
     try:
         quantize_weights(model, cfg.scheme, cfg.group_size, head,
-                         activations=rounded or "float32")
+                         activations=rounded or "float32", grid=cfg.grid)
     except ValueError as exc:  # a group size that does not divide a Linear's inputs, or
         # a Linear that is not 2:4 under a 2:4 scheme
         raise CompressError(f"{exc}") from None
     facts = {**(source.causal_lm_facts or {}), "scheme": cfg.scheme, "dtype": dtype,
-             "group_size": cfg.group_size, "head_scheme": head}
+             "group_size": cfg.group_size, "head_scheme": head, "grid": cfg.grid}
     if rounded:
         facts["activations"] = rounded
     bundle = ModelBundle(model.eval(), "causal-lm", [], tokenizer=source.tokenizer,

@@ -1,0 +1,150 @@
+"""Issue 76 items 1-2 in-process: a causal LM written as a GGUF (`export.gguf.write_gguf`) and
+read back with the `gguf` package's own reader and dequantizer holds the model's weights:
+exactly for int8 groups fitted on llama.cpp's grid (`grid: gguf`), for int4 groups (Q4_1
+is their grid) and for float weights; int8 groups on the free grid are re-rounded and the
+error reported is the error read back. Query and key rows are in llama.cpp's order, a
+pruned model's per-layer widths are arrays, the tokenizer goes whole into the metadata,
+and what llama.cpp cannot hold is one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.integration  # the reader walks SmolLM2's 49,152 tokens each time
+
+from export.gguf import GgufError, permuted, write_gguf  # noqa: E402
+from serve.causal_lm.runtime.grouped import GroupedEmbedding, GroupedLinear  # noqa: E402
+from serve.causal_lm.runtime.loading import quantize_weights  # noqa: E402
+
+NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+         "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def model_of(folder: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(folder).eval(),
+            AutoTokenizer.from_pretrained(folder))
+
+
+def weights_of(module) -> np.ndarray:
+    table = module.table if isinstance(module, GroupedEmbedding) else module
+    if isinstance(table, GroupedLinear):
+        return table.dequantize().numpy()
+    return module.weight.detach().float().numpy()
+
+
+def read_back(path: Path, model) -> tuple[float, dict]:
+    """The largest |file - model| over every tensor, and the reader's fields."""
+    reader = gguf.GGUFReader(str(path))
+    config = model.config
+    head_size = config.hidden_size // config.num_attention_heads
+    worst = 0.0
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name == "token_embd.weight":
+            module = model.model.embed_tokens
+        elif name == "output.weight":
+            module = model.lm_head
+        elif name == "output_norm.weight":
+            module = model.model.norm
+        else:
+            _, index, short, _ = name.split(".")
+            module = model.model.layers[int(index)].get_submodule(NAMES[short])
+        want = weights_of(module)
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            want = permuted(want, want.shape[0] // head_size)
+        got = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(want.shape)
+        worst = max(worst, float(np.abs(got - want).max()))
+    return worst, reader.fields
+
+
+@pytest.mark.parametrize(("scheme", "grid", "types"), [
+    ("int8_grouped", "gguf", "F32 5, Q8_0 16"),
+    ("int4_grouped", "gguf", "F32 5, Q4_1 14, Q8_0 2"),
+    (None, None, "F32 21"),
+])
+def test_weights_on_llama_cpps_grids_are_written_exactly(
+        smol_tokenizer_llama_folder: Path, tmp_path: Path, scheme, grid, types) -> None:
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    if scheme:
+        quantize_weights(model, scheme, 32, grid=grid)
+    written = write_gguf(model, tokenizer, tmp_path / "m.gguf", scheme, "tiny")
+    assert written.facts()["gguf_tensor_types"] == types
+    assert written.rerounded == 0 and written.max_rounding == 0.0
+    worst, fields = read_back(tmp_path / "m.gguf", model)
+    assert worst == 0.0
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["llama.attention.head_count"].contents() == 4
+    assert fields["llama.attention.head_count_kv"].contents() == 2
+    assert fields["general.file_type"].contents() == {"int8_grouped": 7, "int4_grouped": 3,
+                                                      None: 0}[scheme]
+    assert not (tmp_path / ".m.gguf.tmp").exists()
+
+
+def test_off_grid_int8_groups_are_rerounded_and_the_error_reported(
+        smol_tokenizer_llama_folder: Path, tmp_path: Path) -> None:
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    quantize_weights(model, "int8_grouped", 32)  # the free grid: affine groups, fp32 scales
+    written = write_gguf(model, tokenizer, tmp_path / "m.gguf", "int8_grouped", "tiny")
+    assert written.rerounded > written.groups // 2
+    worst, _ = read_back(tmp_path / "m.gguf", model)
+    assert 0 < worst == pytest.approx(written.max_rounding, rel=1e-6)
+    assert worst < 0.01  # half a Q8_0 step of these weights at most
+
+
+def test_the_tokenizer_and_chat_template_go_into_the_metadata(
+        smol_tokenizer_llama_folder: Path, tmp_path: Path) -> None:
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", None, "tiny")
+    fields = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == model.config.vocab_size
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert len(fields["tokenizer.ggml.merges"].data) > 40_000  # SmolLM2's BPE merges
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == tokenizer.eos_token_id
+    assert "im_start" in fields["tokenizer.chat_template"].contents()
+    assert tokens.contents(tokenizer.eos_token_id) == tokenizer.eos_token
+
+
+def test_a_pruned_models_widths_are_per_layer(smol_tokenizer_llama_folder: Path,
+                                              tmp_path: Path) -> None:
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    mlp = model.model.layers[1].mlp
+    keep = 32  # of 64 neurons
+    for name in ("gate_proj", "up_proj"):
+        old = getattr(mlp, name)
+        new = torch.nn.Linear(old.in_features, keep, bias=False)
+        new.weight.data = old.weight.data[:keep].clone()
+        setattr(mlp, name, new)
+    down = torch.nn.Linear(keep, mlp.down_proj.out_features, bias=False)
+    down.weight.data = mlp.down_proj.weight.data[:, :keep].clone()
+    mlp.down_proj = down
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", None, "tiny")
+    worst, fields = read_back(tmp_path / "m.gguf", model)
+    assert worst == 0.0
+    assert fields["llama.feed_forward_length"].contents() == [64, 32]
+    assert fields["llama.attention.head_count"].contents() == 4  # the same in every layer
+
+
+def test_what_llama_cpp_cannot_hold_is_one_line(smol_tokenizer_llama_folder: Path,
+                                                tmp_path: Path) -> None:
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    for name, linear in model.named_modules():  # 2:4: two of every four inputs zero
+        if isinstance(linear, torch.nn.Linear) and name != "lm_head":
+            linear.weight.data.view(-1, 4)[:, 2:] = 0
+    quantize_weights(model, "int8_sparse24", 32)
+    with pytest.raises(GgufError, match="llama.cpp cannot hold.*2:4 sparse"):
+        write_gguf(model, tokenizer, tmp_path / "m.gguf", "int8_sparse24", "tiny")
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    with pytest.raises(GgufError, match="GGUF export writes the Llama architecture"):
+        write_gguf(model, tokenizer, tmp_path / "m.gguf", None, "tiny")
+    assert not list(tmp_path.iterdir())  # nothing half-written

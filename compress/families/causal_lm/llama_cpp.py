@@ -39,7 +39,8 @@ from export.gguf import GgufError, write_gguf
 LOGIT_POSITIONS = 100
 PARITY_TEXTS = 16  # eval texts llama.cpp and the model both score
 MAX_PERPLEXITY_CHANGE_PCT = 1.0
-LLAMA_VENV_PYTHON = Path("~/.cache/compress/llama-venv/bin/python").expanduser()
+LLAMA_VENV = Path("~/.cache/compress/llama-venv").expanduser()
+LLAMA_VENV_READY = ".compress-llama-ready"  # written by llama_env.py once the install is done
 
 
 def llama_python() -> str | None:
@@ -48,7 +49,8 @@ def llama_python() -> str | None:
         return os.environ["COMPRESS_LLAMA_PYTHON"]
     if importlib.util.find_spec("llama_cpp") is not None:
         return sys.executable
-    return str(LLAMA_VENV_PYTHON) if LLAMA_VENV_PYTHON.is_file() else None
+    finished = (LLAMA_VENV / LLAMA_VENV_READY).is_file()
+    return str(LLAMA_VENV / "bin" / "python") if finished else None
 
 
 def modelfile(gguf_name: str, tokenizer: Any) -> str:
@@ -125,11 +127,7 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     can be run, record it; the model goes on unchanged."""
     bundle = state.bundle
     facts = bundle.causal_lm_facts or {}
-    scheme = facts.get("scheme")
-    if scheme not in (None, "int8_grouped", "int4_grouped"):
-        raise UserError(f"stages.{ctx.index}.format: gguf holds float, int8_grouped (Q8_0) "
-                        f"and int4_grouped (Q4_1) weights, not {scheme}; quantize with one of "
-                        "those, or export format transformers")
+    scheme = facts.get("scheme")  # one GGUF holds (GGUF_SCHEMES: checked with the recipe)
     final = ctx.folder / GGUF_FORMAT
     path = final / f"{ctx.recipe.name}.gguf"
     from compress.recipe.sources import shipped_gguf

@@ -11,9 +11,13 @@ Q4_0 (llama.cpp's fastest 4-bit file). From the repository root:
         --repeats 1 --compile none                                               # a smoke run
     python -m benchmarks.causal_lm.peers --no-llama --variants float,int4        # no llama.cpp
     python -m benchmarks.causal_lm.peers --zentorch                              # and zentorch's
+    python -m benchmarks.causal_lm.peers --ours-gguf runs/llm_gguf/03-export/gguf/llm_gguf.gguf
     python -m benchmarks.causal_lm.peers --no-llama --variants float \
         --pruned runs/llm_sparse24/00-prune/model                                # 2:4 rows
 
+`--ours-gguf FILE` adds llama.cpp rows on GGUFs compress exported (stage `export`, format
+gguf: the chain's model, distilled, pruned or quantized), beside llama.cpp on the plain
+conversions of the unchanged model.
 `--pruned FOLDER` adds rows of one 2:4-pruned float model (a prune stage's `model/` folder):
 its `--pruned-variants` (int8_grouped, int4_grouped, int8_sparse24, int4_sparse24), so each
 2:4 kernel is timed against the dense grouped kernel on the same pruned weights. `--moe
@@ -115,6 +119,11 @@ def llama_items(gguf: Path, args: argparse.Namespace) -> tuple[list[dict[str, An
         items.append({"name": f"llama.cpp {quant}", "runtime": "llama.cpp", "weights": quant,
                       "file": str(files[quant]), "python": str(env.python_of(venv)),
                       "rounds": [], **env.gguf_bytes_per_token(files[quant])})
+    for ours in args.ours_gguf:  # llama.cpp on compress's export: the chain's model
+        items.append({"name": f"llama.cpp ours {ours.stem}", "runtime": "llama.cpp",
+                      "weights": f"compress export {ours.name}", "file": str(ours),
+                      "python": str(env.python_of(venv)), "rounds": [],
+                      **env.gguf_bytes_per_token(ours)})
     return items, facts
 
 
@@ -179,6 +188,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"the rows of --moe, comma-separated ({','.join(MOE)})")
     parser.add_argument("--quants", default=",".join(QUANTS),
                         help=f"llama.cpp's files, comma-separated ({','.join(QUANTS)})")
+    parser.add_argument("--ours-gguf", default="", metavar="FILES",
+                        help="GGUF files compress exported (an export stage's format gguf), "
+                        "comma-separated: llama.cpp rows on each, beside its rows on the "
+                        "plain conversions")
     parser.add_argument("--no-llama", action="store_true", help="compress's rows alone")
     parser.add_argument("--zentorch", nargs="?", const="fp32,bf16", metavar="DTYPES",
                         help="AMD zentorch rows in its own environment (fp32,bf16)")
@@ -213,6 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         setattr(args, f"{option}_variants", [v for v in chosen.split(",") if v]
                 if getattr(args, option) else [])
     args.quants = [] if args.no_llama else [q for q in args.quants.split(",") if q]
+    args.ours_gguf = [Path(f) for f in args.ours_gguf.split(",") if f]
+    if args.ours_gguf and args.no_llama:
+        parser.error("--ours-gguf runs llama.cpp: drop --no-llama")
     try:
         args.zentorch = zenv.parse_dtypes(args.zentorch)
     except zenv.ZentorchError as exc:
@@ -236,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                             "stage's model folder, e.g. runs/llm_sparse24/00-prune/model")
     problems += [f"unknown llama.cpp file {q!r} (known: {', '.join(QUANTS)})"
                  for q in args.quants if q not in QUANTS]
+    problems += [f"{f}: no such GGUF file (--ours-gguf: an export stage's "
+                 "<stage>/gguf/<name>.gguf)" for f in args.ours_gguf if not f.is_file()]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if problems:
@@ -251,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, gguf: Path, inputs_path: Path) -> int:
     zentorch = zenv.zentorch_items(gguf, args.zentorch, echo) if args.zentorch else []
     inputs = make_inputs(gguf, args, inputs_path)
-    items, facts = llama_items(gguf, args) if args.quants else ([], {})
+    items, facts = llama_items(gguf, args) if args.quants or args.ours_gguf else ([], {})
     for name in args.variants:
         items.append({"name": f"compress {name}", "runtime": "compress", "weights": name,
                       "source": str(gguf), "variant": LABELS[name], "rounds": []})

@@ -356,3 +356,14 @@ def test_ttft_goes_through_the_prefill_a_served_archive_builds_by_default(monkey
     assert peers_llm.served_prefill("none", "aoti").startswith("eager")
     assert peers_llm.served_prefill("max-autotune", "cpp").startswith("eager")
     assert peers_llm.parse_args(["--ttft-compiled"]).ttft_compiled is True
+
+
+def test_ours_gguf_names_llama_cpp_rows_on_compress_exports(tmp_path: Path, capsys) -> None:
+    """--ours-gguf: a missing file is one error line (exit 2), and it needs llama.cpp."""
+    assert peers_llm.main(["--ours-gguf", str(tmp_path / "none.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "none.gguf: no such GGUF file (--ours-gguf" in err
+    with pytest.raises(SystemExit):
+        peers_llm.parse_args(["--ours-gguf", "a.gguf", "--no-llama"])
+    args = peers_llm.parse_args(["--ours-gguf", "a.gguf,b.gguf"])
+    assert args.ours_gguf == [Path("a.gguf"), Path("b.gguf")]

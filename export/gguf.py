@@ -127,6 +127,14 @@ def q4_1_blocks(module: GroupedLinear, written: Written) -> np.ndarray:
     return out.reshape(rows, blocks * (4 + BLOCK // 2))
 
 
+def float_weights(module: nn.Module) -> np.ndarray:
+    """A linear's or embedding's float32 weight values (grouped ones dequantized)."""
+    table = module.table if isinstance(module, GroupedEmbedding) else module
+    if isinstance(table, GroupedLinear):
+        return table.dequantize().numpy()
+    return module.weight.detach().float().numpy()
+
+
 def permuted(rows: np.ndarray | torch.Tensor, heads: int) -> Any:
     """Query or key rows (heads x head size, then anything per row) in llama.cpp's order:
     each head's two halves interleaved (transformers rotates halves, llama.cpp pairs)."""
@@ -289,13 +297,11 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: Path, scheme: str | None,
             written.types[tensor] = "F32"
     add("output_norm.weight", model.model.norm.weight.detach().float().numpy(), None)
     written.types["output_norm.weight"] = "F32"
-    head = model.lm_head
-    embed = model.model.embed_tokens
-    tied = bool(getattr(config, "tie_word_embeddings", False)) and (
-        head.weight is getattr(embed, "weight", None)
-        or isinstance(embed, GroupedEmbedding))
-    if not tied:
+    head, embed = model.lm_head, model.model.embed_tokens
+    if not (getattr(config, "tie_word_embeddings", False)
+            and np.array_equal(float_weights(head), float_weights(embed))):
         add("output.weight", *weight_tensor(head, "output.weight", written))
+    # else llama.cpp reads the embedding as the head, as the source model did
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

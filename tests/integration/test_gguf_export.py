@@ -17,8 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.integration  # the reader walks SmolLM2's 49,152 tokens each time
 
-from export.gguf import GgufError, permuted, write_gguf  # noqa: E402
-from serve.causal_lm.runtime.grouped import GroupedEmbedding, GroupedLinear  # noqa: E402
+from export.gguf import GgufError, float_weights, permuted, write_gguf  # noqa: E402
 from serve.causal_lm.runtime.loading import quantize_weights  # noqa: E402
 
 NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -32,13 +31,6 @@ def model_of(folder: Path):
 
     return (AutoModelForCausalLM.from_pretrained(folder).eval(),
             AutoTokenizer.from_pretrained(folder))
-
-
-def weights_of(module) -> np.ndarray:
-    table = module.table if isinstance(module, GroupedEmbedding) else module
-    if isinstance(table, GroupedLinear):
-        return table.dequantize().numpy()
-    return module.weight.detach().float().numpy()
 
 
 def read_back(path: Path, model) -> tuple[float, dict]:
@@ -58,7 +50,7 @@ def read_back(path: Path, model) -> tuple[float, dict]:
         else:
             _, index, short, _ = name.split(".")
             module = model.model.layers[int(index)].get_submodule(NAMES[short])
-        want = weights_of(module)
+        want = float_weights(module)
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             want = permuted(want, want.shape[0] // head_size)
         got = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(want.shape)
@@ -98,6 +90,18 @@ def test_off_grid_int8_groups_are_rerounded_and_the_error_reported(
     worst, _ = read_back(tmp_path / "m.gguf", model)
     assert 0 < worst == pytest.approx(written.max_rounding, rel=1e-6)
     assert worst < 0.01  # half a Q8_0 step of these weights at most
+
+
+def test_a_tied_head_is_the_embedding_as_in_the_source(smol_tokenizer_llama_folder: Path,
+                                                       tmp_path: Path) -> None:
+    model, tokenizer = model_of(smol_tokenizer_llama_folder)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    quantize_weights(model, "int8_grouped", 32, grid="gguf")  # unties, fits both alike
+    written = write_gguf(model, tokenizer, tmp_path / "m.gguf", "int8_grouped", "tiny")
+    assert "output.weight" not in written.types and written.rerounded == 0
+    worst, _ = read_back(tmp_path / "m.gguf", model)
+    assert worst == 0.0
 
 
 def test_the_tokenizer_and_chat_template_go_into_the_metadata(

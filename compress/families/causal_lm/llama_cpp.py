@@ -2,15 +2,19 @@
 (`export.gguf`), an Ollama `Modelfile` beside it, and llama.cpp's own reading of the file held
 against the model.
 
-Parity, where a Python with llama-cpp-python is at hand (`COMPRESS_LLAMA_PYTHON`, else this
-interpreter when it has it, else the environment `benchmarks/causal_lm/llama_env.py` builds in
+Parity, like for like: the model's grouped layers score with their activations rounded to
+int8 per block of 32 (the kernels' int8 mode), as llama.cpp's Q8_0 and Q4_1 products round
+them; a float model scores in float32, as llama.cpp's F32 file does. Where a Python with
+llama-cpp-python is at hand (`COMPRESS_LLAMA_PYTHON`, else this interpreter when it has it,
+else the environment `benchmarks/causal_lm/llama_env.py` builds in
 `~/.cache/compress/llama-venv`): llama.cpp loads the file and evaluates the eval texts; its
 logits on the first `LOGIT_POSITIONS` positions are compared with the model's (max abs
-difference, top-1 agreement: llama.cpp rounds activations to int8 in its Q8_0 and Q4_1
-products, so agreement, not equality), and its perplexity on the same texts with the model's
-(`max_perplexity_change_pct`, default 1%). Without llama-cpp-python the stage says so in its
-metrics and log (the file is still checked by reading it back: every tensor's values are the
-model's, exactly where the weights were on llama.cpp's grids).
+difference, top-1 agreement: the two round and sum in different orders, so agreement, not
+equality), and its perplexity on the same texts with the model's
+(more than `MAX_PERPLEXITY_CHANGE_PCT`, 1%, fails the stage). Without llama-cpp-python
+the stage says so in its metrics and log (the tests check files by reading them back:
+every tensor's values are the model's, exactly where the weights were on llama.cpp's
+grids).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,7 @@ from compress.runfolder.records import artifact_record
 from compress.stages.context import StageContext, State
 from export import gguf_llama
 from export.gguf import GgufError, write_gguf
+from serve.causal_lm.runtime.grouped import GroupedLinear
 
 LOGIT_POSITIONS = 100
 PARITY_TEXTS = 16  # eval texts llama.cpp and the model both score
@@ -78,6 +85,22 @@ def llama_scores(python: str, path: Path, sequences: list[list[int]], threads: i
     return logits, answer["nll"], answer["tokens"], answer["llama_cpp"]
 
 
+@contextmanager
+def llama_rounding(model: torch.nn.Module) -> Iterator[str]:
+    """The model's grouped layers rounding activations as llama.cpp's Q8_0 / Q4_1 products
+    do (int8 per block of 32: the grouped kernels' int8 mode) while in the block; its mode
+    ("int8", or "float32" for a model without grouped layers, as llama.cpp's F32 file)."""
+    grouped = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    before = [m.activations for m in grouped]
+    for module in grouped:
+        module.activations = "int8"
+    try:
+        yield "int8" if grouped else "float32"
+    finally:
+        for module, mode in zip(grouped, before, strict=True):
+            module.activations = mode
+
+
 @torch.inference_mode()
 def model_scores(model: torch.nn.Module, sequences: list[list[int]]
                  ) -> tuple[np.ndarray, list[float]]:
@@ -108,13 +131,14 @@ def parity(bundle: ModelBundle, path: Path, texts: list[str], threads: int,
     sequences = [s for s in sequences if len(s) > 1]
     log(f"parity: llama.cpp and the model score {len(sequences)} eval texts")
     theirs, their_nll, counts, version = llama_scores(python, path, sequences, threads)
-    ours, our_nll = model_scores(bundle.model.eval(), sequences)
+    with llama_rounding(bundle.model.eval()) as mode:  # like for like: llama.cpp's rounding
+        ours, our_nll = model_scores(bundle.model, sequences)
     rows = min(len(ours), len(theirs))
     ours, theirs = ours[:rows], theirs[:rows]
     tokens = sum(counts)
     our_ppl, their_ppl = math.exp(sum(our_nll) / tokens), math.exp(sum(their_nll) / tokens)
     return {"gguf_parity": "llama.cpp", "gguf_llama_cpp_python": version,
-            "gguf_logit_positions": rows,
+            "gguf_logit_positions": rows, "gguf_source_activations": mode,
             "gguf_logit_max_abs_diff": round(float(np.abs(ours - theirs).max()), 6),
             "gguf_top1_agreement": round(float((ours.argmax(-1) == theirs.argmax(-1)).mean()), 6),
             "gguf_perplexity": round(their_ppl, 4), "gguf_source_perplexity": round(our_ppl, 4),

@@ -26,6 +26,7 @@ RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTIn
             "gguf": "llama.cpp (GGUF)", "executorch": "ExecuTorch (XNNPACK)"}
 CAUSAL_LM_FORMAT = "transformers"  # a causal LM's folder with its runtime
 GGUF_FORMAT = "gguf"  # a causal LM as one GGUF file, for llama.cpp and Ollama
+GGUF_SCHEMES = (None, "int8_grouped", "int4_grouped")  # float, Q8_0, Q4_1
 # every option a causal-LM export accepts (the rest are a classifier's)
 CAUSAL_LM_EXPORT_OPTIONS = ("kind", "name", "format", "source", "min_agreement",
                             "parity_samples", *PARALLEL, "tolerance")
@@ -179,6 +180,14 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     from compress.recipe.chain import chain_precision, model_chain
 
     stage = recipe.stages[i]
+    if stage.format == GGUF_FORMAT:  # llama.cpp's blocks: float, Q8_0, Q4_1
+        schemes = [getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)]
+        scheme = next((s for s in reversed(schemes) if s), None)
+        if scheme not in GGUF_SCHEMES:
+            return [f"stages.{i}.format: gguf holds float, int8_grouped (Q8_0) and "
+                    f"int4_grouped (Q4_1) weights, not {scheme}; quantize with one of those, "
+                    "or export format transformers"]
+        return []
     if chain_precision(recipe, i) != "int8" or stage.format == CAUSAL_LM_FORMAT or any(
             getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)):
         return []  # a causal LM's weight scheme: the family check speaks for it

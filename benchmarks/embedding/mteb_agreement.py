@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness.cli import exit_code
 from benchmarks.harness.provenance import header_text, shown
@@ -37,11 +38,14 @@ def stage_scores(run_dir: Path) -> tuple[list[tuple[str, dict[str, float]]], Pat
     rows += [(stage.get("name") or stage["kind"], stage.get("metrics") or {})
              for stage in manifest["stages"]]
     scored = [(name, {k: v for k, v in m.items() if k.startswith(PREFIX)}) for name, m in rows]
-    packages = [s for s in manifest["stages"] if s["kind"] == "package"]
-    if not packages:
+    def first_output(stage: dict[str, Any]) -> dict[str, Any]:
+        return (stage.get("outputs") or [{}])[0]
+
+    archives = [s for s in manifest["stages"] if first_output(s).get("path", "").endswith(".mar")]
+    if not archives:
         raise UserError(f"{run_dir}: no package stage (nothing to serve)")
-    artifact = (packages[-1].get("config") or {}).get("artifact")
-    exports = {s.get("name"): s for s in manifest["stages"] if s["kind"] == "export"}
+    artifact = (archives[-1].get("config") or {}).get("artifact")
+    exports = {s.get("name"): s for s in manifest["stages"] if first_output(s).get("export_dir")}
     if artifact not in exports:
         raise UserError(f"{run_dir}: the package stage packs {artifact!r}, which is no export "
                         "stage of this run")

@@ -25,7 +25,8 @@ from serve.runtimes import load_runtime
 
 META = "export.json"
 FORMAT_MODULES = {"torchscript": "export.torchscript", "onnx": "export.onnx",
-                  "aoti": "export.aoti", "tensorrt": "export.tensorrt"}
+                  "aoti": "export.aoti", "tensorrt": "export.tensorrt",
+                  "executorch": "export.executorch"}
 
 
 class RuntimeModel(nn.Module):

@@ -77,8 +77,36 @@ def load_tensorrt(path: Path, meta: dict[str, Any], threads: int, spinning: bool
     return run
 
 
+def load_executorch(path: Path, meta: dict[str, Any], threads: int, spinning: bool) -> Runner:
+    """The `.pte` program's `forward` in ExecuTorch's runtime (XNNPACK on `threads` threads:
+    its pool is the process's one). A batch above the program's `executorch_max_batch` runs
+    in slices; a sequence above its `executorch_max_seq` is refused in one line."""
+    try:
+        from executorch.extension.pybindings import portable_lib
+        from executorch.runtime import Runtime
+    except ImportError as exc:
+        raise ImportError(f"an executorch file needs ExecuTorch ({exc}): "
+                          "pip install 'compress-pipeline[executorch]'") from None
+    if threads and portable_lib._threadpool_get_thread_count() != threads:
+        portable_lib._unsafe_reset_threadpool(threads)  # before any call of this worker
+    method = Runtime.get().load_program(path).load_method("forward")
+    max_batch = int(meta.get("executorch_max_batch") or 0)
+    max_seq = meta.get("executorch_max_seq")
+
+    def run(*tensors: torch.Tensor) -> torch.Tensor:
+        if max_seq and tensors[0].dim() > 1 and tensors[0].shape[1] > max_seq:
+            raise RuntimeError(f"{path.name} takes sequences of at most {max_seq} tokens (its "
+                               f"export bound), got {tensors[0].shape[1]}; truncate the input")
+        step = max_batch or len(tensors[0])
+        outs = [method.execute([t[i:i + step].contiguous() for t in tensors])[0].clone()
+                for i in range(0, len(tensors[0]), step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    return run
+
+
 LOADERS = {"torchscript": load_torchscript, "aoti": load_aoti, "onnx": load_onnx,
-           "tensorrt": load_tensorrt}
+           "tensorrt": load_tensorrt, "executorch": load_executorch}
 
 
 def load_runtime(folder: Path, meta: dict[str, Any], threads: int,

@@ -11,7 +11,8 @@ from compress.data.datasets import Examples, iterate
 from compress.errors import ParityError
 from compress.measure.evaluate import classification_metrics, logits_of
 
-LOSSLESS_TOLERANCE = {"torchscript": 1e-5, "onnx": 1e-4, "aoti": 1e-4, "tensorrt": 1e-3}
+LOSSLESS_TOLERANCE = {"torchscript": 1e-5, "onnx": 1e-4, "aoti": 1e-4, "tensorrt": 1e-3,
+                      "executorch": 1e-4}
 LOSSLESS_AGREEMENT = 0.995
 QUANTIZING_AGREEMENT = 0.90  # int8 flips borderline examples both ways; accuracy decides
 QUANTIZING_MAX_DROP = 1.5  # points of accuracy an export that quantizes may lose

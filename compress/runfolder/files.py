@@ -19,8 +19,8 @@ from typing import Any
 from compress.errors import UserError
 
 LIBRARIES = ("torch", "torchao", "transformers", "tokenizers", "onnx", "onnxruntime",
-             "torchserve", "torch-model-archiver", "torch-tensorrt", "pydantic", "numpy",
-             "scikit-learn", "compress")
+             "torchserve", "torch-model-archiver", "torch-tensorrt", "executorch", "pydantic",
+             "numpy", "scikit-learn", "compress")
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
              "amx_int8")
 

@@ -21,6 +21,7 @@ from compress.recipe.registry import StageSpec, register
 ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
 AOTI_ONLY = ("autocast", "attention")
+EXECUTORCH_ONLY = ("quantize",)  # XNNPACK's int8
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (causal_lm.runtime)",
             "gguf": "llama.cpp (GGUF)", "executorch": "ExecuTorch (XNNPACK)"}
@@ -102,7 +103,9 @@ class ExportConfig(StrictModel):
         "transformer optimizer.")
     quantize: Literal["dynamic", "static"] | None = Field(
         None, description="ONNX: int8 with ONNX Runtime (dynamic, or static QDQ calibrated "
-        "on the calibration split).")
+        "on the calibration split). ExecuTorch: XNNPACK's int8 of the linear layers, "
+        "weights per channel; static calibrates their activation scales (those fed by a "
+        "GELU: dynamic), dynamic takes them at each call.")
     keep_float: list[str] = Field(
         default_factory=list, description="ONNX Runtime int8: module name patterns (fnmatch) "
         "whose MatMul and Gemm nodes stay in float.")
@@ -130,15 +133,17 @@ class ExportConfig(StrictModel):
         """Whether the export itself changes the precision (its logits cannot match)."""
         return (self.format == "onnx" and self.quantize is not None) or (
             self.format == "tensorrt" and self.precision != "fp32") or (
-            self.format == "aoti" and (self.autocast is not None or self.attention != "sdpa"))
+            self.format == "aoti" and (self.autocast is not None or self.attention != "sdpa")) or (
+            self.format == "executorch" and self.quantize is not None)
 
     @model_validator(mode="after")
     def _options_fit_the_format(self) -> ExportConfig:
-        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY, "aoti": AOTI_ONLY}.get(
-            self.format, ())
+        own = {"onnx": ONNX_ONLY, "tensorrt": TENSORRT_ONLY, "aoti": AOTI_ONLY,
+               "executorch": EXECUTORCH_ONLY}.get(self.format, ())
         stray = [k for k in (*ONNX_ONLY, *TENSORRT_ONLY, *AOTI_ONLY, "calibration")
                  if k in self.model_fields_set and k not in own
-                 and not (k == "calibration" and self.format in ("onnx", "tensorrt"))]
+                 and not (k == "calibration"
+                          and self.format in ("onnx", "tensorrt", "executorch"))]
         if stray:
             raise ValueError(f"{', '.join(stray)} do not apply to format {self.format}")
         if self.keep_float and not self.quantize:
@@ -151,7 +156,7 @@ class ExportConfig(StrictModel):
 
 
 def _splits(cfg: ExportConfig) -> tuple[str, ...]:
-    calibrated = (cfg.format == "onnx" and cfg.quantize == "static") or (
+    calibrated = (cfg.format in ("onnx", "executorch") and cfg.quantize == "static") or (
         cfg.format == "tensorrt" and cfg.precision == "int8")
     return ("eval", "calibration") if calibrated else ("eval",)
 
@@ -160,14 +165,14 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
     fmt = config.get("format") or metrics.get("runtime") or "?"
     extra = {"onnx": f" int8 {config['quantize']}" if config.get("quantize") else "",
              "tensorrt": f" {config.get('precision', 'fp32')}",
-             "aoti": f" {config['autocast']} autocast" if config.get("autocast") else ""
-             }.get(fmt, "")
+             "aoti": f" {config['autocast']} autocast" if config.get("autocast") else "",
+             "executorch": " int8" if config.get("quantize") else ""}.get(fmt, "")
     return RUNTIMES.get(fmt, fmt) + extra
 
 
 def _file_precision(cfg: ExportConfig) -> str | None:
     """The precision of the written file when the export itself changes it."""
-    if cfg.format == "onnx" and cfg.quantize:
+    if cfg.format in ("onnx", "executorch") and cfg.quantize:
         return "int8"
     if cfg.format == "aoti" and cfg.autocast:
         return cfg.autocast
@@ -198,6 +203,10 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     if stage.format == "tensorrt":
         return [f"stages.{i}.format: tensorrt takes a float model; set source to a stage "
                 f"before the quantize stage"]
+    if stage.format == "executorch":
+        return [f"stages.{i}.format: executorch cannot hold the PT2E int8 model (quantized "
+                f"for x86) it would export; set source to a stage before the quantize stage "
+                f"and quantize: static for XNNPACK's own int8, or use format aoti"]
     return []
 
 

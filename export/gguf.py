@@ -88,20 +88,19 @@ def q8_0_blocks(module: GroupedLinear | None, weight: torch.Tensor | None,
         values = values.reshape(values.shape[0], -1, BLOCK)
         codes, scale = None, None
         on_grid = torch.zeros(values.shape[:2], dtype=torch.bool)
-    amax = values.abs().amax(-1)
-    fresh_scale = (amax / 127).half().float()
-    safe = torch.where(fresh_scale > 0, fresh_scale, torch.ones_like(fresh_scale))
-    fresh = torch.round(values / safe[..., None]).clamp(-127, 127)
+    rows_, cols = values.shape[0], values.shape[1] * BLOCK
+    fresh, fresh_scale, _ = fit_groups(values.reshape(rows_, cols), BLOCK, 8, "gguf")
+    fresh = fresh.view(values.shape)  # llama.cpp's rounding of each group
     if codes is None:
-        codes, scale = fresh.to(torch.int8), fresh_scale
+        codes, scale = fresh, fresh_scale
     else:
-        codes = torch.where(on_grid[..., None], codes, fresh.to(torch.int8))
+        codes = torch.where(on_grid[..., None], codes, fresh)
         scale = torch.where(on_grid, scale, fresh_scale)
     off = ~on_grid
     written.groups += on_grid.numel()
     written.rerounded += int(off.sum())
     if off.any():
-        change = (fresh * fresh_scale[..., None] - values).abs()[off]
+        change = (fresh.float() * fresh_scale[..., None] - values).abs()[off]
         written.max_rounding = max(written.max_rounding, float(change.max()))
     rows, blocks = scale.shape
     out = np.empty((rows, blocks, 2 + BLOCK), dtype=np.uint8)
@@ -155,8 +154,7 @@ def weight_tensor(module: nn.Module, name: str, written: Written, heads: int | N
             data, kind = q4_1_blocks(table, written), types.Q4_1
         else:
             data, kind = q8_0_blocks(table, None, written), types.Q8_0
-    elif isinstance(module, nn.Linear | nn.Embedding) and type(module) in (nn.Linear,
-                                                                            nn.Embedding):
+    elif type(module) in (nn.Linear, nn.Embedding):
         data, kind = module.weight.detach().float().numpy(), None
     else:
         raise GgufError(f"{name}: a {type(module).__name__}, which llama.cpp cannot hold (a "
@@ -308,17 +306,3 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: Path, scheme: str | None,
     writer.close()
     partial.replace(path)
     return written
-
-
-def refit_for_gguf(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scale, offset) of a float weight on Q8_0's grid (symmetric, an fp16 scale
-    per 32 inputs): what `grid: gguf` keeps, so the GGUF holds the weight exactly."""
-    rows, cols = weight.shape
-    groups = weight.float().reshape(rows, cols // BLOCK, BLOCK)
-    scale = (groups.abs().amax(-1) / 127).half().float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8)
-    return codes.reshape(rows, cols), scale, torch.zeros_like(scale)
-
-
-__all__ = ["GgufError", "Written", "fit_groups", "refit_for_gguf", "write_gguf"]

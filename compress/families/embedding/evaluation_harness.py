@@ -24,6 +24,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,14 +52,15 @@ class Embedder(Protocol):
 class ServedReading:
     """Texts read as the served handler reads them (`serve.embedding.requests.Reader`: the
     prompt of the input type, truncation at max_seq_length tokens), run in passes of similar
-    length and cut at the width an answer has: a subclass says how a pass runs."""
+    length and cut at the width an answer has; `forward` runs one pass (positional input
+    tensors in the order of `names`)."""
 
     name = "model"
     buckets = True  # passes of similar length (a packed file: one pass)
 
     def __init__(self, tokenizer: Any, names: list[str], facts: dict[str, Any],
-                 max_tokens: int) -> None:
-        self.tokenizer, self.names = tokenizer, list(names)
+                 max_tokens: int, forward: Callable[..., Any]) -> None:
+        self.tokenizer, self.names, self.forward = tokenizer, list(names), forward
         self.normalize = bool(facts.get("normalize"))
         facts = {**facts, "dimensions": facts.get("dimensions") or 1 << 30}
         self.reader = Reader(tokenizer, self.names,
@@ -72,12 +74,9 @@ class ServedReading:
     @torch.inference_mode()
     def run_padded(self, rows: list[Any]) -> list[torch.Tensor]:
         inputs = padded(rows, self.tokenizer.pad_token_id or 0, self.names)
-        out = self.forward(inputs)
+        out = self.forward(*inputs)
         out = out[0] if isinstance(out, list | tuple) else out
         return list(out.float())
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        raise NotImplementedError
 
 
 class ExportEmbedder(ServedReading):
@@ -94,14 +93,10 @@ class ExportEmbedder(ServedReading):
             raise ValueError(f"{folder}: not an embedding export (its {META} has no "
                              "embedding block); export an embedding recipe's model")
         loaded = load_export(folder, threads)
-        self.run = loaded.model.run
         max_tokens = int(facts.get("max_seq_length") or loaded.tokenizer.model_max_length)
-        super().__init__(loaded.tokenizer, meta["inputs"], facts, max_tokens)
+        super().__init__(loaded.tokenizer, meta["inputs"], facts, max_tokens, loaded.model.run)
         self.name = folder.name
         self.buckets = not meta.get("aoti_packed")
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        return self.run(*inputs)
 
 
 class EndpointEmbedder:
@@ -140,11 +135,11 @@ class ModuleEmbedder(ServedReading):
                  name: str = "model") -> None:
         from compress.measure.evaluate import logits_of
 
-        super().__init__(bundle.tokenizer, list(TEXT_INPUTS), facts, max_tokens)
-        self.model, self.logits_of, self.name = bundle.model.eval(), logits_of, name
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        return self.logits_of(self.model, dict(zip(self.names, inputs, strict=True)))
+        model = bundle.model.eval()
+        super().__init__(bundle.tokenizer, list(TEXT_INPUTS), facts, max_tokens,
+                         lambda *inputs: logits_of(model, dict(zip(TEXT_INPUTS, inputs,
+                                                                   strict=True))))
+        self.name = name
 
 
 class MtebEncoder:

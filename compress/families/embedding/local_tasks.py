@@ -61,13 +61,21 @@ def sst2_split(split: str) -> list[dict[str, Any]]:
 
 
 class LimitedTask:
-    """A local task that may be shrunk to the first `limit` validation sentences."""
+    """A local task that may be shrunk to the first `limit` validation sentences; each one
+    says its dataset (`splits`)."""
 
     limit: int | None = None
 
     def validation(self) -> list[dict[str, Any]]:
         rows = sst2_split("validation")
         return rows[:self.limit] if self.limit else rows
+
+    def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
+        """MTEB's hook: the task's dataset, in MTEB's layout for its type (each task's
+        `splits`), read once."""
+        if not self.data_loaded:
+            self.dataset = self.splits()  # type: ignore[attr-defined]
+            self.data_loaded = True
 
 
 class SST2LocalClassification(LimitedTask, AbsTaskClassification):
@@ -80,13 +88,9 @@ class SST2LocalClassification(LimitedTask, AbsTaskClassification):
     samples_per_label = SAMPLES_PER_LABEL
     n_experiments = EXPERIMENTS
 
-    def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
-        if self.data_loaded:
-            return
+    def splits(self) -> DatasetDict:
         pool = seeded_subset(sst2_split("train"), TRAIN_POOL, SEED)
-        self.dataset = DatasetDict({
-            "train": table(pool), "validation": table(self.validation())})
-        self.data_loaded = True
+        return DatasetDict({"train": table(pool), "validation": table(self.validation())})
 
 
 class SST2KnownItemRetrieval(LimitedTask, AbsTaskRetrieval):
@@ -97,9 +101,7 @@ class SST2KnownItemRetrieval(LimitedTask, AbsTaskRetrieval):
         type="Retrieval", main_score="ndcg_at_10", task_subtypes=["Article retrieval"],
         **_COMMON)
 
-    def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
-        if self.data_loaded:
-            return
+    def splits(self) -> dict[str, dict[str, RetrievalSplitData]]:
         sentences = [str(row["sentence"]) for row in self.validation()]
         queries = known_item_queries(sentences)
         split = RetrievalSplitData(
@@ -109,8 +111,7 @@ class SST2KnownItemRetrieval(LimitedTask, AbsTaskRetrieval):
                                        "text": [query for query, _ in queries]}),
             relevant_docs={f"q{i}": {f"s{i}": 1} for _, i in queries},
             top_ranked=None)
-        self.dataset = {"default": {"validation": split}}
-        self.data_loaded = True
+        return {"default": {"validation": split}}
 
 
 def table(rows: list[dict[str, Any]]) -> Dataset:

@@ -2,7 +2,8 @@
 # Every GPU path of compress in one short run (at most 8 minutes on one GPU), for the rare
 # machine with a CUDA GPU: the GPU test tier (tests/gpu: CUDA latency, bf16 autocast
 # training, NCCL collectives timed by CUDA events, TensorRT fp16 export and parity, 2:4
-# semi-structured Linears), then 2:4 sparse against dense fp16 (`python -m
+# semi-structured Linears, vLLM loading a compressed-tensors export where vllm is installed
+# or carried in .whl/), then 2:4 sparse against dense fp16 (`python -m
 # benchmarks.gpu.sparse24`, writing benchmarks/results/sparse24_gpu.md), then the TensorRT
 # recipe shrunk where torch-tensorrt and the MiniLM are installed. Writes
 # benchmarks/results/gpu.md (device, versions, what passed, what was skipped and why).

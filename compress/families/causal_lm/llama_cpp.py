@@ -26,8 +26,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +33,17 @@ import numpy as np
 import torch
 
 from compress.errors import ParityError, UserError
+from compress.families.causal_lm.model import (
+    grouped_activations,
+    scored_sequences,
+    sequence_scores,
+)
 from compress.models.bundle import ModelBundle
 from compress.recipe.kinds.export import GGUF_FORMAT, ExportConfig
 from compress.runfolder.records import artifact_record
 from compress.stages.context import StageContext, State
 from export import gguf_llama
 from export.gguf import GgufError, write_gguf
-from serve.causal_lm.runtime.grouped import GroupedLinear
 
 LOGIT_POSITIONS = 100
 PARITY_TEXTS = 16  # eval texts llama.cpp and the model both score
@@ -85,36 +87,6 @@ def llama_scores(python: str, path: Path, sequences: list[list[int]], threads: i
     return logits, answer["nll"], answer["tokens"], answer["llama_cpp"]
 
 
-@contextmanager
-def llama_rounding(model: torch.nn.Module) -> Iterator[str]:
-    """The model's grouped layers rounding activations as llama.cpp's Q8_0 / Q4_1 products
-    do (int8 per block of 32: the grouped kernels' int8 mode) while in the block; its mode
-    ("int8", or "float32" for a model without grouped layers, as llama.cpp's F32 file)."""
-    grouped = [m for m in model.modules() if isinstance(m, GroupedLinear)]
-    before = [m.activations for m in grouped]
-    for module in grouped:
-        module.activations = "int8"
-    try:
-        yield "int8" if grouped else "float32"
-    finally:
-        for module, mode in zip(grouped, before, strict=True):
-            module.activations = mode
-
-
-@torch.inference_mode()
-def model_scores(model: torch.nn.Module, sequences: list[list[int]]
-                 ) -> tuple[np.ndarray, list[float]]:
-    """The model's logits (first LOGIT_POSITIONS positions) and summed NLLs, as llama_scores."""
-    kept, nll = [], []
-    for tokens in sequences:
-        logits = model(torch.tensor([tokens])).logits[0].float()
-        if sum(len(k) for k in kept) < LOGIT_POSITIONS:
-            kept.append(logits[:LOGIT_POSITIONS - sum(len(k) for k in kept)].numpy())
-        logp = torch.log_softmax(logits[:-1].double(), -1)
-        nll.append(float(-logp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum()))
-    return np.concatenate(kept), nll
-
-
 def parity(bundle: ModelBundle, path: Path, texts: list[str], threads: int,
            log: Any) -> dict[str, Any]:
     """llama.cpp's logits and perplexity on `texts` against the model's."""
@@ -123,16 +95,12 @@ def parity(bundle: ModelBundle, path: Path, texts: list[str], threads: int,
         log("parity: no llama-cpp-python here (set COMPRESS_LLAMA_PYTHON to a Python that has "
             "it); the file was checked by reading it back only")
         return {"gguf_parity": "skipped: no llama-cpp-python"}
-    tokenizer = bundle.tokenizer
-    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else \
-        tokenizer.eos_token_id
-    sequences = [[int(first)] + tokenizer(t, add_special_tokens=False)["input_ids"][:255]
-                 for t in texts]
-    sequences = [s for s in sequences if len(s) > 1]
+    sequences = scored_sequences(bundle.tokenizer, texts)
     log(f"parity: llama.cpp and the model score {len(sequences)} eval texts")
     theirs, their_nll, counts, version = llama_scores(python, path, sequences, threads)
-    with llama_rounding(bundle.model.eval()) as mode:  # like for like: llama.cpp's rounding
-        ours, our_nll = model_scores(bundle.model, sequences)
+    # like for like: activations rounded to int8 per 32, as llama.cpp's products round them
+    with grouped_activations(bundle.model.eval(), "int8") as mode:
+        ours, our_nll = sequence_scores(bundle.model, sequences, LOGIT_POSITIONS)
     rows = min(len(ours), len(theirs))
     ours, theirs = ours[:rows], theirs[:rows]
     tokens = sum(counts)

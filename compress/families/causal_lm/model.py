@@ -9,10 +9,13 @@ measures them on SmolLM2-135M.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,3 +91,49 @@ def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> 
         same += sum(a == b for a, b in zip(ref[:n], got[:n], strict=True))
         total += n
     return same / total if total else 1.0
+
+
+def scored_sequences(tokenizer: Any, texts: list[str], max_tokens: int = 256
+                     ) -> list[list[int]]:
+    """Each text's token ids after the begin (else end) token, at most `max_tokens` in all,
+    as another runtime (llama.cpp, transformers) scores them beside the model."""
+    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else \
+        tokenizer.eos_token_id
+    sequences = [[int(first)] + tokenizer(t, add_special_tokens=False)["input_ids"]
+                 [:max_tokens - 1] for t in texts]
+    return [s for s in sequences if len(s) > 1]
+
+
+@contextmanager
+def grouped_activations(model: nn.Module, mode: str) -> Iterator[str]:
+    """The model's grouped layers in activation mode `mode` (grouped.ACTIVATIONS) while in
+    the block; the mode the model then computes in ("float32" for a model without grouped
+    layers)."""
+    from serve.causal_lm.runtime.grouped import GroupedLinear
+
+    grouped = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    before = [m.activations for m in grouped]
+    for module in grouped:
+        module.activations = mode
+    try:
+        yield mode if grouped else "float32"
+    finally:
+        for module, was in zip(grouped, before, strict=True):
+            module.activations = was
+
+
+@torch.inference_mode()
+def sequence_scores(model: nn.Module, sequences: list[list[int]], positions: int | None = None
+                    ) -> tuple[np.ndarray, list[float]]:
+    """The model's logits on the first `positions` positions of the sequences in turn (all:
+    None) and each sequence's summed next-token NLL."""
+    kept: list[np.ndarray] = []
+    nll = []
+    for tokens in sequences:
+        logits = model(torch.tensor([tokens])).logits[0].float()
+        room = len(logits) if positions is None else positions - sum(len(k) for k in kept)
+        if room > 0:
+            kept.append(logits[:room].numpy())
+        logp = torch.log_softmax(logits[:-1].double(), -1)
+        nll.append(float(-logp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum()))
+    return np.concatenate(kept), nll

@@ -24,10 +24,17 @@ AOTI_ONLY = ("autocast", "attention")
 EXECUTORCH_ONLY = ("quantize",)  # XNNPACK's int8
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (causal_lm.runtime)",
-            "gguf": "llama.cpp (GGUF)", "executorch": "ExecuTorch (XNNPACK)"}
+            "gguf": "llama.cpp (GGUF)", "executorch": "ExecuTorch (XNNPACK)",
+            "compressed_tensors": "transformers / vLLM (compressed-tensors)"}
 CAUSAL_LM_FORMAT = "transformers"  # a causal LM's folder with its runtime
 GGUF_FORMAT = "gguf"  # a causal LM as one GGUF file, for llama.cpp and Ollama
 GGUF_SCHEMES = (None, "int8_grouped", "int4_grouped")  # float, Q8_0, Q4_1
+# a causal LM as a compressed-tensors checkpoint, for vLLM, SGLang and transformers
+COMPRESSED_TENSORS_FORMAT = "compressed_tensors"
+COMPRESSED_TENSORS_SCHEMES = ("int8_grouped", "int4_grouped")  # pack-quantized int8, int4
+# the causal-LM formats besides the runtime folder, and the weight schemes each holds
+FILE_SCHEMES = {GGUF_FORMAT: GGUF_SCHEMES, COMPRESSED_TENSORS_FORMAT: COMPRESSED_TENSORS_SCHEMES}
+CAUSAL_LM_FORMATS = (CAUSAL_LM_FORMAT, *FILE_SCHEMES)  # the formats a causal LM exports to
 # every option a causal-LM export accepts (the rest are a classifier's)
 CAUSAL_LM_EXPORT_OPTIONS = ("kind", "name", "format", "source", "min_agreement",
                             "parity_samples", *PARALLEL, "tolerance")
@@ -60,11 +67,12 @@ class ExportConfig(StrictModel):
     kind: Literal["export"] = "export"
     name: StageName = None
     format: Literal["torchscript", "onnx", "aoti", "tensorrt", "executorch", "transformers",
-                    "gguf"] = Field(
+                    "gguf", "compressed_tensors"] = Field(
         description="torchscript (.ts), onnx (.onnx), aoti (AOTInductor .pt2 package), "
         "tensorrt (torch-tensorrt, CUDA only), executorch (.pte with XNNPACK); causal LMs: "
         "transformers (the model folder that plain transformers + torchao load, with the "
-        "causal_lm.runtime package to decode it) or gguf (one file for llama.cpp and Ollama).")
+        "causal_lm.runtime package to decode it), gguf (one file for llama.cpp and Ollama) or "
+        "compressed_tensors (the checkpoint vLLM, SGLang and transformers load).")
     source: str | int | None = Field(
         None, description="Export the model of this earlier stage (name, kind or index) "
         "instead of the current one.")
@@ -185,13 +193,17 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     from compress.recipe.chain import chain_precision, model_chain
 
     stage = recipe.stages[i]
-    if stage.format == GGUF_FORMAT:  # llama.cpp's blocks: float, Q8_0, Q4_1
+    if stage.format in FILE_SCHEMES:  # llama.cpp's blocks, compressed-tensors' packing
         schemes = [getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)]
         scheme = next((s for s in reversed(schemes) if s), None)
-        if scheme not in GGUF_SCHEMES:
-            return [f"stages.{i}.format: gguf holds float, int8_grouped (Q8_0) and "
-                    f"int4_grouped (Q4_1) weights, not {scheme}; quantize with one of those, "
-                    "or export format transformers"]
+        if scheme not in FILE_SCHEMES[stage.format]:
+            held = ("float, int8_grouped (Q8_0) and int4_grouped (Q4_1) weights"
+                    if stage.format == GGUF_FORMAT else
+                    "int8_grouped and int4_grouped weights (nothing to compress in a float "
+                    "model)")
+            return [f"stages.{i}.format: {stage.format} holds {held}, not "
+                    f"{scheme or 'float'}; quantize "
+                    "with one of those, or export format transformers"]
         return []
     if chain_precision(recipe, i) != "int8" or stage.format == CAUSAL_LM_FORMAT or any(
             getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)):
@@ -219,18 +231,19 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
         if split:
             return [f"{where}.{split[0]}: splits a causal LM's decoder layers across "
                     "processes; this model exports whole"]
-        if cfg.format in (CAUSAL_LM_FORMAT, GGUF_FORMAT):
+        if cfg.format in CAUSAL_LM_FORMATS:
             return [f"{where}.format: {cfg.format} exports a causal LM; this model exports "
                     "with torchscript, onnx, aoti, tensorrt or executorch"]
         own, held = PARITY_BOUNDS[task]
         theirs = [o for bounds, _ in PARITY_BOUNDS.values() for o in bounds if o not in own]
         return [f"{where}.{o}: not a parity bound of this model (model.task: {task}); {held}"
                 for o in theirs if o in cfg.model_fields_set]
-    if cfg.format not in (CAUSAL_LM_FORMAT, GGUF_FORMAT):
+    if cfg.format not in CAUSAL_LM_FORMATS:
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
                 f"LM exports with format: {CAUSAL_LM_FORMAT} (its folder with the "
                 "causal_lm.runtime package, which decodes it with torch, transformers and "
-                f"torchao alone) or {GGUF_FORMAT} (one file for llama.cpp and Ollama)"]
+                f"torchao alone), {GGUF_FORMAT} (one file for llama.cpp and Ollama) or "
+                f"{COMPRESSED_TENSORS_FORMAT} (the checkpoint vLLM and transformers load)"]
     return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
             "greedy token agreement on the prompts (min_agreement, parity_samples)"
             for o in sorted(cfg.model_fields_set - set(CAUSAL_LM_EXPORT_OPTIONS))]

@@ -39,11 +39,13 @@ class QuantizeConfig(StrictModel):
         "(serve/causal_lm/runtime/sparse24.py; the output projection int8_grouped).")
     group_size: int = Field(32, description="Causal LMs, int4 and int8_grouped: weights per "
                             "scale group (int8_grouped: it must divide every Linear's inputs).")
-    grid: Literal["free", "gguf"] = Field(
+    grid: Literal["free", "gguf", "compressed_tensors"] = Field(
         "free", description="Causal LMs, grouped schemes: free (each int8 group on the better "
-        "of an affine and a symmetric grid, float32 scales) or gguf (int8 groups on llama.cpp's "
-        "Q8_0 grid: symmetric, a float16 scale per 32 inputs; int4 is Q4_1's grid either way), "
-        "so that an export to format gguf holds the weights exactly.")
+        "of an affine and a symmetric grid, float32 scales), gguf (int8 groups on llama.cpp's "
+        "Q8_0 grid: symmetric, a float16 scale per 32 inputs; int4 is Q4_1's grid either way) "
+        "or compressed_tensors (int8 as gguf; int4 affine with an integer zero point and a "
+        "float16 step), so that an export to format gguf or compressed_tensors holds the "
+        "weights exactly.")
     head_scheme: Literal["auto", "int8_weight_only", "int4_weight_only", "int8_dynamic",
                          "int8_grouped", "float"] = Field(
         "auto", description="Causal LMs: scheme of the output projection (auto: int8 "
@@ -131,8 +133,8 @@ def _check_task(cfg: QuantizeConfig, task: str, index: int) -> list[str]:
                             f"blocks), not {cfg.group_size}; drop group_size")
         if cfg.group_size < 1:
             problems.append(f"{where}.group_size: {cfg.group_size} must be positive")
-        if cfg.grid == "gguf" and cfg.scheme not in GROUPED:
-            problems.append(f"{where}.grid: gguf fits the grouped schemes' groups "
+        if cfg.grid != "free" and cfg.scheme not in GROUPED:
+            problems.append(f"{where}.grid: {cfg.grid} fits the grouped schemes' groups "
                             f"({', '.join(GROUPED)}), not {cfg.scheme}'s")
         elif cfg.grid == "gguf" and cfg.group_size != 32:
             problems.append(f"{where}.group_size: llama.cpp's blocks hold 32 inputs, so grid "

@@ -247,7 +247,7 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     return (grouped * scale[..., None] + offset[..., None]).view(q.shape)
 
 
-GRIDS = ("free", "gguf")  # fit_groups' choice of grid at 8 bits
+GRIDS = ("free", "gguf", "compressed_tensors")  # fit_groups' choice of grid
 
 
 def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8, grid: str = "free"
@@ -262,10 +262,21 @@ def fit_groups(weight: torch.Tensor, group_size: int, bits: int = 8, grid: str =
     step and minimum rounded to float16 first (as a GGUF's Q4_1 stores them, so its groups
     are kept exactly and the kernel's float16 copy loses nothing). `grid="gguf"` at 8 bits:
     every group on Q8_0's grid (symmetric, amax / 127 rounded to float16, codes rounded as
-    llama.cpp rounds), so that a GGUF holds the weights exactly (4 bits: Q4_1's already)."""
+    llama.cpp rounds), so that a GGUF holds the weights exactly (4 bits: Q4_1's already).
+    `grid="compressed_tensors"`: the grids of a compressed-tensors checkpoint, whose values
+    are (code - zero point) x scale with an integer zero point: 8 bits as `gguf` (symmetric,
+    the zero point 0: vLLM's int8 weight-only kernels take no other); 4 bits affine over the
+    group's range stretched to hold 0, the step a float16 value and the minimum -zero point
+    x step (so both dequantize to the same float32 values)."""
     rows, cols = weight.shape
     groups = weight.reshape(rows, cols // group_size, group_size)
-    if grid == "gguf" and bits == 8:
+    if grid == "compressed_tensors" and bits == 4:  # min-max: an outlier is never clipped
+        low = groups.amin(-1).clamp_max(0)
+        step = ((groups.amax(-1).clamp_min(0) - low) / 15).clamp_min(2 ** -14).half().float()
+        zero = torch.round(-low / step).clamp(0, 15)
+        q = (torch.round(groups / step[..., None]) + zero[..., None]).clamp(0, 15)
+        return q.to(torch.uint8).reshape(rows, cols), step, -zero * step
+    if grid in ("gguf", "compressed_tensors") and bits == 8:
         scale = (groups.abs().amax(-1) / 127).half().float()
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(groups / safe[..., None]).clamp(-127, 127)

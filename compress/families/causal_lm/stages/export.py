@@ -29,7 +29,13 @@ from compress.families.causal_lm.folder import save_causal_lm
 from compress.families.causal_lm.model import greedy_agreement
 from compress.families.causal_lm.stages.export_parallel import check_splits
 from compress.models.bundle import ModelBundle, count_params
-from compress.recipe.kinds.export import CAUSAL_LM_FORMAT, GGUF_FORMAT, SPEC, ExportConfig
+from compress.recipe.kinds.export import (
+    CAUSAL_LM_FORMAT,
+    COMPRESSED_TENSORS_FORMAT,
+    GGUF_FORMAT,
+    SPEC,
+    ExportConfig,
+)
 from compress.runfolder.code_digest import shipped_files
 from compress.runfolder.records import artifact_record
 from compress.stages.context import StageContext, State
@@ -101,11 +107,16 @@ def parity(source: ModelBundle, exported: runtime.LoadedCausalLM, prompts: list[
 def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     """Export the causal LM that entered the stage (or `cfg.source`'s), prove it decodes as
     the model does, record it; the exported model goes on to be measured. Format gguf: one
-    file for llama.cpp (`compress.families.causal_lm.llama_cpp`)."""
+    file for llama.cpp (`compress.families.causal_lm.llama_cpp`); compressed_tensors: the
+    checkpoint vLLM and transformers load (`compress.families.causal_lm.compressed_tensors`)."""
     if cfg.format == GGUF_FORMAT:
         from compress.families.causal_lm import llama_cpp
 
         return llama_cpp.run(state, cfg, ctx)
+    if cfg.format == COMPRESSED_TENSORS_FORMAT:
+        from compress.families.causal_lm import compressed_tensors
+
+        return compressed_tensors.run(state, cfg, ctx)
     bundle = state.bundle
     final = ctx.folder / CAUSAL_LM_FORMAT
     path, facts = export_causal_lm(bundle, final)

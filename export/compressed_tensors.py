@@ -35,6 +35,7 @@ transformers config holds one of each).
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,12 @@ from torch import nn
 
 from export.errors import ExportError
 from serve.causal_lm.runtime.experts import is_experts
-from serve.causal_lm.runtime.grouped import GroupedEmbedding, GroupedLinear, fit_groups
+from serve.causal_lm.runtime.grouped import (
+    GroupedEmbedding,
+    GroupedLinear,
+    dense_weight,
+    fit_groups,
+)
 from serve.causal_lm.runtime.sparse24 import Sparse24Linear
 
 FORMAT = "pack-quantized"
@@ -158,14 +164,6 @@ def config_groups(written: Written, group_size: int) -> dict[str, Any]:
             "kv_cache_scheme": None, "sparsity_config": {}, "version": CHECKPOINT_VERSION}
 
 
-def float_weight(module: nn.Module) -> torch.Tensor:
-    """A linear's or embedding's float32 weight (grouped ones dequantized: exactly)."""
-    table = module.table if isinstance(module, GroupedEmbedding) else module
-    if isinstance(table, GroupedLinear):
-        return table.dequantize().contiguous()
-    return table.weight.detach().float().clone()
-
-
 def refuse_unheld(model: nn.Module) -> None:
     """Stop, in one line, at what the format (or a transformers config) cannot hold."""
     for name, module in model.named_modules():
@@ -180,8 +178,7 @@ def refuse_unheld(model: nn.Module) -> None:
     for field_, path in (("intermediate_size", "mlp.gate_proj"),
                          ("num_attention_heads", "self_attn.q_proj"),
                          ("num_key_value_heads", "self_attn.k_proj")):
-        widths = {layer.get_submodule(path).out_features for layer in layers
-                  if hasattr(layer.get_submodule(path.split(".")[0]), path.split(".")[1])}
+        widths = {layer.get_submodule(path).out_features for layer in layers}
         if len(widths) > 1:
             raise CompressedTensorsError(
                 f"{field_}: pruning left {path} {len(widths)} different widths across "
@@ -204,17 +201,17 @@ def write_compressed_tensors(model: nn.Module, tokenizer: Any, folder: Path,
     written = Written(folder)
     tensors: dict[str, torch.Tensor] = {}
     head_name, head = "lm_head", getattr(model, "lm_head", None)
-    tied = head is not None and torch.equal(float_weight(head),
-                                            float_weight(model.get_input_embeddings()))
+    tied = head is not None and torch.equal(dense_weight(head),
+                                            dense_weight(model.get_input_embeddings()))
     bits = {m.bits for name, m in model.named_modules()
             if isinstance(m, GroupedLinear) and name != head_name and ".table" not in name}
     dense = {head_name} if not tied and getattr(head, "bits", None) not in bits else set()
     for name, module in model.named_modules():
         if name == head_name and (tied or dense):
             if dense:  # transformers reads one dense scheme: a head of another width is float
-                tensors[f"{name}.weight"] = float_weight(module)
+                tensors[f"{name}.weight"] = dense_weight(module)
         elif isinstance(module, GroupedEmbedding):
-            tensors[f"{name}.weight"] = float_weight(module)
+            tensors[f"{name}.weight"] = dense_weight(module)
         elif isinstance(module, GroupedLinear) and not name.endswith(".table"):
             tensors.update(quantized_tensors(name, module, written))
     held = tuple(f"{name}." for name, m in model.named_modules()
@@ -237,8 +234,6 @@ def write_compressed_tensors(model: nn.Module, tokenizer: Any, folder: Path,
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(partial)
         if folder.exists():
-            import shutil
-
             shutil.rmtree(folder)
         partial.rename(folder)
     return written

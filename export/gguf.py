@@ -36,7 +36,12 @@ import torch
 from torch import nn
 
 from export.errors import ExportError
-from serve.causal_lm.runtime.grouped import GroupedEmbedding, GroupedLinear, fit_groups
+from serve.causal_lm.runtime.grouped import (
+    GroupedEmbedding,
+    GroupedLinear,
+    dense_weight,
+    fit_groups,
+)
 
 BLOCK = 32  # inputs a Q8_0 / Q4_1 block holds
 LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -128,10 +133,7 @@ def q4_1_blocks(module: GroupedLinear, written: Written) -> np.ndarray:
 
 def float_weights(module: nn.Module) -> np.ndarray:
     """A linear's or embedding's float32 weight values (grouped ones dequantized)."""
-    table = module.table if isinstance(module, GroupedEmbedding) else module
-    if isinstance(table, GroupedLinear):
-        return table.dequantize().numpy()
-    return module.weight.detach().float().numpy()
+    return dense_weight(module).numpy()
 
 
 def permuted(rows: np.ndarray | torch.Tensor, heads: int) -> Any:

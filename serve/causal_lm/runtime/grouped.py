@@ -192,6 +192,15 @@ class GroupedEmbedding(nn.Module):
         return dequantize_groups(table.qweight[ids], table.scale[ids], table.offset[ids])
 
 
+def dense_weight(module: nn.Module) -> torch.Tensor:
+    """A linear's or embedding's weight as float32 values (grouped ones dequantized: exactly),
+    as a file format that stores them dense writes them."""
+    table = module.table if isinstance(module, GroupedEmbedding) else module
+    if isinstance(table, GroupedLinear):
+        return table.dequantize().contiguous()
+    return table.weight.detach().float().clone()
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """rows x inputs codes 0..15 -> rows x inputs/2 bytes: per group of 32, byte j holds
     code j in its low nibble and code j + 16 in its high nibble."""

@@ -95,7 +95,9 @@ def load_model(recipe, source, data: DataBundle) -> ModelBundle:
 def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any] | None,
             run_dir: Path, reference: bool = False) -> dict[str, Any]:
     """Perplexity on the eval split, generation figures, agreement with the reference's
-    greedy tokens (or, for the reference, its tokens written down), params and size."""
+    greedy tokens (or, for the reference, its tokens written down), params and size. A
+    stage that decoded its own file (`known` has its perplexity and agreement: the
+    executorch export) is not decoded again here."""
     gen = recipe.evaluation.generation
     metrics: dict[str, Any] = dict(known or {})
     if "perplexity" not in metrics:
@@ -104,6 +106,9 @@ def measure(bundle: ModelBundle, data: DataBundle, recipe, known: dict[str, Any]
     if recipe.evaluation.lm_eval is not None and not any(k.startswith("lm_eval_")
                                                          for k in metrics):
         metrics.update(lm_eval_scores(bundle, recipe.evaluation.lm_eval))
+    if "agreement" in metrics and not reference:  # the stage decoded its own file (a .pte)
+        metrics["params"] = count_params(bundle.model)
+        return metrics
     prompts = [prompt_ids(bundle.tokenizer, p, recipe.data.chat_template)
                for p in data.prompts]
     figures = time_generation(bundle, prompts, gen)

@@ -22,6 +22,10 @@ ONNX_ONLY = ("opset", "exporter", "optimize", "quantize", "keep_float")
 TENSORRT_ONLY = ("precision", "shapes")
 AOTI_ONLY = ("autocast", "attention")
 EXECUTORCH_ONLY = ("quantize",)  # XNNPACK's int8
+EXECUTORCH_FORMAT = "executorch"  # a causal LM's too: compress.families.causal_lm.executorch
+# a causal LM's .pte: XNNPACK's int8 dynamic activations with int4 (per 32) / int8 weights
+EXECUTORCH_LM_SCHEMES = ("8da4w", "8da8w")
+EXECUTORCH_LM_MODELS = (None, "int8_grouped", "int4_grouped")  # float, or groups dequantized
 RUNTIMES = {"torchscript": "TorchScript", "onnx": "ONNX Runtime", "aoti": "AOTInductor",
             "tensorrt": "TensorRT", "transformers": "transformers + torchao (causal_lm.runtime)",
             "gguf": "llama.cpp (GGUF)", "executorch": "ExecuTorch (XNNPACK)",
@@ -109,11 +113,14 @@ class ExportConfig(StrictModel):
     optimize: bool = Field(
         False, description="ONNX: fuse attention and layer norms with ONNX Runtime's "
         "transformer optimizer.")
-    quantize: Literal["dynamic", "static"] | None = Field(
+    quantize: Literal["dynamic", "static", "8da4w", "8da8w"] | None = Field(
         None, description="ONNX: int8 with ONNX Runtime (dynamic, or static QDQ calibrated "
         "on the calibration split). ExecuTorch: XNNPACK's int8 of the linear layers, "
         "weights per channel; static calibrates their activation scales (those fed by a "
-        "GELU: dynamic), dynamic takes them at each call.")
+        "GELU: dynamic), dynamic takes them at each call. A causal LM's ExecuTorch export: "
+        "8da4w (int8 activations scaled per token at each call, int4 weights per group of "
+        "32, the output projection's int8) or 8da8w (int8 weights per channel); none: "
+        "float32.")
     keep_float: list[str] = Field(
         default_factory=list, description="ONNX Runtime int8: module name patterns (fnmatch) "
         "whose MatMul and Gemm nodes stay in float.")
@@ -154,6 +161,9 @@ class ExportConfig(StrictModel):
                           and self.format in ("onnx", "tensorrt", "executorch"))]
         if stray:
             raise ValueError(f"{', '.join(stray)} do not apply to format {self.format}")
+        if self.quantize in EXECUTORCH_LM_SCHEMES and self.format != EXECUTORCH_FORMAT:
+            raise ValueError(f"quantize: {self.quantize} is a causal LM's scheme of format "
+                             "executorch; ONNX Runtime int8 is dynamic or static")
         if self.keep_float and not self.quantize:
             raise ValueError("keep_float applies to ONNX Runtime int8 only; set quantize")
         if self.optimize and self.quantize:
@@ -174,14 +184,16 @@ def _runtime(config: dict[str, Any], metrics: dict[str, Any]) -> str:
     extra = {"onnx": f" int8 {config['quantize']}" if config.get("quantize") else "",
              "tensorrt": f" {config.get('precision', 'fp32')}",
              "aoti": f" {config['autocast']} autocast" if config.get("autocast") else "",
-             "executorch": " int8" if config.get("quantize") else ""}.get(fmt, "")
+             "executorch": "" if not config.get("quantize") else
+             f" {config['quantize']}" if config["quantize"] in EXECUTORCH_LM_SCHEMES
+             else " int8"}.get(fmt, "")
     return RUNTIMES.get(fmt, fmt) + extra
 
 
 def _file_precision(cfg: ExportConfig) -> str | None:
     """The precision of the written file when the export itself changes it."""
     if cfg.format in ("onnx", "executorch") and cfg.quantize:
-        return "int8"
+        return "int4" if cfg.quantize == "8da4w" else "int8"
     if cfg.format == "aoti" and cfg.autocast:
         return cfg.autocast
     return cfg.precision if cfg.format == "tensorrt" and cfg.precision != "fp32" else None
@@ -193,6 +205,10 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     from compress.recipe.chain import chain_precision, model_chain
 
     stage = recipe.stages[i]
+    lm_executorch = _executorch_lm_problems(recipe, i) if stage.format == EXECUTORCH_FORMAT \
+        else None
+    if lm_executorch is not None:
+        return lm_executorch
     if stage.format in FILE_SCHEMES:  # llama.cpp's blocks, compressed-tensors' packing
         schemes = [getattr(recipe.stages[j], "scheme", None) for j in model_chain(recipe, i)]
         scheme = next((s for s in reversed(schemes) if s), None)
@@ -222,6 +238,46 @@ def _fits_the_model(recipe: Any, i: int) -> list[str]:
     return []
 
 
+def _executorch_lm_problems(recipe: Any, i: int) -> list[str] | None:
+    """What a causal LM's .pte cannot hold of the model stage i exports: experts, 2:4 and
+    torchao's schemes (float or the grouped schemes, dequantized and re-rounded by 8da4w /
+    8da8w, it takes); None when the chain made no causal LM's layers (a classifier's
+    checks follow)."""
+    from compress.recipe.chain import model_chain
+    from compress.recipe.parallel import MAKES_EXPERTS
+
+    chain = [recipe.stages[j] for j in model_chain(recipe, i)]
+    experts = next((s for s in chain if s.kind in MAKES_EXPERTS), None)
+    if experts is not None:
+        return [f"stages.{i}.format: executorch does not hold mixture-of-experts layers (made "
+                f"by the {experts.kind} stage); set source to a stage before it, or export "
+                "format transformers"]
+    scheme = next((s.scheme for s in reversed(chain) if getattr(s, "scheme", None)), None)
+    if scheme is None:
+        return None
+    if scheme not in EXECUTORCH_LM_MODELS:
+        return [f"stages.{i}.format: executorch takes a float causal LM or int8_grouped / "
+                f"int4_grouped layers (re-rounded by quantize: 8da4w or 8da8w), not "
+                f"{scheme}; set source to a stage before the quantize stage, or export "
+                "format transformers"]
+    return []
+
+
+def _executorch_lm_options(cfg: ExportConfig, where: str) -> list[str]:
+    """A causal LM's .pte: quantize 8da4w, 8da8w or none, in one process."""
+    problems = []
+    if cfg.quantize is not None and cfg.quantize not in EXECUTORCH_LM_SCHEMES:
+        problems.append(f"{where}.quantize: a causal LM's executorch export takes 8da4w or "
+                        "8da8w (XNNPACK's int8 dynamic activations, int4 or int8 weights) or "
+                        f"none (float32), not {cfg.quantize}")
+    problems += [f"{where}.{o}: a .pte runs in one process; export format transformers to "
+                 "split a causal LM" for o in PARALLEL if o in cfg.model_fields_set]
+    return problems + [
+        f"{where}.{o}: a classifier export option; a causal LM's executorch export takes "
+        "quantize, min_agreement and parity_samples"
+        for o in sorted(cfg.model_fields_set - {*CAUSAL_LM_EXPORT_OPTIONS, "quantize"})]
+
+
 def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
     """A causal LM exports with format transformers and only its options; a classifier or
     an embedding model with any other format, each with its own parity bounds."""
@@ -234,16 +290,22 @@ def _check_task(cfg: ExportConfig, task: str, index: int) -> list[str]:
         if cfg.format in CAUSAL_LM_FORMATS:
             return [f"{where}.format: {cfg.format} exports a causal LM; this model exports "
                     "with torchscript, onnx, aoti, tensorrt or executorch"]
+        if cfg.quantize in EXECUTORCH_LM_SCHEMES:
+            return [f"{where}.quantize: {cfg.quantize} is a causal LM's executorch scheme; "
+                    "this model's takes static or dynamic (XNNPACK int8)"]
         own, held = PARITY_BOUNDS[task]
         theirs = [o for bounds, _ in PARITY_BOUNDS.values() for o in bounds if o not in own]
         return [f"{where}.{o}: not a parity bound of this model (model.task: {task}); {held}"
                 for o in theirs if o in cfg.model_fields_set]
+    if cfg.format == EXECUTORCH_FORMAT:
+        return _executorch_lm_options(cfg, where)
     if cfg.format not in CAUSAL_LM_FORMATS:
         return [f"{where}.format: {cfg.format} exports a classifier's forward pass; a causal "
                 f"LM exports with format: {CAUSAL_LM_FORMAT} (its folder with the "
                 "causal_lm.runtime package, which decodes it with torch, transformers and "
-                f"torchao alone), {GGUF_FORMAT} (one file for llama.cpp and Ollama) or "
-                f"{COMPRESSED_TENSORS_FORMAT} (the checkpoint vLLM and transformers load)"]
+                f"torchao alone), {GGUF_FORMAT} (one file for llama.cpp and Ollama), "
+                f"{COMPRESSED_TENSORS_FORMAT} (the checkpoint vLLM and transformers load) or "
+                f"{EXECUTORCH_FORMAT} (a .pte for ExecuTorch, quantize: 8da4w or 8da8w)"]
     return [f"{where}.{o}: a classifier export option; a causal LM's export is checked by "
             "greedy token agreement on the prompts (min_agreement, parity_samples)"
             for o in sorted(cfg.model_fields_set - set(CAUSAL_LM_EXPORT_OPTIONS))]

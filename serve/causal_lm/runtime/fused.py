@@ -140,3 +140,21 @@ def fuse_projections(model: nn.Module) -> int:
         block.register_forward_pre_hook(_hand_out, with_kwargs=True)
         fused += 1
     return fused
+
+
+def unfuse_blocks(model: nn.Module) -> int:
+    """Every fused block of `model` back to calling its own projections (its group and its
+    pre-hook dropped), in place; how many blocks. For a model whose kernel projections were
+    first replaced by plain Linears of their dequantized weights (an export that cannot run
+    the kernels): a fused kernel projection left in place has its records in the group."""
+    count = 0
+    for block in model.modules():
+        if not hasattr(block, "fused_projections"):
+            continue
+        for key, hook in list(block._forward_pre_hooks.items()):
+            if hook is _hand_out:
+                del block._forward_pre_hooks[key]
+                block._forward_pre_hooks_with_kwargs.pop(key, None)
+        del block.fused_projections
+        count += 1
+    return count

@@ -32,6 +32,7 @@ from compress.models.bundle import ModelBundle, count_params
 from compress.recipe.kinds.export import (
     CAUSAL_LM_FORMAT,
     COMPRESSED_TENSORS_FORMAT,
+    EXECUTORCH_FORMAT,
     GGUF_FORMAT,
     SPEC,
     ExportConfig,
@@ -108,7 +109,8 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
     """Export the causal LM that entered the stage (or `cfg.source`'s), prove it decodes as
     the model does, record it; the exported model goes on to be measured. Format gguf: one
     file for llama.cpp (`compress.families.causal_lm.llama_cpp`); compressed_tensors: the
-    checkpoint vLLM and transformers load (`compress.families.causal_lm.compressed_tensors`)."""
+    checkpoint vLLM and transformers load (`compress.families.causal_lm.compressed_tensors`);
+    executorch: a .pte for ExecuTorch (`compress.families.causal_lm.executorch`)."""
     if cfg.format == GGUF_FORMAT:
         from compress.families.causal_lm import llama_cpp
 
@@ -117,6 +119,10 @@ def run(state: State, cfg: ExportConfig, ctx: StageContext) -> State:
         from compress.families.causal_lm import compressed_tensors
 
         return compressed_tensors.run(state, cfg, ctx)
+    if cfg.format == EXECUTORCH_FORMAT:
+        from compress.families.causal_lm import executorch
+
+        return executorch.run(state, cfg, ctx)
     bundle = state.bundle
     final = ctx.folder / CAUSAL_LM_FORMAT
     path, facts = export_causal_lm(bundle, final)

@@ -1,6 +1,6 @@
-"""ExecuTorch: `torch.export` with dynamic batch and sequence, lowered to the XNNPACK
-delegate (`to_edge_transform_and_lower` with `XnnpackPartitioner`) and written as one
-`model.pte` program, which `executorch.runtime` runs on a CPU (serve.runtimes.load_executorch);
+"""ExecuTorch for classifiers, embedders and rerankers: `torch.export` with dynamic batch
+and sequence, lowered to the XNNPACK delegate (export.executorch.lowering) and written as
+one `model.pte` program, which `executorch.runtime` runs on a CPU (serve.runtimes.load_executorch);
 the ops XNNPACK does not take (layer norm, embedding lookups, the mask) run on ExecuTorch's
 portable kernels.
 
@@ -21,7 +21,7 @@ embeddings of 256 SST-2 sentences kept a mean cosine of 0.948 with fp32's when t
 static too, 0.991 so (0.994 with them float). `dynamic`: every linear so. A PT2E model
 quantized earlier for x86 (the quantize stage) is refused: its quantize/dequantize pairs are
 Inductor's.
-ExecuTorch is the `executorch` extra, imported here only, when the stage runs.
+ExecuTorch is the `executorch` extra, imported when the stage runs.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from export.errors import CaptureError, ExportError, one_line
+from export.executorch.lowering import EXTRA, FILE, Lower, lowering
 from export.graphs import (
     Bundle,
     export_inputs,
@@ -43,9 +44,7 @@ from export.graphs import (
 from export.onnx import eager_attention
 from export.random_ops import fx_random_nodes, refuse_random_ops
 
-FILE = "model.pte"
 MAX_BATCH = 64  # the largest batch one call takes (the loader slices bigger ones)
-EXTRA = "pip install 'compress-pipeline[executorch]'"
 QUANTIZED = ("static", "dynamic")  # the `quantize` modes of this format
 
 
@@ -99,42 +98,19 @@ def export(bundle: Bundle, cfg, folder: Path, calibration: Iterable[Any] | None 
     return path, facts
 
 
-def _executorch() -> tuple[Callable[[torch.export.ExportedProgram], tuple[bytes, int, list[str]]],
-                           Callable[[], Any]]:
+def _executorch() -> tuple[Lower, Callable[[str], Any]]:
     """(lower, quantizer): ExecuTorch's lowering and XNNPACK's quantizer, imported now;
     ExportError naming the extra when ExecuTorch is missing."""
+    lower = lowering()
     try:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
-            XnnpackPartitioner,
-        )
         from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
             XNNPACKQuantizer,
             get_symmetric_quantization_config,
         )
-        from executorch.exir import to_edge_transform_and_lower
-        from executorch.runtime import Runtime
         from torchao.quantization.pt2e.quantizer import ComposableQuantizer
     except ImportError as exc:
         raise ExportError(f"format executorch needs ExecuTorch ({one_line(exc)}): {EXTRA}"
                           ) from None
-
-    def lower(program: torch.export.ExportedProgram) -> tuple[bytes, int, list[str]]:
-        """The program's bytes, its XNNPACK calls, and the ops the runtime has no kernel for."""
-        try:
-            edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-            delegated = sum(node.op == "call_function"
-                            and getattr(node.target, "__name__", "") == "executorch_call_delegate"
-                            for node in edge.exported_program().graph.nodes)
-            made = edge.to_executorch()
-        except Exception as exc:  # lowering or memory planning of an op it cannot hold
-            raise ExportError(f"executorch: lowering to XNNPACK failed: {one_line(exc)}; "
-                              "export with format aoti or onnx") from None
-        known = Runtime.get().operator_registry.operator_names
-        missing = sorted({name for plan in made.executorch_program.execution_plan
-                          for op in plan.operators
-                          if (name := f"{op.name}.{op.overload}" if op.overload else op.name)
-                          not in known})
-        return made.buffer, delegated, missing
 
     class LinearQuantizer(XNNPACKQuantizer):
         """XNNPACK's quantizer on linear layers only. Its own first pass turns the scalar

@@ -592,16 +592,18 @@ TIERS = ("unit", "benchmarks", "integration", "serving", "gpu")  # by folder: te
 
 def serving_missing(engine: str = "torchserve") -> list[str]:
     """What the serving tests of `engine` need and this machine lacks (Java 17 and
-    TorchServe; LitServe needs no Java, but the torchserve package for its handlers)."""
+    TorchServe; LitServe and Ray Serve need no Java, but the torchserve package for their
+    handlers)."""
     import importlib.util
     import shutil
 
     return [what for what, present in (
         ("java (TorchServe needs Java 17)",
-         engine == "litserve" or shutil.which("java") is not None),
+         engine != "torchserve" or shutil.which("java") is not None),
         ("torchserve", importlib.util.find_spec("ts") is not None),
         ("torch-model-archiver", importlib.util.find_spec("model_archiver") is not None),
         ("litserve", engine != "litserve" or importlib.util.find_spec("litserve") is not None),
+        ("ray[serve]", engine != "ray" or importlib.util.find_spec("ray") is not None),
     ) if not present]
 
 
@@ -637,7 +639,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`);
     serving tests are skipped with the reason when their engine's needs are missing, GPU
     tests (tests/gpu) where CUDA is absent."""
-    missing = {engine: serving_missing(engine) for engine in SERVING_ENGINES}
+    # "ray": the engine of tests/serving/test_ray_engine.py (not yet every serving module's)
+    missing = {engine: serving_missing(engine) for engine in (*SERVING_ENGINES, "ray")}
     cuda = any("gpu" in Path(str(item.fspath)).parts for item in items) and _cuda_present()
     for item in items:
         parts = Path(str(item.fspath)).parts

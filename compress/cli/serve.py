@@ -28,14 +28,32 @@ from compress.errors import CompressError, UserError
               help="Seconds to wait for a READY worker.")
 @click.option("--stop", is_flag=True, help="Stop the server of TARGET (or every server "
               "compress started when TARGET is omitted).")
-@click.option("--engine", type=click.Choice(["torchserve", "litserve"]), default="torchserve",
-              show_default=True, help="The server: TorchServe (Java), or LitServe running "
-              "the archive's same handler (pip install litserve; no Java).")
+@click.option("--engine", type=click.Choice(["torchserve", "litserve", "ray"]),
+              default="torchserve", show_default=True, help="The server: TorchServe (Java), "
+              "LitServe running the archive's same handler (pip install litserve; no Java), "
+              "or Ray Serve replicas of it on a Ray cluster (pip install 'ray[serve]').")
+@click.option("--replicas", type=click.IntRange(1, 1024), help="Ray: replicas of the model "
+              "(default 1).")
+@click.option("--autoscale", metavar="MIN,MAX", help="Ray: between MIN and MAX replicas, "
+              "scaled on the requests each holds (a full batch each).")
+@click.option("--downscale-delay", type=click.FloatRange(0, 86_400), metavar="S",
+              help="Ray, with --autoscale: seconds of lower load before a replica is "
+              "removed (default Ray's 600).")
+@click.option("--cpus-per-replica", type=click.FloatRange(0, 1024, min_open=True),
+              help="Ray: CPUs each replica reserves (default: its threads).")
+@click.option("--replica-resources", metavar="JSON", help="Ray: custom resources each "
+              "replica asks for, e.g. '{\"replica_slot\": 1}' to place one a node.")
+@click.option("--address", help="Ray: join the Ray cluster at this GCS address (HOST:PORT) "
+              "instead of starting a local one.")
 def serve(target: str | None, port: int, workers: int | None, batch_size: int | None,
           max_batch_delay: int | None, threads: int | None, no_auth: bool,
-          enable_model_api: bool, timeout: int, stop: bool, engine: str) -> None:
-    """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe, or with
-    LitServe (--engine litserve: the same archive, handler, URLs and token).
+          enable_model_api: bool, timeout: int, stop: bool, engine: str,
+          replicas: int | None, autoscale: str | None, downscale_delay: float | None,
+          cpus_per_replica: float | None, replica_resources: str | None,
+          address: str | None) -> None:
+    """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe, with
+    LitServe (--engine litserve: the same archive, handler, URLs and token), or with Ray
+    Serve (--engine ray: the same, as replicas on a local or existing Ray cluster).
 
     \b
     Every listener binds 127.0.0.1; token authorization is on unless --no-auth. The
@@ -48,11 +66,16 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
       compress serve runs/bert_int8
       compress serve runs/bert_int8 --port 8081 --batch-size 16 --max-batch-delay 10
       compress serve runs/bert_int8 --engine litserve
+      compress serve runs/bert_int8 --engine ray --replicas 2
+      compress serve runs/bert_int8 --engine ray --autoscale 1,4 --address 10.0.0.1:6379
       compress serve runs/embed_search --threads 1 --batch-size 16
       compress serve --stop runs/bert_int8
     """
     from compress.serving import server
+    from compress.serving.ray.options import RayOptions, parse_autoscale, parse_resources
 
+    ray = RayOptions(replicas, parse_autoscale(autoscale), downscale_delay, cpus_per_replica,
+                     parse_resources(replica_resources), address)
     if stop:
         stopped = server.stop_servers(target, echo=click.echo)
         click.echo(f"stopped {len(stopped)} server(s)" + "".join(f"\n  {s}" for s in stopped))
@@ -63,15 +86,22 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
                         batch_size=batch_size, max_batch_delay_ms=max_batch_delay,
                         threads=threads, auth=not no_auth, model_api=enable_model_api,
                         timeout_s=timeout,
-                        echo=lambda m: click.echo(m, err=True), engine=engine)
+                        echo=lambda m: click.echo(m, err=True), engine=engine, ray=ray)
     settings = info["settings"]
-    click.echo(f"serving {info['model_name']} at {info['url']} with "
-               f"{'LitServe' if engine == 'litserve' else 'TorchServe'}")
+    shown = {"litserve": "LitServe", "ray": "Ray Serve"}.get(engine, "TorchServe")
+    click.echo(f"serving {info['model_name']} at {info['url']} with {shown}")
+    if engine == "ray":
+        replicas_shown = (f"{ray.autoscale[0]} to {ray.autoscale[1]} replicas (autoscaled)"
+                          if ray.autoscale else f"{ray.replicas or 1} replica(s)")
+        where = (f"the Ray cluster at {info['ray_address']}" if ray.address else
+                 f"a local Ray cluster ({info['ray_address']}), stopped with the server")
+        click.echo(f"  {replicas_shown} on {where}")
     batching = (f"continuous batching over {settings['continuous_rows']} decode rows (each "
                 f"request joins the running decode)" if settings.get("continuous_rows") else
                 f"batch size {settings['batchSize']}, max batch delay "
                 f"{settings['maxBatchDelay']} ms")
-    click.echo(f"  workers {settings['maxWorkers']} x {settings['threads_per_worker']} "
+    unit = "replicas (at most)" if engine == "ray" else "workers"
+    click.echo(f"  {unit} {settings['maxWorkers']} x {settings['threads_per_worker']} "
                f"threads, {batching}; logs in {info['serve_dir']}/logs")
     if info.get("token"):
         click.echo(f"  token: in {info['serve_dir']}/{server.SERVER_INFO} (mode 0600); "

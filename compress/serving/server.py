@@ -1,6 +1,7 @@
-"""Start, wait for and stop a TorchServe (or LitServe: `engine="litserve"`) serving one
-compress `.mar`: `start` checks what is asked, unpacks the archive, and hands it to the
-engine's launcher (compress.serving.torchserve.launch, compress.serving.litserve.launch).
+"""Start, wait for and stop a TorchServe (or LitServe: `engine="litserve"`, or Ray Serve:
+`engine="ray"`) serving one compress `.mar`: `start` checks what is asked, unpacks the
+archive, and hands it to the engine's launcher (compress.serving.torchserve.launch,
+compress.serving.litserve.launch, compress.serving.ray.launch).
 
 Each server lives in a serve folder (`<run>/serve/`, or `<name>.serve/` beside a bare
 `.mar`): `config.properties`, the unpacked model with its batch settings, `logs/`,
@@ -23,6 +24,8 @@ from compress.errors import UserError
 from compress.serving import server_process
 from compress.serving.litserve import launch as litserve_launch
 from compress.serving.openapi import write_openapi
+from compress.serving.ray import launch as ray_launch
+from compress.serving.ray.options import RayOptions
 from compress.serving.serve_folder import (  # noqa: F401 (the server's API)
     KEY_FILE,
     SERVER_INFO,
@@ -46,7 +49,7 @@ from compress.serving.torchserve import launch as torchserve_launch
 
 OPEN_MODEL_API = ("--no-auth with --enable-model-api would let any local process register "
                   "an archive whose handler runs code: keep the token, or the model API off")
-ENGINES = (torchserve_launch.ENGINE, litserve_launch.ENGINE)  # the first is the default
+ENGINES = (torchserve_launch.ENGINE, litserve_launch.ENGINE, ray_launch.ENGINE)  # first: default
 
 
 def continuous_archive(mar: Path) -> bool:
@@ -64,20 +67,33 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
           batch_size: int | None = None, max_batch_delay_ms: int | None = None,
           threads: int | None = None, auth: bool = True, model_api: bool = False,
           timeout_s: float = 900,
-          echo: Callable[[str], None] = print, engine: str = "torchserve") -> dict[str, Any]:
-    """Start `engine` (TorchServe, or LitServe serving the same unpacked archive) on
-    127.0.0.1:`port`, wait until a worker is ready; return server.json.
+          echo: Callable[[str], None] = print, engine: str = "torchserve",
+          ray: RayOptions | None = None) -> dict[str, Any]:
+    """Start `engine` (TorchServe, or LitServe or Ray Serve serving the same unpacked
+    archive) on 127.0.0.1:`port`, wait until a worker is ready; return server.json.
 
-    Batch, worker and thread options override the archive's model-config.yaml. On any failure the
-    server is stopped before the error is raised."""
+    Batch, worker and thread options override the archive's model-config.yaml; `ray`: the
+    Ray engine's own (replicas, cluster). On any failure the server is stopped before the
+    error is raised."""
+    ray = ray or RayOptions()
     if engine not in ENGINES:
         raise UserError(f"unknown serving engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if engine != ray_launch.ENGINE and ray.given():
+        raise UserError(f"{', '.join(ray.given())}: options of --engine ray, not of {engine}")
     if not auth and model_api:
         raise UserError(OPEN_MODEL_API)
-    if engine == litserve_launch.ENGINE:
-        if model_api:
-            raise UserError("--enable-model-api is TorchServe's management API: LitServe "
-                            "serves the archive it starts with, and no other")
+    if engine in (litserve_launch.ENGINE, ray_launch.ENGINE) and model_api:
+        shown = "LitServe" if engine == litserve_launch.ENGINE else "Ray Serve"
+        raise UserError(f"--enable-model-api is TorchServe's management API: {shown} "
+                        f"serves the archive it starts with, and no other")
+    if engine == ray_launch.ENGINE:
+        if workers is not None:
+            raise UserError("--workers: Ray Serve runs replicas, not workers: use --replicas "
+                            "N or --autoscale MIN,MAX")
+        ray.check()
+        ray_launch.check_installed()
+        workers = ray.most_replicas()  # the cores are shared among the replicas' threads
+    elif engine == litserve_launch.ENGINE:
         litserve_launch.check_installed()
     else:
         torchserve_launch.check_installed()
@@ -99,6 +115,9 @@ def start(target: ServeTarget, *, port: int = 8080, workers: int | None = None,
     store = serve_dir / "model-store"
     settings = unpack_model(target, store, workers, batch_size, max_batch_delay_ms, threads)
     write_openapi(store / target.model_name, serve_dir, target.model_name)
+    if engine == ray_launch.ENGINE:
+        return ray_launch.start(target.model_name, target.mar, store / target.model_name,
+                                serve_dir, port, settings, auth, timeout_s, echo, ray)
     if engine == litserve_launch.ENGINE:
         return litserve_launch.start(target.model_name, target.mar, store / target.model_name,
                                      serve_dir, port, settings, auth, timeout_s, echo)

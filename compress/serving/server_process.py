@@ -1,13 +1,14 @@
-"""A started TorchServe (or LitServe) recorded until it is ready, whether a recorded one is
-still the one compress started, and stopping it.
+"""A started TorchServe (or LitServe, or Ray Serve application) recorded until it is ready,
+whether a recorded one is still the one compress started, and stopping it.
 
 `server.json` records the pid of TorchServe's Java frontend (or of compress's LitServe
-process, `compress.serving.litserve.main`), its process group and what
-identifies that process: the boot it ran in (/proc/sys/kernel/random/boot_id) and its
-start time (field 22 of /proc/<pid>/stat). A pid is signalled only while these match and
-its command line is the server's with this serve folder in it; a record that no longer
-matches (written before a restart, or its pid now another program's) is stale: it is
-removed and nothing is signalled.
+process, `compress.serving.litserve.main`, or of the process that holds a Ray Serve
+application, `compress.serving.ray.main`, which removes what it started on SIGTERM), its
+process group and what identifies that process: the boot it ran in
+(/proc/sys/kernel/random/boot_id) and its start time (field 22 of /proc/<pid>/stat). A pid
+is signalled only while these match and its command line is the server's with this serve
+folder in it; a record that no longer matches (written before a restart, or its pid now
+another program's) is stale: it is removed and nothing is signalled.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from compress.serving.serve_folder import (
 )
 from compress.system import processes
 
-# in the command line of TorchServe's frontend, or of compress's LitServe server
-MARKERS = ("org.pytorch.serve.ModelServer", "compress.serving.litserve.main")
+# in the command line of TorchServe's frontend, of compress's LitServe server, or of the
+# process that holds compress's Ray Serve application (and the local cluster it started)
+MARKERS = ("org.pytorch.serve.ModelServer", "compress.serving.litserve.main",
+           "compress.serving.ray.main")
 SERVE_DIR_ENV = "COMPRESS_SERVE_DIR"  # set for the launch: the server's processes inherit it
 
 

@@ -83,7 +83,7 @@ def tiny_sentence_encoder(tmp_path: Path):
 
 def test_a_packed_aoti_package_is_served_in_one_pass(kernel, tmp_path: Path) -> None:
     from compress.recipe.kinds.export import ExportConfig
-    from compress.serving.litserve.context import HandlerContext
+    from compress.serving.handler_host.context import HandlerContext
     from compress.stages.export import export
     from export.folder import load_export
     from serve.batching import padded, token_rows

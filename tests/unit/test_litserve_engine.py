@@ -111,7 +111,7 @@ class Engine:
         from fastapi import FastAPI
         from starlette.exceptions import HTTPException
 
-        from compress.serving.litserve import routes
+        from compress.serving.handler_host.errors import http_error
         from compress.serving.litserve.worker import HandlerAPI
 
         model_dir = write_archive(folder / "model", config)
@@ -128,7 +128,7 @@ class Engine:
         app = FastAPI()
         for path, endpoint, methods in self.routes.endpoints:
             app.add_api_route(path, endpoint, methods=methods)
-        app.add_exception_handler(HTTPException, routes.http_error)
+        app.add_exception_handler(HTTPException, http_error)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]

@@ -35,12 +35,11 @@ from typing import Any
 
 from litserve.utils import LitAPIStatus, ResponseBufferItem
 
-from compress.serving.litserve.errors import error_body
+from compress.serving.handler_host.errors import error_body
 from compress.system import processes
 
 logger = logging.getLogger(__name__)
 JSON = "application/json"
-SSE = "text/event-stream"
 TAKE, CHUNK, END, FAIL = "take", "chunk", "end", "fail"  # FAIL: the engine's own error
 BATCH = "compress-batch"  # the id under which a worker sends [(request id, message), ...]
 WATCH_S = 0.25  # how often `watch` looks at the workers
@@ -125,14 +124,6 @@ async def dispatch(buffer: dict[str, Any], entry: ResponseBufferItem) -> None:
                 if pending is not None:
                     pending.response_queue.append((message, LitAPIStatus.OK))
                     pending.event.set()
-
-
-def error_line(media: str | None, status: int, message: str) -> bytes:
-    """An error written into a stream that has begun: an SSE event, else an NDJSON line."""
-    if media and media.startswith(SSE):
-        error = {"message": message, "type": "server_error", "code": status}
-        return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-    return json.dumps({"error": message, "status": status}).encode() + b"\n"
 
 
 def worker_pids(parent: int) -> set[int]:

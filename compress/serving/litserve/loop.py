@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import os
 import threading
@@ -31,8 +30,9 @@ from typing import Any
 from litserve.loops.base import LitLoop
 from litserve.utils import LitAPIStatus, LoopResponseType
 
-from compress.serving.litserve.context import HandlerContext, Reply
-from compress.serving.litserve.errors import internal_error
+from compress.serving.handler_host.context import HandlerContext, Reply
+from compress.serving.handler_host.errors import internal_error
+from compress.serving.handler_host.handler import answer_bytes
 from compress.serving.litserve.inflight import BATCH, IDLE_GET_S, TAKE
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class HandlerLoop(LitLoop):
 
     def _send(self, target: tuple[int, str], kind: str, reply: Reply, value: Any) -> None:
         status, headers, content_type = reply.head()
-        message = (kind, status, headers, content_type, _as_bytes(value))
+        message = (kind, status, headers, content_type, answer_bytes(value))
         with self._ready:
             self._outbox.append((target[0], target[1], message))
             self._ready.notify()
@@ -197,10 +197,3 @@ class HandlerLoop(LitLoop):
 
 async def _awaited(result: Any) -> Any:
     return await result
-
-
-def _as_bytes(value: Any) -> bytes:
-    """An answer as TorchServe sends it: bytes as they are, text in UTF-8, else JSON."""
-    if isinstance(value, bytes | bytearray):
-        return bytes(value)
-    return (value if isinstance(value, str) else json.dumps(value)).encode("utf-8")

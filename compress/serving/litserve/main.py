@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compress.serving.litserve.errors import http_error, unexpected_error
-from compress.serving.litserve.routes import MAX_REQUEST_SIZE, ping
+from compress.serving.handler_host.errors import http_error, unexpected_error
+from compress.serving.handler_host.handler import MAX_REQUEST_SIZE
+from compress.serving.litserve.routes import ping
 from compress.serving.serve_folder import read_keys
 
 GRACE_S = 3  # seconds uvicorn waits for open connections when stopped

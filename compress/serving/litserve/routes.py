@@ -31,17 +31,13 @@ from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from litserve.specs.base import LitSpec
 
+from compress.serving.handler_host.body import form_fields, read_body
+from compress.serving.handler_host.errors import error_body, error_line
+from compress.serving.handler_host.handler import FORM, RESPONSE_TIMEOUT_S
 from compress.serving.litserve import inflight
-from compress.serving.litserve.body import form_fields, read_body
-from compress.serving.litserve.errors import error_body, http_error  # noqa: F401 (re-export)
 from compress.serving.litserve.inflight import JSON, Message, Pending
 
 logger = logging.getLogger(__name__)
-TOKEN_FAILED = ("Token Authorization failed. Token either incorrect, expired, or not "
-                "provided correctly")
-MAX_REQUEST_SIZE = 6_553_500  # TorchServe's default max_request_size
-RESPONSE_TIMEOUT_S = 120.0  # TorchServe's default responseTimeout
-FORM = "application/x-www-form-urlencoded"
 
 
 async def ping(request: Request) -> JSONResponse:
@@ -186,11 +182,11 @@ async def _chain(first: bytes, messages: AsyncIterator[Message],
         async for kind, status, _, _, data in messages:
             if kind == inflight.FAIL:
                 message = json.loads(data).get("message", "failed")
-                yield inflight.error_line(media, status, message)
+                yield error_line(media, status, message)
                 return
             yield data
     except TimeoutError as exc:
-        yield inflight.error_line(media, 504, str(exc))
+        yield error_line(media, 504, str(exc))
 
 
 class Stream(StreamingResponse):

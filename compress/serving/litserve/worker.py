@@ -9,29 +9,30 @@ one request's failure or slowness is its own and each request's task can be canc
 
 from __future__ import annotations
 
-import hmac
-import importlib
-import inspect
 import json
 import logging
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 import litserve as ls
 import yaml
-from fastapi import HTTPException, Request
+from fastapi import Request
 
-from compress.serving.litserve.context import HandlerContext
+from compress.serving.handler_host.context import HandlerContext
+from compress.serving.handler_host.handler import (
+    DIED,
+    RESPONSE_TIMEOUT_S,
+    check_token,
+    load_handler,
+    model_log,
+)
 from compress.serving.litserve.inflight import IDLE_GET_S
 from compress.serving.litserve.loop import HandlerLoop
-from compress.serving.litserve.routes import RESPONSE_TIMEOUT_S, TOKEN_FAILED, TorchServeRoutes
+from compress.serving.litserve.routes import TorchServeRoutes
 
 logger = logging.getLogger(__name__)
-MODEL_LOG = "model_log.log"  # TorchServe's name and line format: WorkerLog reads both
-DIED = "Backend worker process died."
 
 
 class HandlerAPI(ls.LitAPI):
@@ -59,7 +60,8 @@ class HandlerAPI(ls.LitAPI):
 
     def setup(self, device: str) -> None:
         """Import and initialize the handler; a failure is logged as TorchServe logs it."""
-        log = _model_log(self.logs, self.model_name)
+        log = model_log(self.logs, self.model_name,
+                        9000 + int(os.environ.get("LITSERVE_WORKER_ID", "0")))
         try:
             self.handler = load_handler(self.model_dir, self.manifest["model"]["handler"])
             self.handler.initialize(self.context())
@@ -76,35 +78,4 @@ class HandlerAPI(ls.LitAPI):
 
     def authorize(self, request: Request) -> None:
         """TorchServe's token check: `Authorization: Bearer <token>` (when auth is on)."""
-        if self.token is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                                 self.token.encode()):
-            raise HTTPException(401, TOKEN_FAILED)
-
-
-def load_handler(model_dir: Path, handler_file: str) -> Any:
-    """An instance of the one class the archive's handler module defines."""
-    sys.path.insert(0, str(model_dir))
-    module = importlib.import_module(Path(handler_file).stem)
-    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
-               if c.__module__ == module.__name__]
-    if len(classes) != 1:
-        raise ValueError(f"{handler_file} defines {len(classes)} classes: a handler module "
-                         f"defines exactly one")
-    return classes[0]()
-
-
-def _model_log(logs: Path, model_name: str) -> logging.Logger:
-    """The root logger writing `logs/model_log.log` in TorchServe's line format, so that
-    `compress serve` reads the handler's progress and failures as it does TorchServe's."""
-    worker = 9000 + int(os.environ.get("LITSERVE_WORKER_ID", "0"))
-    handler = logging.FileHandler(logs / MODEL_LOG)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s [%(levelname)s] W-{worker}-{model_name}-stdout MODEL_LOG - %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    return root
+        check_token(request.headers.get("authorization", ""), self.token)

@@ -1,10 +1,12 @@
-"""The engine's error answers, in TorchServe's JSON (`{"code", "type", "message"}`).
+"""An engine's error answers, in TorchServe's JSON (`{"code", "type", "message"}`).
 
 An internal failure (the handler raised, the API server raised) answers a short message with
-an error id; the traceback goes to the log under that id, never to the client."""
+an error id; the traceback goes to the log under that id, never to the client. A stream that
+has begun ends with an error line (`error_line`) in its own framing."""
 
 from __future__ import annotations
 
+import json
 import logging
 import traceback
 import uuid
@@ -14,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 logger = logging.getLogger(__name__)
+SSE = "text/event-stream"
 ERROR_TYPES = {400: "BadRequestException", 401: "InvalidKeyException",
                404: "ModelNotFoundException", 405: "MethodNotAllowedException",
                413: "RequestTooLargeException", 503: "ServiceUnavailableException",
@@ -46,3 +49,11 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
 async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     """Any other exception in the API server: a 500 with an id, the traceback logged."""
     return JSONResponse(internal_error("the server failed", exc), status_code=500)
+
+
+def error_line(media: str | None, status: int, message: str) -> bytes:
+    """An error written into a stream that has begun: an SSE event, else an NDJSON line."""
+    if media and media.startswith(SSE):
+        error = {"message": message, "type": "server_error", "code": status}
+        return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    return json.dumps({"error": message, "status": status}).encode() + b"\n"

@@ -1,7 +1,8 @@
 """The part of TorchServe's `Context` that compress's handlers use, for a handler run by
-LitServe: the model's folder and config, the requests' ids and headers, and each answer's
-status, headers and content type; `send_chunk(i, chunk)` streams a piece of answer `i`
-(the handlers use it where a context has it, TorchServe's intermediate responses elsewhere).
+another engine (LitServe, Ray Serve: `server_name` says which): the model's folder and
+config, the requests' ids and headers, and each answer's status, headers and content type;
+`send_chunk(i, chunk)` streams a piece of answer `i` (the handlers use it where a context
+has it, TorchServe's intermediate responses elsewhere).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ class HandlerContext:
     def __init__(self, model_name: str, model_dir: Path, config: dict[str, Any],
                  manifest: dict[str, Any], request_ids: list[str] | None = None,
                  headers: list[dict[str, Any]] | None = None,
-                 send: Callable[[int, str | bytes], None] | None = None):
+                 send: Callable[[int, str | bytes], None] | None = None,
+                 server_name: str = "LitServe"):
         self.model_name = model_name
         self.model_yaml_config = config
         self.manifest = manifest
         self.system_properties = {"model_dir": str(model_dir), "gpu_id": None,
                                   "batch_size": int(config.get("batchSize", 1)),
-                                  "server_name": "LitServe", "limit_max_image_pixels": True}
+                                  "server_name": server_name, "limit_max_image_pixels": True}
         self.request_ids = dict(enumerate(request_ids or []))
         self.metrics = None
         self.stopping_criteria = None

@@ -2,11 +2,13 @@
 the standard library besides; no torch, no compress): `python gguf_llama.py < spec.json`.
 
 The spec: {"gguf": path, "sequences": [[token ids], ...], "logit_positions": N,
-"out": folder, "threads": T}. For each sequence llama.cpp evaluates the tokens with every
-position's logits kept; the first `logit_positions` positions' logits over all sequences
-go to `<out>/logits.npy` (positions x vocabulary, float32), and each sequence's summed
-negative log-likelihood of its tokens after the first and their count are printed as one
-JSON line: {"nll": [...], "tokens": [...], "llama_cpp": version}.
+"out": folder, "threads": T, "kv_cache": "f16" | "f32"} (the KV cache's type: llama.cpp's
+default is f16; f32 keeps keys and values as a float32 model does). For each sequence
+llama.cpp evaluates the tokens with every position's logits kept; the first
+`logit_positions` positions' logits over all sequences go to `<out>/logits.npy` (positions
+x vocabulary, float32), and each sequence's summed negative log-likelihood of its tokens
+after the first and their count are printed as one JSON line: {"nll": [...], "tokens":
+[...], "llama_cpp": version}.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import sys
 from importlib import metadata
 from pathlib import Path
+
+KV_TYPES = {"f32": 0, "f16": 1}  # ggml's type ids (GGML_TYPE_F32, GGML_TYPE_F16)
 
 
 def log_softmax(rows):  # noqa: ANN001, ANN201 - numpy arrays
@@ -30,8 +34,10 @@ def main() -> int:
 
     spec = json.loads(sys.stdin.read())
     longest = max(len(s) for s in spec["sequences"])
+    kv_type = KV_TYPES[spec.get("kv_cache", "f16")]
     model = Llama(spec["gguf"], n_ctx=max(longest, 64), logits_all=True, verbose=False,
-                  n_threads=int(spec.get("threads") or 1), n_batch=max(longest, 64))
+                  n_threads=int(spec.get("threads") or 1), n_batch=max(longest, 64),
+                  type_k=kv_type, type_v=kv_type)
     kept, wanted = [], int(spec.get("logit_positions") or 0)
     nll, counts = [], []
     for tokens in spec["sequences"]:

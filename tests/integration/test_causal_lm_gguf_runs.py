@@ -30,6 +30,7 @@ def shrunk(tmp_path: Path, model: Path, stages: list[dict] | None = None) -> Pat
                    checkpoint_every=1000)
     prune.update(amount=0.5,  # 64 neurons to 32: whole groups of 32
                  recovery={"max_steps": 2, "batch_size": 4, "checkpoint_every": 1000})
+    quantize.update(qat={"max_steps": 2, "batch_size": 4, "checkpoint_every": 1000})
     raw["model"]["source"] = str(model)
     raw["data"].update(max_length=32, train={"split": "train", "max_samples": 64},
                        eval={"split": "validation", "max_samples": 12})
@@ -66,6 +67,7 @@ def test_llm_gguf_shrunk_runs_and_its_file_holds_the_model(
     else:
         assert metrics["gguf_parity"] == "llama.cpp"
         assert abs(metrics["gguf_perplexity_change_pct"]) <= 1.0
+        assert metrics["gguf_kv_cache"] == "f32" and metrics["gguf_perplexity_f16_cache"] > 1
         assert metrics["gguf_top1_agreement"] >= 0.9
 
 

@@ -4,7 +4,10 @@ against the model.
 
 Parity, like for like: the model's grouped layers score with their activations rounded to
 int8 per block of 32 (the kernels' int8 mode), as llama.cpp's Q8_0 and Q4_1 products round
-them; a float model scores in float32, as llama.cpp's F32 file does. Where a Python with
+them; a float model scores in float32, as llama.cpp's F32 file does; llama.cpp's KV cache
+is float32, as the model's (its default f16 cache's perplexity is recorded beside:
+`gguf_perplexity_f16_cache`, which on a model of high perplexity moves it by about half a
+percent). Where a Python with
 llama-cpp-python is at hand (`COMPRESS_LLAMA_PYTHON`, else this interpreter when it has it,
 else the environment `benchmarks/causal_lm/llama_env.py` builds in
 `~/.cache/compress/llama-venv`): llama.cpp loads the file and evaluates the eval texts; its
@@ -70,13 +73,14 @@ def modelfile(gguf_name: str, tokenizer: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def llama_scores(python: str, path: Path, sequences: list[list[int]], threads: int
-                 ) -> tuple[np.ndarray, list[float], list[int], str]:
+def llama_scores(python: str, path: Path, sequences: list[list[int]], threads: int,
+                 kv_cache: str = "f32") -> tuple[np.ndarray, list[float], list[int], str]:
     """(logits of the first LOGIT_POSITIONS positions, each sequence's summed NLL and its
-    scored token count, llama-cpp-python's version) from llama.cpp."""
+    scored token count, llama-cpp-python's version) from llama.cpp, its KV cache of type
+    `kv_cache` (f32, or llama.cpp's default f16)."""
     with tempfile.TemporaryDirectory() as out:
         spec = {"gguf": str(path), "sequences": sequences, "out": out, "threads": threads,
-                "logit_positions": LOGIT_POSITIONS}
+                "logit_positions": LOGIT_POSITIONS, "kv_cache": kv_cache}
         done = subprocess.run([python, gguf_llama.__file__], input=json.dumps(spec),
                               capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
@@ -97,7 +101,9 @@ def parity(bundle: ModelBundle, path: Path, texts: list[str], threads: int,
         return {"gguf_parity": "skipped: no llama-cpp-python"}
     sequences = scored_sequences(bundle.tokenizer, texts)
     log(f"parity: llama.cpp and the model score {len(sequences)} eval texts")
+    # like for like: llama.cpp's cache in float32, as the model's (its default f16 below)
     theirs, their_nll, counts, version = llama_scores(python, path, sequences, threads)
+    _, default_nll, _, _ = llama_scores(python, path, sequences, threads, "f16")
     # like for like: activations rounded to int8 per 32, as llama.cpp's products round them
     with grouped_activations(bundle.model.eval(), "int8") as mode:
         ours, our_nll = sequence_scores(bundle.model, sequences, LOGIT_POSITIONS)
@@ -105,12 +111,16 @@ def parity(bundle: ModelBundle, path: Path, texts: list[str], threads: int,
     ours, theirs = ours[:rows], theirs[:rows]
     tokens = sum(counts)
     our_ppl, their_ppl = math.exp(sum(our_nll) / tokens), math.exp(sum(their_nll) / tokens)
+    default_ppl = math.exp(sum(default_nll) / tokens)
     return {"gguf_parity": "llama.cpp", "gguf_llama_cpp_python": version,
             "gguf_logit_positions": rows, "gguf_source_activations": mode,
             "gguf_logit_max_abs_diff": round(float(np.abs(ours - theirs).max()), 6),
             "gguf_top1_agreement": round(float((ours.argmax(-1) == theirs.argmax(-1)).mean()), 6),
             "gguf_perplexity": round(their_ppl, 4), "gguf_source_perplexity": round(our_ppl, 4),
             "gguf_perplexity_change_pct": round(100 * (their_ppl / our_ppl - 1), 4),
+            "gguf_kv_cache": "f32",
+            "gguf_perplexity_f16_cache": round(default_ppl, 4),
+            "gguf_perplexity_f16_cache_change_pct": round(100 * (default_ppl / our_ppl - 1), 4),
             "gguf_parity_tokens": tokens}
 
 

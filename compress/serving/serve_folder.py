@@ -45,6 +45,16 @@ def token_of(run_dir: str | Path) -> str | None:
     return info.get("token") if info else None
 
 
+def write_keys(serve_dir: Path, token: str) -> None:
+    """TorchServe's key file with `token` for every API, readable by its owner only (the
+    LitServe and Ray engines' token, read back with `read_keys`)."""
+    from compress.runfolder.files import atomic_write_json
+
+    atomic_write_json(serve_dir / KEY_FILE,
+                      {name: {"key": token} for name in ("management", "inference", "API")},
+                      mode=0o600)
+
+
 def read_keys(serve_dir: Path) -> dict[str, str]:
     """TorchServe's tokens: {"management", "inference", "api"}."""
     keys = json.loads((serve_dir / KEY_FILE).read_text())

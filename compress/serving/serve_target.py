@@ -107,3 +107,15 @@ def unpack_model(target: ServeTarget, store: Path, workers: int | None,
         # a continuous batch's decode rows (each request joins it; batch size 1), else None
         "continuous_rows": (int(handler.get("rows") or config.get("batchSize") or 1)
                             if config.get("asyncCommunication") else None)}
+
+
+def refuse_parallel_archive(mar: Path, model_dir: Path) -> dict[str, Any]:
+    """The unpacked archive's model-config.yaml; a UserError for a parallelType archive,
+    whose workers are torchrun jobs that only TorchServe starts (LitServe and Ray refuse
+    it alike)."""
+    config = yaml.safe_load((model_dir / "model-config.yaml").read_text()) or {}
+    if config.get("parallelType"):
+        raise UserError(f"{mar}: a parallelType: {config['parallelType']} archive runs each "
+                        f"worker as a torchrun job, which only TorchServe starts: serve it "
+                        f"with --engine torchserve")
+    return config

@@ -24,7 +24,7 @@ from export.errors import ExportError
 pytest.importorskip("executorch", reason="the executorch extra is not installed: "
                     "pip install 'compress-pipeline[executorch]'")
 
-from export.executorch.causal_lm import (  # noqa: E402
+from export.executorch.decoder import (  # noqa: E402
     PteCausalLM,
     export_causal_lm,
     float_model,

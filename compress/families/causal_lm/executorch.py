@@ -1,5 +1,5 @@
 """A causal LM exported for ExecuTorch (stage `export` with `format: executorch`): one
-`model.pte` for phones and edge CPUs (export.executorch.causal_lm), its linear layers on
+`model.pte` for phones and edge CPUs (export.executorch.decoder), its linear layers on
 XNNPACK's dynamic-activation schemes (`quantize: 8da4w` or `8da8w`; none: float32), and the
 file held against the model that entered the stage, run by `executorch.runtime` here.
 
@@ -44,7 +44,7 @@ from compress.families.causal_lm.model import (
 from compress.recipe.kinds.export import EXECUTORCH_FORMAT, ExportConfig
 from compress.runfolder.records import artifact_record
 from compress.stages.context import StageContext, State
-from export.executorch.causal_lm import PteCausalLM, export_causal_lm
+from export.executorch.decoder import PteCausalLM, export_causal_lm
 from serve.causal_lm.runtime import StaticDecoder, prompt_ids
 
 PARITY_TEXTS = 16  # eval texts the file and the model both score

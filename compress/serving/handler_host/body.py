@@ -1,14 +1,17 @@
 """A request's body as the engine reads it: at most `max_request_size` bytes (a 413 as soon
 as the body passes it, so an endless upload is cut off), and an urlencoded form at most
-`MAX_FORM_FIELDS` fields (a 413 past it), parsed off the event loop when it is large."""
+`MAX_FORM_FIELDS` fields (a 413 past it), parsed off the event loop when it is large;
+`handler_request`: a prediction request as TorchServe hands it to a handler."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 from urllib.parse import parse_qsl
 
 from fastapi import HTTPException, Request
 
+FORM = "application/x-www-form-urlencoded"
 MAX_FORM_FIELDS = 1000
 OFF_LOOP_BYTES = 64 * 1024  # a form larger than this is parsed on a thread
 
@@ -26,6 +29,27 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise HTTPException(413, f"request of more than max_request_size ({limit}) bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def handler_request(request: Request, model_name: str, version: str | None,
+                          max_request_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One prediction request as TorchServe hands it to a handler: `{"body": bytes}` (an
+    urlencoded form: one entry per field), and the request's headers without the token,
+    with the body's content type and `url_path` (the PATH of
+    `/predictions/MODEL/VERSION/PATH`). A 404 for a version other than the archive's."""
+    asked = request.path_params.get("version")
+    if asked is not None and version is not None and asked != version:
+        raise HTTPException(404, f"Model version: {asked} does not exist for model: "
+                                 f"{model_name}")
+    body = await read_body(request, max_request_size)
+    content_type = request.headers.get("content-type", "")
+    data: dict[str, Any] = {"body": body}
+    if content_type.startswith(FORM):
+        data = await form_fields(body) or data
+    headers = {k: v for k, v in request.headers.items() if k != "authorization"}
+    headers |= {"body": {"content-type": content_type},
+                "url_path": request.path_params.get("path", "")}
+    return data, headers
 
 
 async def form_fields(body: bytes) -> dict[str, bytes]:

@@ -21,7 +21,6 @@ TOKEN_FAILED = ("Token Authorization failed. Token either incorrect, expired, or
                 "provided correctly")
 MAX_REQUEST_SIZE = 6_553_500  # TorchServe's default max_request_size
 RESPONSE_TIMEOUT_S = 120.0  # TorchServe's default responseTimeout
-FORM = "application/x-www-form-urlencoded"
 MODEL_LOG = "model_log.log"  # TorchServe's name and line format: WorkerLog reads both
 DIED = "Backend worker process died."
 

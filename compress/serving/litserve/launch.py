@@ -9,7 +9,6 @@ loadtest` and the token command work alike; server.json says `"engine": "litserv
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 import subprocess
@@ -21,11 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from compress.errors import UserError
 from compress.serving import server_process
-from compress.serving.serve_folder import KEY_FILE, server_temp
+from compress.serving.serve_folder import server_temp, write_keys
+from compress.serving.serve_target import refuse_parallel_archive
 from compress.serving.worker_log import WorkerLog
 from compress.system import processes
 
@@ -46,18 +44,10 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
           echo: Callable[[str], None]) -> dict[str, Any]:
     """Start the server of `model_dir` on 127.0.0.1:`port`; return server.json once it
     answers (on any failure it is stopped first)."""
-    config = yaml.safe_load((model_dir / "model-config.yaml").read_text()) or {}
-    if config.get("parallelType"):
-        raise UserError(f"{mar}: a parallelType: {config['parallelType']} archive runs each "
-                        f"worker as a torchrun job, which only TorchServe starts: serve it "
-                        f"with --engine torchserve")
+    refuse_parallel_archive(mar, model_dir)
     token = secrets.token_urlsafe(24) if auth else None
     if token:
-        keys = {name: {"key": token} for name in ("management", "inference", "API")}
-        descriptor = os.open(serve_dir / KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                             0o600)
-        with os.fdopen(descriptor, "w") as out:
-            json.dump(keys, out)
+        write_keys(serve_dir, token)
     command = [sys.executable, "-m", MAIN, str(serve_dir), str(model_dir), str(port)]
     if not auth:
         command.append("--no-auth")

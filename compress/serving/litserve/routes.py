@@ -27,13 +27,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from litserve.specs.base import LitSpec
 
-from compress.serving.handler_host.body import form_fields, read_body
+from compress.serving.handler_host.body import handler_request
 from compress.serving.handler_host.errors import error_body, error_line
-from compress.serving.handler_host.handler import FORM, RESPONSE_TIMEOUT_S
+from compress.serving.handler_host.handler import RESPONSE_TIMEOUT_S
 from compress.serving.litserve import inflight
 from compress.serving.litserve.inflight import JSON, Message, Pending
 
@@ -81,18 +81,8 @@ class TorchServeRoutes(LitSpec):
 
     async def predict(self, request: Request) -> Response:
         """Send one request to a worker; answer with what it sends back."""
-        version = request.path_params.get("version")
-        if version is not None and self.version is not None and version != self.version:
-            raise HTTPException(404, f"Model version: {version} does not exist for model: "
-                                     f"{self.model_name}")
-        body = await read_body(request, self.max_request_size)
-        content_type = request.headers.get("content-type", "")
-        data: dict[str, Any] = {"body": body}
-        if content_type.startswith(FORM):
-            data = await form_fields(body) or data
-        headers = {k: v for k, v in request.headers.items() if k != "authorization"}
-        headers |= {"body": {"content-type": content_type},
-                    "url_path": request.path_params.get("path", "")}
+        data, headers = await handler_request(request, self.model_name, self.version,
+                                              self.max_request_size)
         if self._watch is None or self._watch.done():
             entry = self.response_buffer[inflight.BATCH] = inflight.dispatch_entry()
             events = asyncio.get_running_loop()
@@ -105,7 +95,7 @@ class TorchServeRoutes(LitSpec):
         messages = self._messages(pending)
         try:
             self._enqueue((self.response_queue_id, uid, time.monotonic(), (data, headers)))
-            del body, data  # the worker's now: no copy kept here while the answer is awaited
+            del data  # the worker's now: no copy kept here while the answer is awaited
             kind, status, answer_headers, media, first = await _first(request, messages)
         except (ClientLeft, TimeoutError) as exc:
             pending.cancel()

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from compress.errors import UserError
+from compress.runfolder.files import atomic_write_json
 from compress.serving import server_process
 from compress.serving.handler_host.handler import MAX_REQUEST_SIZE, token_digest
 from compress.serving.ray.options import RayOptions
-from compress.serving.serve_folder import KEY_FILE, server_temp, write_info
+from compress.serving.serve_folder import server_temp, write_info, write_keys
+from compress.serving.serve_target import refuse_parallel_archive
 from compress.serving.worker_log import WorkerLog
 from compress.system import processes
 
@@ -54,16 +54,11 @@ def start(model_name: str, mar: Path, model_dir: Path, serve_dir: Path, port: in
     is stopped first)."""
     from compress.serving.ray.main import PLAN
 
-    config = yaml.safe_load((model_dir / "model-config.yaml").read_text()) or {}
-    if config.get("parallelType"):
-        raise UserError(f"{mar}: a parallelType: {config['parallelType']} archive runs each "
-                        f"worker as a torchrun job, which only TorchServe starts: serve it "
-                        f"with --engine torchserve")
+    refuse_parallel_archive(mar, model_dir)
     token = secrets.token_urlsafe(24) if auth else None
     if token:
-        _write_private(serve_dir / KEY_FILE,
-                       {name: {"key": token} for name in ("management", "inference", "API")})
-    _write_private(serve_dir / PLAN, {
+        write_keys(serve_dir, token)
+    atomic_write_json(serve_dir / PLAN, mode=0o600, data={
         "model_name": model_name, "options": options.record(),
         "digest": token_digest(token) if token else None,
         "max_request_size": MAX_REQUEST_SIZE,
@@ -138,9 +133,3 @@ def _failure(serve_dir: Path) -> str:
         return failed[-1]
     errors = [line.strip() for line in text if "Error" in line or "ERROR" in line] or text
     return f"{' | '.join(errors[-3:]) or 'no output'} (log: {out})"
-
-
-def _write_private(path: Path, value: Any) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as out:
-        json.dump(value, out)

@@ -26,14 +26,14 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from compress.serving.handler_host.body import form_fields, read_body
+from compress.serving.handler_host.body import handler_request
 from compress.serving.handler_host.errors import (
     error_body,
     error_line,
     http_error,
     unexpected_error,
 )
-from compress.serving.handler_host.handler import FORM, TOKEN_FAILED, token_digest
+from compress.serving.handler_host.handler import TOKEN_FAILED, token_digest
 from compress.serving.ray.runner import CHUNK, FAIL, Call, HandlerRunner
 
 JSON = "application/json"
@@ -84,20 +84,9 @@ def build_app(runner: HandlerRunner, model_name: str, version: str | None,
 
     async def predict(request: Request) -> Response:
         check_token(request.headers.get("authorization", ""), digest)
-        asked = request.path_params.get("version")
-        if asked is not None and version is not None and asked != version:
-            raise HTTPException(404, f"Model version: {asked} does not exist for model: "
-                                     f"{model_name}")
-        body = await read_body(request, max_request_size)
-        content_type = request.headers.get("content-type", "")
-        data: dict[str, Any] = {"body": body}
-        if content_type.startswith(FORM):
-            data = await form_fields(body) or data
-        headers = {k: v for k, v in request.headers.items() if k != "authorization"}
-        headers |= {"body": {"content-type": content_type},
-                    "url_path": request.path_params.get("path", "")}
+        data, headers = await handler_request(request, model_name, version, max_request_size)
         call = Call(str(uuid.uuid4()), data, headers)
-        del body, data
+        del data
         running = runner.submit(call)
         try:
             kind, status, answer_headers, media, first = await asyncio.wait_for(

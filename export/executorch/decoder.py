@@ -183,7 +183,7 @@ def export_causal_lm(model: nn.Module, tokenizer: Any, folder: Path, quantize: s
             "label_names": [], "vocab_size": int(config.vocab_size),
             "eos_token_ids": eos, "bos_token_id": bos, **facts,
             "chat_template": bool(getattr(tokenizer, "chat_template", None)),
-            "load": "export.executorch.causal_lm.PteCausalLM(folder), or ExecuTorch's LLM "
+            "load": "export.executorch.decoder.PteCausalLM(folder), or ExecuTorch's LLM "
                     "runner (executorch.extension.llm.runner.TextLLMRunner(model.pte, "
                     "tokenizer.json))"}
     (tmp / "export.json").write_text(json.dumps(meta, indent=2))

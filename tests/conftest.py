@@ -608,13 +608,24 @@ def serving_missing(engine: str = "torchserve") -> list[str]:
 
 
 SERVING_ENGINES = ("torchserve", "litserve")
+# the modules whose contract every engine keeps (bad input, the properties) run on Ray too;
+# the rest run on the two single-machine engines (a Ray cluster's start costs ~10 s a module)
+EVERY_ENGINE = (*SERVING_ENGINES, "ray")
 
 
-@pytest.fixture(scope="module", params=SERVING_ENGINES)
-def engine(request) -> str:
-    """The serving engine of a serving test: its module's tests run against each in turn
-    (pytest groups them by engine, so a module-scoped server starts once per engine)."""
-    return request.param
+def engine_fixture(engines: tuple[str, ...]):
+    """A module-scoped `engine` fixture over `engines`: a module's tests run against each in
+    turn (pytest groups them by engine, so a module-scoped server starts once per engine).
+    A module sets `engine = engine_fixture(EVERY_ENGINE)` to run on Ray as well."""
+
+    @pytest.fixture(scope="module", params=engines)
+    def engine(request) -> str:
+        return request.param
+
+    return engine
+
+
+engine = engine_fixture(SERVING_ENGINES)
 
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
@@ -639,8 +650,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test with its tier, the folder it lives in (`-m unit`, `-m integration`);
     serving tests are skipped with the reason when their engine's needs are missing, GPU
     tests (tests/gpu) where CUDA is absent."""
-    # "ray": the engine of tests/serving/test_ray_engine.py (not yet every serving module's)
-    missing = {engine: serving_missing(engine) for engine in (*SERVING_ENGINES, "ray")}
+    missing = {engine: serving_missing(engine) for engine in EVERY_ENGINE}
     cuda = any("gpu" in Path(str(item.fspath)).parts for item in items) and _cuda_present()
     for item in items:
         parts = Path(str(item.fspath)).parts

@@ -3,9 +3,14 @@ compress.serving.loadtest."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from compress.errors import CompressError, UserError
+
+if TYPE_CHECKING:
+    from compress.serving.ray.options import RayOptions
 
 
 @click.command()
@@ -45,12 +50,16 @@ from compress.errors import CompressError, UserError
               "replica asks for, e.g. '{\"replica_slot\": 1}' to place one a node.")
 @click.option("--address", help="Ray: join the Ray cluster at this GCS address (HOST:PORT) "
               "instead of starting a local one.")
+@click.option("--emit-kuberay", metavar="PATH", help="Ray: write a KubeRay RayService "
+              "manifest (PATH.yaml) serving TARGET with these Ray options, and start nothing.")
+@click.option("--kuberay-image", metavar="IMAGE", help="With --emit-kuberay: the pods' image, "
+              "with compress installed (default: compress-pipeline:latest, a placeholder).")
 def serve(target: str | None, port: int, workers: int | None, batch_size: int | None,
           max_batch_delay: int | None, threads: int | None, no_auth: bool,
           enable_model_api: bool, timeout: int, stop: bool, engine: str,
           replicas: int | None, autoscale: str | None, downscale_delay: float | None,
           cpus_per_replica: float | None, replica_resources: str | None,
-          address: str | None) -> None:
+          address: str | None, emit_kuberay: str | None, kuberay_image: str | None) -> None:
     """Serve TARGET (a run folder with a package stage, or a .mar) with TorchServe, with
     LitServe (--engine litserve: the same archive, handler, URLs and token), or with Ray
     Serve (--engine ray: the same, as replicas on a local or existing Ray cluster).
@@ -68,6 +77,7 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
       compress serve runs/bert_int8 --engine litserve
       compress serve runs/bert_int8 --engine ray --replicas 2
       compress serve runs/bert_int8 --engine ray --autoscale 1,4 --address 10.0.0.1:6379
+      compress serve runs/bert_int8 --engine ray --replicas 2 --emit-kuberay bert.yaml
       compress serve runs/embed_search --threads 1 --batch-size 16
       compress serve --stop runs/bert_int8
     """
@@ -76,6 +86,13 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
 
     ray = RayOptions(replicas, parse_autoscale(autoscale), downscale_delay, cpus_per_replica,
                      parse_resources(replica_resources), address)
+    if emit_kuberay is not None or kuberay_image is not None:
+        _emit_kuberay(target, emit_kuberay, kuberay_image, ray, engine=engine,
+                      auth=not no_auth, refused={
+                          "--stop": stop, "--workers": workers, "--batch-size": batch_size,
+                          "--max-batch-delay": max_batch_delay, "--threads": threads,
+                          "--enable-model-api": enable_model_api})
+        return
     if stop:
         stopped = server.stop_servers(target, echo=click.echo)
         click.echo(f"stopped {len(stopped)} server(s)" + "".join(f"\n  {s}" for s in stopped))
@@ -110,6 +127,33 @@ def serve(target: str | None, port: int, workers: int | None, batch_size: int | 
         click.echo(f"  metrics (Prometheus): {info['metrics_url']}")
     click.echo(f"  try: {server.curl_example(info)}")
     click.echo(f"  stop: compress serve --stop {target}")
+
+
+def _emit_kuberay(target: str | None, path: str | None, image: str | None, ray: RayOptions, *,
+                  engine: str, auth: bool, refused: dict[str, object]) -> None:
+    """`--emit-kuberay PATH`: the RayService manifest written, nothing started."""
+    from pathlib import Path
+
+    from compress.serving import server
+    from compress.serving.ray import kuberay
+
+    if path is None:
+        raise UserError("--kuberay-image applies to --emit-kuberay PATH: give both")
+    if engine != "ray":
+        raise UserError("--emit-kuberay writes a Ray Serve manifest: add --engine ray")
+    given = [flag for flag, value in refused.items() if value]
+    if given:
+        raise UserError(f"{', '.join(given)} with --emit-kuberay: the manifest serves the "
+                        f"archive as packaged (its model-config.yaml), and starts nothing")
+    if target is None:
+        raise click.UsageError("give a run folder or a .mar to write the manifest for")
+    resolved = server.resolve_target(target)
+    manifest = kuberay.write_manifest(resolved, Path(path), ray, image=image, auth=auth)
+    name = manifest["metadata"]["name"]
+    click.echo(f"written: {path} (RayService {name}; nothing started)")
+    click.echo("  read its header first (the image, the archive on a shared volume"
+               + (", the token's Secret)" if auth else ")"))
+    click.echo(f"  then: kubectl apply -f {path}")
 
 
 @click.command()

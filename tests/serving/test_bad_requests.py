@@ -1,6 +1,6 @@
 """Issue 39 acceptance: sixteen simultaneous requests to the tiny packaged BERT (tiny_onnx:
 batch size 8, 50 ms delay), one of each bad kind among good ones, three rounds, on
-TorchServe and LitServe: every good one is answered 200 with its label (the one it gets
+TorchServe, LitServe and Ray Serve: every good one is answered 200 with its label (the one it gets
 alone), every bad one a 4xx. Before issue 39 a lone surrogate, a split surrogate pair or
 JSON nested 100,000 deep failed the whole batch (TorchServe 503, LitServe 500)."""
 
@@ -14,11 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
+from conftest import EVERY_ENGINE, engine_fixture
 
 pytest.importorskip("ts")
 
 
 pytestmark = pytest.mark.serving
+engine = engine_fixture(EVERY_ENGINE)
 
 BAD = {
     "lone surrogate": b'{"text": "\\ud800"}',

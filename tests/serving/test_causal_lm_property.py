@@ -1,6 +1,6 @@
-"""Issue 70's property of the served causal LM, on TorchServe and LitServe (the `engine`
-fixture), on the grammar-capable archive of test_causal_lm_openai_features (a tiny random
-Llama with SmolLM2's tokenizer: continuous batching, 8 rows, 96 new tokens at most).
+"""Issue 70's property of the served causal LM, on TorchServe, LitServe and Ray Serve (the
+`engine` fixture), on the grammar-capable archive of test_causal_lm_openai_features (a tiny
+random Llama with SmolLM2's tokenizer: continuous batching, 8 rows, 96 new tokens at most).
 
 Three good native requests (40 greedy tokens each, streamed) start first; once each has
 streamed its first chunk (it is decoding), the generated request is sent. Two strategies:
@@ -49,6 +49,7 @@ hypothesis = pytest.importorskip("hypothesis")
 jsonschema_rs = pytest.importorskip("jsonschema_rs")
 
 import test_causal_lm_openai_features  # noqa: E402
+from conftest import EVERY_ENGINE, engine_fixture  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from served_property import (  # noqa: E402
@@ -69,6 +70,7 @@ served = test_causal_lm_openai_features.served
 offline = test_causal_lm_openai_features.offline
 
 pytestmark = pytest.mark.serving
+engine = engine_fixture(EVERY_ENGINE)
 
 EXAMPLES = examples(20)
 NATIVE, CHAT, COMPLETIONS = "", "/1.0/v1/chat/completions", "/1.0/v1/completions"

@@ -1,5 +1,6 @@
-"""Issues 39 and 70: the classifier's property, on TorchServe and LitServe (tiny_onnx: batch
-size 8, 50 ms delay, 200 characters a text, 64 texts a request). Two strategies:
+"""Issues 39 and 70: the classifier's property, on TorchServe, LitServe and Ray Serve
+(tiny_onnx: batch size 8, 50 ms delay, 200 characters a text, 64 texts a request). Two
+strategies:
 
 - *valid but odd* requests: any valid Unicode text (control characters, emoji, right to
   left, 200 characters), as `{"text"}`, `{"texts": [1..64]}`, a JSON string, a plain-text or
@@ -34,6 +35,7 @@ import pytest
 pytest.importorskip("ts")
 pytest.importorskip("hypothesis")
 
+from conftest import EVERY_ENGINE, engine_fixture  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from served_property import (  # noqa: E402
@@ -48,6 +50,7 @@ from served_property import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.serving
+engine = engine_fixture(EVERY_ENGINE)
 
 EXAMPLES = examples(25)
 MAX_CHARS, MAX_ITEMS = 200, 64  # the archive's limits (conftest's packaged_text_run)

@@ -1,10 +1,12 @@
 """`compress serve --engine ray` on two Ray nodes over loopback (a head and a worker node,
-each offering one `replica_slot`, standing in for two machines): the tiny packaged
-classifier's two replicas are placed one a node (Ray's state API says so), 400 concurrent
-requests all get a 200 with LitServe's label for the same text, and both replicas, on both
-nodes, answer some. Without ray, or with options that contradict each other, one line;
-`--stop` removes the application it deployed (and the local cluster only when it started
-one), and nothing else."""
+each offering one `replica_slot` and one `lm_slot`, standing in for two machines): the tiny
+packaged classifier's two replicas are placed one a node (Ray's state API says so), 400
+concurrent requests all get a 200 with TorchServe's label for the same text, and both
+replicas, on both nodes, answer some. Without ray, or with options that contradict each
+other, one line; `--stop` removes the application it deployed (and the local cluster only
+when it started one), and nothing else. Last, the tiny causal LM's archive (continuous
+batching) as two replicas, one a node: chats streamed through the official `openai` client
+are the offline greedy text, from both replicas."""
 
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import test_causal_lm_serving
 from conftest import NEGATIVE, POSITIVE, cli, http_post
+from test_causal_lm_serving import PROMPTS, offline_text
 
 from compress.serving import server
 from compress.serving.ray import cluster
@@ -28,8 +34,12 @@ from compress.serving.ray.options import RayOptions
 from compress.system import processes
 
 pytestmark = pytest.mark.serving
-SLOT = "replica_slot"
+SLOT, LM_SLOT = "replica_slot", "lm_slot"  # one of each a node: one replica of each a node
 REPLICA_CLASS = "ServeReplica:compress-tiny_onnx:"  # Ray Serve names a replica APP:DEPLOYMENT
+LM_REPLICA_CLASS = "ServeReplica:compress-tiny_lm:"
+# the tiny causal LM's archive (batches of 8 rows) and its exported folder, as that module's
+causal_lm_run = test_causal_lm_serving.causal_lm_run
+offline = test_causal_lm_serving.offline
 REQUESTS, CONCURRENCY = 400, 32
 TEXTS = [f"a {word} film, {adverb} {word}" for word in POSITIVE + NEGATIVE
          for adverb in ("truly", "rather", "so")]
@@ -52,12 +62,13 @@ def engine() -> str:
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, engine: str):
-    """A head and a worker node on 127.0.0.1, one CPU and one replica slot each."""
+    """A head and a worker node on 127.0.0.1, one CPU and one slot of each kind each."""
     logs = tmp_path_factory.mktemp("ray_nodes")
-    head = cluster.start_node(logs / "head.log", num_cpus=1, resources={SLOT: 1})
+    slots = {SLOT: 1, LM_SLOT: 1}
+    head = cluster.start_node(logs / "head.log", num_cpus=1, resources=slots)
     try:
         worker = cluster.start_node(logs / "worker.log", address=head.address, num_cpus=1,
-                                    resources={SLOT: 1})
+                                    resources=slots)
     except BaseException:
         cluster.stop_node(head.record())
         raise
@@ -81,12 +92,13 @@ def archive(packaged_text_run: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(archive: Path, tmp_path_factory, state_dir) -> dict[str, str]:
-    """Each text's label from LitServe serving the same archive."""
-    pytest.importorskip("litserve")
-    target = server.resolve_target(_copy(archive, tmp_path_factory.mktemp("litserve")))
+    """Each text's label from TorchServe serving the same archive."""
+    if shutil.which("java") is None:
+        pytest.skip("the reference answers are TorchServe's, which needs Java 17")
+    target = server.resolve_target(_copy(archive, tmp_path_factory.mktemp("torchserve")))
     (port,) = server.free_ports(1)
     info = server.start(target, port=port, timeout_s=180, echo=lambda _: None,
-                        engine="litserve")
+                        engine="torchserve")
     try:
         labels = {}
         for text in TEXTS:
@@ -134,7 +146,7 @@ def test_the_two_replicas_are_placed_one_on_each_node(served: dict, two_nodes) -
     assert {a["node"] for a in replicas} == set(placement["nodes"])
 
 
-def test_400_concurrent_requests_get_litserves_labels_from_both_nodes(
+def test_400_concurrent_requests_get_torchserves_labels_from_both_nodes(
         served: dict, reference: dict[str, str], two_nodes) -> None:
     texts = [TEXTS[i % len(TEXTS)] for i in range(REQUESTS)]
 
@@ -179,8 +191,6 @@ def test_auth_limits_and_unknown_routes_answer_as_torchserve(served: dict) -> No
     status, _, answer = http_post(served["url"], b"{not json", served["token"])
     assert status == 400
     port = served["port"]
-    import urllib.request
-
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=10) as ping:
         assert ping.status == 200 and json.loads(ping.read()) == {"status": "Healthy"}
 
@@ -250,6 +260,9 @@ def test_stop_removes_its_own_application_and_cluster_and_nothing_else(
     status, headers, _ = http_post(local["url"], json.dumps({"text": TEXTS[0]}).encode(),
                                    local["token"])
     assert status == 200 and headers.get("X-Compress-Node")
+    # the local cluster's metrics in Prometheus format (a joined cluster's are its own)
+    with urllib.request.urlopen(local["metrics_url"], timeout=30) as metrics:
+        assert metrics.status == 200 and b"\nray_" in metrics.read()
     state = json.loads((mar.with_suffix(".serve") / "ray-state.json").read_text())
     local_temp = state["cluster"]["temp_dir"]
     assert cluster.node_processes(local_temp)
@@ -267,3 +280,59 @@ def test_stop_removes_its_own_application_and_cluster_and_nothing_else(
     assert not [a for a in placement["actors"]
                 if a["state"] == "ALIVE" and a["class"].startswith(REPLICA_CLASS)]
     assert processes.alive(head.pid) and processes.alive(worker.pid)
+
+
+@pytest.fixture(scope="module")
+def served_lm(two_nodes, causal_lm_run: Path, state_dir) -> dict:
+    """The tiny causal LM's archive as 2 replicas on the two nodes, one `lm_slot` each.
+    Used by the module's last test: a Serve cluster holds one compress archive (route
+    prefix /), and `test_stop_removes_...` has removed the classifier's by then."""
+    target = server.resolve_target(causal_lm_run)
+    (port,) = server.free_ports(1)
+    options = RayOptions(replicas=2, cpus_per_replica=0.5, replica_resources={LM_SLOT: 1},
+                         address=two_nodes[0].address)
+    info = server.start(target, port=port, timeout_s=300, echo=lambda _: None,
+                        engine="ray", ray=options)
+    yield info
+    server.stop(target.serve_dir)
+    assert not processes.alive(info["pid"])
+
+
+def test_the_openai_clients_streamed_chats_are_the_offline_text_from_both_nodes(
+        served_lm: dict, offline, two_nodes) -> None:
+    """40 chats at once (each prompt 5 times, released together), streamed through the
+    official client: each is the offline greedy text; the LM's replicas sit one a node and
+    both answered. A replica holds 16 at most (two batches of its 8 rows) and Ray's proxy
+    fills the replica of its own node first: the tiny model's chats are short, so more than
+    16 must be in flight at once for the second replica to get some (32 of 24 tokens gave
+    it 1 on a loaded machine)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served_lm['url']}/1.0/v1",
+                           api_key=served_lm.get("token") or "unused", max_retries=0)
+
+    together = threading.Barrier(40)
+
+    def chat(prompt: str) -> tuple[str, str, str | None]:
+        together.wait()
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny_lm", messages=[{"role": "user", "content": prompt}], max_tokens=96,
+            temperature=0, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in raw.parse()
+                       if chunk.choices)
+        return prompt, text, raw.headers.get("X-Compress-Replica")
+
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(chat, PROMPTS * 5))
+    want = {prompt: offline_text(offline, prompt, 96) for prompt in PROMPTS}
+    wrong = [(prompt, text, want[prompt]) for prompt, text, _ in answers
+             if text != want[prompt]]
+    assert not wrong, wrong[:3]
+    placement = _placement(two_nodes[0].address)
+    replicas = [a for a in placement["actors"]
+                if a["state"] == "ALIVE" and a["class"].startswith(LM_REPLICA_CLASS)]
+    assert {a["node"] for a in replicas} == set(placement["nodes"]) and len(replicas) == 2
+    by_replica: dict[str | None, int] = {}
+    for *_, replica in answers:
+        by_replica[replica] = by_replica.get(replica, 0) + 1
+    print("LM chats by replica:", by_replica)
+    assert len(by_replica) == 2 and None not in by_replica, by_replica

@@ -2,7 +2,8 @@
 `runner.HandlerRunner` and a fake handler, through Starlette's test client. A stream's
 chunks come as the handler sends them and a failure mid-stream ends it with a framed error
 line; the token, the version and responseTimeout answer as
-TorchServe does; every answer names its replica and node. (Batching, Ray Serve's
+TorchServe does; every answer names its replica and node; the proxy's middleware answers
+for a lost replica (a JSON 500, a stream's framed end). (Batching, Ray Serve's
 `serve.batch`, needs a replica: tests/serving/test_ray_engine.py serves a batching
 archive.)"""
 
@@ -19,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from compress.serving.handler_host.context import HandlerContext  # noqa: E402
 from compress.serving.handler_host.handler import token_digest  # noqa: E402
-from compress.serving.ray.routes import build_app  # noqa: E402
+from compress.serving.ray.routes import LostReplica, build_app  # noqa: E402
 from compress.serving.ray.runner import HandlerRunner  # noqa: E402
 
 TOKEN = "s3cret"
@@ -96,3 +97,37 @@ def test_token_version_limit_and_timeout_answer_as_torchserve() -> None:
         assert late.status_code == 504 and late.json()["type"] == "RequestTimeoutException"
         assert client.get("/ping").json() == {"status": "Healthy"}
 
+
+
+def test_the_proxys_middleware_answers_for_a_lost_replica() -> None:
+    """Ray Serve's proxy returns without an answer, or in the middle of a chunked one, when
+    the replica's process dies: `LostReplica` answers TorchServe's JSON 500, or ends the
+    stream with an error line in its framing; a whole answer passes untouched."""
+
+    def proxy(kind: str):
+        async def app(scope, receive, send) -> None:
+            if kind == "lost":
+                return
+            media = {"sse": b"text/event-stream", "ndjson": b"application/x-ndjson",
+                     "whole": b"application/json"}[kind]
+            headers = [(b"content-type", media)]
+            if kind == "whole":
+                headers.append((b"content-length", b"2"))
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            if kind == "whole":
+                await send({"type": "http.response.body", "body": b"{}"})
+                return
+            first = b"data: 0\n\n" if kind == "sse" else b'{"delta": 0}\n'
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+        return TestClient(LostReplica(app))
+
+    lost = proxy("lost").post("/predictions/fake")
+    assert lost.status_code == 500 and lost.json()["type"] == "InternalServerException"
+    assert "not retried" in lost.json()["message"]
+    events = proxy("sse").post("/predictions/fake").text.split("\n\n")
+    assert events[0] == "data: 0" and events[2:] == [""]
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and "lost" in error["message"]
+    lines = proxy("ndjson").post("/predictions/fake").text.splitlines()
+    assert json.loads(lines[0]) == {"delta": 0} and json.loads(lines[1])["status"] == 500
+    assert proxy("whole").post("/predictions/fake").json() == {}

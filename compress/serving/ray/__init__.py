@@ -8,6 +8,10 @@ handler classes as TorchServe, as replicas placed on a Ray cluster (a local one 
   until every replica is up and `/ping` answers.
 - `main`: that process: a local cluster when no address is given (`cluster`), the
   application deployed, and on SIGTERM removed with what it started.
+- `application`: the application `main` deploys (its name, its deployment bound to the
+  archive), and its builder for a Serve config file; Ray-free until called.
+- `kuberay`: a KubeRay RayService manifest deploying that application on Kubernetes
+  (`--emit-kuberay`); Ray-free.
 - `replica`: the deployment: each replica imports the archive's handler; `runner`: its
   batches and messages; `routes`: TorchServe's URLs as the replica's FastAPI app.
 """

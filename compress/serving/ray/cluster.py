@@ -6,7 +6,8 @@ node's processes, then SIGKILL of its process group) stops this node and nothing
 The head of the local cluster `compress serve --engine ray` starts, and the nodes tests
 add to it (`start_node(address=...)`), each with its own ports, a short temporary folder
 (Ray's Unix sockets live under it, and AF_UNIX paths hold 107 bytes), a small object store
-and no dashboard."""
+and no dashboard. A head's Ray Serve proxy gets compress's middleware for lost replicas
+(`PROXY_HOOK`, unless the environment names a callback of its own)."""
 
 from __future__ import annotations
 
@@ -33,17 +34,23 @@ PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent
               "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
               "--metrics-export-port")
 HEAD_PORT_FLAGS = ("--port", "--ray-client-server-port")
+# Ray Serve's proxy runs on the head: there it answers for replicas that were lost
+PROXY_HOOK = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH":
+              "compress.serving.ray.routes:proxy_middlewares"}
 
 
 @dataclass
 class Node:
     """A started node: the `ray start --block` process (its process group's leader unless
-    `own_group` is False), its GCS address and its temporary folder."""
+    `own_group` is False), its GCS address, its temporary folder, and the port where it
+    exposes its processes' metrics in Prometheus format (Ray Serve's per-replica request
+    counts and latencies among them)."""
 
     pid: int
     address: str
     temp_dir: str
     log: str
+    metrics_port: int | None = None
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +85,10 @@ def start_node(log: Path, *, address: str | None = None, num_cpus: float | None 
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=own_group,
-                                   env={**os.environ, **(env or {}),
+                                   env={**(PROXY_HOOK if address is None else {}),
+                                        **os.environ, **(env or {}),
                                         "RAY_USAGE_STATS_ENABLED": "0"})
-    node = Node(process.pid, gcs, temp, str(log))
+    node = Node(process.pid, gcs, temp, str(log), ports[flags.index("--metrics-export-port")])
     try:
         _wait_running(node, timeout_s)
     except BaseException:

@@ -27,6 +27,7 @@ from compress.errors import UserError
 from compress.runfolder.files import atomic_write_json
 from compress.serving import server_process
 from compress.serving.handler_host.handler import MAX_REQUEST_SIZE, token_digest
+from compress.serving.metrics_config import metrics_url
 from compress.serving.ray.options import RayOptions
 from compress.serving.serve_folder import server_temp, write_info, write_keys
 from compress.serving.serve_target import refuse_parallel_archive
@@ -108,6 +109,8 @@ def wait_ready(info: dict[str, Any], serve_dir: Path, timeout_s: float,
             info.update(url=state["url"], port=state["port"], ray_address=state["address"],
                         ray_app=state["app"], ray_cluster_started=bool(state["cluster"]),
                         ray_serve_started=state["serve_started"])
+            if (state["cluster"] or {}).get("metrics_port"):  # a joined cluster's: its own
+                info["metrics_url"] = metrics_url(state["cluster"]["metrics_port"])
             return
         time.sleep(0.3)
     raise UserError(f"Ray Serve did not answer within {timeout_s:.0f} s: {_failure(serve_dir)}")

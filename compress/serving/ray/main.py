@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.serving.ray import cluster
+from compress.serving.ray.application import app_name, bound
 from compress.serving.ray.options import RayOptions, deployment_options
 
 PLAN, STATE = "ray-plan.json", "ray-state.json"
@@ -38,10 +39,6 @@ class Stopped(Exception):
 
 def _stop(*_: object) -> None:
     raise Stopped
-
-
-def app_name(model_name: str) -> str:
-    return f"compress-{model_name}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,8 +91,6 @@ def deploy(address: str, serve_dir: Path, model_dir: Path, port: int, plan: dict
     import ray
     from ray import serve
 
-    from compress.serving.ray.replica import HandlerReplica
-
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
              configure_logging=False)
     signal.signal(signal.SIGTERM, _stop)  # ray.init sets its own, which exits at once
@@ -104,14 +99,18 @@ def deploy(address: str, serve_dir: Path, model_dir: Path, port: int, plan: dict
     serve_ran = any((a["name"], a["namespace"]) == CONTROLLER
                     for a in ray.util.list_named_actors(all_namespaces=True))
     if serve_ran:
-        running = serve.status().applications
+        from ray.serve.context import _connect
+
+        running = _connect().get_serve_details().get("applications") or {}
         if name in running:
             raise RuntimeError(f"the cluster at {address} already serves an application "
                                f"named {name}: stop it first")
-        taken = [a for a, s in running.items() if getattr(s, "route_prefix", None) == "/"]
+        taken = [a for a, details in running.items() if details.get("route_prefix") == "/"]
         if taken:
             raise RuntimeError(f"the cluster at {address} serves application {taken[0]} at "
-                               f"route prefix /: TorchServe's URLs need it")
+                               f"route prefix /, which TorchServe's URLs (/ping, "
+                               f"/predictions/...) need: one compress archive a Serve "
+                               f"cluster; stop {taken[0]} or serve on another cluster")
     else:
         serve.start(proxy_location="HeadOnly",
                     http_options={"host": cluster.LOOPBACK, "port": port})
@@ -119,14 +118,12 @@ def deploy(address: str, serve_dir: Path, model_dir: Path, port: int, plan: dict
     from ray.serve.context import _get_global_client
 
     port = _get_global_client().http_config.port
-    deployment = HandlerReplica.options(
-        name=plan["model_name"],
-        **deployment_options(options, plan["batch_size"], plan["threads"]))
+    application = bound(plan["model_name"], str(model_dir), str(serve_dir / "logs"),
+                        plan["digest"], plan["max_request_size"],
+                        deployment_options(options, plan["batch_size"], plan["threads"]))
     started["app"] = name
     try:
-        serve.run(deployment.bind(str(model_dir), str(serve_dir / "logs"), plan["digest"],
-                                  plan["max_request_size"]),
-                  name=name, route_prefix="/", blocking=False)
+        serve.run(application, name=name, route_prefix="/", blocking=False)
     except RuntimeError as exc:
         raise RuntimeError(f"{_first_line(exc)} {_deployment_error(name)}".strip()) from exc
     ray.shutdown()

@@ -38,7 +38,7 @@ SERVER_NAME = "Ray Serve"
 class HandlerReplica:
     """One replica serving the archive unpacked in `model_dir`."""
 
-    def __init__(self, model_dir: str, logs: str, digest: str | None,
+    def __init__(self, model_dir: str, logs: str | None, digest: str | None,
                  max_request_size: int) -> None:
         self.model_dir = Path(model_dir)
         config_file = self.model_dir / "model-config.yaml"
@@ -49,7 +49,7 @@ class HandlerReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
         worker = 9000 + zlib.crc32(self.replica.encode()) % 1000
-        log = (model_log(Path(logs), self.model_name, worker) if Path(logs).is_dir()
+        log = (model_log(Path(logs), self.model_name, worker) if logs and Path(logs).is_dir()
                else logging.getLogger())
         try:
             handler = load_handler(self.model_dir, self.manifest["model"]["handler"])

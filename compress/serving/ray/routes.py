@@ -11,7 +11,16 @@ gets a 504 (an error line once a stream has begun, as a failure mid-stream does)
 handler task is cancelled, as it is when its client leaves.
 
 Every answer names the replica and the node that gave it (`X-Compress-Replica`,
-`X-Compress-Node`). Errors outside the handler are TorchServe's JSON."""
+`X-Compress-Node`). Errors outside the handler are TorchServe's JSON.
+
+A replica whose process dies cannot answer for its requests: Ray Serve's proxy (on the head)
+then answers uvicorn's plain-text 500 before an answer began, and cuts a stream that had
+begun without the chunked body's last chunk. `LostReplica`, a middleware in the proxy itself
+(`proxy_middlewares`, named on every head compress starts: `cluster.PROXY_HOOK`; on a
+cluster of one's own, `ray start --head` in an environment where
+RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH names it), answers TorchServe's JSON 500 instead,
+and ends such a stream with an error line, as a handler failing mid-stream does. Neither
+is retried: the request may have run, and may not be idempotent."""
 
 from __future__ import annotations
 
@@ -69,6 +78,58 @@ class ReplicaHeaders:
             await send(message)
 
         await self.app(scope, receive, named)
+
+
+class LostReplica:
+    """ASGI middleware of Ray Serve's proxy: an answer the proxy left unstarted (a 500
+    without a body: the replica was lost, or the proxy failed) is TorchServe's JSON 500; a
+    chunked answer it left unfinished (a stream whose replica was lost) ends with an error
+    line in its own framing (SSE or NDJSON), then its last chunk. An answer of a known
+    length left unfinished is left to uvicorn, which closes the connection."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        began: dict[bytes, bytes] | None = None
+        ended = False
+
+        async def watched(message: dict[str, Any]) -> None:
+            nonlocal began, ended
+            if message["type"] == "http.response.start":
+                began = {k.lower(): v for k, v in message.get("headers", [])}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        await self.app(scope, receive, watched)
+        if ended:
+            return
+        if began is None:
+            body = json.dumps(error_body(500, LOST)).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", JSON.encode()),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        elif b"content-length" not in began:
+            media = began.get(b"content-type", b"").decode("latin-1")
+            await send({"type": "http.response.body",
+                        "body": error_line(media, 500, LOST_STREAM)})
+
+
+LOST = ("no answer from the replica: it was lost (its process or node died), or Ray Serve's "
+        "proxy failed (its log says which); the request was not retried (it may have run)")
+LOST_STREAM = "the replica serving this stream was lost (its process or node died)"
+
+
+def proxy_middlewares() -> list[Any]:
+    """Ray Serve's proxy callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH): `LostReplica`."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(LostReplica)]
 
 
 def build_app(runner: HandlerRunner, model_name: str, version: str | None,

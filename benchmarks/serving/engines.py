@@ -4,7 +4,8 @@ invocation, rounds alternating the engines' order. Each engine, each round: star
 (`compress.serving.server.start`, the time to its first answer kept), then `--lone`
 requests one at a time (the engine's own cost a request: the proxy hop, the HTTP stack),
 then `--requests` at `--concurrency` in flight (`compress loadtest`'s `run_load`): req/s,
-p50 and p99; then stopped. Same archive, handler, batch settings and texts for all.
+p50 and p99, and the CPU every process used over them (where an engine's time goes); then
+stopped. Same archive, handler, batch settings and texts for all.
 
     python -m benchmarks.serving.engines runs/bert_int8 --markdown \\
         benchmarks/results/serving_engines_<cpu>.md
@@ -16,12 +17,14 @@ engine's routing, not a speed-up."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.cli import Parser, echo, exit_code
+from benchmarks.harness.process_cpu import cpu_spent, ray_or_named, read_process, reading
 from benchmarks.harness.provenance import results_header, scrubbed, shown
 from benchmarks.serving.table import compare, engine_row, markdown
 from compress.errors import UserError
@@ -30,6 +33,7 @@ from compress.serving.loadtest.predictions import SAMPLE_TEXTS, read_texts, run_
 from compress.serving.ray.options import RayOptions
 
 ENGINES = "torchserve,litserve,ray:1,ray:2"
+TOP_PROCESSES = 3  # the kinds of process a row names with their CPU a request
 START_TIMEOUT_S = 300
 
 
@@ -70,14 +74,23 @@ def one_round(target: Path, engine: str, replicas: int | None, port: int,
         headers = {"Authorization": f"Bearer {info['token']}"} if info.get("token") else None
         lone = run_load(info["url"], 1, args.lone, bodies, headers=headers,
                         warmup=args.warmup)
+        run_load(info["url"], args.concurrency, args.warmup, bodies, headers=headers)
+        before = reading()
         loaded = run_load(info["url"], args.concurrency, args.requests, bodies,
-                          headers=headers, warmup=args.warmup)
+                          headers=headers)
+        spent = cpu_spent(before, reading())
     finally:
         server.stop(resolved.serve_dir)
+    client = spent.pop(ray_or_named(read_process(str(os.getpid())) or {}), 0.0)
+    per_request = {kind: 1000 * seconds / args.requests for kind, seconds in spent.items()}
     return {"rps": loaded["throughput_rps"], "p50_ms": loaded["latency_ms_p50"],
             "p99_ms": loaded["latency_ms_p99"], "lone_p50_ms": lone["latency_ms_p50"],
             "start_s": round(start_s, 2), "errors": loaded["errors"] + lone["errors"],
-            "batch_mean": loaded["batch_size_mean"]}
+            "batch_mean": loaded["batch_size_mean"],
+            "cpu_ms": round(sum(per_request.values()), 3),
+            "client_cpu_ms": round(1000 * client / args.requests, 3),
+            "cpu_where": ", ".join(f"{kind} {ms:.1f}" for kind, ms in
+                                   list(per_request.items())[:TOP_PROCESSES])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                  f"delay, workers and threads); {len(texts)} texts cycled",
                  f"- each engine, each round: started fresh, {args.warmup} warm-up requests, "
                  f"{args.lone} requests one at a time (c1 p50), then {args.requests} at "
-                 f"concurrency {args.concurrency}; {args.rounds} rounds, the engines' order "
-                 f"reversed every other round; medians over rounds, req/s min-max",
+                 f"concurrency {args.concurrency} (after {args.warmup} more at that "
+                 f"concurrency); {args.rounds} rounds, the engines' order reversed every other "
+                 f"round; medians over rounds, req/s min-max",
+                 "- server CPU ms/req: the CPU time of every process of the machine but the "
+                 "load generator's over the loaded requests, per request (/proc's utime + "
+                 "stime); load generator: this benchmark's own (its client threads share the "
+                 "cores); by process: the first round's three largest kinds, ms a request",
                  "- Ray Serve: a local cluster `compress serve --engine ray` starts (one node, "
                  "its proxy on the head); 2 replicas split the archive's threads"]
         text = markdown(rows, header, setup)

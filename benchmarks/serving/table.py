@@ -19,22 +19,28 @@ COLUMNS = (("req/s", "rps_median", 1), ("req/s min-max", "rps_range", 0),
            ("x TorchServe req/s", "rps_vs_reference", 2),
            ("c1 p50 ms", "lone_p50_ms_median", 2),
            ("c1 cost over LitServe ms", "lone_cost_ms", 2),
+           ("server CPU ms/req", "cpu_ms_median", 2),
+           ("load generator CPU ms/req", "client_cpu_ms_median", 2),
+           ("server CPU ms/req by process", "cpu_where", 0),
            ("start s", "start_s_median", 1), ("errors", "errors", 0))
 
 
 def engine_row(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's figures over its rounds (each round: `rps`, `p50_ms`, `p99_ms`,
-    `lone_p50_ms`, `start_s`, `errors`); `error` when no round finished."""
+    `lone_p50_ms`, `start_s`, `cpu_ms`, `client_cpu_ms`, `cpu_where`, `errors`); `error`
+    when no round finished."""
     done = [r for r in rounds if not r.get("error")]
     row: dict[str, Any] = {"engine": name, "rounds": done,
                            "errors": sum(int(r.get("errors") or 0) for r in done)}
     failed = [r["error"] for r in rounds if r.get("error")]
     if failed:
         row["error"] = failed[0]
-    for key in ("rps", "p50_ms", "p99_ms", "lone_p50_ms", "start_s"):
+    for key in ("rps", "p50_ms", "p99_ms", "lone_p50_ms", "start_s", "cpu_ms",
+                "client_cpu_ms"):
         row |= spread([r[key] for r in done if r.get(key) is not None], key)
     if done:
         row["rps_range"] = f"{row['rps_min']:.0f}-{row['rps_max']:.0f}"
+        row["cpu_where"] = done[0].get("cpu_where") or "-"
     return row
 
 

@@ -25,29 +25,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.process_cpu import read_process
+
 SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
 COMPILERS = {"cc1plus", "cc1", "as", "ld", "collect2", "g++", "c++", "gcc", "sh", "ninja",
              "x86_64-linux-gn"}
 PYTHON_KINDS = ("torch.distributed.run", "model_service_worker", "multiprocessing.spawn",
                 "resource_tracker", "compress.serving.litserve", "model_archiver")
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def read_process(pid: str) -> dict[str, Any] | None:
-    """A process's parent, start (seconds after boot), CPU seconds, name and command line
-    (None where it ended meanwhile)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        command = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2:].split()
-    return {"pid": int(pid), "ppid": int(fields[1]), "start": int(fields[19]) / TICK,
-            "cpu_s": (int(fields[11]) + int(fields[12])) / TICK, "name": name,
-            "command": command.replace(b"\0", b" ").decode(errors="replace").strip()[:400]}
-
-
 def sample(seen: dict[tuple[int, float], dict[str, Any]], after: float) -> None:
     """Add or update every process that started at or after `after` (seconds after boot)."""
     for pid in os.listdir("/proc"):

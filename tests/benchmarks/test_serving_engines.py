@@ -14,7 +14,8 @@ from compress.errors import UserError
 
 def _round(rps: float, lone: float, p99: float = 50.0) -> dict:
     return {"rps": rps, "p50_ms": 20.0, "p99_ms": p99, "lone_p50_ms": lone, "start_s": 9.0,
-            "errors": 0}
+            "errors": 0, "cpu_ms": 1000 / rps, "client_cpu_ms": 0.5,
+            "cpu_where": f"ray::ServeReplica {600 / rps:.1f}"}
 
 
 def test_rows_take_medians_and_compare_with_torchserve_and_litserve() -> None:
@@ -29,6 +30,24 @@ def test_rows_take_medians_and_compare_with_torchserve_and_litserve() -> None:
     assert ray["p99_ms_median"] == 50.0 and ray["p99_ms_max"] == 80
     assert ray["lone_cost_ms"] == pytest.approx(3.0) and litserve["lone_cost_ms"] == 0
     assert torchserve["lone_cost_ms"] == pytest.approx(1.5)
+    assert ray["cpu_ms_median"] == 12.5 and ray["cpu_where"] == "ray::ServeReplica 6.7"
+
+
+def test_cpu_is_charged_to_each_kind_of_process_between_two_readings() -> None:
+    from benchmarks.harness.process_cpu import cpu_spent, ray_or_named
+
+    def row(pid: int, start: float, cpu: float, command: str) -> dict:
+        return {"pid": pid, "start": start, "cpu_s": cpu, "name": "python3", "ppid": 1,
+                "command": command}
+
+    before = {(1, 0.0): row(1, 0.0, 5.0, "ray::ProxyActor"),
+              (2, 0.0): row(2, 0.0, 1.0, "ray::ServeReplica:compress-m:m")}
+    after = {(1, 0.0): row(1, 0.0, 7.5, "ray::ProxyActor"),
+             (2, 0.0): row(2, 0.0, 4.0, "ray::ServeReplica:compress-m:m"),
+             (3, 9.0): row(3, 9.0, 0.5, "/usr/bin/python3 -m compress.serving.litserve.main")}
+    assert cpu_spent(before, after) == {"ray::ServeReplica": 3.0, "ray::ProxyActor": 2.5,
+                                        "compress.serving.litserve.main": 0.5}
+    assert ray_or_named(row(4, 0, 0, "java -cp ts.jar org.pytorch.serve.ModelServer")) == "java"
 
 
 def test_a_failed_engine_is_a_row_with_its_error_and_no_ratio() -> None:

@@ -163,6 +163,7 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(
     @example(case=((b'{"text": "\xff\xfe"}', JSON), "arbitrary"), generated=False)
     @example(case=((b'{"text": ' + b"9" * 5000 + b"}", JSON), "arbitrary"), generated=False)
     @example(case=((b"", JSON), "arbitrary"), generated=False)
+    @example(case=((b"&", FORM), "arbitrary"), generated=False)  # a form without fields
     @example(case=((b'{"text": ""}', JSON), "arbitrary"), generated=False)
     @example(case=((b"{}", JSON), "arbitrary"), generated=False)
     @example(case=((b'{"text": {"&&": null}}', FORM), "arbitrary"), generated=False)

@@ -512,6 +512,10 @@ def test_any_body_fails_alone_and_odd_valid_ones_answer_as_alone(served, engine)
     # with its own 500, before any handler (see test_classifier_property's docstring)
     @example(case=(((b'{"texts": [{"&&": null}]}', "application/x-www-form-urlencoded"), ""),
                    "arbitrary"), generated=False)
+    # a form without fields: no body (LitServe handed its bytes over as a text until
+    # 2026-12-02, when a generated case found it)
+    @example(case=(((b"&", "application/x-www-form-urlencoded"), ""), "arbitrary"),
+             generated=False)
     @example(case=(((b'{"input": "x", "dimensions": 32.0}', json_type), EMBEDDINGS),
                    "arbitrary"), generated=False)
     @example(case=(((b'{"input": [true, 5]}', json_type), EMBEDDINGS), "arbitrary"),

@@ -34,8 +34,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def handler_request(request: Request, model_name: str, version: str | None,
                           max_request_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One prediction request as TorchServe hands it to a handler: `{"body": bytes}` (an
-    urlencoded form: one entry per field), and the request's headers without the token,
-    with the body's content type and `url_path` (the PATH of
+    urlencoded form: one entry per field, none where it has none), and the request's
+    headers without the token, with the body's content type and `url_path` (the PATH of
     `/predictions/MODEL/VERSION/PATH`). A 404 for a version other than the archive's."""
     asked = request.path_params.get("version")
     if asked is not None and version is not None and asked != version:
@@ -43,9 +43,10 @@ async def handler_request(request: Request, model_name: str, version: str | None
                                  f"{model_name}")
     body = await read_body(request, max_request_size)
     content_type = request.headers.get("content-type", "")
-    data: dict[str, Any] = {"body": body}
-    if content_type.startswith(FORM):
-        data = await form_fields(body) or data
+    # a form is its fields alone: one without any (`&`) gets the handler's 400 for no body,
+    # not its bytes read as a text (found by the embedding property test, 2026-12-02)
+    data: dict[str, Any] = (await form_fields(body) if content_type.startswith(FORM)
+                            else {"body": body})
     headers = {k: v for k, v in request.headers.items() if k != "authorization"}
     headers |= {"body": {"content-type": content_type},
                 "url_path": request.path_params.get("path", "")}

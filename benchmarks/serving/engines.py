@@ -81,7 +81,8 @@ def one_round(target: Path, engine: str, replicas: int | None, port: int,
         spent = cpu_spent(before, reading())
     finally:
         server.stop(resolved.serve_dir)
-    client = spent.pop(ray_or_named(read_process(str(os.getpid())) or {}), 0.0)
+    own = read_process(str(os.getpid()))
+    client = spent.pop(ray_or_named(own), 0.0) if own else 0.0
     per_request = {kind: 1000 * seconds / args.requests for kind, seconds in spent.items()}
     return {"rps": loaded["throughput_rps"], "p50_ms": loaded["latency_ms_p50"],
             "p99_ms": loaded["latency_ms_p99"], "lone_p50_ms": lone["latency_ms_p50"],

@@ -114,8 +114,13 @@ def refuse_parallel_archive(mar: Path, model_dir: Path) -> dict[str, Any]:
     whose workers are torchrun jobs that only TorchServe starts (LitServe and Ray refuse
     it alike)."""
     config = yaml.safe_load((model_dir / "model-config.yaml").read_text()) or {}
+    refuse_parallel_config(mar, config)
+    return config
+
+
+def refuse_parallel_config(mar: Path, config: dict[str, Any]) -> None:
+    """A UserError when the archive's model-config (`config`) is a parallelType one."""
     if config.get("parallelType"):
         raise UserError(f"{mar}: a parallelType: {config['parallelType']} archive runs each "
                         f"worker as a torchrun job, which only TorchServe starts: serve it "
                         f"with --engine torchserve")
-    return config

@@ -63,12 +63,19 @@ def engine() -> str:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, engine: str):
     """A head and a worker node on 127.0.0.1, one CPU and one slot of each kind each."""
-    logs = tmp_path_factory.mktemp("ray_nodes")
     slots = {SLOT: 1, LM_SLOT: 1}
-    head = cluster.start_node(logs / "head.log", num_cpus=1, resources=slots)
+    yield from head_and_worker(tmp_path_factory.mktemp("ray_nodes"), slots, slots)
+
+
+def head_and_worker(logs: Path, head_resources: dict[str, float],
+                    worker_resources: dict[str, float], env: dict[str, str] | None = None):
+    """A fixture's body: a head and a worker node on 127.0.0.1 (one CPU each, their custom
+    resources), yielded as (head, worker); then both stopped, and nothing of theirs left."""
+    head = cluster.start_node(logs / "head.log", num_cpus=1, resources=head_resources,
+                              env=env)
     try:
         worker = cluster.start_node(logs / "worker.log", address=head.address, num_cpus=1,
-                                    resources=slots)
+                                    resources=worker_resources, env=env)
     except BaseException:
         cluster.stop_node(head.record())
         raise

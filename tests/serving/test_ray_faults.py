@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from test_causal_lm_serving import causal_lm_run  # noqa: F401 (a fixture)
-from test_ray_engine import SLOT, TEXTS, _copy
+from test_ray_engine import SLOT, TEXTS, _copy, head_and_worker
 
 from compress.serving import server
 from compress.serving.ray import cluster
@@ -90,20 +90,8 @@ def engine() -> str:
 def nodes(tmp_path_factory, engine: str):
     """A head (2 replica slots: room for both replicas once the worker is gone) and a
     worker node (1 slot) on 127.0.0.1; the test that stops the worker comes last."""
-    logs = tmp_path_factory.mktemp("ray_nodes")
-    head = cluster.start_node(logs / "head.log", num_cpus=1, resources={SLOT: 2},
-                              env=FAST_METRICS)
-    try:
-        worker = cluster.start_node(logs / "worker.log", address=head.address, num_cpus=1,
-                                    resources={SLOT: 1}, env=FAST_METRICS)
-    except BaseException:
-        cluster.stop_node(head.record())
-        raise
-    yield head, worker
-    for node in (worker, head):
-        cluster.stop_node(node.record())
-        assert not processes.alive(node.pid)
-        assert not cluster.node_processes(node.temp_dir)
+    yield from head_and_worker(tmp_path_factory.mktemp("ray_nodes"), {SLOT: 2}, {SLOT: 1},
+                               FAST_METRICS)
 
 
 class Watch:

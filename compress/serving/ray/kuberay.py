@@ -29,7 +29,7 @@ from compress.runfolder.files import atomic_write_text
 from compress.serving.ray.application import IMPORT_PATH, TOKEN_ENV, app_name
 from compress.serving.ray.cluster import PROXY_HOOK
 from compress.serving.ray.options import RayOptions, deployment_options
-from compress.serving.serve_target import ServeTarget
+from compress.serving.serve_target import ServeTarget, refuse_parallel_config
 
 DEFAULT_IMAGE = "compress-pipeline:latest"  # a placeholder: an image the user builds
 RAY_VERSION = "2.50.0"  # the `ray` extra's lowest, when Ray is not installed here
@@ -142,10 +142,7 @@ def archive_config(mar: Path) -> dict[str, Any]:
         names = archive.namelist()
         config = (yaml.safe_load(archive.read("model-config.yaml"))
                   if "model-config.yaml" in names else None) or {}
-    if config.get("parallelType"):
-        raise UserError(f"{mar}: a parallelType: {config['parallelType']} archive runs each "
-                        f"worker as a torchrun job, which only TorchServe starts: Ray Serve "
-                        f"(and a RayService) cannot serve it")
+    refuse_parallel_config(mar, config)
     return config
 
 
